@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs dependencies, builds and installs cellblock, then starts the gateway in the foreground with its
+# embedded default configuration. The gateway prints its URL and access token when it is ready.
+# Usage (as root): share/scripts/start.sh [gateway options...]   e.g. --port 9999 --token secret
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+prefix=${CELLBLOCK_PREFIX:-/usr/local}
+
+bash "$repo/share/scripts/install-deps.sh"
+bash "$repo/share/scripts/build.sh" "${CELLBLOCK_BUILD_DIR:-$repo/build/release}" "$prefix" \
+     -DCMAKE_BUILD_TYPE=Release -DCELLBLOCK_BUILD_TESTS=OFF
+echo "[start] cellblock-gateway (Ctrl-C stops it and every kernel it started)"
+exec "$prefix/bin/cellblock-gateway" --ip "${CELLBLOCK_IP:-127.0.0.1}" --port "${CELLBLOCK_PORT:-8888}" "$@"
