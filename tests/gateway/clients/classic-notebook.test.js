@@ -1,0 +1,130 @@
+'use strict';
+// Opens a notebook in Debian's classic Notebook 6.4 in headless Chromium (driven by playwright-core) and types and
+// runs cells as a person would, then checks what appears on the page. When the Notebook server runs with
+// --gateway-url, this exercises the whole path browser → Notebook (GatewayClient) → gateway → kernel.
+//
+// Environment: NOTEBOOK_URL (http://host:port of the Notebook server), NOTEBOOK_TOKEN, NOTEBOOK_PATH (a notebook
+// relative to the Notebook's root), SCREENSHOT_PATH (where the final screenshot goes), optional GATEWAY_URL and
+// GATEWAY_TOKEN (then the kernel the page uses must be one the gateway runs), optional CHROMIUM (default
+// /usr/bin/chromium).
+// Run: node --test classic-notebook.test.js
+const { test, before, after } = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+const { chromium } = require('playwright-core');
+
+const NOTEBOOK_URL = requiredEnv('NOTEBOOK_URL');
+const NOTEBOOK_TOKEN = process.env.NOTEBOOK_TOKEN ?? '';
+const NOTEBOOK_PATH = requiredEnv('NOTEBOOK_PATH');
+const SCREENSHOT_PATH = requiredEnv('SCREENSHOT_PATH');
+const GATEWAY_URL = process.env.GATEWAY_URL ?? '';
+const GATEWAY_TOKEN = process.env.GATEWAY_TOKEN ?? '';
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+// Generous: the first kernel start goes Notebook → gateway → confined kernel on a loaded 2-core machine.
+const KERNEL_READY_TIMEOUT_MS = 120_000;
+const OUTPUT_TIMEOUT_MS = 60_000;
+
+function requiredEnv(name) {
+  const value = process.env[name];
+  if (!value) throw new Error(`${name} must be set`);
+  return value;
+}
+
+let browserContext;
+let page;
+let userDataDir;
+const pageProblems = [];
+
+before(async () => {
+  userDataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'cellblock-chromium-'));
+  browserContext = await chromium.launchPersistentContext(userDataDir, {
+    executablePath: CHROMIUM,
+    headless: true,
+    viewport: { width: 1100, height: 700 },
+    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  });
+  page = browserContext.pages()[0] ?? await browserContext.newPage();
+  // Kept for the failure message: a broken WebSocket or a JS error usually shows up here first.
+  page.on('pageerror', (error) => pageProblems.push(`page error: ${error.message}`));
+  page.on('console', (message) => {
+    if (message.type() === 'error') pageProblems.push(`console error: ${message.text()}`);
+  });
+});
+
+after(async () => {
+  await browserContext?.close();
+  if (userDataDir) fs.rmSync(userDataDir, { recursive: true, force: true });
+});
+
+function problems() {
+  return pageProblems.length ? `\npage problems:\n  ${pageProblems.slice(-10).join('\n  ')}` : '';
+}
+
+async function saveScreenshot() {
+  fs.mkdirSync(path.dirname(SCREENSHOT_PATH), { recursive: true });
+  await page.screenshot({ path: SCREENSHOT_PATH, fullPage: true });
+}
+
+// Types code into the selected cell and runs it with Shift+Enter, as a person would.
+async function typeAndRun(cellIndex, code) {
+  const editor = page.locator('#notebook-container .cell').nth(cellIndex).locator('.CodeMirror');
+  await editor.click();
+  await page.keyboard.type(code);
+  await page.keyboard.press('Shift+Enter');
+  return page.locator('#notebook-container .cell').nth(cellIndex);
+}
+
+test('the notebook opens and its kernel becomes idle', async () => {
+  const url = `${NOTEBOOK_URL}/notebooks/${encodeURI(NOTEBOOK_PATH)}?token=${encodeURIComponent(NOTEBOOK_TOKEN)}`;
+  const response = await page.goto(url, { waitUntil: 'domcontentloaded' });
+  assert.equal(response.status(), 200, `GET ${NOTEBOOK_PATH} from the Notebook server`);
+  try {
+    // The kernel indicator turns to the idle icon once the kernel is started and its WebSocket is connected.
+    await page.waitForFunction(
+      () => window.Jupyter?.notebook?.kernel?.is_connected?.() &&
+        document.querySelector('#kernel_indicator_icon.kernel_idle_icon') !== null,
+      null, { timeout: KERNEL_READY_TIMEOUT_MS, polling: 250 });
+  } catch (error) {
+    await saveScreenshot().catch(() => {});
+    throw new Error(`kernel never became idle: ${error.message}${problems()}`);
+  }
+});
+
+test('running print(6*7) and 21*2 shows 42 in both output areas', async () => {
+  const printCell = await typeAndRun(0, 'print(6*7)');
+  const resultCell = await typeAndRun(1, '21*2');
+  try {
+    const streamOutput = printCell.locator('.output_subarea.output_stream');
+    await streamOutput.waitFor({ timeout: OUTPUT_TIMEOUT_MS });
+    assert.equal((await streamOutput.innerText()).trim(), '42');
+
+    const resultOutput = resultCell.locator('.output_subarea.output_result');
+    await resultOutput.waitFor({ timeout: OUTPUT_TIMEOUT_MS });
+    assert.equal((await resultOutput.innerText()).trim(), '42');
+    // In [n] and Out[n] both show the execution count the kernel reported for this run.
+    const inPrompt = (await resultCell.locator('.input_prompt').innerText()).replace(/\s/g, '');
+    const outPrompt = (await resultCell.locator('.output_area .prompt.output_prompt').first().innerText()).replace(/\s/g, '');
+    const count = /^In\[(\d+)\]:$/.exec(inPrompt)?.[1];
+    assert.ok(count && Number(count) >= 2, `the input prompt shows an execution count (got "${inPrompt}")`);
+    assert.equal(outPrompt, `Out[${count}]:`);
+    assert.equal(await page.locator('#notebook-container .output_error').count(), 0, 'no error output on the page');
+  } finally {
+    await saveScreenshot();
+  }
+  assert.ok(fs.statSync(SCREENSHOT_PATH).size > 1000, 'the screenshot was written');
+});
+
+test('the kernel the page uses is one the gateway runs', { skip: GATEWAY_URL ? false : 'no GATEWAY_URL given' },
+  async () => {
+    const kernelId = await page.evaluate(() => window.Jupyter.notebook.kernel.id);
+    assert.match(kernelId, /^[0-9a-f-]{36}$/);
+    const response = await fetch(`${GATEWAY_URL}/api/kernels/${kernelId}`,
+      { headers: { Authorization: `token ${GATEWAY_TOKEN}` } });
+    assert.equal(response.status, 200, `the gateway knows kernel ${kernelId}`);
+    const model = await response.json();
+    assert.equal(model.id, kernelId);
+    assert.ok(model.connections >= 1, `the Notebook holds a WebSocket to the gateway (connections=${model.connections})`);
+  });

@@ -1,0 +1,221 @@
+"""Real Jupyter clients against cellblock-gateway (issue 4, "Tests with real clients" 2 and 3).
+
+Starts the installed `$CELLBLOCK_PREFIX/bin/cellblock-gateway` on a free port with a random token, then runs
+  * tests/gateway/clients/lab-services.test.js: @jupyterlab/services (JupyterLab's client library) over the
+    v1 WebSocket subprotocol: start, execute, streaming, interrupt, restart, legacy format, shutdown;
+  * tests/gateway/clients/classic-notebook.test.js: Debian's classic Notebook 6.4 with --gateway-url pointing at the
+    gateway, in headless Chromium: open a notebook, type and run cells, see 42; screenshot in
+    tests/artifacts/notebook.png.
+The Node clients take any KG-compatible base URL and token. To run them against another server that speaks the
+Kernel Gateway API (e.g. Jupyter Server 1.23 as a stand-in), set CELLBLOCK_TEST_GATEWAY_URL and
+CELLBLOCK_TEST_GATEWAY_TOKEN; then no gateway is started.
+"""
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+import requests
+
+CLIENTS_DIR = Path(__file__).resolve().parent / "clients"
+SOURCE_DIR = Path(os.environ.get("CELLBLOCK_SOURCE_DIR") or Path(__file__).resolve().parents[2])
+ARTIFACTS_DIR = SOURCE_DIR / "tests" / "artifacts"
+PREFIX = Path(os.environ.get("CELLBLOCK_PREFIX") or "/nonexistent-cellblock-prefix")
+GATEWAY_BINARY = PREFIX / "bin" / "cellblock-gateway"
+EXTERNAL_GATEWAY_URL = os.environ.get("CELLBLOCK_TEST_GATEWAY_URL", "").rstrip("/")
+EXTERNAL_GATEWAY_TOKEN = os.environ.get("CELLBLOCK_TEST_GATEWAY_TOKEN", "")
+PYTHON = "/usr/bin/python3"  # Debian's, with notebook 6.4 (the pyenv python3 on PATH lacks it)
+
+# Generous limits: CI is a loaded 2-core machine; none of these is a speed assertion.
+STARTUP_TIMEOUT_S = 60
+NODE_CLIENT_TIMEOUT_S = 300
+NPM_CI_TIMEOUT_S = 600
+
+pytestmark = pytest.mark.skipif(
+    not EXTERNAL_GATEWAY_URL and not os.access(GATEWAY_BINARY, os.X_OK),
+    reason=f"cellblock-gateway is not installed at {GATEWAY_BINARY} (set CELLBLOCK_PREFIX to an installed tree)",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """A server child process whose combined output goes to a log file, stopped on exit."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def wait_until(self, ready, what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.process.returncode} before {what}:\n{self.log_tail()}")
+            if ready():
+                return
+            time.sleep(0.1)
+        pytest.fail(f"{self.name}: no {what} within {timeout_s} s:\n{self.log_tail()}")
+
+    def assert_alive(self) -> None:
+        assert self.process.poll() is None, \
+            f"{self.name} died (exit {self.process.returncode}):\n{self.log_tail()}"
+
+    def stop(self, grace_s: float = 20) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+class Gateway:
+    def __init__(self, url: str, token: str, server: ServerProcess | None):
+        self.url = url
+        self.token = token
+        self.server = server
+
+    def assert_alive(self) -> None:
+        if self.server:
+            self.server.assert_alive()
+
+    def get(self, path: str) -> requests.Response:
+        return requests.get(f"{self.url}{path}", headers={"Authorization": f"token {self.token}"}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    if EXTERNAL_GATEWAY_URL:
+        yield Gateway(EXTERNAL_GATEWAY_URL, EXTERNAL_GATEWAY_TOKEN, None)
+        return
+    port = free_port()
+    token = secrets.token_hex(16)
+    log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    server = ServerProcess("cellblock-gateway",
+                           [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", str(port), "--token", token],
+                           log_path)
+    ready_line = re.compile(rf"is available at http://127\.0\.0\.1:{port}\b")
+    try:
+        server.wait_until(lambda: ready_line.search(server.log_text()) is not None,
+                          f'"is available at http://127.0.0.1:{port}" line')
+        yield Gateway(f"http://127.0.0.1:{port}", token, server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def node_clients():
+    """Installs the Node clients exactly as locked (npm ci), skipping the install when the lock is unchanged."""
+    npm = shutil.which("npm")
+    node = shutil.which("node")
+    if not npm or not node:
+        pytest.fail("node and npm are required (share/scripts/install-deps.sh --with-test-tools installs them)")
+    lock_digest = hashlib.sha256((CLIENTS_DIR / "package-lock.json").read_bytes()).hexdigest()
+    stamp = CLIENTS_DIR / "node_modules" / ".cellblock-lock-sha256"
+    if not (stamp.is_file() and stamp.read_text() == lock_digest):
+        print(f"[clients] npm ci in {CLIENTS_DIR}", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        result = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=CLIENTS_DIR,
+                                capture_output=True, text=True, timeout=NPM_CI_TIMEOUT_S)
+        assert result.returncode == 0, f"npm ci failed:\n{result.stdout}\n{result.stderr}"
+        stamp.write_text(lock_digest)
+        print(f"[clients] npm ci done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return node
+
+
+def run_node_test(node: str, script: str, env_overrides: dict[str, str]) -> str:
+    env = dict(os.environ, **env_overrides)
+    result = subprocess.run([node, "--test", "--test-force-exit", "--test-reporter=spec", script],
+                            cwd=CLIENTS_DIR, env=env, capture_output=True, text=True, timeout=NODE_CLIENT_TIMEOUT_S)
+    output = f"{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, f"{script} failed (exit {result.returncode}):\n{output}"
+    # A run that skipped or never reached its tests must not pass silently.
+    assert re.search(r"^\S*\s*fail 0\b", output, re.M), f"{script}: no test summary:\n{output}"
+    assert not re.search(r"^\S*\s*pass 0\b", output, re.M), f"{script}: no test passed:\n{output}"
+    return output
+
+
+def test_jupyterlab_services_start_execute_interrupt_restart_shutdown(gateway, node_clients):
+    run_node_test(node_clients, "lab-services.test.js",
+                  {"GATEWAY_URL": gateway.url, "GATEWAY_TOKEN": gateway.token})
+    gateway.assert_alive()
+
+
+@pytest.fixture
+def notebook_server(gateway, tmp_path):
+    """Classic Notebook 6.4 whose kernels are managed by the gateway, with one empty notebook to open."""
+    specs = gateway.get("/api/kernelspecs")
+    assert specs.status_code == 200, f"GET /api/kernelspecs: {specs.status_code} {specs.text}"
+    default_spec = specs.json()["default"]
+    notebook_dir = tmp_path / "notebooks"
+    notebook_dir.mkdir()
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells.append(nbformat.v4.new_code_cell(""))
+    spec = specs.json()["kernelspecs"][default_spec]["spec"]
+    notebook.metadata["kernelspec"] = {"name": default_spec, "display_name": spec["display_name"],
+                                       "language": spec["language"]}
+    nbformat.write(notebook, notebook_dir / "hello.ipynb")
+
+    port = free_port()
+    token = secrets.token_hex(16)
+    # Private config and runtime dirs: no user config leaks in, nothing is left in ~/.local/share/jupyter/runtime.
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    server = ServerProcess("jupyter notebook", [
+        PYTHON, "-m", "notebook", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+        "--port-retries=0", f"--NotebookApp.token={token}", f"--notebook-dir={notebook_dir}",
+        f"--gateway-url={gateway.url}", f"--GatewayClient.auth_token={gateway.token}",
+    ], tmp_path / "notebook.log", env)
+
+    def answers() -> bool:
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/api/status", params={"token": token},
+                                timeout=5).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    try:
+        server.wait_until(answers, "answer on /api/status")
+        yield {"url": f"http://127.0.0.1:{port}", "token": token, "notebook": "hello.ipynb", "server": server}
+    finally:
+        server.stop()
+
+
+def test_classic_notebook_in_chromium_runs_a_cell_through_the_gateway(gateway, node_clients, notebook_server):
+    screenshot = ARTIFACTS_DIR / "notebook.png"
+    screenshot.unlink(missing_ok=True)
+    try:
+        run_node_test(node_clients, "classic-notebook.test.js", {
+            "NOTEBOOK_URL": notebook_server["url"], "NOTEBOOK_TOKEN": notebook_server["token"],
+            "NOTEBOOK_PATH": notebook_server["notebook"], "SCREENSHOT_PATH": str(screenshot),
+            "GATEWAY_URL": gateway.url, "GATEWAY_TOKEN": gateway.token,
+        })
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}\n--- notebook server log ---\n{notebook_server['server'].log_tail()}") \
+            from None
+    assert screenshot.is_file(), "the screenshot artifact was written"
+    gateway.assert_alive()
