@@ -1,0 +1,174 @@
+"""Frames on the kernel channel (fd 3): a 4-byte big-endian length, then that many bytes of UTF-8 JSON.
+
+See ../PROTOCOL.md. The kernel is the trusted side; this module makes sure the untrusted worker never
+emits a frame the kernel would have to treat as a protocol error (oversized, invalid UTF-8, NaN, lone
+surrogates), because a protocol error costs the user the whole worker.
+"""
+
+import codecs
+import json
+import math
+import os
+import select
+import struct
+import sys
+import threading
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+_READ_CHUNK = 1024 * 1024
+
+# Lone surrogates (from surrogateescape-decoded bytes or broken user strings) cannot be encoded as UTF-8;
+# they become U+FFFD both in frames and in stream text, instead of raising in the middle of user code.
+REPLACE_SURROGATES = "cellblock.replace_surrogates"
+
+
+def _replace_unencodable(error):
+    if isinstance(error, UnicodeEncodeError):
+        # Bytes, because CPython's UTF-8 encoder only accepts ASCII str replacements.
+        return b"\xef\xbf\xbd" * (error.end - error.start), error.end
+    raise error
+
+
+codecs.register_error(REPLACE_SURROGATES, _replace_unencodable)
+
+
+class ProtocolError(Exception):
+    """The kernel sent something that is not a frame this worker understands."""
+
+
+class FrameTooLarge(ValueError):
+    """An outgoing message would exceed the kernel's frame limit."""
+
+
+class ChannelClosed(Exception):
+    """The kernel closed its end of the channel."""
+
+
+def _json_fallback(value):
+    # Display data should already be JSON-able; anything else degrades to its repr instead of failing.
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    try:
+        return repr(value)
+    except Exception:
+        return f"<unrepresentable {type(value).__name__}>"
+
+
+def _strictly_json(value, depth=0):
+    """Slow path: a copy of value without NaN/Infinity, non-string keys or reference cycles."""
+    if depth > 200:
+        return "<nested too deeply>"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(key): _strictly_json(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_strictly_json(item, depth + 1) for item in value]
+    return _json_fallback(value)
+
+
+def encode_frame_payload(message):
+    try:
+        text = json.dumps(message, ensure_ascii=False, allow_nan=False, default=_json_fallback,
+                          separators=(",", ":"))
+    except (ValueError, TypeError, RecursionError):
+        text = json.dumps(_strictly_json(message), ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", REPLACE_SURROGATES)
+
+
+class FrameChannel:
+    """The worker's end of the kernel channel. Thread-safe; interrupt-safe through the InterruptGate."""
+
+    def __init__(self, fd, interrupt_gate):
+        self._fd = fd
+        self._gate = interrupt_gate
+        self._send_lock = threading.Lock()
+        self._receive_lock = threading.Lock()
+        self._received = bytearray()
+
+    def fileno(self):
+        return self._fd
+
+    def send(self, message):
+        payload = encode_frame_payload(message)
+        if len(payload) > MAX_FRAME_BYTES:
+            raise FrameTooLarge(
+                f"{message.get('type', 'message')} of {len(payload)} bytes exceeds the "
+                f"{MAX_FRAME_BYTES}-byte frame limit of the kernel channel")
+        frame = _HEADER.pack(len(payload)) + payload
+        # Ordering rule: stream text written before this event must reach fds 1/2 before the frame.
+        _flush_standard_streams()
+        with self._send_lock, self._gate.frame_io():
+            view = memoryview(frame)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+
+    def _complete_frame(self):
+        if len(self._received) < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack_from(self._received)
+        if length > MAX_FRAME_BYTES:
+            raise ProtocolError(f"incoming frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        end = _HEADER.size + length
+        if len(self._received) < end:
+            return None
+        payload = bytes(self._received[_HEADER.size:end])
+        del self._received[:end]
+        try:
+            message = json.loads(payload)
+        except ValueError as error:
+            raise ProtocolError(f"frame is not UTF-8 JSON: {error}") from None
+        if not isinstance(message, dict):
+            raise ProtocolError("frame is not a JSON object")
+        return message
+
+    def receive(self, interruptible=False):
+        """Block until a whole frame has arrived and return it as a dict.
+
+        With interruptible=True a SIGINT may abort the wait (KeyboardInterrupt) but never a partial read:
+        the wait happens in select(), and bytes are only consumed with SIGINT held back.
+        """
+        with self._receive_lock:
+            while True:
+                with self._gate.frame_io():
+                    message = self._complete_frame()
+                if message is not None:
+                    return message
+                if interruptible:
+                    select.select([self._fd], [], [])
+                with self._gate.frame_io():
+                    chunk = os.read(self._fd, _READ_CHUNK)
+                    if not chunk:
+                        raise ChannelClosed()
+                    self._received += chunk
+
+    def poll_frame(self):
+        """Return a frame that is already readable without blocking, else None."""
+        with self._receive_lock, self._gate.frame_io():
+            message = self._complete_frame()
+            if message is not None:
+                return message
+            while select.select([self._fd], [], [], 0)[0]:
+                chunk = os.read(self._fd, _READ_CHUNK)
+                if not chunk:
+                    raise ChannelClosed()
+                self._received += chunk
+                message = self._complete_frame()
+                if message is not None:
+                    return message
+            return None
+
+
+def _flush_standard_streams():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            # A user-replaced stream that cannot flush must not stop the event itself.
+            pass
