@@ -117,6 +117,25 @@ test('running print(6*7) and 21*2 shows 42 in both output areas', async () => {
   assert.ok(fs.statSync(SCREENSHOT_PATH).size > 1000, 'the screenshot was written');
 });
 
+test('the stop button interrupts a running cell with KeyboardInterrupt', async () => {
+  const sleepingCell = await typeAndRun(2, 'import time\ntime.sleep(30)');
+  // Wait until the kernel is really running the cell (the busy indicator), then press stop as a person would.
+  await page.locator('#kernel_indicator_icon.kernel_busy_icon').waitFor({ timeout: OUTPUT_TIMEOUT_MS });
+  await page.waitForTimeout(500);
+  const pressedAt = Date.now();
+  await page.locator('button[data-jupyter-action="jupyter-notebook:interrupt-kernel"]').click();
+  try {
+    const errorOutput = sleepingCell.locator('.output_subarea.output_error');
+    await errorOutput.waitFor({ timeout: OUTPUT_TIMEOUT_MS });
+    assert.match(await errorOutput.innerText(), /KeyboardInterrupt/);
+    const waitedS = (Date.now() - pressedAt) / 1000;
+    assert.ok(waitedS < 25, `the cell stopped ${waitedS.toFixed(1)} s after pressing stop, so the sleep was cut short`);
+    await page.locator('#kernel_indicator_icon.kernel_idle_icon').waitFor({ timeout: OUTPUT_TIMEOUT_MS });
+  } finally {
+    await saveScreenshot();
+  }
+});
+
 test('the kernel the page uses is one the gateway runs', { skip: GATEWAY_URL ? false : 'no GATEWAY_URL given' },
   async () => {
     const kernelId = await page.evaluate(() => window.Jupyter.notebook.kernel.id);

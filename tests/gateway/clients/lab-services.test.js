@@ -219,7 +219,7 @@ test('restart clears the kernel state and keeps the kernel id', async () => {
   assert.equal(v1Connections.at(-1).selected, V1_PROTOCOL, 'the reconnect after restart negotiates v1 again');
 });
 
-test('a client offering no subprotocol gets the legacy JSON format on the same kernel', async () => {
+test('a second client offering no subprotocol gets legacy JSON and watches the first client\'s cells', async () => {
   const legacyConnections = [];
   const legacyManager = new KernelManager({
     serverSettings: serverSettings(recordingWebSocket({ offerProtocols: false }, legacyConnections)),
@@ -235,6 +235,31 @@ test('a client offering no subprotocol gets the legacy JSON format on the same k
       const record = legacyConnections.at(-1);
       assert.equal(record.selected, '', 'no subprotocol is selected when none is offered');
       assert.ok(record.textFrames > 0, 'legacy frames without buffers arrive as JSON text');
+
+      // What JupyterLab's "Show All Kernel Activity" relies on: the second client sees the first client's
+      // execute_input and outputs on IOPub, but the execute_reply goes only to the client that asked.
+      const seenBySecond = [];
+      const collect = (_sender, { msg, direction }) => { if (direction === 'recv') seenBySecond.push(msg); };
+      second.anyMessage.connect(collect);
+      const { reply: firstReply, iopub: firstIopub } = await execute(kernel, 'print("seen by both")');
+      assert.equal(streamText(firstIopub), 'seen by both\n');
+      const requestId = firstReply.parent_header.msg_id;
+      const ofRequest = () => seenBySecond.filter((m) => m.parent_header?.msg_id === requestId);
+      // IOPub to the second socket may trail the reply to the first one by a little: wait for its idle status.
+      await withTimeout(new Promise((resolve) => {
+        const timer = setInterval(() => {
+          if (ofRequest().some((m) => m.header.msg_type === 'status' && m.content.execution_state === 'idle')) {
+            clearInterval(timer);
+            resolve();
+          }
+        }, 50);
+      }), 'the second client to see the first client\'s cell finish');
+      second.anyMessage.disconnect(collect);
+      const types = ofRequest().map((m) => m.header.msg_type);
+      assert.ok(types.includes('execute_input'), `the second client sees the code being run (saw ${types})`);
+      assert.equal(ofRequest().filter((m) => m.header.msg_type === 'stream').map((m) => m.content.text).join(''),
+        'seen by both\n', 'the second client sees the output');
+      assert.ok(!types.includes('execute_reply'), 'the reply goes only to the client that sent the request');
     } finally {
       second.dispose(); // closes only this connection; the kernel keeps running for the first client
     }
