@@ -29,8 +29,8 @@ import requests
 CLIENTS_DIR = Path(__file__).resolve().parent / "clients"
 SOURCE_DIR = Path(os.environ.get("CELLBLOCK_SOURCE_DIR") or Path(__file__).resolve().parents[2])
 ARTIFACTS_DIR = SOURCE_DIR / "tests" / "artifacts"
-PREFIX = Path(os.environ.get("CELLBLOCK_PREFIX") or "/nonexistent-cellblock-prefix")
-GATEWAY_BINARY = PREFIX / "bin" / "cellblock-gateway"
+PREFIX = Path(os.environ["CELLBLOCK_PREFIX"]) if os.environ.get("CELLBLOCK_PREFIX") else None
+GATEWAY_BINARY = PREFIX / "bin" / "cellblock-gateway" if PREFIX else None
 EXTERNAL_GATEWAY_URL = os.environ.get("CELLBLOCK_TEST_GATEWAY_URL", "").rstrip("/")
 EXTERNAL_GATEWAY_TOKEN = os.environ.get("CELLBLOCK_TEST_GATEWAY_TOKEN", "")
 PYTHON = "/usr/bin/python3"  # Debian's, with notebook 6.4 (the pyenv python3 on PATH lacks it)
@@ -40,10 +40,18 @@ STARTUP_TIMEOUT_S = 60
 NODE_CLIENT_TIMEOUT_S = 300
 NPM_CI_TIMEOUT_S = 600
 
-pytestmark = pytest.mark.skipif(
-    not EXTERNAL_GATEWAY_URL and not os.access(GATEWAY_BINARY, os.X_OK),
-    reason=f"cellblock-gateway is not installed at {GATEWAY_BINARY} (set CELLBLOCK_PREFIX to an installed tree)",
-)
+
+def gateway_absent_reason() -> str | None:
+    if EXTERNAL_GATEWAY_URL:
+        return None
+    if GATEWAY_BINARY is None:
+        return "CELLBLOCK_PREFIX is not set, so there is no installed cellblock-gateway to test"
+    if not os.access(GATEWAY_BINARY, os.X_OK):
+        return f"cellblock-gateway is not installed at {GATEWAY_BINARY}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(gateway_absent_reason() is not None, reason=gateway_absent_reason() or "")
 
 
 def free_port() -> int:
@@ -116,9 +124,12 @@ def gateway(tmp_path_factory):
     port = free_port()
     token = secrets.token_hex(16)
     log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    # As ctest does: the installed tree's kernelspecs (cellblock-python) are the ones the gateway serves.
+    env = dict(os.environ)
+    env.setdefault("JUPYTER_PATH", str(PREFIX / "share" / "jupyter"))
     server = ServerProcess("cellblock-gateway",
                            [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", str(port), "--token", token],
-                           log_path)
+                           log_path, env)
     ready_line = re.compile(rf"is available at http://127\.0\.0\.1:{port}\b")
     try:
         server.wait_until(lambda: ready_line.search(server.log_text()) is not None,
