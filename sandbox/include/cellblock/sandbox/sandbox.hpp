@@ -37,9 +37,10 @@ private:
 };
 
 struct MountSpec {
-    enum class Kind { bind, tmpfs, proc, dev, file };
+    // symlink: a symbolic link at target pointing to source (e.g. /bin -> usr/bin).
+    enum class Kind { bind, tmpfs, proc, dev, file, symlink };
     Kind kind = Kind::bind;
-    std::string source;             // host path (bind); ignored otherwise
+    std::string source;             // host path (bind) or link text (symlink); ignored otherwise
     std::string target;             // path inside the sandbox
     bool writable = false;          // binds and tmpfs are read-only unless set
     bool optional = false;          // a missing bind source is skipped instead of failing

@@ -1,0 +1,49 @@
+#include "user_namespace.hpp"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "system.hpp"
+
+namespace cellblock::sandbox::detail {
+
+UidLease UidLease::acquire(const Policy& policy) {
+    if (policy.uid_first == 0) throw SandboxError("uid lease: the uid range must not include host root");
+    const auto lease_dir = policy.state_dir / "uids";
+    make_directories(lease_dir, 0700);
+    // Start at a random point of the range so that concurrent launchers rarely contend for one file.
+    const auto count = policy.uid_count;
+    const auto start = static_cast<uid_t>(std::stoul(random_hex(4), nullptr, 16) % count);
+    for (uid_t i = 0; i < count; ++i) {
+        const uid_t uid = policy.uid_first + (start + i) % count;
+        const auto path = lease_dir / std::to_string(uid);
+        UniqueFd lock(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+        if (!lock) throw_errno("uid lease: open " + path.string());
+        if (::flock(lock.get(), LOCK_EX | LOCK_NB) == 0) return UidLease(std::move(lock), uid);
+        if (errno != EWOULDBLOCK) throw_errno("uid lease: flock " + path.string());
+    }
+    throw SandboxError("uid lease: all " + std::to_string(count) + " uids from " + std::to_string(policy.uid_first) +
+                       " are in use");
+}
+
+void write_id_maps(pid_t pid, uid_t inside, uid_t host) {
+    if (host == 0) throw SandboxError("id map: refusing to map host root into a sandbox");
+    const std::string proc = "/proc/" + std::to_string(pid);
+    const std::string line = std::to_string(inside) + " " + std::to_string(host) + " 1\n";
+    write_existing_file(proc + "/uid_map", line);
+    write_existing_file(proc + "/gid_map", line);
+}
+
+bool user_namespaces_available() {
+    try {
+        const auto text = read_small_file("/proc/sys/user/max_user_namespaces");
+        return std::stoul(text) > 0;
+    } catch (const std::exception&) {
+        return false;
+    }
+}
+
+}  // namespace cellblock::sandbox::detail
