@@ -1,4 +1,196 @@
 // cellblock-sandbox: runs one command confined, for people and tests.
 //   cellblock-sandbox [--policy FILE] [--workspace DIR] [--memory-mb N] [--timeout S] [--output-bytes N] -- CMD ARGS...
-// Exit status: the command's, 128 + signal when it was killed; limits are described on stderr.
-int main() { return 1; }
+// The command's stdout and stderr are streamed through (and cut at --output-bytes); the exit status is
+// the command's, or 128 + signal; when a limit ended it, the reason is printed on stderr.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+
+#include "cellblock/sandbox/sandbox.hpp"
+
+namespace {
+
+namespace sb = cellblock::sandbox;
+namespace fs = std::filesystem;
+
+#ifndef CELLBLOCK_DEFAULT_POLICY
+#define CELLBLOCK_DEFAULT_POLICY "/usr/local/share/cellblock/sandbox-policy.json"
+#endif
+
+struct Options {
+    std::string policy_file = CELLBLOCK_DEFAULT_POLICY;
+    std::string workspace;
+    std::optional<std::uint64_t> memory_mb;
+    std::optional<double> timeout_seconds;
+    std::optional<std::uint64_t> output_bytes;
+    std::vector<std::string> command;
+};
+
+// A temporary workspace, removed (with whatever the command left in it) when the CLI exits.
+class TemporaryWorkspace {
+public:
+    TemporaryWorkspace() {
+        std::string pattern = (fs::temp_directory_path() / "cellblock-workspace-XXXXXX").string();
+        if (::mkdtemp(pattern.data()) == nullptr) {
+            throw sb::SandboxError(std::string("mkdtemp: ") + std::strerror(errno));
+        }
+        path_ = pattern;
+    }
+    ~TemporaryWorkspace() {
+        std::error_code ignored;
+        fs::remove_all(path_, ignored);
+    }
+    TemporaryWorkspace(const TemporaryWorkspace&) = delete;
+    TemporaryWorkspace& operator=(const TemporaryWorkspace&) = delete;
+    const fs::path& path() const { return path_; }
+
+private:
+    fs::path path_;
+};
+
+struct Pipe {
+    int read_end = -1;
+    int write_end = -1;
+    Pipe() {
+        int ends[2];
+        if (::pipe2(ends, O_CLOEXEC) != 0) throw sb::SandboxError(std::string("pipe: ") + std::strerror(errno));
+        read_end = ends[0];
+        write_end = ends[1];
+    }
+    ~Pipe() {
+        if (read_end >= 0) ::close(read_end);
+        if (write_end >= 0) ::close(write_end);
+    }
+    Pipe(const Pipe&) = delete;
+    Pipe& operator=(const Pipe&) = delete;
+    void close_write() {
+        ::close(write_end);
+        write_end = -1;
+    }
+};
+
+bool write_all(int fd, const char* data, std::size_t size) {
+    while (size > 0) {
+        const ssize_t written = ::write(fd, data, size);
+        if (written < 0) {
+            if (errno == EINTR) continue;
+            return false;
+        }
+        data += written;
+        size -= static_cast<std::size_t>(written);
+    }
+    return true;
+}
+
+// Copies the program's stdout/stderr to ours until both close, counting bytes against the cap.
+// The pipes close when every process of the sandbox is gone (they all die with its pid 1).
+// Returns true when the cap was hit (the sandbox has then been killed).
+bool relay_output(sb::Process& process, Pipe& out, Pipe& err, std::uint64_t cap) {
+    std::array<pollfd, 2> fds{pollfd{out.read_end, POLLIN, 0}, pollfd{err.read_end, POLLIN, 0}};
+    const std::array<int, 2> targets{STDOUT_FILENO, STDERR_FILENO};
+    std::uint64_t total = 0;
+    std::array<char, 65536> buffer{};
+    while (fds[0].fd >= 0 || fds[1].fd >= 0) {
+        // Wake up every 100 ms so that the wall-clock limit is enforced while the output is idle.
+        const int ready = ::poll(fds.data(), fds.size(), 100);
+        if (ready < 0 && errno != EINTR) break;
+        process.try_wait();
+        for (std::size_t i = 0; i < fds.size(); ++i) {
+            if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+            const ssize_t got = ::read(fds[i].fd, buffer.data(), buffer.size());
+            if (got < 0 && errno == EINTR) continue;
+            if (got <= 0) {
+                fds[i].fd = -1;
+                continue;
+            }
+            auto forward = static_cast<std::uint64_t>(got);
+            const bool over = cap > 0 && total + forward > cap;
+            if (over) forward = cap - total;
+            total += forward;
+            write_all(targets[i], buffer.data(), static_cast<std::size_t>(forward));
+            if (over) {
+                process.note_output_limit();
+                process.kill();
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+int run(const Options& options) {
+    sb::Policy policy = sb::Policy::load(options.policy_file);
+    if (options.memory_mb) policy.limits.memory_bytes = *options.memory_mb << 20;
+    if (options.timeout_seconds) {
+        policy.limits.wall_clock = std::chrono::milliseconds(static_cast<std::int64_t>(*options.timeout_seconds * 1000));
+    }
+    if (options.output_bytes) policy.limits.output_bytes = *options.output_bytes;
+    if (options.command.empty()) throw sb::SandboxError("no command given (usage: cellblock-sandbox [options] -- CMD ARGS...)");
+
+    std::optional<TemporaryWorkspace> temporary;
+    fs::path workspace;
+    if (options.workspace.empty()) {
+        temporary.emplace();
+        workspace = temporary->path();
+    } else {
+        workspace = fs::absolute(options.workspace);
+    }
+
+    sb::Launcher launcher(policy);
+    Pipe out, err;
+    sb::LaunchRequest request;
+    request.argv = options.command;
+    if (request.argv.front().find('/') == std::string::npos) request.argv.front() = "/usr/bin/" + request.argv.front();
+    request.workspace = workspace;
+    request.stdin_fd = STDIN_FILENO;
+    request.stdout_fd = out.write_end;
+    request.stderr_fd = err.write_end;
+    sb::Process process = launcher.launch(request);
+    out.close_write();
+    err.close_write();
+
+    relay_output(process, out, err, policy.limits.output_bytes);
+    const sb::Outcome outcome = process.wait();
+    switch (outcome.reason) {
+        case sb::Outcome::Reason::exited:
+        case sb::Outcome::Reason::signaled: break;
+        default: std::cerr << "cellblock-sandbox: " << outcome.describe() << std::endl;
+    }
+    return outcome.shell_status();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    CLI::App app{"Run one command confined by the cellblock sandbox."};
+    Options options;
+    app.add_option("--policy", options.policy_file, "policy JSON file")->check(CLI::ExistingFile);
+    app.add_option("--workspace", options.workspace, "host directory mounted read-write as the workspace "
+                                                     "(default: a temporary directory removed afterwards)")
+        ->check(CLI::ExistingDirectory);
+    app.add_option("--memory-mb", options.memory_mb, "memory limit in MiB (overrides the policy)");
+    app.add_option("--timeout", options.timeout_seconds, "wall-clock limit in seconds (overrides the policy)");
+    app.add_option("--output-bytes", options.output_bytes, "stop and kill after this much stdout+stderr");
+    app.add_option("command", options.command, "the command and its arguments (after --)")->required();
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError& error) {
+        return app.exit(error) == 0 ? 0 : 125;
+    }
+    try {
+        return run(options);
+    } catch (const std::exception& error) {
+        std::cerr << "cellblock-sandbox: " << error.what() << std::endl;
+        return 125;
+    }
+}
