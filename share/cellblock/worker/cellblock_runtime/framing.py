@@ -6,17 +6,25 @@ surrogates), because a protocol error costs the user the whole worker.
 """
 
 import codecs
+import fcntl
 import json
 import math
 import os
 import select
 import struct
 import sys
+import termios
 import threading
+import time
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 _READ_CHUNK = 1024 * 1024
+STREAM_FDS = (1, 2)
+# How long a frame may wait for the kernel to read fds 1/2 before it is sent anyway (the kernel is busy,
+# or a background process keeps writing).
+STREAM_CATCH_UP_SECONDS = 0.1
+_STALL_SECONDS = 0.02
 
 # Lone surrogates (from surrogateescape-decoded bytes or broken user strings) cannot be encoded as UTF-8;
 # they become U+FFFD both in frames and in stream text, instead of raising in the middle of user code.
@@ -90,6 +98,7 @@ class FrameChannel:
         self._send_lock = threading.Lock()
         self._receive_lock = threading.Lock()
         self._received = bytearray()
+        self._pipe_fds = list(STREAM_FDS)
 
     def fileno(self):
         return self._fd
@@ -101,13 +110,39 @@ class FrameChannel:
                 f"{message.get('type', 'message')} of {len(payload)} bytes exceeds the "
                 f"{MAX_FRAME_BYTES}-byte frame limit of the kernel channel")
         frame = _HEADER.pack(len(payload)) + payload
-        # Ordering rule: stream text written before this event must reach fds 1/2 before the frame.
+        # Ordering rule: stream text written before this event must reach fds 1/2 before the frame...
         _flush_standard_streams()
+        # ...and the kernel must have read it, so text written after the frame can never overtake it.
+        self._wait_until_streams_are_read()
         with self._send_lock, self._gate.frame_io():
             view = memoryview(frame)
             while view:
                 written = os.write(self._fd, view)
                 view = view[written:]
+
+    def _unread_stream_bytes(self):
+        unread = 0
+        for fd in list(self._pipe_fds):
+            try:
+                unread += struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+            except OSError:
+                self._pipe_fds.remove(fd)  # not a pipe (a file or a terminal when run by hand): nothing to wait for
+        return unread
+
+    def _wait_until_streams_are_read(self):
+        unread = self._unread_stream_bytes()
+        if unread == 0:
+            return
+        start = last_progress = time.monotonic()
+        while unread:
+            time.sleep(0.0002)
+            now = time.monotonic()
+            remaining = self._unread_stream_bytes()
+            if remaining < unread:
+                last_progress = now
+            unread = remaining
+            if now - start > STREAM_CATCH_UP_SECONDS or now - last_progress > _STALL_SECONDS:
+                return
 
     def _complete_frame(self):
         if len(self._received) < _HEADER.size:

@@ -1,0 +1,210 @@
+"""Drives cellblock_worker.py directly, as cellblock-kernel does, without the kernel or the sandbox.
+
+The worker gets a socketpair end as fd 3, pipes as fds 1/2 and /dev/null as fd 0. The worker sends a
+frame only once the reader has consumed the stream text written before it, so a reader that services the
+channel before the pipes records events in exactly the order the worker produced them.
+"""
+
+import ctypes
+import json
+import os
+import pathlib
+import select
+import signal
+import socket
+import struct
+import subprocess
+import time
+import codecs
+
+import pytest
+
+SOURCE_DIR = pathlib.Path(os.environ.get("CELLBLOCK_SOURCE_DIR", pathlib.Path(__file__).resolve().parents[2]))
+_PR_SET_CHILD_SUBREAPER = 36
+DEFAULT_TIMEOUT = 60.0
+
+
+def worker_script():
+    """The installed worker when the suite runs against an installed tree, else the source copy."""
+    prefix = os.environ.get("CELLBLOCK_PREFIX")
+    if prefix:
+        installed = pathlib.Path(prefix) / "share/cellblock/worker/cellblock_worker.py"
+        if installed.exists():
+            return installed
+    return SOURCE_DIR / "share/cellblock/worker/cellblock_worker.py"
+
+
+def worker_environment(home):
+    # Explicit and minimal, as the kernel builds it.
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+class WorkerDied(AssertionError):
+    pass
+
+
+class WorkerProcess:
+    def __init__(self, cwd, subreaper=False):
+        kernel_end, worker_end = socket.socketpair()
+        self._channel = kernel_end
+        worker_fd = worker_end.fileno()
+        libc = ctypes.CDLL(None, use_errno=True) if subreaper else None
+
+        def become_worker():
+            os.dup2(worker_fd, 3)
+            if libc is not None:
+                libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+        self.started_at = time.monotonic()
+        self.process = subprocess.Popen(
+            ["/usr/bin/python3", str(worker_script())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(3,), preexec_fn=become_worker, cwd=str(cwd), env=worker_environment(cwd),
+            start_new_session=True)
+        worker_end.close()
+        self._received = bytearray()
+        self._decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+                          "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+        self._pipes = {self.process.stdout.fileno(): "stdout", self.process.stderr.fileno(): "stderr"}
+        for fd in self._pipes:
+            os.set_blocking(fd, False)
+        self.events = []  # ("stdout"|"stderr", text, t) or ("frame", dict, t)
+        self._next_id = 0
+        self.ready = self.next_frame()
+        self.ready_at = time.monotonic()
+
+    # -- low level ------------------------------------------------------------------------------
+    def send(self, message):
+        payload = json.dumps(message).encode()
+        self._channel.sendall(struct.pack(">I", len(payload)) + payload)
+
+    def _drain_pipes(self):
+        for fd, name in self._pipes.items():
+            while True:
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                text = self._decoders[name].decode(chunk)
+                if text:
+                    self.events.append((name, text, time.monotonic()))
+
+    def _pop_frame(self):
+        if len(self._received) < 4:
+            return None
+        (length,) = struct.unpack_from(">I", self._received)
+        if len(self._received) < 4 + length:
+            return None
+        payload = bytes(self._received[4:4 + length])
+        del self._received[:4 + length]
+        return json.loads(payload.decode("utf-8"))
+
+    def next_frame(self, timeout=DEFAULT_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while True:
+            frame = self._pop_frame()
+            if frame is not None:
+                self.events.append(("frame", frame, time.monotonic()))
+                return frame
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no frame within {timeout} s; events so far: {self.events[-5:]}")
+            readable, _, _ = select.select([self._channel, *self._pipes], [], [], remaining)
+            if self._channel in readable:
+                chunk = self._channel.recv(1 << 20)
+                if not chunk:
+                    self._drain_pipes()
+                    raise WorkerDied(f"worker closed the channel (exit {self.process.wait(10)}); "
+                                     f"output: {self.events[-5:]}")
+                self._received += chunk
+                continue  # frames first: pipe text still unread was written after them
+            if any(fd in readable for fd in self._pipes):
+                self._drain_pipes()
+
+    def request(self, kind, timeout=DEFAULT_TIMEOUT, **fields):
+        self._next_id += 1
+        request_id = f"req-{self._next_id}"
+        start = len(self.events)
+        self.send({"type": kind, "id": request_id, **fields})
+        while True:
+            frame = self.next_frame(timeout)
+            if frame["type"] == "reply":
+                assert frame["id"] == request_id
+                return Exchange(self.events[start:], frame["content"])
+
+    def execute(self, code, timeout=DEFAULT_TIMEOUT, **fields):
+        request = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": False}
+        request.update(fields)
+        return self.request("execute", timeout=timeout, **request)
+
+    def stop(self):
+        if self.process.poll() is None:
+            try:
+                self.send({"type": "shutdown"})
+                self.process.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self._channel.close()
+        self.process.stdout.close()
+        self.process.stderr.close()
+
+    def interrupt(self):
+        os.kill(self.process.pid, signal.SIGINT)
+
+
+class Exchange:
+    """Everything one request produced, in kernel publication order."""
+
+    def __init__(self, events, reply):
+        self.events = events
+        self.reply = reply
+
+    @property
+    def frames(self):
+        return [event[1] for event in self.events if event[0] == "frame" and event[1]["type"] != "reply"]
+
+    def frames_of(self, kind):
+        return [frame for frame in self.frames if frame["type"] == kind]
+
+    def text(self, stream="stdout"):
+        return "".join(event[1] for event in self.events if event[0] == stream)
+
+    @property
+    def result(self):
+        results = self.frames_of("execute_result")
+        assert len(results) == 1, f"expected one execute_result, got {self.frames}"
+        return results[0]
+
+    def assert_ok(self):
+        assert self.reply["status"] == "ok", self.reply
+        return self
+
+
+@pytest.fixture
+def worker(tmp_path):
+    process = WorkerProcess(tmp_path)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def make_worker(tmp_path):
+    started = []
+
+    def make(**options):
+        process = WorkerProcess(tmp_path, **options)
+        started.append(process)
+        return process
+
+    yield make
+    for process in started:
+        process.stop()

@@ -1,0 +1,127 @@
+"""Signals, lifecycle, malformed requests and child processes."""
+
+import os
+import signal
+import socket
+import struct
+import time
+
+
+def _wait_for_stdout(worker, text, timeout=60):
+    deadline = time.monotonic() + timeout
+    while text not in "".join(event[1] for event in worker.events if event[0] == "stdout"):
+        assert time.monotonic() < deadline, f"{text!r} never appeared"
+        try:
+            worker.next_frame(timeout=0.05)
+        except TimeoutError:
+            pass
+
+
+def _reply_after(worker, timeout=60):
+    frames = [worker.next_frame(timeout)]
+    while frames[-1]["type"] != "reply":
+        frames.append(worker.next_frame(timeout))
+    return frames
+
+
+def test_sigint_interrupts_sleep_and_keeps_state(worker):
+    worker.execute("kept = 'still here'").assert_ok()
+    worker.send({"type": "execute", "id": "sleepy", "code": "import time\nprint('sleeping', flush=True)\n"
+                 "time.sleep(30)", "silent": False, "store_history": True, "user_expressions": {},
+                 "allow_stdin": False})
+    _wait_for_stdout(worker, "sleeping")
+    interrupted_at = time.monotonic()
+    worker.interrupt()
+    frames = _reply_after(worker, timeout=20)
+    assert time.monotonic() - interrupted_at < 5
+    errors = [frame for frame in frames if frame["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["ename"] == "KeyboardInterrupt"
+    assert frames[-1]["id"] == "sleepy"
+    assert frames[-1]["content"]["ename"] == "KeyboardInterrupt"
+    assert worker.execute("kept").result["data"]["text/plain"] == "'still here'"
+
+
+def test_sigint_while_idle_is_harmless(worker):
+    worker.execute("counter = 5").assert_ok()
+    for _ in range(5):
+        worker.interrupt()
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert worker.process.poll() is None
+    exchange = worker.execute("counter + 1").assert_ok()
+    assert exchange.result["data"]["text/plain"] == "6"
+    assert exchange.frames_of("error") == []
+
+
+def test_interrupts_never_corrupt_frames(worker):
+    # A cell that publishes as fast as it can, interrupted repeatedly: every frame must still parse and
+    # the worker must keep serving.
+    for attempt in range(5):
+        worker.send({"type": "execute", "id": f"flood-{attempt}", "silent": False, "store_history": False,
+                     "user_expressions": {}, "allow_stdin": False,
+                     "code": "from IPython.display import display\nprint('go', flush=True)\n"
+                             "while True:\n    display('x' * 5000)"})
+        _wait_for_stdout(worker, "go")
+        time.sleep(0.1)
+        worker.interrupt()
+        frames = _reply_after(worker, timeout=30)
+        assert frames[-1]["content"]["ename"] == "KeyboardInterrupt"
+        worker.events.clear()
+    assert worker.execute("'alive'").result["data"]["text/plain"] == "'alive'"
+
+
+def test_shutdown_exits_zero(worker):
+    worker.execute("1").assert_ok()
+    worker.send({"type": "shutdown"})
+    assert worker.process.wait(10) == 0
+
+
+def test_channel_eof_exits(worker):
+    worker._channel.shutdown(socket.SHUT_WR)
+    assert worker.process.wait(10) == 0
+
+
+def test_bad_requests_get_error_replies_and_the_worker_keeps_serving(worker):
+    unknown = worker.request("frobnicate")
+    assert unknown.reply["status"] == "error" and unknown.reply["ename"] == "ProtocolError"
+    wrong_type = worker.request("execute", code=42)
+    assert wrong_type.reply["ename"] == "RequestError" and "'code'" in wrong_type.reply["evalue"]
+    bad_expressions = worker.execute("1", user_expressions={"a": 1})
+    assert bad_expressions.reply["ename"] == "RequestError"
+    assert worker.request("complete", code="x", cursor_pos="end").reply["ename"] == "RequestError"
+    # Frames without an id cannot be answered and are ignored.
+    worker.send({"type": "execute", "code": "print('never run')"})
+    assert worker.execute("'fine'").result["data"]["text/plain"] == "'fine'"
+    assert "never run" not in "".join(event[1] for event in worker.events if event[0] == "stdout")
+
+
+def test_oversized_output_is_an_error_not_a_dead_worker(worker):
+    exchange = worker.execute("from IPython.display import display\n"
+                              "display({'text/plain': 'x' * (65 * 1024 * 1024)}, raw=True)", timeout=120)
+    assert exchange.reply["status"] == "error"
+    assert exchange.reply["ename"] == "FrameTooLarge"
+    assert worker.execute("'ok'").result["data"]["text/plain"] == "'ok'"
+
+
+def test_malformed_frame_ends_the_worker_cleanly(worker):
+    payload = b"{not json"
+    worker._channel.sendall(struct.pack(">I", len(payload)) + payload)
+    assert worker.process.wait(10) == 2
+
+
+def test_orphaned_zombies_are_reaped(make_worker):
+    worker = make_worker(subreaper=True)  # as pid 1 of its namespace, the worker inherits orphans
+    spawn = worker.execute("import subprocess\n"
+                           "orphan = int(subprocess.run(['sh', '-c', 'sleep 0.2 & echo $!'], capture_output=True,"
+                           " text=True).stdout)\norphan").assert_ok()
+    orphan = int(spawn.result["data"]["text/plain"])
+    worker.execute("import time; time.sleep(1)").assert_ok()  # the orphan exits; reaped after this cell
+    assert not os.path.exists(f"/proc/{orphan}"), "the orphan was left as a zombie"
+
+
+def test_reaping_does_not_steal_popen_exit_status(make_worker):
+    worker = make_worker(subreaper=True)
+    worker.execute("import subprocess, time\nchild = subprocess.Popen(['sh', '-c', 'exit 7'])\n"
+                   "time.sleep(0.5)").assert_ok()
+    worker.execute("pass").assert_ok()
+    assert worker.execute("child.wait()").result["data"]["text/plain"] == "7"
