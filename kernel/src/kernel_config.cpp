@@ -1,0 +1,77 @@
+#include "kernel_config.hpp"
+
+#include <charconv>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace cellblock::kernel {
+namespace {
+
+std::filesystem::path resolve(const std::filesystem::path& base, const std::string& value) {
+    std::filesystem::path path(value);
+    return path.is_absolute() ? path : (base / path).lexically_normal();
+}
+
+double parse_number(const std::string& name, const std::string& text) {
+    double value = 0;
+    const auto* first = text.data();
+    const auto* last = text.data() + text.size();
+    const auto [end, error] = std::from_chars(first, last, value);
+    if (error != std::errc{} || end != last || value < 0) {
+        throw ConfigError(name + ": expected a non-negative number, got '" + text + "'");
+    }
+    return value;
+}
+
+}  // namespace
+
+KernelConfig::EnvironmentLookup KernelConfig::process_environment() {
+    return [](const std::string& name) -> std::optional<std::string> {
+        const char* value = std::getenv(name.c_str());
+        if (value == nullptr || *value == '\0') return std::nullopt;
+        return std::string(value);
+    };
+}
+
+KernelConfig KernelConfig::load(const std::filesystem::path& file, const EnvironmentLookup& environment) {
+    std::ifstream input(file);
+    if (!input) throw ConfigError("cannot read kernel config " + file.string());
+    const auto json = nlohmann::json::parse(input, nullptr, false);
+    if (json.is_discarded() || !json.is_object()) {
+        throw ConfigError("kernel config " + file.string() + " is not a JSON object");
+    }
+    const auto base = std::filesystem::absolute(file).parent_path();
+    KernelConfig config;
+    try {
+        const auto& worker = json.at("worker");
+        config.python = worker.value("python", std::string("/usr/bin/python3"));
+        config.worker_script = resolve(base, worker.at("script").get<std::string>());
+        config.sandbox_policy = resolve(base, json.at("sandbox_policy").get<std::string>());
+        config.workspace_root = resolve(base, json.value("workspace_root", std::string("/var/lib/cellblock/workspaces")));
+        if (json.contains("limits")) {
+            const auto& limits = json.at("limits");
+            config.limits.timeout_s = limits.value("timeout_s", config.limits.timeout_s);
+            config.limits.interrupt_grace_s = limits.value("interrupt_grace_s", config.limits.interrupt_grace_s);
+            config.limits.output_bytes = limits.value("output_bytes", config.limits.output_bytes);
+            config.limits.memory_mb = limits.value("memory_mb", config.limits.memory_mb);
+        }
+    } catch (const nlohmann::json::exception& error) {
+        throw ConfigError("kernel config " + file.string() + ": " + error.what());
+    }
+    if (!config.python.is_absolute()) throw ConfigError("worker.python must be an absolute path");
+
+    if (auto value = environment("CELLBLOCK_WORKSPACE")) config.workspace = std::filesystem::path(*value);
+    if (auto value = environment("CELLBLOCK_TIMEOUT_S")) {
+        config.limits.timeout_s = parse_number("CELLBLOCK_TIMEOUT_S", *value);
+    }
+    if (auto value = environment("CELLBLOCK_MEMORY_MB")) {
+        config.limits.memory_mb = static_cast<std::uint64_t>(parse_number("CELLBLOCK_MEMORY_MB", *value));
+    }
+    if (auto value = environment("CELLBLOCK_OUTPUT_BYTES")) {
+        config.limits.output_bytes = static_cast<std::uint64_t>(parse_number("CELLBLOCK_OUTPUT_BYTES", *value));
+    }
+    return config;
+}
+
+}  // namespace cellblock::kernel

@@ -1,0 +1,41 @@
+// The kernel's own configuration: `--config FILE` (JSON) plus the per-kernel environment overrides the
+// gateway sets. Relative paths in the file resolve against the file's directory.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace cellblock::kernel {
+
+class ConfigError : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+struct ExecutionLimits {
+    double timeout_s = 600;           // wall clock per execute; 0 = none
+    double interrupt_grace_s = 2;     // after the timeout's SIGINT, kill the worker if it is still busy
+    std::uint64_t output_bytes = 1 << 20;  // published output per execute; 0 = unlimited
+    std::uint64_t memory_mb = 2048;   // the worker sandbox's memory limit; 0 = none
+};
+
+struct KernelConfig {
+    std::filesystem::path python = "/usr/bin/python3";
+    std::filesystem::path worker_script;    // host path of cellblock_worker.py
+    std::filesystem::path sandbox_policy;   // host path of the sandbox policy JSON
+    std::filesystem::path workspace_root;   // where private workspaces are created
+    std::optional<std::filesystem::path> workspace;  // CELLBLOCK_WORKSPACE: use this directory as is
+    ExecutionLimits limits;
+
+    // Reads `file`, then applies CELLBLOCK_WORKSPACE, CELLBLOCK_TIMEOUT_S, CELLBLOCK_MEMORY_MB and
+    // CELLBLOCK_OUTPUT_BYTES from `environment`. Throws ConfigError naming the file and the field.
+    using EnvironmentLookup = std::function<std::optional<std::string>(const std::string&)>;
+    static KernelConfig load(const std::filesystem::path& file, const EnvironmentLookup& environment);
+    static EnvironmentLookup process_environment();
+};
+
+}  // namespace cellblock::kernel

@@ -1,0 +1,212 @@
+// cellblock-kernel: a Jupyter kernel (xeus 2.4.1) that runs Python in a confined, persistent worker.
+//
+//   cellblock-kernel --config <share>/cellblock/kernel-config.json -f <connection file>
+//
+// Threads: main runs xeus's control loop (make_xserver_control_main), xeus runs shell/iopub/heartbeat
+// threads on private ipc:// endpoints, the wire guard serves the public ports, the supervisor launches
+// workers, and the signal router takes SIGINT/SIGTERM.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <openssl/crypto.h>
+#include <xeus/xeus_context.hpp>
+#include <xeus/xkernel.hpp>
+#include <xeus/xkernel_configuration.hpp>
+#include <xeus/xmiddleware.hpp>
+#include <xeus/xserver_control_main.hpp>
+
+#include <CLI/CLI.hpp>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "connection_info.hpp"
+#include "history_manager.hpp"
+#include "kernel_config.hpp"
+#include "logging.hpp"
+#include "python_interpreter.hpp"
+#include "runtime_dir.hpp"
+#include "signal_router.hpp"
+#include "wire_guard.hpp"
+#include "worker_supervisor.hpp"
+
+extern char** environ;
+
+namespace cellblock::kernel {
+namespace {
+
+constexpr const char* cellblock_version = "0.1.0";
+
+// "3.11.2" from `python --version` (kernel_info must not wait for the worker to start).
+std::string probe_python_version(const std::filesystem::path& python) {
+    std::array<int, 2> pipe_fds{};
+    if (::pipe2(pipe_fds.data(), O_CLOEXEC) != 0) return "3";
+    UniqueFd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDOUT_FILENO);
+    posix_spawnattr_t attributes;
+    posix_spawnattr_init(&attributes);
+    sigset_t none;
+    sigemptyset(&none);
+    posix_spawnattr_setsigmask(&attributes, &none);
+    posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK);
+    const std::string program = python.string();
+    std::array<char*, 3> argv = {const_cast<char*>(program.c_str()), const_cast<char*>("--version"), nullptr};
+    std::array<char*, 1> envp = {nullptr};
+    pid_t pid = 0;
+    const int failed = posix_spawn(&pid, program.c_str(), &actions, &attributes, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attributes);
+    write_end.reset();
+    std::string output;
+    if (failed == 0) {
+        std::array<char, 256> buffer{};
+        ssize_t got = 0;
+        while ((got = ::read(read_end.get(), buffer.data(), buffer.size())) > 0) output.append(buffer.data(), got);
+        int status = 0;
+        while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+        }
+    }
+    // "Python 3.11.2\n"
+    const auto space = output.find(' ');
+    if (space == std::string::npos) return "3";
+    std::string version = output.substr(space + 1);
+    while (!version.empty() && (version.back() == '\n' || version.back() == '\r')) version.pop_back();
+    return version.empty() ? "3" : version;
+}
+
+// The one way out after start-up: xeus ends in std::exit() from whichever thread, without unwinding, and
+// its detached threads keep running during static destruction. So the kernel releases the worker and
+// its directories explicitly and leaves with _exit.
+class ExitPath {
+public:
+    ExitPath(WorkerSupervisor& supervisor, std::optional<PrivateDirectory>& workspace, PrivateDirectory& runtime)
+        : supervisor_(supervisor), workspace_(workspace), runtime_(runtime) {}
+
+    [[noreturn]] void leave(int code) {
+        std::call_once(once_, [this] {
+            supervisor_.shutdown();
+            if (workspace_) workspace_->remove();
+            runtime_.remove();
+        });
+        ::_exit(code);
+    }
+
+private:
+    WorkerSupervisor& supervisor_;
+    std::optional<PrivateDirectory>& workspace_;
+    PrivateDirectory& runtime_;
+    std::once_flag once_;
+};
+
+int run_kernel(const std::filesystem::path& config_file, const std::filesystem::path& connection_file) {
+    const KernelConfig config = KernelConfig::load(config_file, KernelConfig::process_environment());
+    const ConnectionInfo connection = ConnectionInfo::load(connection_file);
+
+    std::optional<PrivateDirectory> own_workspace;
+    std::filesystem::path workspace;
+    if (config.workspace) {
+        workspace = *config.workspace;
+        std::filesystem::create_directories(workspace);
+    } else {
+        try {
+            std::filesystem::create_directories(config.workspace_root);
+            own_workspace.emplace(config.workspace_root, "kernel-");
+        } catch (const std::exception& error) {
+            log_event(LogLevel::info, "workspace_root_unusable",
+                      {{"path", config.workspace_root.string()}, {"error", error.what()}});
+            own_workspace.emplace(std::filesystem::temp_directory_path(), "cellblock-workspace-");
+        }
+        workspace = own_workspace->path();
+    }
+    // Fixed short parent: xeus 2.4.1 reads its endpoints back into a 32-byte buffer (get_socket_port), so
+    // "ipc:///tmp/cbk-XXXXXX/k-1" must stay under 32 characters whatever TMPDIR says.
+    PrivateDirectory runtime("/tmp", "cbk-");
+
+    InterpreterSettings settings;
+    settings.limits = config.limits;
+    settings.identity = {cellblock_version, probe_python_version(config.python)};
+
+    WorkerLaunchSpec spec;
+    spec.python = config.python;
+    spec.worker_script = config.worker_script;
+    spec.policy_file = config.sandbox_policy;
+    spec.workspace = workspace;
+    spec.give_workspace_to_sandbox = own_workspace.has_value();
+    spec.memory_bytes = config.limits.memory_mb * 1024 * 1024;
+    WorkerSupervisor supervisor(spec);
+    ExitPath exit_path(supervisor, own_workspace, runtime);
+
+    auto history = std::make_unique<HistoryManager>();
+    HistoryManager& history_ref = *history;
+    auto interpreter = std::make_unique<PythonInterpreter>(supervisor, history_ref, settings);
+
+    // xeus listens on private ipc endpoints inside the 0700 runtime directory, unsigned; the wire guard
+    // does the verification and signing on the public side.
+    xeus::xconfiguration private_config;
+    private_config.m_transport = "ipc";
+    private_config.m_ip = (runtime.path() / "k").string();
+    private_config.m_shell_port = "1";
+    private_config.m_control_port = "2";
+    private_config.m_stdin_port = "3";
+    private_config.m_iopub_port = "4";
+    private_config.m_hb_port = "5";
+    private_config.m_signature_scheme = "none";
+    private_config.m_key = "unsigned";
+    const auto endpoint = [&](const std::string& port) {
+        return xeus::get_end_point(private_config.m_transport, private_config.m_ip, port);
+    };
+
+    xeus::xkernel kernel(private_config, xeus::get_user_name(), xeus::make_context<zmq::context_t>(),
+                         std::move(interpreter), xeus::make_xserver_control_main, std::move(history), nullptr,
+                         xeus::make_null_debugger, nl::json::object(), nl::json::error_handler_t::replace);
+
+    WireGuard guard(connection,
+                    {endpoint(private_config.m_shell_port), endpoint(private_config.m_control_port),
+                     endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
+                    {[&supervisor] { supervisor.interrupt(); }, [&exit_path] { exit_path.leave(0); }});
+    guard.start();
+    SignalRouter signals([&supervisor] { supervisor.interrupt(); }, [&exit_path](int) { exit_path.leave(0); });
+
+    log_event(LogLevel::info, "kernel_started", {{"shell", connection.endpoint(connection.shell_port)}});
+    // xeus prints its version on std::clog at start; keep stderr for our structured log lines.
+    if (!log_enabled(LogLevel::debug)) std::clog.rdbuf(nullptr);
+    kernel.start();  // does not return: xeus ends the process with std::exit
+    exit_path.leave(0);
+}
+
+}  // namespace
+}  // namespace cellblock::kernel
+
+int main(int argc, char** argv) {
+    cellblock::kernel::block_kernel_signals();
+    // OpenSSL's atexit cleanup would race with the wire guard thread still signing (xpython crashes in
+    // HMAC_Init_ex during exit for this reason); the kernel leaves with _exit and needs no cleanup.
+    OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr);
+
+    CLI::App app{"cellblock-kernel: a Jupyter kernel running Python in a confined worker"};
+    std::string config_file;
+    std::string connection_file;
+    app.add_option("--config", config_file, "kernel configuration (JSON)")->required()->check(CLI::ExistingFile);
+    app.add_option("-f,--connection-file", connection_file, "Jupyter connection file")
+        ->required()
+        ->check(CLI::ExistingFile);
+    CLI11_PARSE(app, argc, argv);
+
+    try {
+        return cellblock::kernel::run_kernel(config_file, connection_file);
+    } catch (const std::exception& error) {
+        cellblock::kernel::log_event(cellblock::kernel::LogLevel::error, "kernel_start_failed",
+                                     {{"error", error.what()}});
+        return 1;
+    }
+}

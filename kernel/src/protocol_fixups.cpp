@@ -1,0 +1,38 @@
+#include "protocol_fixups.hpp"
+
+namespace cellblock::kernel {
+namespace {
+
+bool ends_with(std::string_view text, std::string_view suffix) {
+    return text.size() >= suffix.size() && text.substr(text.size() - suffix.size()) == suffix;
+}
+
+}  // namespace
+
+Fixup fix_outbound(WireChannel channel, std::string_view msg_type, nlohmann::json& content) {
+    if (channel == WireChannel::iopub) {
+        return msg_type == "interrupt" ? Fixup::drop : Fixup::unchanged;
+    }
+    if (!content.is_object()) return Fixup::unchanged;
+    if (channel == WireChannel::stdin_channel && msg_type == "input_request") {
+        if (!content.contains("pwd")) return Fixup::unchanged;
+        content["password"] = content["pwd"].is_boolean() && content["pwd"].get<bool>();
+        content.erase("pwd");
+        return Fixup::modified;
+    }
+    if (msg_type == "interrupt_reply") {
+        if (content.contains("status")) return Fixup::unchanged;
+        content["status"] = "ok";
+        return Fixup::modified;
+    }
+    if (ends_with(msg_type, "_reply")) {
+        const auto status = content.find("status");
+        if (status != content.end() && *status == "error" && !content.contains("ename")) {
+            content = {{"status", "aborted"}};
+            return Fixup::modified;
+        }
+    }
+    return Fixup::unchanged;
+}
+
+}  // namespace cellblock::kernel

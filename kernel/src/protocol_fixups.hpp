@@ -1,0 +1,25 @@
+// Corrections applied to what xeus 2.4.1 sends, before the kernel re-signs it for the client. Each one
+// works around a verified xeus 2.4.1 deviation from the Jupyter messaging protocol 5.3.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string_view>
+
+namespace cellblock::kernel {
+
+enum class WireChannel { shell, control, stdin_channel, iopub };
+
+enum class Fixup {
+    unchanged,  // forward the frames as they are
+    modified,   // content was rewritten: serialize it again
+    drop,       // not for clients (xeus's non-standard IOPub "interrupt")
+};
+
+// - input_request: xeus sends "pwd"; frontends read "password".
+// - *_reply {"status":"error"} without ename: xeus's answer to requests aborted by stop_on_error;
+//   the protocol (and ipykernel) says {"status":"aborted"}.
+// - interrupt_reply: xeus sends {} without a status.
+// - IOPub "interrupt": a xeus-only message; clients' schema validators reject it.
+Fixup fix_outbound(WireChannel channel, std::string_view msg_type, nlohmann::json& content);
+
+}  // namespace cellblock::kernel

@@ -1,0 +1,380 @@
+#include "python_interpreter.hpp"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <xeus/xinput.hpp>
+
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+
+#include "logging.hpp"
+
+namespace cellblock::kernel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::size_t read_chunk_bytes = 65536;
+
+std::string seconds_text(double seconds) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%g", seconds);
+    return text;
+}
+
+Clock::duration to_duration(double seconds) {
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+}  // namespace
+
+// Everything one request to the worker needs and produces.
+struct PythonInterpreter::Exchange {
+    bool publish = false;            // execute and not silent: outputs go to IOPub
+    bool allow_stdin = false;
+    int execution_count = 0;
+    double timeout_s = 0;            // 0 = no limit
+    std::uint64_t output_cap = 0;    // 0 = unlimited
+    std::uint64_t published_bytes = 0;
+    bool truncated = false;
+    bool error_published = false;
+    bool timed_out = false;          // SIGINT sent because the time limit passed
+    bool killed_for_timeout = false;
+    std::optional<std::string> result_text;  // text/plain of execute_result, for history
+    bool stdout_open = true;         // until the pipe reports end of file
+    bool stderr_open = true;
+};
+
+struct PythonInterpreter::Ending {
+    enum class Kind { reply, worker_died, unavailable } kind = Kind::unavailable;
+    nl::json content;    // the worker's reply content
+    std::string reason;  // why the worker died / was unavailable
+};
+
+PythonInterpreter::PythonInterpreter(WorkerSupervisor& supervisor, HistoryManager& history,
+                                     InterpreterSettings settings)
+    : supervisor_(supervisor), history_(history), settings_(std::move(settings)) {
+    // Without this, xeus::blocking_input_request talks to a mock interpreter and returns "".
+    xeus::register_interpreter(this);
+}
+
+void PythonInterpreter::publish_text(const std::string& name, const std::string& text, Exchange& exchange) {
+    if (!exchange.publish || text.empty() || exchange.truncated) return;
+    if (exchange.output_cap != 0 && exchange.published_bytes + text.size() > exchange.output_cap) {
+        const auto room = static_cast<std::size_t>(exchange.output_cap - exchange.published_bytes);
+        const auto part = utf8_prefix(text, room);
+        if (!part.empty()) publish_stream(name, std::string(part));
+        note_truncation(exchange);
+        return;
+    }
+    exchange.published_bytes += text.size();
+    publish_stream(name, text);
+}
+
+void PythonInterpreter::note_truncation(Exchange& exchange) {
+    if (exchange.truncated) return;
+    exchange.truncated = true;
+    exchange.published_bytes = exchange.output_cap;
+    publish_stream("stderr", "\n[cellblock] Output truncated: this cell produced more than " +
+                                 std::to_string(exchange.output_cap) +
+                                 " bytes of output; the rest was discarded (the code kept running).\n");
+}
+
+bool PythonInterpreter::admit_rich_output(const nl::json& data, Exchange& exchange) {
+    if (!exchange.publish || exchange.truncated) return false;
+    if (exchange.output_cap == 0) return true;
+    const std::size_t size = data.dump(-1, ' ', false, nl::json::error_handler_t::replace).size();
+    if (exchange.published_bytes + size > exchange.output_cap) {
+        note_truncation(exchange);
+        return false;
+    }
+    exchange.published_bytes += size;
+    return true;
+}
+
+void PythonInterpreter::read_stream(LiveWorker& worker, bool is_stderr, Exchange& exchange) {
+    bool& open = is_stderr ? exchange.stderr_open : exchange.stdout_open;
+    std::array<char, read_chunk_bytes> buffer{};
+    const int fd = is_stderr ? worker.stderr_fd() : worker.stdout_fd();
+    auto& decoder = is_stderr ? worker.stderr_text : worker.stdout_text;
+    const ssize_t got = ::read(fd, buffer.data(), buffer.size());
+    if (got > 0) {
+        publish_text(is_stderr ? "stderr" : "stdout", decoder.feed({buffer.data(), static_cast<std::size_t>(got)}),
+                     exchange);
+    } else if (got == 0) {
+        open = false;
+        publish_text(is_stderr ? "stderr" : "stdout", decoder.finish(), exchange);
+    } else if (errno != EAGAIN && errno != EINTR) {
+        open = false;
+    }
+}
+
+void PythonInterpreter::drain_streams(LiveWorker& worker, Exchange& exchange) {
+    // Bounded so a worker printing without pause cannot keep us here forever.
+    for (int round = 0; round < 4096; ++round) {
+        std::array<pollfd, 2> fds = {{{exchange.stdout_open ? worker.stdout_fd() : -1, POLLIN, 0},
+                                      {exchange.stderr_open ? worker.stderr_fd() : -1, POLLIN, 0}}};
+        if (::poll(fds.data(), fds.size(), 0) <= 0) return;
+        bool any = false;
+        if (fds[0].revents & (POLLIN | POLLHUP)) {
+            read_stream(worker, false, exchange);
+            any = true;
+        }
+        if (fds[1].revents & (POLLIN | POLLHUP)) {
+            read_stream(worker, true, exchange);
+            any = true;
+        }
+        if (!any) return;
+    }
+}
+
+void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json& message, Exchange& exchange) {
+    nl::json answer = {{"type", "input_reply"}};
+    if (exchange.allow_stdin && exchange.publish) {
+        const std::string prompt = message.value("prompt", std::string());
+        const bool password = message.value("password", false);
+        // Blocks the shell thread until the client answers on stdin (xeus 2.4.1 has no cancel).
+        answer["value"] = xeus::blocking_input_request(prompt, password);
+    } else {
+        answer["error"] = "this frontend does not support input requests (allow_stdin is false)";
+    }
+    if (!send_all(worker.channel_fd(), encode_frame(answer))) {
+        log_event(LogLevel::warning, "worker_channel_closed", {{"while", "input_reply"}});
+    }
+}
+
+bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& message, Exchange& exchange) {
+    const std::string type = message["type"].get<std::string>();
+    if (type == "reply") return true;
+    if (type == "display_data" || type == "update_display_data") {
+        nl::json data = message.value("data", nl::json::object());
+        if (!admit_rich_output(data, exchange)) return false;
+        nl::json metadata = message.value("metadata", nl::json::object());
+        nl::json transient = message.value("transient", nl::json::object());
+        if (type == "display_data") {
+            display_data(std::move(data), std::move(metadata), std::move(transient));
+        } else {
+            update_display_data(std::move(data), std::move(metadata), std::move(transient));
+        }
+    } else if (type == "clear_output") {
+        if (exchange.publish) clear_output(message.value("wait", false));
+    } else if (type == "execute_result") {
+        nl::json data = message.value("data", nl::json::object());
+        if (data.contains("text/plain") && data["text/plain"].is_string()) {
+            exchange.result_text = data["text/plain"].get<std::string>();
+        }
+        if (!admit_rich_output(data, exchange)) return false;
+        publish_execution_result(exchange.execution_count, std::move(data), message.value("metadata", nl::json::object()));
+    } else if (type == "error") {
+        if (!exchange.publish) return false;
+        std::string ename = message.value("ename", std::string("Error"));
+        std::string evalue = message.value("evalue", std::string());
+        if (exchange.timed_out) {
+            ename = "TimeoutError";
+            evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) + " s and was interrupted";
+        }
+        publish_execution_error(ename, evalue, traceback_lines(message.value("traceback", nl::json::array())));
+        exchange.error_published = true;
+    } else if (type == "input_request") {
+        drain_streams(worker, exchange);
+        answer_input_request(worker, message, exchange);
+    } else {
+        log_event(LogLevel::debug, "worker_message_ignored", {{"type", type}});
+    }
+    return false;
+}
+
+PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exchange) {
+    std::string error;
+    auto worker = supervisor_.acquire(settings_.worker_start_timeout, error);
+    if (!worker) return {Ending::Kind::unavailable, nullptr, error};
+
+    const std::uint64_t id = ++next_request_id_;
+    request["id"] = id;
+    bool channel_open = send_all(worker->channel_fd(), encode_frame(request));
+    bool killed_for_protocol = false;
+    const auto started = Clock::now();
+    const auto never = Clock::time_point::max();
+    const auto deadline = exchange.timeout_s > 0 ? started + to_duration(exchange.timeout_s) : never;
+    auto kill_deadline = never;
+    if (!channel_open) {
+        worker->kill();
+        killed_for_protocol = true;
+    }
+    std::array<char, read_chunk_bytes> buffer{};
+
+    while (true) {
+        const auto now = Clock::now();
+        if (!exchange.timed_out && now >= deadline) {
+            exchange.timed_out = true;
+            log_event(LogLevel::info, "execution_timeout", {{"timeout_s", exchange.timeout_s}});
+            worker->signal(SIGINT);
+            kill_deadline = now + to_duration(settings_.limits.interrupt_grace_s);
+        }
+        if (exchange.timed_out && !exchange.killed_for_timeout && now >= kill_deadline) {
+            exchange.killed_for_timeout = true;
+            worker->kill();
+        }
+        const auto next_event = exchange.timed_out ? kill_deadline : deadline;
+        int wait_ms = -1;
+        if (next_event != never && !exchange.killed_for_timeout) {
+            wait_ms = static_cast<int>(
+                std::max<long long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
+        }
+        std::array<pollfd, 4> fds = {{{channel_open ? worker->channel_fd() : -1, POLLIN, 0},
+                                      {exchange.stdout_open ? worker->stdout_fd() : -1, POLLIN, 0},
+                                      {exchange.stderr_open ? worker->stderr_fd() : -1, POLLIN, 0},
+                                      {worker->pidfd(), POLLIN, 0}}};
+        const int ready = ::poll(fds.data(), fds.size(), wait_ms);
+        if (ready < 0) {
+            if (errno == EINTR) continue;
+            log_event(LogLevel::error, "poll_failed", {{"errno", errno}});
+            worker->kill();
+        }
+        if (fds[1].revents & (POLLIN | POLLHUP)) read_stream(*worker, false, exchange);
+        if (fds[2].revents & (POLLIN | POLLHUP)) read_stream(*worker, true, exchange);
+        if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+            const ssize_t got = ::recv(worker->channel_fd(), buffer.data(), buffer.size(), MSG_DONTWAIT);
+            if (got > 0) {
+                worker->frames.append({buffer.data(), static_cast<std::size_t>(got)});
+                try {
+                    while (auto message = worker->frames.next()) {
+                        // Ordering rule: text written before the frame is published before it.
+                        drain_streams(*worker, exchange);
+                        if (handle_worker_message(*worker, *message, exchange)) {
+                            if (message->value("id", std::uint64_t{0}) != id) {
+                                log_event(LogLevel::warning, "stale_worker_reply", {{"id", message->value("id", 0)}});
+                                continue;
+                            }
+                            drain_streams(*worker, exchange);
+                            return {Ending::Kind::reply, message->value("content", nl::json::object()), {}};
+                        }
+                    }
+                } catch (const ProtocolError& failure) {
+                    log_event(LogLevel::error, "worker_protocol_error", {{"error", failure.what()}});
+                    killed_for_protocol = true;
+                    channel_open = false;
+                    worker->kill();
+                }
+            } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
+                // The worker closed its end: it is exiting. Make sure it does, then report why.
+                channel_open = false;
+                if (fds[3].revents == 0) {
+                    if (!worker->wait_for(std::chrono::milliseconds(500))) worker->kill();
+                }
+            }
+        }
+        if (fds[3].revents != 0) {
+            drain_streams(*worker, exchange);
+            const auto outcome = supervisor_.retire(worker);
+            std::string reason = outcome.describe();
+            if (exchange.killed_for_timeout) {
+                reason = "killed by the time limit (the cell ran longer than " + seconds_text(exchange.timeout_s) +
+                         " s and did not stop within " + seconds_text(settings_.limits.interrupt_grace_s) +
+                         " s of the interrupt)";
+            } else if (killed_for_protocol) {
+                reason = "killed after a protocol error on the worker channel";
+            }
+            log_event(LogLevel::warning, "worker_died", {{"reason", reason}});
+            return {Ending::Kind::worker_died, nullptr, reason};
+        }
+    }
+}
+
+nl::json PythonInterpreter::execute_request_impl(int execution_counter, const std::string& code, bool silent,
+                                                 bool store_history, nl::json user_expressions, bool allow_stdin) {
+    Exchange exchange;
+    exchange.publish = !silent;
+    exchange.allow_stdin = allow_stdin;
+    exchange.execution_count = execution_counter;
+    exchange.timeout_s = settings_.limits.timeout_s;
+    exchange.output_cap = settings_.limits.output_bytes;
+
+    if (auto note = supervisor_.take_lost_state_note(); note && !silent) {
+        publish_stream("stderr", "[cellblock] The Python worker was restarted (the previous one was " + *note +
+                                     "); variables, imports and other state from earlier cells are gone.\n");
+    }
+
+    nl::json request = {{"type", "execute"},
+                        {"code", code},
+                        {"silent", silent},
+                        {"store_history", store_history},
+                        {"user_expressions", user_expressions.is_object() ? user_expressions : nl::json::object()},
+                        {"allow_stdin", allow_stdin},
+                        {"execution_count", execution_counter}};
+    const Ending ending = run(std::move(request), exchange);
+
+    if (store_history && !silent) history_.record(execution_counter, code, exchange.result_text);
+
+    if (ending.kind != Ending::Kind::reply) {
+        const std::string ename = ending.kind == Ending::Kind::worker_died ? "WorkerDied" : "WorkerUnavailable";
+        const std::string evalue = ending.kind == Ending::Kind::worker_died
+                                       ? ending.reason + "; the next execution starts a fresh Python worker"
+                                       : ending.reason;
+        const std::vector<std::string> traceback = {ename + ": " + evalue};
+        if (!silent) publish_execution_error(ename, evalue, traceback);
+        return make_error_reply(ename, evalue, traceback);
+    }
+    const nl::json& content = ending.content;
+    if (content.value("status", std::string("error")) == "ok") {
+        return make_execute_ok_reply(content.value("payload", nl::json::array()),
+                                     content.value("user_expressions", nl::json::object()));
+    }
+    std::string ename = content.value("ename", std::string("Error"));
+    std::string evalue = content.value("evalue", std::string());
+    nl::json traceback = content.value("traceback", nl::json::array());
+    if (exchange.timed_out) {
+        ename = "TimeoutError";
+        evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) + " s and was interrupted";
+    }
+    if (!exchange.error_published && !silent) publish_execution_error(ename, evalue, traceback_lines(traceback));
+    return make_error_reply(ename, evalue, traceback);
+}
+
+nl::json PythonInterpreter::complete_request_impl(const std::string& code, int cursor_pos) {
+    Exchange exchange;
+    exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
+    const Ending ending = run({{"type", "complete"}, {"code", code}, {"cursor_pos", cursor_pos}}, exchange);
+    if (ending.kind == Ending::Kind::reply && ending.content.is_object() && ending.content.contains("matches")) {
+        return ending.content;
+    }
+    return make_empty_complete_reply(cursor_pos);
+}
+
+nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cursor_pos, int detail_level) {
+    Exchange exchange;
+    exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
+    const Ending ending = run(
+        {{"type", "inspect"}, {"code", code}, {"cursor_pos", cursor_pos}, {"detail_level", detail_level}}, exchange);
+    if (ending.kind == Ending::Kind::reply && ending.content.is_object() && ending.content.contains("found")) {
+        return ending.content;
+    }
+    return make_not_found_inspect_reply();
+}
+
+nl::json PythonInterpreter::is_complete_request_impl(const std::string& code) {
+    Exchange exchange;
+    exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
+    const Ending ending = run({{"type", "is_complete"}, {"code", code}}, exchange);
+    if (ending.kind == Ending::Kind::reply && ending.content.is_object() && ending.content.contains("status")) {
+        return ending.content;
+    }
+    return make_unknown_is_complete_reply();
+}
+
+nl::json PythonInterpreter::kernel_info_request_impl() {
+    KernelIdentity identity = settings_.identity;
+    if (auto version = supervisor_.worker_python_version()) identity.python_version = *version;
+    return make_kernel_info_reply(identity);
+}
+
+void PythonInterpreter::shutdown_request_impl() {
+    // The wire guard answers shutdown_request itself; this runs only if xeus is stopped another way.
+    supervisor_.shutdown();
+}
+
+}  // namespace cellblock::kernel

@@ -1,0 +1,328 @@
+#include "wire_guard.hpp"
+
+#include <xeus/xguid.hpp>
+#include <zmq_addon.hpp>
+
+#include <array>
+#include <chrono>
+#include <ctime>
+#include <iterator>
+
+#include "logging.hpp"
+#include "protocol_fixups.hpp"
+
+namespace cellblock::kernel {
+namespace {
+
+constexpr std::string_view delimiter_frame = "<IDS|MSG>";
+constexpr std::size_t replay_capacity = 16384;
+constexpr int linger_ms = 1000;
+
+enum ChannelIndex { shell = 0, control = 1, stdin_channel = 2, iopub = 3 };
+constexpr std::array<const char*, 4> channel_names = {"shell", "control", "stdin", "iopub"};
+constexpr std::array<WireChannel, 4> wire_channels = {WireChannel::shell, WireChannel::control,
+                                                      WireChannel::stdin_channel, WireChannel::iopub};
+
+std::string_view view(const zmq::message_t& frame) {
+    return {static_cast<const char*>(frame.data()), frame.size()};
+}
+
+std::optional<std::size_t> find_delimiter(const std::vector<std::string_view>& frames) {
+    for (std::size_t i = 0; i < frames.size(); ++i) {
+        if (frames[i] == delimiter_frame) return i;
+    }
+    return std::nullopt;
+}
+
+std::vector<std::string_view> views(const std::vector<zmq::message_t>& frames) {
+    std::vector<std::string_view> result;
+    result.reserve(frames.size());
+    for (const auto& frame : frames) result.push_back(view(frame));
+    return result;
+}
+
+// ISO 8601 UTC with microseconds, as jupyter_client writes it.
+std::string utc_now_iso8601() {
+    const auto now = std::chrono::system_clock::now();
+    const std::time_t seconds = std::chrono::system_clock::to_time_t(now);
+    const auto micros =
+        std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() % 1000000;
+    std::tm utc{};
+    gmtime_r(&seconds, &utc);
+    char text[64];
+    const auto length = std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%S", &utc);
+    std::snprintf(text + length, sizeof(text) - length, ".%06ldZ", static_cast<long>(micros));
+    return text;
+}
+
+bool might_need_fixup(WireChannel channel, std::string_view msg_type, std::string_view content) {
+    if (channel == WireChannel::iopub) return false;  // only msg_type matters there
+    if (channel == WireChannel::stdin_channel) return msg_type == "input_request";
+    if (msg_type == "interrupt_reply") return true;
+    // Cheap pre-filter so large replies are not parsed: only error replies without ename are rewritten.
+    return content.find("\"error\"") != std::string_view::npos && content.find("\"ename\"") == std::string_view::npos;
+}
+
+}  // namespace
+
+const char* describe(InboundVerdict::Kind kind) noexcept {
+    switch (kind) {
+        case InboundVerdict::Kind::accepted: return "accepted";
+        case InboundVerdict::Kind::malformed: return "malformed";
+        case InboundVerdict::Kind::bad_signature: return "bad_signature";
+        case InboundVerdict::Kind::replayed: return "replayed";
+        case InboundVerdict::Kind::bad_header: return "bad_header";
+    }
+    return "?";
+}
+
+InboundVerdict InboundVerifier::check(const std::vector<std::string_view>& frames) {
+    InboundVerdict verdict;
+    const auto delimiter = find_delimiter(frames);
+    // delimiter, signature, header, parent_header, metadata, content (+ optional buffers)
+    if (!delimiter || frames.size() < *delimiter + 6) {
+        verdict.kind = InboundVerdict::Kind::malformed;
+        return verdict;
+    }
+    const std::size_t d = *delimiter;
+    const std::string_view signature = frames[d + 1];
+    const SignedParts parts = {frames[d + 2], frames[d + 3], frames[d + 4], frames[d + 5]};
+    if (!signer_.verify(signature, parts)) {
+        verdict.kind = InboundVerdict::Kind::bad_signature;
+        return verdict;
+    }
+    // Without a key there is no signature to remember; replay protection needs signing.
+    if (signer_.enabled() && !replays_.first_time(signature)) {
+        verdict.kind = InboundVerdict::Kind::replayed;
+        return verdict;
+    }
+    const auto header = nlohmann::json::parse(frames[d + 2], nullptr, false);
+    if (header.is_discarded() || !header.is_object() || !header.contains("msg_type") ||
+        !header["msg_type"].is_string()) {
+        verdict.kind = InboundVerdict::Kind::bad_header;
+        return verdict;
+    }
+    verdict.kind = InboundVerdict::Kind::accepted;
+    verdict.delimiter = d;
+    verdict.msg_type = header["msg_type"].get<std::string>();
+    return verdict;
+}
+
+struct WireGuard::Sockets {
+    zmq::context_t context{1};
+    // Public side (clients).
+    std::array<zmq::socket_t, 3> routers{zmq::socket_t(context, zmq::socket_type::router),
+                                         zmq::socket_t(context, zmq::socket_type::router),
+                                         zmq::socket_t(context, zmq::socket_type::router)};
+    zmq::socket_t publisher{context, zmq::socket_type::pub};
+    zmq::socket_t heartbeat{context, zmq::socket_type::router};
+    // Private side (xeus). The three dealers share one routing id: xeus answers an input_request's
+    // reply routing by the shell request's identities, so its stdin ROUTER must know us by the same id.
+    std::array<zmq::socket_t, 3> dealers{zmq::socket_t(context, zmq::socket_type::dealer),
+                                         zmq::socket_t(context, zmq::socket_type::dealer),
+                                         zmq::socket_t(context, zmq::socket_type::dealer)};
+    zmq::socket_t subscriber{context, zmq::socket_type::sub};
+    // Wakes the loop up for destruction.
+    zmq::socket_t stop_receiver{context, zmq::socket_type::pair};
+    zmq::socket_t stop_sender{context, zmq::socket_type::pair};
+    bool open = true;
+
+    void close_all() {
+        if (!open) return;
+        for (auto& socket : routers) socket.close();
+        for (auto& socket : dealers) socket.close();
+        publisher.close();
+        heartbeat.close();
+        subscriber.close();
+        stop_receiver.close();
+        stop_sender.close();
+        // Waits (up to the linger) until queued replies are on the wire.
+        context.close();
+        open = false;
+    }
+};
+
+WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& xeus, GuardActions actions)
+    : signer_(connection.signature_scheme, connection.key),
+      verifier_(signer_, replay_capacity),
+      actions_(std::move(actions)),
+      session_id_(xeus::new_xguid().c_str()),
+      sockets_(std::make_unique<Sockets>()),
+      refusals_(5, 0) {
+    auto& s = *sockets_;
+    const std::array<int, 3> ports = {connection.shell_port, connection.control_port, connection.stdin_port};
+    const std::array<const std::string*, 3> private_ends = {&xeus.shell, &xeus.control, &xeus.stdin_channel};
+    const std::string routing_id = "cellblock-wire-guard";
+    for (std::size_t i = 0; i < 3; ++i) {
+        s.routers[i].set(zmq::sockopt::linger, linger_ms);
+        s.routers[i].bind(connection.endpoint(ports[i]));
+        s.dealers[i].set(zmq::sockopt::linger, linger_ms);
+        s.dealers[i].set(zmq::sockopt::routing_id, routing_id);
+        s.dealers[i].connect(*private_ends[i]);
+    }
+    s.publisher.set(zmq::sockopt::linger, linger_ms);
+    s.publisher.bind(connection.endpoint(connection.iopub_port));
+    s.heartbeat.set(zmq::sockopt::linger, 0);
+    s.heartbeat.bind(connection.endpoint(connection.hb_port));
+    s.subscriber.set(zmq::sockopt::subscribe, "");
+    s.subscriber.connect(xeus.iopub);
+    s.stop_receiver.bind("inproc://wire-guard-stop");
+    s.stop_sender.connect("inproc://wire-guard-stop");
+}
+
+WireGuard::~WireGuard() {
+    if (thread_.joinable()) {
+        if (sockets_->open) sockets_->stop_sender.send(zmq::str_buffer("stop"), zmq::send_flags::dontwait);
+        thread_.join();
+    }
+    sockets_->close_all();
+}
+
+void WireGuard::start() {
+    thread_ = std::thread([this] { run(); });
+}
+
+void WireGuard::run() noexcept {
+    auto& s = *sockets_;
+    std::array<zmq::pollitem_t, 9> items = {{
+        {s.routers[shell].handle(), 0, ZMQ_POLLIN, 0},
+        {s.routers[control].handle(), 0, ZMQ_POLLIN, 0},
+        {s.routers[stdin_channel].handle(), 0, ZMQ_POLLIN, 0},
+        {s.dealers[shell].handle(), 0, ZMQ_POLLIN, 0},
+        {s.dealers[control].handle(), 0, ZMQ_POLLIN, 0},
+        {s.dealers[stdin_channel].handle(), 0, ZMQ_POLLIN, 0},
+        {s.subscriber.handle(), 0, ZMQ_POLLIN, 0},
+        {s.heartbeat.handle(), 0, ZMQ_POLLIN, 0},
+        {s.stop_receiver.handle(), 0, ZMQ_POLLIN, 0},
+    }};
+    while (s.open) {
+        try {
+            zmq::poll(items.data(), items.size(), std::chrono::milliseconds(-1));
+            if (items[8].revents & ZMQ_POLLIN) return;
+            // Control first: an interrupt or shutdown must not queue behind shell traffic.
+            if (items[1].revents & ZMQ_POLLIN) relay_inbound(control);
+            if (!s.open) return;
+            if (items[4].revents & ZMQ_POLLIN) relay_outbound(control);
+            if (items[0].revents & ZMQ_POLLIN) relay_inbound(shell);
+            if (!s.open) return;
+            if (items[2].revents & ZMQ_POLLIN) relay_inbound(stdin_channel);
+            if (items[3].revents & ZMQ_POLLIN) relay_outbound(shell);
+            if (items[5].revents & ZMQ_POLLIN) relay_outbound(stdin_channel);
+            if (items[6].revents & ZMQ_POLLIN) relay_outbound(iopub);
+            if (items[7].revents & ZMQ_POLLIN) echo_heartbeat();
+        } catch (const zmq::error_t& error) {
+            if (error.num() == EINTR) continue;
+            if (error.num() == ETERM) return;
+            log_event(LogLevel::error, "wire_guard_error", {{"error", error.what()}});
+        } catch (const std::exception& error) {
+            // A single bad message must never stop the proxy.
+            log_event(LogLevel::error, "wire_guard_error", {{"error", error.what()}});
+        }
+    }
+}
+
+void WireGuard::note_refusal(const InboundVerdict& verdict, const char* channel) {
+    auto& count = refusals_[static_cast<std::size_t>(verdict.kind)];
+    ++count;
+    // Log the first refusal of each kind as a warning (someone is sending bad messages), later ones at debug.
+    log_event(count == 1 ? LogLevel::warning : LogLevel::debug, "message_refused",
+              {{"reason", describe(verdict.kind)}, {"channel", channel}, {"count", count}});
+}
+
+void WireGuard::relay_inbound(int channel_index) {
+    auto& s = *sockets_;
+    std::vector<zmq::message_t> frames;
+    if (!zmq::recv_multipart(s.routers[channel_index], std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
+    const auto verdict = verifier_.check(views(frames));
+    if (verdict.kind != InboundVerdict::Kind::accepted) {
+        note_refusal(verdict, channel_names[channel_index]);
+        return;
+    }
+    log_event(LogLevel::debug, "message_in", {{"channel", channel_names[channel_index]}, {"msg_type", verdict.msg_type}});
+    if (verdict.msg_type == "shutdown_request" && channel_index != stdin_channel) {
+        answer_shutdown(frames, verdict.delimiter, channel_index);
+        return;
+    }
+    if (verdict.msg_type == "interrupt_request" && actions_.interrupt) actions_.interrupt();
+    zmq::send_multipart(s.dealers[channel_index], frames);
+}
+
+void WireGuard::relay_outbound(int channel_index) {
+    auto& s = *sockets_;
+    std::vector<zmq::message_t> frames;
+    zmq::socket_t& from = channel_index == iopub ? s.subscriber : s.dealers[channel_index];
+    if (!zmq::recv_multipart(from, std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
+    const auto frame_views = views(frames);
+    const auto delimiter = find_delimiter(frame_views);
+    if (!delimiter || frames.size() < *delimiter + 6) {
+        log_event(LogLevel::error, "xeus_message_malformed", {{"channel", channel_names[channel_index]}});
+        return;
+    }
+    const std::size_t d = *delimiter;
+    const auto header = nlohmann::json::parse(frame_views[d + 2], nullptr, false);
+    const std::string msg_type = header.is_object() ? header.value("msg_type", std::string()) : std::string();
+    const WireChannel channel = wire_channels[channel_index];
+    if (msg_type == "interrupt" && channel == WireChannel::iopub) return;  // xeus-only message
+    if (might_need_fixup(channel, msg_type, frame_views[d + 5])) {
+        auto content = nlohmann::json::parse(frame_views[d + 5], nullptr, false);
+        if (!content.is_discarded() && fix_outbound(channel, msg_type, content) == Fixup::modified) {
+            const std::string text = content.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+            frames[d + 5] = zmq::message_t(text.data(), text.size());
+        }
+    }
+    const SignedParts parts = {view(frames[d + 2]), view(frames[d + 3]), view(frames[d + 4]), view(frames[d + 5])};
+    const std::string signature = signer_.sign(parts);
+    frames[d + 1] = zmq::message_t(signature.data(), signature.size());
+    zmq::socket_t& to = channel_index == iopub ? s.publisher : s.routers[channel_index];
+    zmq::send_multipart(to, frames);
+}
+
+void WireGuard::echo_heartbeat() {
+    std::vector<zmq::message_t> frames;
+    if (!zmq::recv_multipart(sockets_->heartbeat, std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
+    zmq::send_multipart(sockets_->heartbeat, frames, zmq::send_flags::dontwait);
+}
+
+std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::message_t>& request,
+                                                     std::size_t delimiter, std::string_view msg_type,
+                                                     const nlohmann::json& content, bool for_iopub) const {
+    const nlohmann::json header = {{"msg_id", std::string(xeus::new_xguid().c_str())},
+                                   {"username", "cellblock"},
+                                   {"session", session_id_},
+                                   {"date", utc_now_iso8601()},
+                                   {"msg_type", std::string(msg_type)},
+                                   {"version", "5.3"}};
+    const std::string header_text = header.dump();
+    const std::string_view parent = view(request[delimiter + 2]);
+    const std::string metadata = "{}";
+    const std::string content_text = content.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    const std::string signature = signer_.sign({header_text, parent, metadata, content_text});
+    std::vector<zmq::message_t> message;
+    if (for_iopub) {
+        message.emplace_back(msg_type.data(), msg_type.size());
+    } else {
+        for (std::size_t i = 0; i < delimiter; ++i) message.emplace_back(request[i].data(), request[i].size());
+    }
+    message.emplace_back(delimiter_frame.data(), delimiter_frame.size());
+    message.emplace_back(signature.data(), signature.size());
+    message.emplace_back(header_text.data(), header_text.size());
+    message.emplace_back(parent.data(), parent.size());
+    message.emplace_back(metadata.data(), metadata.size());
+    message.emplace_back(content_text.data(), content_text.size());
+    return message;
+}
+
+void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index) {
+    auto& s = *sockets_;
+    const auto request = nlohmann::json::parse(view(frames[delimiter + 5]), nullptr, false);
+    const bool restart = request.is_object() && request.value("restart", false);
+    log_event(LogLevel::info, "shutdown_request", {{"restart", restart}});
+    zmq::send_multipart(s.publisher, build_message(frames, delimiter, "status", {{"execution_state", "busy"}}, true));
+    zmq::send_multipart(s.routers[channel_index],
+                        build_message(frames, delimiter, "shutdown_reply", {{"status", "ok"}, {"restart", restart}}, false));
+    zmq::send_multipart(s.publisher, build_message(frames, delimiter, "status", {{"execution_state", "idle"}}, true));
+    s.close_all();
+    if (actions_.shutdown) actions_.shutdown();
+}
+
+}  // namespace cellblock::kernel

@@ -1,0 +1,92 @@
+// The wire guard owns the kernel's public Jupyter sockets (the ports in the connection file) and stands
+// between clients and xeus, which listens only on private ipc:// endpoints with signing disabled.
+//
+// Inbound, every message is verified strictly (exact-length constant-time HMAC, replayed signatures
+// refused, malformed frames refused); refused messages get no reply and are logged, and the guard keeps
+// serving. Outbound, xeus's messages get the protocol fixups (protocol_fixups.hpp) and are signed with the
+// real key. interrupt_request is acted on here (xeus 2.4.1 ignores it) and shutdown_request is answered
+// here, so shutdown never waits for a busy shell thread.
+#pragma once
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "connection_info.hpp"
+#include "message_signer.hpp"
+
+namespace cellblock::kernel {
+
+// Where xeus listens (private side).
+struct PrivateEndpoints {
+    std::string shell, control, stdin_channel, iopub;
+};
+
+// The verdict on one inbound multipart message (frames as received from a ROUTER).
+struct InboundVerdict {
+    enum class Kind { accepted, malformed, bad_signature, replayed, bad_header };
+    Kind kind = Kind::malformed;
+    std::size_t delimiter = 0;  // index of "<IDS|MSG>" when accepted
+    std::string msg_type;       // when accepted
+};
+
+const char* describe(InboundVerdict::Kind kind) noexcept;
+
+// Signature, replay and structure checks; pure apart from the replay memory.
+class InboundVerifier {
+public:
+    InboundVerifier(const MessageSigner& signer, std::size_t replay_capacity)
+        : signer_(signer), replays_(replay_capacity) {}
+    InboundVerdict check(const std::vector<std::string_view>& frames);
+
+private:
+    const MessageSigner& signer_;
+    ReplayFilter replays_;
+};
+
+struct GuardActions {
+    std::function<void()> interrupt;  // an interrupt_request arrived (message-mode interrupt)
+    // A shutdown_request was answered and the reply flushed; the process should stop now.
+    std::function<void()> shutdown;
+};
+
+class WireGuard {
+public:
+    // Binds the public sockets and connects to xeus's private ones; throws on failure (e.g. port in use).
+    WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& xeus, GuardActions actions);
+    ~WireGuard();
+    WireGuard(const WireGuard&) = delete;
+    WireGuard& operator=(const WireGuard&) = delete;
+
+    // Runs the proxy loop on its own thread until destruction or shutdown_request.
+    void start();
+
+private:
+    struct Sockets;
+    void run() noexcept;
+    void relay_inbound(int channel_index);
+    void relay_outbound(int channel_index);
+    void echo_heartbeat();
+    void answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index);
+    std::vector<zmq::message_t> build_message(const std::vector<zmq::message_t>& request, std::size_t delimiter,
+                                              std::string_view msg_type, const nlohmann::json& content,
+                                              bool for_iopub) const;
+    void note_refusal(const InboundVerdict& verdict, const char* channel);
+
+    MessageSigner signer_;
+    InboundVerifier verifier_;
+    GuardActions actions_;
+    std::string session_id_;
+    std::unique_ptr<Sockets> sockets_;
+    std::thread thread_;
+    std::vector<unsigned long> refusals_;  // per InboundVerdict::Kind, for log-once
+};
+
+}  // namespace cellblock::kernel

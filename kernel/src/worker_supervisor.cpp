@@ -1,0 +1,313 @@
+#include "worker_supervisor.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "logging.hpp"
+
+namespace cellblock::kernel {
+namespace {
+
+// Where the worker runtime directory appears inside the sandbox.
+constexpr const char* worker_dir_inside = "/opt/cellblock/worker";
+constexpr std::size_t startup_tail_bytes = 4096;
+
+std::runtime_error system_error(const std::string& what) {
+    return std::runtime_error(what + ": " + std::strerror(errno));
+}
+
+void set_nonblocking(int fd) {
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw system_error("fcntl(O_NONBLOCK)");
+}
+
+void keep_tail(std::string& tail, const char* data, std::size_t size) {
+    tail.append(data, size);
+    if (tail.size() > startup_tail_bytes) tail.erase(0, tail.size() - startup_tail_bytes);
+}
+
+}  // namespace
+
+LiveWorker::LiveWorker(sandbox::Process process, UniqueFd channel, UniqueFd stdout_pipe, UniqueFd stderr_pipe)
+    : process_(std::move(process)),
+      channel_(std::move(channel)),
+      stdout_(std::move(stdout_pipe)),
+      stderr_(std::move(stderr_pipe)) {
+    pidfd_ = process_->pidfd();
+    pid_ = process_->pid();
+    host_uid_ = process_->host_uid();
+}
+
+LiveWorker::~LiveWorker() {
+    std::lock_guard lock(mutex_);
+    process_.reset();  // kills whatever is left of the sandbox and releases its cgroup and uid
+}
+
+void LiveWorker::signal(int signo) {
+    std::lock_guard lock(mutex_);
+    if (process_) process_->signal(signo);
+}
+
+void LiveWorker::kill() {
+    std::lock_guard lock(mutex_);
+    if (process_) process_->kill();
+}
+
+void LiveWorker::terminate() {
+    std::lock_guard lock(mutex_);
+    process_.reset();
+}
+
+std::optional<sandbox::Outcome> LiveWorker::wait_for(std::chrono::milliseconds timeout) {
+    std::lock_guard lock(mutex_);
+    if (!process_) return std::nullopt;
+    return process_->wait_for(timeout);
+}
+
+WorkerSupervisor::WorkerSupervisor(WorkerLaunchSpec spec) : spec_(std::move(spec)) {
+    launcher_thread_ = std::thread([this] { launcher_loop(); });
+}
+
+WorkerSupervisor::~WorkerSupervisor() {
+    shutdown();
+    if (launcher_thread_.joinable()) launcher_thread_.join();
+}
+
+void WorkerSupervisor::launcher_loop() {
+    std::optional<sandbox::Launcher> launcher;
+    std::unique_lock lock(mutex_);
+    while (true) {
+        changed_.wait(lock, [this] { return launch_requested_ || state_ == State::stopped; });
+        if (state_ == State::stopped) break;
+        launch_requested_ = false;
+        state_ = State::starting;
+        lock.unlock();
+        std::shared_ptr<LiveWorker> worker;
+        std::string error;
+        const auto started = std::chrono::steady_clock::now();
+        try {
+            if (!launcher) {
+                auto policy = sandbox::Policy::load(spec_.policy_file);
+                sandbox::MountSpec runtime;
+                runtime.kind = sandbox::MountSpec::Kind::bind;
+                runtime.source = spec_.worker_script.parent_path().string();
+                runtime.target = worker_dir_inside;
+                policy.mounts.push_back(runtime);
+                launcher.emplace(std::move(policy));
+                for (const auto& weakened : launcher->weakened()) {
+                    log_event(LogLevel::warning, "sandbox_weakened", {{"mechanism", weakened}});
+                }
+            }
+            worker = launch_one(*launcher);
+        } catch (const std::exception& failure) {
+            error = failure.what();
+        }
+        const double elapsed_ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+        lock.lock();
+        if (state_ == State::stopped) {
+            lock.unlock();
+            worker.reset();  // shutdown raced with the launch: do not leave it running
+            lock.lock();
+            break;
+        }
+        if (worker) {
+            log_event(LogLevel::info, "worker_ready", {{"pid", worker->pid()}, {"ms", elapsed_ms}});
+            if (worker->ready_info.contains("python") && worker->ready_info["python"].is_string()) {
+                python_version_ = worker->ready_info["python"].get<std::string>();
+            }
+            current_ = std::move(worker);
+            state_ = State::ready;
+        } else {
+            log_event(LogLevel::error, "worker_launch_failed", {{"error", error}, {"ms", elapsed_ms}});
+            launch_error_ = error;
+            state_ = State::failed;
+        }
+        changed_.notify_all();
+    }
+}
+
+std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& launcher) {
+    std::array<int, 2> pair{};
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair.data()) != 0) throw system_error("socketpair");
+    UniqueFd kernel_end(pair[0]), worker_end(pair[1]);
+    std::array<int, 2> out{}, err{};
+    if (::pipe2(out.data(), O_CLOEXEC) != 0) throw system_error("pipe2 (worker stdout)");
+    UniqueFd out_read(out[0]), out_write(out[1]);
+    if (::pipe2(err.data(), O_CLOEXEC) != 0) throw system_error("pipe2 (worker stderr)");
+    UniqueFd err_read(err[0]), err_write(err[1]);
+
+    sandbox::LaunchRequest request;
+    request.argv = {spec_.python.string(),
+                    std::string(worker_dir_inside) + "/" + spec_.worker_script.filename().string()};
+    // Explicit and minimal: the policy's base environment (nothing is inherited from the kernel, which
+    // holds the connection key) plus what the worker's pipes need.
+    request.environment = {"PYTHONIOENCODING=utf-8", "PYTHONUNBUFFERED=1"};
+    request.workspace = spec_.workspace;
+    request.stdout_fd = out_write.get();
+    request.stderr_fd = err_write.get();
+    request.pass_fds = {worker_end.get()};
+    if (spec_.memory_bytes != 0) {
+        auto limits = launcher.policy().limits;
+        limits.memory_bytes = spec_.memory_bytes;
+        request.limits = limits;
+    }
+    auto process = launcher.launch(request);
+    worker_end.reset();
+    out_write.reset();
+    err_write.reset();
+    set_nonblocking(out_read.get());
+    set_nonblocking(err_read.get());
+    if (spec_.give_workspace_to_sandbox) {
+        if (::chown(spec_.workspace.c_str(), process.host_uid(), process.host_uid()) != 0) {
+            log_event(LogLevel::warning, "workspace_chown_failed",
+                      {{"path", spec_.workspace.string()}, {"error", std::strerror(errno)}});
+        }
+    }
+    auto worker = std::make_shared<LiveWorker>(std::move(process), std::move(kernel_end), std::move(out_read),
+                                               std::move(err_read));
+
+    // Wait for "ready", keeping the tail of what the worker printed for the error message.
+    std::string tail;
+    const auto deadline = std::chrono::steady_clock::now() + spec_.ready_timeout;
+    std::array<char, 65536> buffer{};
+    while (true) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) {
+            worker->kill();
+            throw std::runtime_error("the worker did not report ready within " +
+                                     std::to_string(spec_.ready_timeout.count() / 1000) + " s; output: " + tail);
+        }
+        std::array<pollfd, 4> fds = {{{worker->channel_fd(), POLLIN, 0},
+                                      {worker->stdout_fd(), POLLIN, 0},
+                                      {worker->stderr_fd(), POLLIN, 0},
+                                      {worker->pidfd(), POLLIN, 0}}};
+        const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(left.count()));
+        if (ready < 0) {
+            if (errno == EINTR) continue;
+            throw system_error("poll (worker start-up)");
+        }
+        for (std::size_t i = 1; i <= 2; ++i) {
+            if (fds[i].revents & (POLLIN | POLLHUP)) {
+                const ssize_t got = ::read(fds[i].fd, buffer.data(), buffer.size());
+                if (got > 0) keep_tail(tail, buffer.data(), static_cast<std::size_t>(got));
+            }
+        }
+        if (fds[0].revents & (POLLIN | POLLHUP)) {
+            const ssize_t got = ::recv(worker->channel_fd(), buffer.data(), buffer.size(), MSG_DONTWAIT);
+            if (got > 0) {
+                worker->frames.append({buffer.data(), static_cast<std::size_t>(got)});
+                if (auto message = worker->frames.next()) {
+                    if ((*message)["type"] != "ready") {
+                        worker->kill();
+                        throw std::runtime_error("the worker sent '" + (*message)["type"].get<std::string>() +
+                                                 "' before 'ready'");
+                    }
+                    worker->ready_info = std::move(*message);
+                    return worker;
+                }
+            } else if (got == 0) {
+                fds[3].revents |= POLLIN;  // channel closed: the worker is ending
+            }
+        }
+        if (fds[3].revents & POLLIN) {
+            auto outcome = worker->wait_for(std::chrono::milliseconds(2000));
+            throw std::runtime_error("the worker ended during start-up (" +
+                                     (outcome ? outcome->describe() : std::string("unknown reason")) +
+                                     "); output: " + tail);
+        }
+    }
+}
+
+std::shared_ptr<LiveWorker> WorkerSupervisor::acquire(std::chrono::milliseconds timeout, std::string& error) {
+    std::unique_lock lock(mutex_);
+    if (state_ == State::ready && current_) return current_;
+    if (state_ == State::stopped) {
+        error = "the kernel is shutting down";
+        return nullptr;
+    }
+    if (state_ == State::failed || state_ == State::idle) {
+        state_ = State::starting;
+        launch_requested_ = true;
+        changed_.notify_all();
+    }
+    const bool settled = changed_.wait_for(lock, timeout, [this] {
+        return (state_ == State::ready && current_) || state_ == State::failed || state_ == State::stopped;
+    });
+    if (settled && state_ == State::ready) return current_;
+    if (!settled) {
+        error = "the Python worker did not start within " + std::to_string(timeout.count() / 1000) + " s";
+    } else if (state_ == State::failed) {
+        error = "the Python worker could not be started: " + launch_error_;
+    } else {
+        error = "the kernel is shutting down";
+    }
+    return nullptr;
+}
+
+sandbox::Outcome WorkerSupervisor::retire(const std::shared_ptr<LiveWorker>& worker) {
+    {
+        std::lock_guard lock(mutex_);
+        if (current_ == worker) {
+            current_.reset();
+            if (state_ != State::stopped) {
+                state_ = State::idle;
+                launch_requested_ = true;
+                changed_.notify_all();
+            }
+        }
+    }
+    auto outcome = worker->wait_for(std::chrono::milliseconds(200));
+    if (!outcome) {
+        worker->kill();
+        outcome = worker->wait_for(std::chrono::milliseconds(5000));
+    }
+    sandbox::Outcome result = outcome.value_or(sandbox::Outcome{sandbox::Outcome::Reason::signaled, 0, SIGKILL});
+    std::lock_guard lock(mutex_);
+    lost_state_note_ = result.describe();
+    return result;
+}
+
+void WorkerSupervisor::interrupt() {
+    std::shared_ptr<LiveWorker> worker;
+    {
+        std::lock_guard lock(mutex_);
+        worker = current_;
+    }
+    if (worker) {
+        log_event(LogLevel::debug, "worker_interrupt", {{"pid", worker->pid()}});
+        worker->signal(SIGINT);
+    }
+}
+
+void WorkerSupervisor::shutdown() {
+    std::shared_ptr<LiveWorker> worker;
+    {
+        std::lock_guard lock(mutex_);
+        if (state_ == State::stopped && !current_) return;
+        state_ = State::stopped;
+        worker = std::move(current_);
+        changed_.notify_all();
+    }
+    if (worker) worker->terminate();
+}
+
+std::optional<std::string> WorkerSupervisor::take_lost_state_note() {
+    std::lock_guard lock(mutex_);
+    return std::exchange(lost_state_note_, std::nullopt);
+}
+
+std::optional<std::string> WorkerSupervisor::worker_python_version() {
+    std::lock_guard lock(mutex_);
+    return python_version_;
+}
+
+}  // namespace cellblock::kernel

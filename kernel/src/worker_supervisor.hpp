@@ -1,0 +1,118 @@
+// Starts the confined Python worker through the sandbox library, keeps one ready, interrupts and kills
+// it, and relaunches it after it dies.
+//
+// Every launch happens on one long-lived launcher thread: the sandbox ties PR_SET_PDEATHSIG to the thread
+// that forked, so a short-lived thread would take the worker with it when it ends. The first launch
+// starts with the supervisor, so kernel_info is answered at once while the worker warms up.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cellblock/sandbox/sandbox.hpp>
+
+#include "unique_fd.hpp"
+#include "utf8_decoder.hpp"
+#include "worker_channel.hpp"
+
+namespace cellblock::kernel {
+
+struct WorkerLaunchSpec {
+    std::filesystem::path python = "/usr/bin/python3";
+    std::filesystem::path worker_script;    // host path; its directory is bind-mounted read-only
+    std::filesystem::path policy_file;      // sandbox policy JSON
+    std::filesystem::path workspace;        // host directory mounted at the policy's workspace target
+    bool give_workspace_to_sandbox = false; // the kernel created it: chown it to the sandbox's uid
+    std::uint64_t memory_bytes = 0;         // overrides the policy's memory limit (0 = keep the policy's)
+    std::chrono::milliseconds ready_timeout{60000};
+};
+
+// One running worker. The shell thread reads its fds; other threads may only signal or kill it.
+class LiveWorker {
+public:
+    LiveWorker(sandbox::Process process, UniqueFd channel, UniqueFd stdout_pipe, UniqueFd stderr_pipe);
+    ~LiveWorker();
+    LiveWorker(const LiveWorker&) = delete;
+    LiveWorker& operator=(const LiveWorker&) = delete;
+
+    int channel_fd() const noexcept { return channel_.get(); }
+    int stdout_fd() const noexcept { return stdout_.get(); }
+    int stderr_fd() const noexcept { return stderr_.get(); }
+    int pidfd() const noexcept { return pidfd_; }
+    pid_t pid() const noexcept { return pid_; }
+    uid_t host_uid() const noexcept { return host_uid_; }
+
+    void signal(int signo);
+    void kill();
+    // Kills and reaps now and releases the sandbox (cgroup, uid lease), whoever else holds this object.
+    void terminate();
+    // Reaps the worker once its pidfd is readable (waits at most `timeout`).
+    std::optional<sandbox::Outcome> wait_for(std::chrono::milliseconds timeout);
+
+    // Shell-thread state.
+    FrameDecoder frames;
+    Utf8StreamDecoder stdout_text;
+    Utf8StreamDecoder stderr_text;
+    nlohmann::json ready_info;
+
+private:
+    std::mutex mutex_;
+    std::optional<sandbox::Process> process_;
+    UniqueFd channel_, stdout_, stderr_;
+    int pidfd_ = -1;
+    pid_t pid_ = 0;
+    uid_t host_uid_ = 0;
+};
+
+class WorkerSupervisor {
+public:
+    explicit WorkerSupervisor(WorkerLaunchSpec spec);
+    ~WorkerSupervisor();
+    WorkerSupervisor(const WorkerSupervisor&) = delete;
+    WorkerSupervisor& operator=(const WorkerSupervisor&) = delete;
+
+    // The ready worker; starts one if there is none and waits up to `timeout` for it. On failure returns
+    // nullptr and sets `error` to a sentence naming the cause.
+    std::shared_ptr<LiveWorker> acquire(std::chrono::milliseconds timeout, std::string& error);
+    // The worker has ended or must go (protocol error, timeout): kill it if needed, reap it, report why
+    // it ended, and start a replacement in the background.
+    sandbox::Outcome retire(const std::shared_ptr<LiveWorker>& worker);
+
+    // Thread-safe, from the signal thread and the wire guard.
+    void interrupt();
+    // Kills the current worker and stops relaunching (kernel shutdown). Thread-safe, idempotent.
+    void shutdown();
+
+    // Set when a worker that had run code died; the next execute tells the user state was lost.
+    std::optional<std::string> take_lost_state_note();
+    // The worker's Python version once a worker has reported ready.
+    std::optional<std::string> worker_python_version();
+
+private:
+    void launcher_loop();
+    std::shared_ptr<LiveWorker> launch_one(sandbox::Launcher& launcher);
+
+    WorkerLaunchSpec spec_;
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    enum class State { idle, starting, ready, failed, stopped } state_ = State::idle;
+    bool launch_requested_ = true;
+    std::shared_ptr<LiveWorker> current_;
+    std::string launch_error_;
+    std::optional<std::string> lost_state_note_;
+    std::optional<std::string> python_version_;
+    std::thread launcher_thread_;
+};
+
+}  // namespace cellblock::kernel
