@@ -169,6 +169,10 @@ void Workspace::write_file(const std::string& relative, std::string_view bytes, 
                 fail_errno(relative, "mkdir " + component, errno);
             }
             UniqueFd next(openat2_beneath(parent_fd.get(), component, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+            if (!next && (errno == ENOTDIR || errno == ELOOP)) {
+                // A symlink (or a file) where a directory should be: never write through it.
+                fail(Kind::bad_path, relative, "'" + component + "' is not a directory (refusing symbolic links)");
+            }
             if (!next) fail_errno(relative, "open directory " + component, errno);
             parent_fd = std::move(next);
             start = end + 1;

@@ -1,0 +1,102 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cellblock/sandbox/sandbox.hpp"
+
+namespace sb = cellblock::sandbox;
+using nlohmann::json;
+
+namespace {
+
+std::string error_of(const json& document) {
+    try {
+        sb::Policy::from_json(document);
+    } catch (const sb::SandboxError& error) {
+        return error.what();
+    }
+    return "";
+}
+
+}  // namespace
+
+TEST(Policy, DefaultPolicyFileLoadsWithWorkerDefaults) {
+    const auto policy = sb::Policy::load(CELLBLOCK_DEFAULT_POLICY_SOURCE);
+    EXPECT_EQ(policy.limits.memory_bytes, 2ULL << 30);
+    EXPECT_EQ(policy.limits.pids, 256U);
+    EXPECT_DOUBLE_EQ(policy.limits.cpu_cores, 1.0);
+    EXPECT_EQ(policy.limits.open_files, 256U);
+    EXPECT_EQ(policy.limits.file_size_bytes, 256ULL << 20);
+    EXPECT_NE(policy.uid_first, 0U);
+    EXPECT_TRUE(policy.seccomp);
+    EXPECT_FALSE(policy.allow_weaker_confinement);
+    EXPECT_NE(std::find(policy.environment.begin(), policy.environment.end(), "HOME=/workspace"),
+              policy.environment.end());
+    bool has_usr = false;
+    for (const auto& mount : policy.mounts) {
+        if (mount.kind == sb::MountSpec::Kind::bind && mount.target == "/usr") has_usr = !mount.writable;
+    }
+    EXPECT_TRUE(has_usr) << "/usr must be bound read-only";
+}
+
+TEST(Policy, SizesAcceptUnits) {
+    const auto policy = sb::Policy::from_json(json::parse(R"({"limits": {"memory": "512M", "file_size": 4096}})"));
+    EXPECT_EQ(policy.limits.memory_bytes, 512ULL << 20);
+    EXPECT_EQ(policy.limits.file_size_bytes, 4096U);
+}
+
+TEST(Policy, UnknownKeysAreRejectedWithTheirName) {
+    EXPECT_NE(error_of(json::parse(R"({"seccom": false})")).find("seccom: unknown key"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"memroy": 1}})")).find("limits.memroy: unknown key"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "tmpfs", "target": "/tmp", "sorce": "/x"}]})"))
+                  .find("mounts[0].sorce"),
+              std::string::npos);
+}
+
+TEST(Policy, WrongTypesAndValuesAreExplained) {
+    EXPECT_NE(error_of(json::parse(R"({"seccomp": "yes"})")).find("seccomp: must be true or false"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"memory": "lots"}})")).find("is not a size"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"memory": "5T"}})")).find("unknown unit"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"pids": -1}})")).find("limits.pids"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"environment": ["NOEQUALS"]})")).find("not NAME=value"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"([1, 2])")).find("must be an object"), std::string::npos);
+}
+
+TEST(Policy, HostRootIsNeverHandedOut) {
+    EXPECT_NE(error_of(json::parse(R"({"uid_range": {"first": 0, "count": 10}})")).find("uid_range.first"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"inside_uid": 0})")).find("inside_uid"), std::string::npos);
+}
+
+TEST(Policy, MountsNeedValidTypesAndAbsoluteTargets) {
+    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "overlay", "target": "/x"}]})")).find("'overlay' is not one of"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "bind", "target": "/x"}]})")).find("needs \"source\""),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "tmpfs", "target": "tmp"}]})")).find("absolute"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "tmpfs", "target": "/a/../etc"}]})")).find("'..'"),
+              std::string::npos);
+}
+
+TEST(Policy, LoadReportsMissingFileAndBadJson) {
+    try {
+        sb::Policy::load("/nonexistent/policy.json");
+        FAIL() << "expected an error";
+    } catch (const sb::SandboxError& error) {
+        EXPECT_NE(std::string(error.what()).find("/nonexistent/policy.json"), std::string::npos);
+    }
+    char path[] = "/tmp/cellblock-policy-XXXXXX";
+    const int fd = ::mkstemp(path);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::write(fd, "{ not json", 10), 10);
+    ::close(fd);
+    try {
+        sb::Policy::load(path);
+        FAIL() << "expected an error";
+    } catch (const sb::SandboxError& error) {
+        EXPECT_NE(std::string(error.what()).find("not valid JSON"), std::string::npos);
+    }
+    ::unlink(path);
+}

@@ -1,0 +1,145 @@
+// Host-side workspace access must not be fooled by what untrusted code plants in the workspace.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include "cellblock/sandbox/sandbox.hpp"
+
+namespace sb = cellblock::sandbox;
+namespace fs = std::filesystem;
+using Kind = sb::WorkspaceError::Kind;
+
+namespace {
+
+class WorkspaceTest : public ::testing::Test {
+protected:
+    void SetUp() override {
+        std::string pattern = (fs::temp_directory_path() / "cellblock-ws-test-XXXXXX").string();
+        ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+        base_ = pattern;
+        root_ = base_ / "ws";
+        fs::create_directory(root_);
+        secret_ = base_ / "host-secret.txt";
+        std::ofstream(secret_) << "HOST-SECRET-CONTENT";
+    }
+    void TearDown() override { fs::remove_all(base_); }
+
+    Kind kind_of(const std::function<void()>& action) {
+        try {
+            action();
+        } catch (const sb::WorkspaceError& error) {
+            return error.kind();
+        }
+        ADD_FAILURE() << "expected a WorkspaceError";
+        return Kind::io;
+    }
+
+    std::string slurp(const fs::path& path) {
+        std::ifstream in(path);
+        return {std::istreambuf_iterator<char>(in), {}};
+    }
+
+    fs::path base_, root_, secret_;
+};
+
+}  // namespace
+
+TEST_F(WorkspaceTest, WritesReadsListsAndRemovesRegularFiles) {
+    sb::Workspace workspace(root_);
+    workspace.write_file("data/report.csv", "a,b\n1,2\n", 1024);
+    EXPECT_EQ(workspace.read_file("data/report.csv", 1024), "a,b\n1,2\n");
+    workspace.write_file("data/report.csv", "replaced", 1024);
+    EXPECT_EQ(workspace.read_file("data/report.csv", 1024), "replaced");
+    const auto entries = workspace.list();
+    ASSERT_EQ(entries.size(), 2U);
+    workspace.remove_file("data/report.csv");
+    EXPECT_EQ(kind_of([&] { workspace.read_file("data/report.csv", 1024); }), Kind::not_found);
+}
+
+TEST_F(WorkspaceTest, NewFilesBelongToTheWorkspaceOwner) {
+    ASSERT_EQ(::chown(root_.c_str(), 123456, 123456), 0);
+    sb::Workspace workspace(root_);
+    workspace.write_file("sub/f.txt", "x", 10);
+    struct stat info {};
+    ASSERT_EQ(::stat((root_ / "sub/f.txt").c_str(), &info), 0);
+    EXPECT_EQ(info.st_uid, 123456U);
+    ASSERT_EQ(::stat((root_ / "sub").c_str(), &info), 0);
+    EXPECT_EQ(info.st_uid, 123456U);
+}
+
+TEST_F(WorkspaceTest, PlantedSymlinkToAHostFileIsNotFollowed) {
+    fs::create_symlink(secret_, root_ / "report.csv");
+    sb::Workspace workspace(root_);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("report.csv", 1 << 20); }), Kind::bad_path);
+    // Writing through the name must not modify the host file either.
+    EXPECT_EQ(kind_of([&] { workspace.write_file("report.csv", "overwritten", 100); }), Kind::not_regular);
+    EXPECT_EQ(slurp(secret_), "HOST-SECRET-CONTENT");
+    // Removing removes the link only.
+    workspace.remove_file("report.csv");
+    EXPECT_TRUE(fs::exists(secret_));
+}
+
+TEST_F(WorkspaceTest, SymlinkedDirectoryComponentIsRefused) {
+    fs::create_directory_symlink(base_, root_ / "escape");
+    sb::Workspace workspace(root_);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("escape/host-secret.txt", 1 << 20); }), Kind::bad_path);
+    EXPECT_EQ(kind_of([&] { workspace.write_file("escape/new.txt", "x", 10); }), Kind::bad_path);
+    EXPECT_FALSE(fs::exists(base_ / "new.txt"));
+    for (const auto& entry : workspace.list()) EXPECT_NE(entry.path.rfind("escape/", 0), 0U) << entry.path;
+}
+
+TEST_F(WorkspaceTest, DotDotAndAbsolutePathsAreRefused) {
+    sb::Workspace workspace(root_);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("../host-secret.txt", 1 << 20); }), Kind::bad_path);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("a/../../host-secret.txt", 1 << 20); }), Kind::bad_path);
+    EXPECT_EQ(kind_of([&] { workspace.read_file(secret_.string(), 1 << 20); }), Kind::bad_path);
+    EXPECT_EQ(kind_of([&] { workspace.write_file("../evil.txt", "x", 10); }), Kind::bad_path);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("", 10); }), Kind::bad_path);
+    EXPECT_FALSE(fs::exists(base_ / "evil.txt"));
+}
+
+TEST_F(WorkspaceTest, PlantedFifoDoesNotBlockAndIsRefused) {
+    ASSERT_EQ(::mkfifo((root_ / "out.txt").c_str(), 0666), 0);
+    sb::Workspace workspace(root_);
+    const auto started = std::chrono::steady_clock::now();
+    EXPECT_EQ(kind_of([&] { workspace.read_file("out.txt", 1 << 20); }), Kind::not_regular);
+    EXPECT_EQ(kind_of([&] { workspace.write_file("out.txt", "x", 10); }), Kind::not_regular);
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+    for (const auto& entry : workspace.list()) EXPECT_NE(entry.path, "out.txt");
+}
+
+TEST_F(WorkspaceTest, HardLinkedFileIsNotRead) {
+    fs::create_hard_link(secret_, root_ / "linked.txt");
+    sb::Workspace workspace(root_);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("linked.txt", 1 << 20); }), Kind::not_regular);
+    // Writing replaces the name; the other link keeps its content.
+    workspace.write_file("linked.txt", "new content", 100);
+    EXPECT_EQ(slurp(secret_), "HOST-SECRET-CONTENT");
+    EXPECT_EQ(workspace.read_file("linked.txt", 100), "new content");
+}
+
+TEST_F(WorkspaceTest, SizesAreCapped) {
+    sb::Workspace workspace(root_);
+    std::ofstream(root_ / "big.bin") << std::string(5000, 'x');
+    EXPECT_EQ(kind_of([&] { workspace.read_file("big.bin", 4999); }), Kind::too_large);
+    EXPECT_EQ(workspace.read_file("big.bin", 5000).size(), 5000U);
+    EXPECT_EQ(kind_of([&] { workspace.write_file("w.bin", std::string(100, 'y'), 99); }), Kind::too_large);
+    EXPECT_FALSE(fs::exists(root_ / "w.bin"));
+}
+
+TEST_F(WorkspaceTest, DirectoriesAreNotFiles) {
+    fs::create_directory(root_ / "dir");
+    sb::Workspace workspace(root_);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("dir", 100); }), Kind::not_regular);
+    EXPECT_EQ(kind_of([&] { workspace.remove_file("dir"); }), Kind::not_regular);
+    EXPECT_EQ(kind_of([&] { workspace.read_file("missing.txt", 100); }), Kind::not_found);
+}
+
+TEST_F(WorkspaceTest, RootThatIsASymlinkIsRefused) {
+    fs::create_directory_symlink(root_, base_ / "link-to-ws");
+    EXPECT_THROW(sb::Workspace(base_ / "link-to-ws"), sb::WorkspaceError);
+}
