@@ -175,3 +175,9 @@ def test_exit_asks_the_kernel_and_keeps_serving(worker):
     exchange = worker.execute("exit()").assert_ok()
     assert {"source": "ask_exit", "keepkernel": False} in exchange.reply["payload"]
     assert worker.execute("3 * 3").result["data"]["text/plain"] == "9"
+
+
+def test_user_registered_formatters_apply_to_builtin_results(worker):
+    worker.execute("get_ipython().display_formatter.formatters['text/html'].for_type(int, lambda n: f'<b>{n}</b>')")
+    data = worker.execute("5").assert_ok().result["data"]
+    assert data == {"text/plain": "5", "text/html": "<b>5</b>"}

@@ -65,6 +65,9 @@ class FrameDisplayPublisher(DisplayPublisher):
         self.shell.output_route.publish({"type": "clear_output", "wait": bool(wait)})
 
 
+_PLAIN_ONLY_TYPES = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
 class FrameDisplayHook(DisplayHook):
     """The last expression's value as an execute_result frame (`_`, `__`, `Out` and `_N` kept by IPython)."""
 
@@ -90,12 +93,32 @@ class FrameDisplayHook(DisplayHook):
         pass
 
     def compute_format_data(self, result):
+        if type(result) in _PLAIN_ONLY_TYPES and self._only_plain_text_applies(type(result)):
+            # Fast path (about 80 us of a 1+1 cell): running all twelve formatters on an int or a str can
+            # only produce text/plain, unless the user registered a formatter for the type.
+            return {"text/plain": self.shell.display_formatter.formatters["text/plain"](result)}, {}
         data, metadata = super().compute_format_data(result)
         if "text/plain" not in data:
             # Clients that render only text (agents) must always get something.
             data = dict(data)
             data["text/plain"] = safe_repr(result)
         return data, metadata
+
+    def _only_plain_text_applies(self, result_type):
+        formatters = self.shell.display_formatter.formatters
+        plain = formatters.get("text/plain")
+        if plain is None or not plain.enabled:
+            return False
+        for mime, formatter in formatters.items():
+            if mime == "text/plain" or not formatter.enabled:
+                continue
+            if formatter.deferred_printers or any(cls in formatter.type_printers for cls in result_type.__mro__):
+                return False
+        display_formatter = self.shell.display_formatter
+        return not (display_formatter.ipython_display_formatter.type_printers
+                    or display_formatter.ipython_display_formatter.deferred_printers
+                    or display_formatter.mimebundle_formatter.type_printers
+                    or display_formatter.mimebundle_formatter.deferred_printers)
 
     def write_format_data(self, format_dict, md_dict=None):
         self._pending = (format_dict, md_dict or {})
