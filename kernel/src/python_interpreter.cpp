@@ -19,6 +19,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t read_chunk_bytes = 65536;
+constexpr auto stream_batch_window = std::chrono::milliseconds(3);
 
 std::string seconds_text(double seconds) {
     char text[32];
@@ -47,6 +48,11 @@ struct PythonInterpreter::Exchange {
     std::optional<std::string> result_text;  // text/plain of execute_result, for history
     bool stdout_open = true;         // until the pipe reports end of file
     bool stderr_open = true;
+    // Stream text is batched for a few milliseconds so a print() that reaches the pipe as several writes
+    // becomes one stream message, while prints further apart still arrive apart.
+    std::string pending_name;
+    std::string pending_text;
+    Clock::time_point flush_at = Clock::time_point::max();
 };
 
 struct PythonInterpreter::Ending {
@@ -73,6 +79,26 @@ void PythonInterpreter::publish_text(const std::string& name, const std::string&
     }
     exchange.published_bytes += text.size();
     publish_stream(name, text);
+}
+
+void PythonInterpreter::queue_text(const std::string& name, std::string text, Exchange& exchange) {
+    if (text.empty()) return;
+    if (!exchange.pending_text.empty() && exchange.pending_name != name) flush_text(exchange);
+    exchange.pending_name = name;
+    exchange.pending_text += text;
+    if (exchange.pending_text.size() >= read_chunk_bytes) {
+        flush_text(exchange);
+    } else if (exchange.flush_at == Clock::time_point::max()) {
+        exchange.flush_at = Clock::now() + stream_batch_window;
+    }
+}
+
+void PythonInterpreter::flush_text(Exchange& exchange) {
+    exchange.flush_at = Clock::time_point::max();
+    if (exchange.pending_text.empty()) return;
+    const std::string text = std::move(exchange.pending_text);
+    exchange.pending_text.clear();
+    publish_text(exchange.pending_name, text, exchange);
 }
 
 void PythonInterpreter::note_truncation(Exchange& exchange) {
@@ -103,11 +129,11 @@ void PythonInterpreter::read_stream(LiveWorker& worker, bool is_stderr, Exchange
     auto& decoder = is_stderr ? worker.stderr_text : worker.stdout_text;
     const ssize_t got = ::read(fd, buffer.data(), buffer.size());
     if (got > 0) {
-        publish_text(is_stderr ? "stderr" : "stdout", decoder.feed({buffer.data(), static_cast<std::size_t>(got)}),
-                     exchange);
+        queue_text(is_stderr ? "stderr" : "stdout", decoder.feed({buffer.data(), static_cast<std::size_t>(got)}),
+                   exchange);
     } else if (got == 0) {
         open = false;
-        publish_text(is_stderr ? "stderr" : "stdout", decoder.finish(), exchange);
+        queue_text(is_stderr ? "stderr" : "stdout", decoder.finish(), exchange);
     } else if (errno != EAGAIN && errno != EINTR) {
         open = false;
     }
@@ -118,7 +144,7 @@ void PythonInterpreter::drain_streams(LiveWorker& worker, Exchange& exchange) {
     for (int round = 0; round < 4096; ++round) {
         std::array<pollfd, 2> fds = {{{exchange.stdout_open ? worker.stdout_fd() : -1, POLLIN, 0},
                                       {exchange.stderr_open ? worker.stderr_fd() : -1, POLLIN, 0}}};
-        if (::poll(fds.data(), fds.size(), 0) <= 0) return;
+        if (::poll(fds.data(), fds.size(), 0) <= 0) break;
         bool any = false;
         if (fds[0].revents & (POLLIN | POLLHUP)) {
             read_stream(worker, false, exchange);
@@ -128,8 +154,9 @@ void PythonInterpreter::drain_streams(LiveWorker& worker, Exchange& exchange) {
             read_stream(worker, true, exchange);
             any = true;
         }
-        if (!any) return;
+        if (!any) break;
     }
+    flush_text(exchange);
 }
 
 void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json& message, Exchange& exchange) {
@@ -219,9 +246,11 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
             exchange.killed_for_timeout = true;
             worker->kill();
         }
-        const auto next_event = exchange.timed_out ? kill_deadline : deadline;
+        auto next_event = exchange.timed_out ? kill_deadline : deadline;
+        if (exchange.killed_for_timeout) next_event = never;
+        next_event = std::min(next_event, exchange.flush_at);
         int wait_ms = -1;
-        if (next_event != never && !exchange.killed_for_timeout) {
+        if (next_event != never) {
             wait_ms = static_cast<int>(
                 std::max<long long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
         }
@@ -237,6 +266,7 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
         }
         if (fds[1].revents & (POLLIN | POLLHUP)) read_stream(*worker, false, exchange);
         if (fds[2].revents & (POLLIN | POLLHUP)) read_stream(*worker, true, exchange);
+        if (Clock::now() >= exchange.flush_at) flush_text(exchange);
         if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
             const ssize_t got = ::recv(worker->channel_fd(), buffer.data(), buffer.size(), MSG_DONTWAIT);
             if (got > 0) {

@@ -1,0 +1,68 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+
+#include "kernel_config.hpp"
+
+namespace cellblock::kernel {
+namespace {
+
+class KernelConfigFile : public ::testing::Test {
+protected:
+    void SetUp() override {
+        dir = std::filesystem::temp_directory_path() / ("cellblock-config-test-" + std::to_string(::getpid()));
+        std::filesystem::create_directories(dir);
+        file = dir / "kernel-config.json";
+        std::ofstream(file) << R"({"worker": {"python": "/usr/bin/python3", "script": "worker/w.py"},
+                                   "sandbox_policy": "policy.json", "workspace_root": "/var/ws",
+                                   "limits": {"timeout_s": 30, "interrupt_grace_s": 1.5, "output_bytes": 1000,
+                                              "memory_mb": 512}})";
+    }
+    void TearDown() override { std::filesystem::remove_all(dir); }
+    KernelConfig::EnvironmentLookup environment() const {
+        return [this](const std::string& name) -> std::optional<std::string> {
+            auto it = variables.find(name);
+            if (it == variables.end()) return std::nullopt;
+            return it->second;
+        };
+    }
+    std::filesystem::path dir, file;
+    std::map<std::string, std::string> variables;
+};
+
+TEST_F(KernelConfigFile, RelativePathsResolveAgainstTheFile) {
+    const auto config = KernelConfig::load(file, environment());
+    EXPECT_EQ(config.worker_script, dir / "worker/w.py");
+    EXPECT_EQ(config.sandbox_policy, dir / "policy.json");
+    EXPECT_EQ(config.workspace_root, "/var/ws");
+    EXPECT_EQ(config.limits.timeout_s, 30);
+    EXPECT_EQ(config.limits.interrupt_grace_s, 1.5);
+    EXPECT_EQ(config.limits.output_bytes, 1000u);
+    EXPECT_EQ(config.limits.memory_mb, 512u);
+    EXPECT_FALSE(config.workspace);
+}
+
+TEST_F(KernelConfigFile, EnvironmentOverridesTheFile) {
+    variables = {{"CELLBLOCK_TIMEOUT_S", "2.5"}, {"CELLBLOCK_MEMORY_MB", "128"},
+                 {"CELLBLOCK_OUTPUT_BYTES", "4096"}, {"CELLBLOCK_WORKSPACE", "/srv/ws/abc"}};
+    const auto config = KernelConfig::load(file, environment());
+    EXPECT_EQ(config.limits.timeout_s, 2.5);
+    EXPECT_EQ(config.limits.memory_mb, 128u);
+    EXPECT_EQ(config.limits.output_bytes, 4096u);
+    EXPECT_EQ(config.workspace, std::filesystem::path("/srv/ws/abc"));
+}
+
+TEST_F(KernelConfigFile, BadValuesAreReportedByName) {
+    variables = {{"CELLBLOCK_TIMEOUT_S", "soon"}};
+    try {
+        KernelConfig::load(file, environment());
+        FAIL() << "expected ConfigError";
+    } catch (const ConfigError& error) {
+        EXPECT_NE(std::string(error.what()).find("CELLBLOCK_TIMEOUT_S"), std::string::npos);
+    }
+    EXPECT_THROW(KernelConfig::load(dir / "missing.json", environment()), ConfigError);
+}
+
+}  // namespace
+}  // namespace cellblock::kernel
