@@ -16,7 +16,7 @@ runtime_packages=(
   python3 python3-ipython python3-matplotlib python3-matplotlib-inline python3-pandas python3-numpy
 )
 test_packages=(
-  python3-pytest python3-jupyter-client python3-jupyter-kernel-test python3-ipykernel
+  python3-pytest python3-jupyter-client python3-jupyter-kernel-test python3-ipykernel xpython
   python3-nbclient python3-nbformat python3-nbconvert jupyter-nbconvert jupyter-client jupyter-server python3-jupyter-server python3-notebook
   python3-websocket python3-requests python3-tornado
   chromium iproute2 procps psmisc
