@@ -1,0 +1,32 @@
+#pragma once
+// Cryptographic helpers, all delegated to OpenSSL / libuuid: message signing for the Jupyter wire protocol,
+// random identifiers and constant-time comparison of secrets.
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace cellblock::gateway {
+
+// Signs Jupyter messages with HMAC-SHA256 over header, parent_header, metadata and content (in that order),
+// as the Jupyter messaging spec requires. An empty key disables signing (the signature is then "").
+class HmacSigner {
+public:
+    explicit HmacSigner(std::string key);
+    std::string sign(std::span<const std::string_view> parts) const;
+    bool verify(std::span<const std::string_view> parts, std::string_view signature) const;
+    const std::string& key() const { return key_; }
+
+private:
+    std::string key_;
+};
+
+// Random bytes from OpenSSL's CSPRNG, hex-encoded (2 characters per byte).
+std::string random_hex(std::size_t byte_count);
+// RFC 4122 version 4 UUID in canonical lowercase form (libuuid).
+std::string new_uuid();
+// Compares secrets without leaking the position of the first difference (CRYPTO_memcmp).
+bool constant_time_equals(std::string_view a, std::string_view b);
+// Standard base64 (OpenSSL EVP_EncodeBlock / EVP_DecodeBlock).
+std::string base64_encode(std::string_view bytes);
+
+}  // namespace cellblock::gateway

@@ -1,0 +1,173 @@
+#pragma once
+// One running kernel: its process, connection file, HMAC key and ZMQ sockets, plus the WebSocket sessions attached
+// to it. Each session_id gets its own shell/control/stdin DEALER sockets whose routing identity is the session_id,
+// so the kernel's ROUTER sends replies and input_request only to the requester; IOPub arrives on one SUB socket and
+// is fanned out to every session. Sessions outlive their WebSocket for a while so a reconnect with the same
+// session_id gets the messages it missed.
+#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/jupyter_message.hpp"
+#include "cellblock/gateway/kernel_process.hpp"
+#include "cellblock/gateway/kernelspec_registry.hpp"
+#include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/zmq_channel.hpp"
+
+#include <boost/asio/steady_timer.hpp>
+
+#include <chrono>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace cellblock::gateway {
+
+// Implemented by whatever carries messages to a client (the /channels WebSocket, the agent API).
+class KernelClient {
+public:
+    virtual ~KernelClient() = default;
+    virtual void deliver(const JupyterMessage& message) = 0;
+    // The kernel is going away (shut down, culled) or another connection took over this session_id.
+    virtual void disconnect(const std::string& reason) = 0;
+};
+
+// Where a kernel's sockets live. ipc:// endpoints avoid the "pick a free port, close it, hope" race entirely.
+struct KernelEndpoints {
+    std::string base;  // ipc path prefix; endpoint of port N is ipc://<base>-<N>
+    std::string endpoint(int port) const { return "ipc://" + base + "-" + std::to_string(port); }
+    static constexpr int shell = 1, iopub = 2, stdin_ = 3, control = 4, heartbeat = 5;
+};
+
+enum class KernelState { starting, idle, busy, restarting, dead };
+std::string_view kernel_state_name(KernelState state);
+
+class Kernel;
+
+// The per-session_id ZMQ sockets and the offline buffer.
+class KernelSession {
+public:
+    KernelSession(std::string session_id, Kernel& kernel);
+    ~KernelSession();
+    const std::string& session_id() const { return session_id_; }
+    bool attached() const { return attached_client_ != nullptr; }
+    // Prefix of session ids the gateway generates for clients that send no session_id.
+    static constexpr std::string_view anonymous_prefix = "anonymous-";
+    void send(JupyterMessage&& message);
+
+private:
+    friend class Kernel;
+    void deliver_or_buffer(const JupyterMessage& message);
+    void attach(std::weak_ptr<KernelClient> client);
+    std::string session_id_;
+    Kernel& kernel_;
+    std::shared_ptr<ZmqChannel> shell_, control_, stdin_;
+    std::weak_ptr<KernelClient> client_;
+    const KernelClient* attached_client_ = nullptr;  // identity of the attached client, for stale-detach checks
+    std::deque<JupyterMessage> offline_;
+    std::size_t offline_bytes_ = 0;
+    bool overflowed_ = false;
+    std::chrono::steady_clock::time_point detached_since_ = std::chrono::steady_clock::now();
+};
+
+struct KernelLaunch {
+    std::string id;
+    KernelSpec spec;
+    std::map<std::string, std::string> environment;  // the full environment of the kernel process
+    std::filesystem::path runtime_dir;                // private 0700 directory for connection file and sockets
+    std::filesystem::path workspace_dir;              // per-kernel CELLBLOCK_WORKSPACE, also the working directory
+};
+
+class Kernel : public std::enable_shared_from_this<Kernel> {
+public:
+    using ReadyHandler = std::function<void(std::optional<std::string> error)>;
+
+    Kernel(boost::asio::io_context& io, zmq::context_t& zmq_context, const Logger& logger, const GatewayConfig& config,
+           KernelLaunch launch);
+    ~Kernel();
+    Kernel(const Kernel&) = delete;
+    Kernel& operator=(const Kernel&) = delete;
+
+    // Spawns the process; `on_ready` runs once the kernel answered kernel_info_request and IOPub delivers, or with
+    // an error on failure/timeout.
+    void start(ReadyHandler on_ready);
+    // Runs `handler` once the kernel is ready (at once if it already is).
+    void when_ready(ReadyHandler handler);
+    // Gateway exit: SIGTERM now; `finish_termination` waits up to `grace` and then SIGKILLs.
+    void begin_termination();
+    void finish_termination(std::chrono::milliseconds grace);
+    void interrupt();
+    // Restarts the process in place (same id, endpoints and key, so connected clients stay connected).
+    void restart(ReadyHandler on_ready);
+    // Asks the kernel to exit, then escalates to signals; clients are told `reason`.
+    void shutdown(const std::string& reason);
+    // Sends a stderr note on IOPub to every connected client (e.g. before a cull).
+    void notify_clients(const std::string& text);
+
+    // WebSocket sessions. Attaching a session_id that is already attached disconnects the older client.
+    std::shared_ptr<KernelSession> attach(const std::string& session_id, std::weak_ptr<KernelClient> client);
+    void detach(const std::shared_ptr<KernelSession>& session, const KernelClient* client);
+    // Drops detached sessions older than the configured TTL; returns how many are left.
+    void expire_detached_sessions();
+
+    const std::string& id() const { return launch_.id; }
+    const std::string& spec_name() const { return launch_.spec.name; }
+    const std::filesystem::path& workspace_dir() const { return launch_.workspace_dir; }
+    KernelState state() const { return state_; }
+    bool ready() const { return ready_; }
+    int connections() const { return connections_; }
+    std::chrono::system_clock::time_point last_activity() const { return last_activity_; }
+    void touch() { last_activity_ = std::chrono::system_clock::now(); }
+    nlohmann::json model() const;
+
+    // Called when the kernel is permanently gone (died past the restart limit, or shut down).
+    void on_terminated(std::function<void(const std::string& id)> handler) { terminated_handler_ = std::move(handler); }
+
+    // Used by KernelSession.
+    std::shared_ptr<ZmqChannel> connect_dealer(int port, const std::string& identity, Channel channel,
+                                               std::weak_ptr<KernelSession> session);
+    const HmacSigner& signer() const { return signer_; }
+    const GatewayConfig& config() const { return config_; }
+    const Logger& logger() const { return logger_; }
+
+private:
+    void write_connection_file();
+    void spawn();
+    void on_process_exit(ProcessExit exit);
+    void probe_readiness();
+    void finish_readiness(std::optional<std::string> error);
+    void handle_iopub(JupyterMessage&& message);
+    void handle_probe_reply(JupyterMessage&& message);
+    void broadcast(const JupyterMessage& message);
+    void set_state(KernelState state) { state_ = state; }
+    void connect_gateway_sockets();
+
+    boost::asio::io_context& io_;
+    zmq::context_t& zmq_context_;
+    const Logger& logger_;
+    const GatewayConfig& config_;
+    KernelLaunch launch_;
+    KernelEndpoints endpoints_;
+    HmacSigner signer_;
+    std::filesystem::path connection_file_;
+    std::unique_ptr<ChildProcess> process_;
+    std::shared_ptr<ZmqChannel> iopub_, probe_shell_, probe_control_;
+    std::string probe_session_;
+    std::map<std::string, std::shared_ptr<KernelSession>> sessions_;
+    KernelState state_ = KernelState::starting;
+    bool ready_ = false;
+    bool kernel_info_answered_ = false;
+    bool iopub_seen_ = false;
+    bool shutting_down_ = false;
+    int restarts_ = 0;
+    int connections_ = 0;
+    std::chrono::system_clock::time_point last_activity_ = std::chrono::system_clock::now();
+    std::chrono::steady_clock::time_point launch_deadline_;
+    boost::asio::steady_timer probe_timer_;
+    boost::asio::steady_timer shutdown_timer_;
+    std::vector<ReadyHandler> ready_handlers_;
+    std::function<void(const std::string&)> terminated_handler_;
+};
+
+}  // namespace cellblock::gateway

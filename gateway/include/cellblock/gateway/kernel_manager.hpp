@@ -1,0 +1,85 @@
+#pragma once
+// Owns every kernel: starts them (from the warm pool when possible), enforces max_kernels at request time,
+// restarts, interrupts, shuts down and culls them. All methods run on the io_context thread.
+#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/kernel.hpp"
+#include "cellblock/gateway/kernelspec_registry.hpp"
+#include "cellblock/gateway/log.hpp"
+
+#include <boost/asio/steady_timer.hpp>
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+
+namespace cellblock::gateway {
+
+struct KernelStartRequest {
+    std::string name;                             // empty = default kernelspec
+    std::map<std::string, std::string> env;       // as sent by the client; filtered by the manager
+};
+
+struct KernelStartError {
+    enum class Kind { no_such_kernel, resource_limit, failed } kind;
+    std::string message;
+};
+
+class KernelManager {
+public:
+    using StartHandler = std::function<void(std::variant<std::shared_ptr<Kernel>, KernelStartError>)>;
+
+    KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
+                  KernelSpecRegistry& registry);
+    ~KernelManager();
+
+    // Creates the runtime directories and fills the warm pool.
+    void start();
+    void start_kernel(const KernelStartRequest& request, StartHandler on_started);
+    std::shared_ptr<Kernel> find(const std::string& kernel_id) const;
+    // Returns false for an unknown id.
+    bool shutdown_kernel(const std::string& kernel_id, const std::string& reason = "kernel shut down");
+    // Stops everything, synchronously: SIGTERM to all kernels, a short grace period, then SIGKILL.
+    void shutdown_all();
+    std::vector<std::shared_ptr<Kernel>> list() const;
+    const KernelSpecRegistry& registry() const { return registry_; }
+    std::size_t pool_ready_count() const;
+    const std::filesystem::path& runtime_dir() const { return runtime_dir_; }
+
+    // Builds the kernel environment as Kernel Gateway does: PATH and whitelisted gateway variables, the spec's
+    // env, the request's KERNEL_* (and whitelisted) variables; KERNEL_GATEWAY=1 and CELLBLOCK_WORKSPACE are
+    // always set. Exposed for tests.
+    std::map<std::string, std::string> kernel_environment(const KernelSpec& spec,
+                                                          const std::map<std::string, std::string>& request_env,
+                                                          const std::string& kernel_id,
+                                                          const std::filesystem::path& workspace) const;
+
+private:
+    std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec, const std::map<std::string, std::string>& request_env);
+    bool pool_can_serve(const KernelSpec& spec, const std::map<std::string, std::string>& request_env) const;
+    void refill_pool();
+    void schedule_cull();
+    void cull();
+    void adopt(const std::shared_ptr<Kernel>& kernel);
+
+    boost::asio::io_context& io_;
+    const Logger& logger_;
+    const GatewayConfig& config_;
+    KernelSpecRegistry& registry_;
+    zmq::context_t zmq_context_;
+    std::filesystem::path runtime_dir_;
+    std::filesystem::path workspace_root_;
+    bool owns_runtime_dir_ = false;
+    std::map<std::string, std::shared_ptr<Kernel>> kernels_;  // handed out (or starting for a request)
+    std::deque<std::shared_ptr<Kernel>> pool_;                // warm, not yet handed out
+    int reserved_ = 0;                                        // starts in flight, counted against max_kernels
+    int pool_failures_ = 0;
+    boost::asio::steady_timer cull_timer_;
+    boost::asio::steady_timer pool_retry_timer_;
+    bool stopping_ = false;
+};
+
+}  // namespace cellblock::gateway

@@ -1,0 +1,34 @@
+#pragma once
+// The Jupyter Kernel Gateway REST surface and the /channels WebSocket, one RestResource per resource.
+#include "cellblock/gateway/auth.hpp"
+#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/kernel_manager.hpp"
+#include "cellblock/gateway/kernelspec_registry.hpp"
+#include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/router.hpp"
+#include "cellblock/gateway/session_manager.hpp"
+
+#include <boost/asio/io_context.hpp>
+
+namespace cellblock::gateway {
+
+// Everything a handler may need; owned by main(), outlives the server.
+struct GatewayServices {
+    boost::asio::io_context& io;
+    const Logger& logger;
+    const GatewayConfig& config;
+    KernelSpecRegistry& kernelspecs;
+    KernelManager& kernels;
+    SessionManager& sessions;
+    const TokenAuthenticator& auth;
+    const CorsPolicy& cors;
+};
+
+// Registers /api, /api/status, /api/kernelspecs..., /kernelspecs/{name}/{file}, /api/kernels..., /api/sessions...
+// and /api/kernels/{kernel_id}/channels on `router` (paths are relative to base_url).
+void register_jupyter_api(Router& router, GatewayServices& services);
+
+// Kernel ids look like UUIDs (Kernel Gateway's route regex \w+-\w+-\w+-\w+-\w+).
+bool looks_like_kernel_id(std::string_view id);
+
+}  // namespace cellblock::gateway

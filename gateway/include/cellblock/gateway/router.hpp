@@ -1,0 +1,101 @@
+#pragma once
+// REST plumbing shared by the Jupyter API and the agent API: a request context, one handler object per REST
+// resource (one virtual per HTTP method), a router from path patterns ("/api/kernels/{kernel_id}") to resources,
+// and the JSON error shape {"reason", "message"} that Kernel Gateway clients expect.
+#include "cellblock/gateway/websocket_transport.hpp"
+
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cellblock::gateway {
+
+namespace http = boost::beast::http;
+using HttpRequest = http::request<http::string_body>;
+using HttpResponse = http::response<http::string_body>;
+// Completes a request; must be called exactly once, possibly later (after a kernel started).
+using Responder = std::function<void(HttpResponse)>;
+
+struct RequestContext {
+    const HttpRequest& request;
+    std::string path;                                 // decoded, without query and base_url, starts with "/"
+    std::map<std::string, std::string> query;         // decoded query parameters
+    std::map<std::string, std::string> params;        // captured {placeholders}
+    std::string base_url;                             // e.g. "/" or "/gw/"
+    const std::string& param(const std::string& name) const { return params.at(name); }
+    // Parses the body as a JSON object; an empty body gives {}. Throws HttpError(400) otherwise.
+    nlohmann::json json_body() const;
+};
+
+// Thrown by handlers for a clean JSON error response.
+class HttpError : public std::runtime_error {
+public:
+    HttpError(http::status status, std::string message, std::string reason = {})
+        : std::runtime_error(message), status_(status), reason_(std::move(reason)) {}
+    http::status status() const { return status_; }
+    const std::string& reason() const { return reason_; }
+
+private:
+    http::status status_;
+    std::string reason_;
+};
+
+HttpResponse json_response(http::status status, const nlohmann::json& body, unsigned version = 11);
+// {"reason": <reason or the HTTP phrase>, "message": message}
+HttpResponse json_error(http::status status, std::string_view message, std::string_view reason = {},
+                        unsigned version = 11);
+HttpResponse empty_response(http::status status, unsigned version = 11);
+
+class RestResource {
+public:
+    virtual ~RestResource() = default;
+    virtual void get(RequestContext& context, Responder respond);
+    virtual void head(RequestContext& context, Responder respond);  // default: GET without the body
+    virtual void post(RequestContext& context, Responder respond);
+    virtual void put(RequestContext& context, Responder respond);
+    virtual void patch(RequestContext& context, Responder respond);
+    virtual void delete_(RequestContext& context, Responder respond);
+    // Methods this resource implements, for 405 Allow headers.
+    virtual std::string allowed_methods() const { return "GET, OPTIONS"; }
+
+    // WebSocket endpoints override these. check_upgrade runs before the 101 and may refuse with a response.
+    virtual bool accepts_websocket() const { return false; }
+    virtual std::optional<HttpResponse> check_upgrade(RequestContext&) { return std::nullopt; }
+    virtual std::string select_subprotocol(const RequestContext&) const { return {}; }
+    virtual void on_upgraded(RequestContext&, std::shared_ptr<WebSocketTransport>) {}
+};
+
+class Router {
+public:
+    // Pattern segments are literals or {name} (one non-empty segment); "{name...}" at the end matches the rest.
+    void add(std::string pattern, std::shared_ptr<RestResource> resource);
+    struct Match {
+        RestResource* resource;
+        std::map<std::string, std::string> params;
+    };
+    std::optional<Match> match(std::string_view path) const;
+    // Dispatches to the resource method; unknown paths give a JSON 404, unknown methods 405, and a handler that
+    // throws gets its HttpError (or a 500) as JSON. Never throws.
+    void dispatch(RequestContext& context, Responder respond) const;
+
+private:
+    struct Route {
+        std::vector<std::string> segments;
+        std::shared_ptr<RestResource> resource;
+    };
+    std::vector<Route> routes_;
+};
+
+// Percent-decoding of one path segment or query component; nullopt for malformed escapes.
+std::optional<std::string> url_decode(std::string_view text, bool plus_is_space);
+std::map<std::string, std::string> parse_query(std::string_view query);
+std::vector<std::string> split_path(std::string_view path);
+
+}  // namespace cellblock::gateway

@@ -1,0 +1,200 @@
+#include "cellblock/gateway/config.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+
+namespace cellblock::gateway {
+
+using nlohmann::json;
+
+namespace {
+template <typename T>
+void take(const json& source, const char* key, T& field) {
+    auto found = source.find(key);
+    if (found == source.end() || found->is_null()) return;
+    try {
+        field = found->get<T>();
+    } catch (const json::exception& error) {
+        throw std::invalid_argument(std::string("config key '") + key + "': " + error.what());
+    }
+}
+
+bool parse_bool(const std::string& name, const std::string& text) {
+    if (text == "1" || text == "true" || text == "True" || text == "yes") return true;
+    if (text == "0" || text == "false" || text == "False" || text == "no" || text.empty()) return false;
+    throw std::invalid_argument(name + ": expected true/false, got '" + text + "'");
+}
+
+double parse_number(const std::string& name, const std::string& text) {
+    try {
+        std::size_t used = 0;
+        double value = std::stod(text, &used);
+        if (used != text.size()) throw std::invalid_argument("trailing characters");
+        return value;
+    } catch (const std::exception&) {
+        throw std::invalid_argument(name + ": expected a number, got '" + text + "'");
+    }
+}
+
+std::vector<std::string> parse_list(const std::string& text) {
+    std::vector<std::string> items;
+    std::string current;
+    for (char c : text) {
+        if (c == ',' || c == ':') {
+            if (!current.empty()) items.push_back(current);
+            current.clear();
+        } else if (c != ' ') {
+            current += c;
+        }
+    }
+    if (!current.empty()) items.push_back(current);
+    return items;
+}
+}  // namespace
+
+void GatewayConfig::merge_json(const json& j) {
+    if (!j.is_object()) throw std::invalid_argument("the gateway config must be a JSON object");
+    static const std::vector<std::string> known = {
+        "ip", "port", "base_url", "token", "certfile", "keyfile", "client_ca", "allow_origin", "allow_credentials",
+        "allow_headers", "allow_methods", "expose_headers", "max_age", "kernelspec_dirs", "default_kernel_name",
+        "force_kernel_name", "kernel_aliases", "list_kernels", "max_kernels", "warm_pool", "pool_ignored_env",
+        "kernel_launch_timeout", "autorestart", "restart_limit", "cull_idle_timeout", "cull_interval",
+        "cull_connected", "cull_busy", "env_whitelist", "env_process_whitelist", "ws_ping_interval",
+        "max_message_bytes", "max_body_bytes", "offline_buffer_messages", "offline_buffer_bytes",
+        "offline_session_ttl", "max_pending_send_bytes", "runtime_dir", "workspace_root", "log_level"};
+    for (const auto& [key, value] : j.items()) {
+        if (key.starts_with("_")) continue;  // comments
+        if (std::find(known.begin(), known.end(), key) == known.end())
+            throw std::invalid_argument("unknown gateway config key '" + key + "'");
+    }
+    take(j, "ip", ip);
+    take(j, "port", port);
+    take(j, "base_url", base_url);
+    if (j.contains("token") && j["token"].is_string()) token = j["token"].get<std::string>();
+    take(j, "certfile", certfile);
+    take(j, "keyfile", keyfile);
+    take(j, "client_ca", client_ca);
+    take(j, "allow_origin", allow_origin);
+    take(j, "allow_credentials", allow_credentials);
+    take(j, "allow_headers", allow_headers);
+    take(j, "allow_methods", allow_methods);
+    take(j, "expose_headers", expose_headers);
+    take(j, "max_age", max_age);
+    take(j, "kernelspec_dirs", kernelspec_dirs);
+    take(j, "default_kernel_name", default_kernel_name);
+    take(j, "force_kernel_name", force_kernel_name);
+    take(j, "kernel_aliases", kernel_aliases);
+    take(j, "list_kernels", list_kernels);
+    take(j, "max_kernels", max_kernels);
+    take(j, "warm_pool", warm_pool);
+    take(j, "pool_ignored_env", pool_ignored_env);
+    take(j, "kernel_launch_timeout", kernel_launch_timeout);
+    take(j, "autorestart", autorestart);
+    take(j, "restart_limit", restart_limit);
+    take(j, "cull_idle_timeout", cull_idle_timeout);
+    take(j, "cull_interval", cull_interval);
+    take(j, "cull_connected", cull_connected);
+    take(j, "cull_busy", cull_busy);
+    take(j, "env_whitelist", env_whitelist);
+    take(j, "env_process_whitelist", env_process_whitelist);
+    take(j, "ws_ping_interval", ws_ping_interval);
+    take(j, "max_message_bytes", max_message_bytes);
+    take(j, "max_body_bytes", max_body_bytes);
+    take(j, "offline_buffer_messages", offline_buffer_messages);
+    take(j, "offline_buffer_bytes", offline_buffer_bytes);
+    take(j, "offline_session_ttl", offline_session_ttl);
+    take(j, "max_pending_send_bytes", max_pending_send_bytes);
+    take(j, "runtime_dir", runtime_dir);
+    take(j, "workspace_root", workspace_root);
+    take(j, "log_level", log_level);
+}
+
+void GatewayConfig::merge_file(const std::string& path) {
+    std::ifstream input(path);
+    if (!input) throw std::invalid_argument("cannot read config file " + path);
+    json parsed = json::parse(input, nullptr, false);
+    if (parsed.is_discarded()) throw std::invalid_argument("config file " + path + " is not valid JSON");
+    merge_json(parsed);
+}
+
+void GatewayConfig::merge_environment(const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+    auto text = [&](const char* name, std::string& field) {
+        if (auto value = lookup(name)) field = *value;
+    };
+    auto number = [&](const char* name, auto& field) {
+        if (auto value = lookup(name))
+            field = static_cast<std::remove_reference_t<decltype(field)>>(parse_number(name, *value));
+    };
+    auto boolean = [&](const char* name, bool& field) {
+        if (auto value = lookup(name)) field = parse_bool(name, *value);
+    };
+    auto list = [&](const char* name, std::vector<std::string>& field) {
+        if (auto value = lookup(name)) field = parse_list(*value);
+    };
+    text("KG_IP", ip);
+    number("KG_PORT", port);
+    text("KG_BASE_URL", base_url);
+    if (auto value = lookup("KG_AUTH_TOKEN")) token = *value;
+    text("KG_CERTFILE", certfile);
+    text("KG_KEYFILE", keyfile);
+    text("KG_CLIENT_CA", client_ca);
+    text("KG_ALLOW_ORIGIN", allow_origin);
+    text("KG_ALLOW_CREDENTIALS", allow_credentials);
+    text("KG_ALLOW_HEADERS", allow_headers);
+    text("KG_ALLOW_METHODS", allow_methods);
+    text("KG_EXPOSE_HEADERS", expose_headers);
+    text("KG_MAX_AGE", max_age);
+    text("KG_DEFAULT_KERNEL_NAME", default_kernel_name);
+    text("KG_FORCE_KERNEL_NAME", force_kernel_name);
+    boolean("KG_LIST_KERNELS", list_kernels);
+    number("KG_MAX_KERNELS", max_kernels);
+    number("KG_PRESPAWN_COUNT", warm_pool);
+    list("KG_ENV_WHITELIST", env_whitelist);
+    list("KG_ENV_PROCESS_WHITELIST", env_process_whitelist);
+    number("KG_WS_PING_INTERVAL_SECS", ws_ping_interval);
+    list("CELLBLOCK_GATEWAY_KERNELSPEC_DIRS", kernelspec_dirs);
+    number("CELLBLOCK_GATEWAY_CULL_IDLE_TIMEOUT", cull_idle_timeout);
+    number("CELLBLOCK_GATEWAY_CULL_INTERVAL", cull_interval);
+    text("CELLBLOCK_GATEWAY_RUNTIME_DIR", runtime_dir);
+    text("CELLBLOCK_GATEWAY_WORKSPACE_ROOT", workspace_root);
+    text("CELLBLOCK_GATEWAY_LOG_LEVEL", log_level);
+}
+
+json GatewayConfig::to_json() const {
+    json j = {{"ip", ip},
+              {"port", port},
+              {"base_url", base_url},
+              {"kernelspec_dirs", effective_kernelspec_dirs()},
+              {"default_kernel_name", default_kernel_name},
+              {"kernel_aliases", kernel_aliases},
+              {"list_kernels", list_kernels},
+              {"max_kernels", max_kernels},
+              {"warm_pool", warm_pool},
+              {"cull_idle_timeout", cull_idle_timeout},
+              {"cull_interval", cull_interval},
+              {"cull_connected", cull_connected},
+              {"cull_busy", cull_busy},
+              {"ws_ping_interval", ws_ping_interval},
+              {"tls", !certfile.empty()}};
+    return j;
+}
+
+std::string installed_data_dir() {
+    std::error_code error;
+    const auto executable = std::filesystem::read_symlink("/proc/self/exe", error);
+    if (!error) {
+        const auto share = executable.parent_path().parent_path() / "share";
+        if (std::filesystem::is_directory(share / "jupyter" / "kernels", error) ||
+            std::filesystem::is_directory(share / "cellblock", error))
+            return share.string();
+    }
+    return CELLBLOCK_INSTALL_DATADIR;
+}
+
+std::vector<std::string> GatewayConfig::effective_kernelspec_dirs() const {
+    if (!kernelspec_dirs.empty()) return kernelspec_dirs;
+    return {installed_data_dir() + "/jupyter/kernels"};
+}
+
+}  // namespace cellblock::gateway

@@ -1,0 +1,179 @@
+// cellblock-gateway: command line, configuration precedence, signal handling and the readiness line.
+#include "cellblock/gateway/auth.hpp"
+#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/http_server.hpp"
+#include "cellblock/gateway/kernel_manager.hpp"
+#include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/rest_handlers.hpp"
+#include "cellblock/gateway/router.hpp"
+
+#include <CLI/CLI.hpp>
+#include <boost/asio/signal_set.hpp>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+using namespace cellblock::gateway;
+
+namespace {
+
+struct CommandLine {
+    std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
+        runtime_dir, workspace_root, log_level, default_kernel_name;
+    std::optional<int> port, warm_pool, max_kernels;
+    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval;
+    std::optional<bool> cull_connected, cull_busy, list_kernels;
+    std::vector<std::string> kernelspec_dirs;
+    bool print_config = false;
+};
+
+void apply(const CommandLine& cli, GatewayConfig& config) {
+    auto set = [](const auto& source, auto& target) {
+        if (source) target = *source;
+    };
+    set(cli.ip, config.ip);
+    if (cli.port) config.port = static_cast<std::uint16_t>(*cli.port);
+    if (cli.token) config.token = *cli.token;
+    set(cli.base_url, config.base_url);
+    set(cli.certfile, config.certfile);
+    set(cli.keyfile, config.keyfile);
+    set(cli.client_ca, config.client_ca);
+    set(cli.allow_origin, config.allow_origin);
+    set(cli.runtime_dir, config.runtime_dir);
+    set(cli.workspace_root, config.workspace_root);
+    set(cli.log_level, config.log_level);
+    set(cli.default_kernel_name, config.default_kernel_name);
+    set(cli.warm_pool, config.warm_pool);
+    set(cli.max_kernels, config.max_kernels);
+    set(cli.cull_idle_timeout, config.cull_idle_timeout);
+    set(cli.cull_interval, config.cull_interval);
+    set(cli.ws_ping_interval, config.ws_ping_interval);
+    set(cli.cull_connected, config.cull_connected);
+    set(cli.cull_busy, config.cull_busy);
+    set(cli.list_kernels, config.list_kernels);
+    if (!cli.kernelspec_dirs.empty()) config.kernelspec_dirs = cli.kernelspec_dirs;
+}
+
+std::string normalized_base_url(std::string base) {
+    if (base.empty() || base.front() != '/') base.insert(base.begin(), '/');
+    if (base.back() != '/') base.push_back('/');
+    return base;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    CLI::App app{"cellblock-gateway: Jupyter Kernel Gateway API (REST + WebSocket) for cellblock kernels"};
+    CommandLine cli;
+    app.add_option("--config", cli.config_file, "JSON config file (keys as in share/cellblock/gateway-config.json)");
+    app.add_option("--ip", cli.ip, "address to bind (KG_IP; default 127.0.0.1)");
+    app.add_option("--port", cli.port, "port to bind, 0 = any free port (KG_PORT; default 8888)")->check(CLI::Range(0, 65535));
+    app.add_option("--token", cli.token, "auth token, empty = no auth (KG_AUTH_TOKEN; default: generated)");
+    app.add_option("--base-url", cli.base_url, "URL prefix of every route (KG_BASE_URL)");
+    app.add_option("--certfile", cli.certfile, "TLS certificate chain (PEM); enables HTTPS/WSS (KG_CERTFILE)");
+    app.add_option("--keyfile", cli.keyfile, "TLS private key (PEM) (KG_KEYFILE)");
+    app.add_option("--client-ca", cli.client_ca, "CA file; client certificates become mandatory (KG_CLIENT_CA)");
+    app.add_option("--allow-origin", cli.allow_origin, "Access-Control-Allow-Origin (KG_ALLOW_ORIGIN)");
+    app.add_option("--kernelspec-dir", cli.kernelspec_dirs, "directory holding <name>/kernel.json (repeatable)");
+    app.add_option("--default-kernel-name", cli.default_kernel_name, "kernelspec used when none is requested");
+    app.add_option("--warm-pool", cli.warm_pool, "pre-started kernels handed out by POST /api/kernels (KG_PRESPAWN_COUNT)")
+        ->check(CLI::Range(0, 1000));
+    app.add_option("--max-kernels", cli.max_kernels, "0 = unlimited (KG_MAX_KERNELS)")->check(CLI::Range(0, 100000));
+    app.add_option("--cull-idle-timeout", cli.cull_idle_timeout, "seconds of inactivity before a kernel is culled, 0 = never");
+    app.add_option("--cull-interval", cli.cull_interval, "seconds between cull checks");
+    app.add_option("--cull-connected", cli.cull_connected, "cull kernels that have open WebSockets");
+    app.add_option("--cull-busy", cli.cull_busy, "cull busy kernels");
+    app.add_option("--list-kernels", cli.list_kernels, "allow GET /api/kernels and /api/sessions (KG_LIST_KERNELS)");
+    app.add_option("--ws-ping-interval", cli.ws_ping_interval, "seconds between WebSocket pings, 0 = off");
+    app.add_option("--runtime-dir", cli.runtime_dir, "private directory for connection files and ipc sockets");
+    app.add_option("--workspace-root", cli.workspace_root, "where per-kernel CELLBLOCK_WORKSPACE directories are made");
+    app.add_option("--log-level", cli.log_level, "debug, info, warning (default), error");
+    app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
+    CLI11_PARSE(app, argc, argv);
+
+    GatewayConfig config;
+    try {
+        const std::string default_file = installed_data_dir() + "/cellblock/gateway-config.json";
+        if (cli.config_file) config.merge_file(*cli.config_file);
+        else if (std::FILE* probe = std::fopen(default_file.c_str(), "r")) {
+            std::fclose(probe);
+            config.merge_file(default_file);
+        }
+        config.merge_environment([](const std::string& name) -> std::optional<std::string> {
+            const char* value = std::getenv(name.c_str());
+            return value ? std::optional<std::string>(value) : std::nullopt;
+        });
+        apply(cli, config);
+        config.base_url = normalized_base_url(config.base_url);
+    } catch (const std::exception& error) {
+        std::cerr << "cellblock-gateway: " << error.what() << "\n";
+        return 2;
+    }
+    if (cli.print_config) {
+        std::cout << config.to_json().dump(2) << "\n";
+        return 0;
+    }
+
+    LogLevel level;
+    try {
+        level = Logger::parse_level(config.log_level);
+    } catch (const std::exception& error) {
+        std::cerr << "cellblock-gateway: " << error.what() << "\n";
+        return 2;
+    }
+    const Logger logger(level);
+    const bool generated_token = !config.token.has_value();
+    if (generated_token) config.token = random_hex(24);
+
+    // Writing to a vanished client must be an error code, not a process-killing signal.
+    std::signal(SIGPIPE, SIG_IGN);
+
+    try {
+        boost::asio::io_context io(1);
+        KernelSpecRegistry kernelspecs(config.effective_kernelspec_dirs(), config.kernel_aliases,
+                                       config.default_kernel_name);
+        if (!kernelspecs.find(config.default_kernel_name))
+            logger.warn("default_kernelspec_missing", {{"name", config.default_kernel_name},
+                                                       {"searched", config.effective_kernelspec_dirs()}});
+        KernelManager kernels(io, logger, config, kernelspecs);
+        SessionManager sessions;
+        const TokenAuthenticator auth(*config.token);
+        const CorsPolicy cors(config);
+        GatewayServices services{io, logger, config, kernelspecs, kernels, sessions, auth, cors};
+        Router router;
+        register_jupyter_api(router, services);
+        HttpServer server(io, logger, config, router, auth, cors);
+        const std::uint16_t port = server.listen(config.ip, config.port);
+        kernels.start();
+
+        boost::asio::signal_set stop_signals(io, SIGINT, SIGTERM);
+        stop_signals.async_wait([&](const boost::system::error_code& error, int signal_number) {
+            if (error) return;
+            logger.info("stopping", {{"signal", signal_number}});
+            server.stop();
+            kernels.shutdown_all();
+            io.stop();
+        });
+
+        const std::string scheme = server.tls() ? "https" : "http";
+        std::string url = scheme + "://" + (config.ip.find(':') != std::string::npos ? "[" + config.ip + "]" : config.ip) +
+                          ":" + std::to_string(port) + config.base_url;
+        if (url.ends_with('/')) url.pop_back();
+        // AutoGen waits for "is available at" on stderr, OpenHands reads stdout: say it on both.
+        std::string ready_line = "[cellblock-gateway] cellblock-gateway " CELLBLOCK_GATEWAY_VERSION " is available at " + url;
+        if (generated_token) ready_line += "\n[cellblock-gateway] token: " + *config.token + "\n    " + url + "/api?token=" + *config.token;
+        std::cout << ready_line << std::endl;
+        std::cerr << ready_line << std::endl;
+
+        io.run();
+        kernels.shutdown_all();
+    } catch (const std::exception& error) {
+        logger.error("fatal", {{"error", error.what()}});
+        std::cerr << "cellblock-gateway: " << error.what() << "\n";
+        return 1;
+    }
+    return 0;
+}
