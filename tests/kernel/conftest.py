@@ -1,0 +1,141 @@
+"""Fixtures for driving the installed cellblock-kernel through jupyter_client.
+
+ctest sets JUPYTER_PATH=<prefix>/share/jupyter, so KernelManager(kernel_name="cellblock-python") finds the
+installed kernelspec. Every kernel a test starts is shut down (and killed if need be) at the end.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+KERNEL_NAME = "cellblock-python"
+START_TIMEOUT = 60
+
+
+def _require_kernelspec() -> None:
+    try:
+        KernelSpecManager().get_kernel_spec(KERNEL_NAME)
+    except NoSuchKernel:
+        pytest.fail(f"kernelspec {KERNEL_NAME!r} not found; JUPYTER_PATH={os.environ.get('JUPYTER_PATH')!r} "
+                    "(install cellblock and point JUPYTER_PATH at <prefix>/share/jupyter)")
+
+
+@dataclass
+class Run:
+    """One execute: the reply, the IOPub messages for it (with arrival times) and stdin traffic."""
+    reply: dict
+    outputs: list = field(default_factory=list)      # (seconds since the request, msg)
+    input_requests: list = field(default_factory=list)
+
+    @property
+    def content(self) -> dict:
+        return self.reply["content"]
+
+    def of_type(self, msg_type: str) -> list:
+        return [msg for _, msg in self.outputs if msg["msg_type"] == msg_type]
+
+    def stream_text(self, name: str = "stdout") -> str:
+        return "".join(m["content"]["text"] for m in self.of_type("stream") if m["content"]["name"] == name)
+
+
+class Kernel:
+    """A started kernel with a connected client and helpers to execute code."""
+
+    def __init__(self, extra_env: dict | None = None):
+        _require_kernelspec()
+        self.manager = KernelManager(kernel_name=KERNEL_NAME)
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        started = time.monotonic()
+        self.manager.start_kernel(env=env)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=START_TIMEOUT)
+        self.start_seconds = time.monotonic() - started
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def execute(self, code: str, timeout: float = 60, stop_on_error: bool = True, allow_stdin: bool = False,
+                answers: list | None = None, silent: bool = False, user_expressions: dict | None = None) -> Run:
+        kc = self.client
+        msg_id = kc.execute(code, silent=silent, stop_on_error=stop_on_error, allow_stdin=allow_stdin,
+                            user_expressions=user_expressions or {})
+        return self.collect(msg_id, timeout, answers)
+
+    def collect(self, msg_id: str, timeout: float = 60, answers: list | None = None) -> Run:
+        """Waits for the reply and the IOPub idle of msg_id, answering input requests from `answers`."""
+        kc = self.client
+        started = time.monotonic()
+        deadline = started + timeout
+        reply = None
+        idle = False
+        run = Run(reply={})
+        pending_answers = list(answers or [])
+        while reply is None or not idle:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no reply/idle within {timeout} s; got {[m['msg_type'] for _, m in run.outputs]}")
+            if answers is not None:
+                try:
+                    request = kc.get_stdin_msg(timeout=0.01)
+                    run.input_requests.append(request)
+                    kc.input(pending_answers.pop(0) if pending_answers else "")
+                except Exception:  # queue.Empty
+                    pass
+            try:
+                msg = kc.get_iopub_msg(timeout=0.05)
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    if msg["msg_type"] == "status":
+                        idle = idle or msg["content"]["execution_state"] == "idle"
+                    else:
+                        run.outputs.append((time.monotonic() - started, msg))
+            except Exception:
+                pass
+            if reply is None:
+                try:
+                    msg = kc.get_shell_msg(timeout=0.01)
+                    if msg["parent_header"].get("msg_id") == msg_id:
+                        reply = msg
+                        run.reply = msg
+                except Exception:
+                    pass
+        return run
+
+    def shutdown(self) -> None:
+        try:
+            self.client.stop_channels()
+        finally:
+            if self.manager.has_kernel:
+                self.manager.shutdown_kernel(now=False)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """One kernel shared by the tests of a module (they must leave it usable)."""
+    k = Kernel()
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture
+def fresh_kernel():
+    """A kernel of its own, for tests that crash, kill or restart it."""
+    kernels = []
+
+    def start(**extra_env):
+        k = Kernel(extra_env={key: str(value) for key, value in extra_env.items()})
+        kernels.append(k)
+        return k
+
+    yield start
+    for k in kernels:
+        try:
+            k.shutdown()
+        except Exception:
+            pass

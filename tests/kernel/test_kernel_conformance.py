@@ -1,0 +1,43 @@
+"""jupyter_kernel_test's 12 checks against cellblock-python, with ipykernel-style samples (the same code a
+user of ipykernel would type: `print?` for the pager, IPython.display for display_data and clear_output)."""
+import unittest
+
+import jupyter_kernel_test as jkt
+
+
+class CellblockKernelConformance(jkt.KernelTests):
+    kernel_name = "cellblock-python"
+    language_name = "python"
+    file_extension = ".py"
+
+    code_hello_world = "print('hello, world')"
+    code_stderr = "import sys; print('test', file=sys.stderr)"
+
+    completion_samples = [
+        {"text": "zi", "matches": {"zip"}},
+        {"text": "import collections; collections.OrderedDi", "matches": {"OrderedDict"}},
+    ]
+    complete_code_samples = ["1", "print('hello, world')", "def f(x):\n  return x*2\n\n\n"]
+    incomplete_code_samples = ["print('''hello", "def f(x):\n  x*2"]
+    invalid_code_samples = ["import = 7q"]
+
+    code_page_something = "print?"
+    code_generate_error = "raise ValueError('boom')"
+
+    code_execute_result = [
+        {"code": "1+2+3", "result": "6"},
+        {"code": "[n*n for n in range(1, 4)]", "result": "[1, 4, 9]"},
+    ]
+    code_display_data = [
+        {"code": "from IPython.display import HTML, display; display(HTML('<b>test</b>'))", "mime": "text/html"},
+        {"code": "from IPython.display import Math, display; display(Math('\\\\frac{1}{2}'))", "mime": "text/latex"},
+    ]
+    code_history_pattern = "1?2*"
+    supported_history_operations = ("tail", "range", "search")
+
+    code_inspect_sample = "zip"
+    code_clear_output = "from IPython.display import clear_output; clear_output()"
+
+
+if __name__ == "__main__":
+    unittest.main()
