@@ -55,3 +55,9 @@ def test_is_complete(worker):
                                                                               "indent": "    "}
     assert worker.request("is_complete", code="x = (1,\n").reply["status"] == "incomplete"
     assert worker.request("is_complete", code="1 +* 2 )").reply["status"] == "invalid"
+
+
+def test_completion_leaves_the_workspace_clean(worker, tmp_path):
+    assert "print" in worker.request("complete", code="pri", cursor_pos=3).reply["matches"]
+    assert worker.request("inspect", code="len", cursor_pos=3, detail_level=1).reply["found"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [], "caches or profiles written to HOME"

@@ -125,3 +125,36 @@ def test_reaping_does_not_steal_popen_exit_status(make_worker):
                    "time.sleep(0.5)").assert_ok()
     worker.execute("pass").assert_ok()
     assert worker.execute("child.wait()").result["data"]["text/plain"] == "7"
+
+
+def test_sigint_stops_a_shell_command(worker):
+    worker.send({"type": "execute", "id": "shell-sleep", "silent": False, "store_history": True,
+                 "user_expressions": {}, "allow_stdin": False,
+                 "code": "print('starting', flush=True)\n!echo started; exec sleep 30"})
+    _wait_for_stdout(worker, "started")
+    interrupted_at = time.monotonic()
+    worker.interrupt()
+    frames = _reply_after(worker, timeout=20)
+    assert time.monotonic() - interrupted_at < 5
+    assert frames[-1]["id"] == "shell-sleep"
+    # IPython reports an interrupted shell command as exit code -2, not as a failed cell (as ipykernel).
+    assert worker.execute("_exit_code").result["data"]["text/plain"] == "-2"
+
+
+def test_user_sigint_handler_is_kept_for_later_cells(worker):
+    worker.execute("import signal\nhits = []\nsignal.signal(signal.SIGINT, lambda *a: hits.append(1))").assert_ok()
+    worker.send({"type": "execute", "id": "loop", "silent": False, "store_history": True, "user_expressions": {},
+                 "allow_stdin": False,
+                 "code": "import time\nprint('looping', flush=True)\nwhile not hits:\n    time.sleep(0.01)\n'handled'"})
+    _wait_for_stdout(worker, "looping")
+    worker.interrupt()
+    frames = _reply_after(worker, timeout=20)
+    assert frames[-1]["content"]["status"] == "ok"
+    assert [frame["data"]["text/plain"] for frame in frames if frame["type"] == "execute_result"] == ["'handled'"]
+    # Back to the default: interrupts raise KeyboardInterrupt again.
+    worker.execute("signal.signal(signal.SIGINT, signal.default_int_handler)").assert_ok()
+    worker.send({"type": "execute", "id": "sleep", "silent": False, "store_history": True, "user_expressions": {},
+                 "allow_stdin": False, "code": "print('napping', flush=True)\ntime.sleep(30)"})
+    _wait_for_stdout(worker, "napping")
+    worker.interrupt()
+    assert _reply_after(worker, timeout=20)[-1]["content"]["ename"] == "KeyboardInterrupt"

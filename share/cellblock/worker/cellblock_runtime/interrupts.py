@@ -22,6 +22,8 @@ class InterruptGate:
         self._frame_depth = 0  # > 0 while the main thread is inside a frame read/write
         self._deferred = False
         self._accepting = False
+        self._handler = self._on_sigint  # one bound method, so it can be recognised later
+        self._user_handler = None  # a SIGINT handler installed by user code, kept for later requests
 
     def _on_sigint(self, signum, frame):
         if self._frame_depth > 0:
@@ -38,12 +40,18 @@ class InterruptGate:
         """Run the body with SIGINT raising KeyboardInterrupt; back to ignoring afterwards."""
         self._deferred = False
         self._accepting = True
-        signal.signal(signal.SIGINT, self._on_sigint)
+        signal.signal(signal.SIGINT, self._user_handler or self._handler)
         try:
             yield
         finally:
             # Once SIG_IGN is installed CPython drops a still-pending SIGINT instead of running the handler.
+            current = signal.getsignal(signal.SIGINT)
             self.ignore_interrupts()
+            if current is self._handler or current is signal.default_int_handler or current is None:
+                self._user_handler = None
+            else:
+                # User code installed its own disposition: it applies whenever user code runs.
+                self._user_handler = current
 
     @contextlib.contextmanager
     def frame_io(self):

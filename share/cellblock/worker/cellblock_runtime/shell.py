@@ -216,4 +216,8 @@ def shell_config():
 
 def create_shell(output_route):
     shell = CellblockShell.instance(config=shell_config(), output_route=output_route)
+    jedi = sys.modules.get("jedi")
+    if jedi is not None:
+        # Jedi pickles parsed stubs under ~/.cache; HOME is the agent's workspace, so keep them in /tmp.
+        jedi.settings.cache_directory = os.path.join(os.environ.get("IPYTHONDIR", "/tmp/ipython"), "jedi-cache")
     return shell
