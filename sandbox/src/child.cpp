@@ -3,6 +3,7 @@
 #include "child.hpp"
 
 #include <linux/seccomp.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -64,7 +65,8 @@ void run_child(const ChildPlan& plan) noexcept {
     int error_fd = plan.error_write_fd;
     auto fail = [&](int step, int error) { report_and_exit(error_fd, step, error); };
 
-    // Die with the thread that launched us; set before anything can block.
+    // Die with the thread that launched us. Set now for the setup, and again after the uid change,
+    // which clears it.
     if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) fail(plan.step_pdeathsig, errno);
     // Signal handlers of the parent's code must never run here: reset them all to the default.
     for (int signo = 1; signo < NSIG; ++signo) {
@@ -112,6 +114,11 @@ void run_child(const ChildPlan& plan) noexcept {
         if (::setrlimit(static_cast<__rlimit_resource>(limit.resource), &limit.value) != 0) fail(limit.step, errno);
     }
     if (!drop_privileges(plan, &failed_step)) fail(failed_step, errno);
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) fail(plan.step_pdeathsig, errno);
+    // If the launcher died before that, nobody would kill us: its end of the error pipe (held until
+    // our execve) is then closed, which poll reports as POLLERR on ours.
+    pollfd launcher_alive{error_fd, POLLOUT, 0};
+    if (::poll(&launcher_alive, 1, 0) < 0 || (launcher_alive.revents & (POLLERR | POLLHUP)) != 0) ::_exit(127);
     if (::chdir(plan.cwd.c_str()) != 0) fail(plan.step_chdir, errno);
 
     if (plan.seccomp_filter != nullptr && !plan.seccomp_filter->empty()) {
