@@ -76,11 +76,17 @@ class RequestHandlers:
                 with self._gate.interruptible():
                     result = shell.run_cell(code, store_history=store_history, silent=silent)
             except KeyboardInterrupt:
-                # The interrupt landed outside the user's code (IPython's own bookkeeping or a hook).
-                shell.showtraceback(exception_only=True)
+                if result is None:
+                    # The interrupt landed outside the user's code (IPython's own bookkeeping or a hook).
+                    shell.showtraceback(exception_only=True)
+                # else: it came after the cell had finished; the cell's outcome stands.
             if result is not None and result.success:
-                with self._gate.interruptible():
-                    expressions = shell.user_expressions(user_expressions)
+                expressions = {}
+                try:
+                    with self._gate.interruptible():
+                        expressions = shell.user_expressions(user_expressions)
+                except KeyboardInterrupt:
+                    pass  # the cell itself succeeded; an interrupted expression evaluation yields none
                 return {"status": "ok", "user_expressions": expressions,
                         "payload": shell.payload_manager.read_payload()}
             return self._error_content(result)
