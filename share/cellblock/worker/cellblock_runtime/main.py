@@ -1,5 +1,6 @@
 """Worker start-up and request loop. See ../PROTOCOL.md for the frames."""
 
+import json
 import os
 import sys
 import traceback
@@ -50,6 +51,32 @@ def _start(worker_dir):
     return channel, handlers, reaper
 
 
+def _error_content(ename, evalue):
+    return {"status": "error", "ename": ename, "evalue": evalue, "traceback": []}
+
+
+def _log(event, **fields):
+    # Structured, and only for events that end the worker: normal operation logs nothing.
+    print(json.dumps({"component": "cellblock-worker", "event": event, **fields}), file=sys.__stderr__)
+
+
+def _answer(handlers, request):
+    """The reply content for one request; never raises (except for an interrupt outside any handler)."""
+    from .requests import RequestError
+
+    handler = handlers.handler_for(request.get("type"))
+    if handler is None:
+        return _error_content("ProtocolError", f"unknown request type {request.get('type')!r}")
+    try:
+        return handler(request)
+    except KeyboardInterrupt:
+        return _error_content("KeyboardInterrupt", "")
+    except RequestError as error:
+        return _error_content("RequestError", str(error))
+    except (Exception, SystemExit) as error:
+        return _internal_error_content(error)
+
+
 def _serve(channel, handlers, reaper):
     from IPython.core.release import version as ipython_version
 
@@ -64,39 +91,22 @@ def _serve(channel, handlers, reaper):
             return 0
         except ProtocolError as error:
             # The stream can no longer be trusted to be in sync; the kernel will start a new worker.
-            print(f"cellblock worker: protocol error: {error}", file=sys.__stderr__)
+            _log("protocol_error", detail=str(error))
             return 2
-        kind = request.get("type")
-        if kind == "shutdown":
+        if request.get("type") == "shutdown":
             return 0
         request_id = request.get("id")
-        if kind == "input_reply" or request_id is None:
+        if request.get("type") == "input_reply" or request_id is None:
             continue  # a late answer to an interrupted prompt, or nothing that could be answered
-        handler = handlers.handler_for(kind)
-        try:
-            if handler is None:
-                content = {"status": "error", "ename": "ProtocolError",
-                           "evalue": f"unknown request type {kind!r}", "traceback": []}
-            else:
-                content = handler(request)
-        except KeyboardInterrupt:
-            content = {"status": "error", "ename": "KeyboardInterrupt", "evalue": "", "traceback": []}
-        except Exception as error:
-            from .requests import RequestError
-            if isinstance(error, RequestError):
-                content = {"status": "error", "ename": "RequestError", "evalue": str(error), "traceback": []}
-            else:
-                content = _internal_error_content(error)
+        content = _answer(handlers, request)
         try:
             channel.send({"type": "reply", "id": request_id, "content": content})
         except FrameTooLarge as error:
-            channel.send({"type": "reply", "id": request_id,
-                          "content": {"status": "error", "ename": "FrameTooLarge", "evalue": str(error),
-                                      "traceback": []}})
+            channel.send({"type": "reply", "id": request_id, "content": _error_content("FrameTooLarge", str(error))})
         try:
             reaper.reap()
         except OSError:
-            pass
+            pass  # fds 1/2 belong to the user's output; a failed reap is retried after the next request
 
 
 def main(worker_dir):

@@ -7,11 +7,11 @@ reply payloads, and `!cmd` runs through /bin/sh with fds 1/2 inherited so its ou
 directly (no pty: pexpect's pseudo-terminals may not exist inside the sandbox).
 """
 
+import io
 import os
 import subprocess
 import sys
 import tokenize
-import io
 
 from IPython.core import page
 from IPython.core.displayhook import DisplayHook
