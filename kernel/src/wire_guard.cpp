@@ -263,9 +263,11 @@ void WireGuard::relay_outbound(int channel_index) {
     const std::string msg_type = header.is_object() ? header.value("msg_type", std::string()) : std::string();
     const WireChannel channel = wire_channels[channel_index];
     if (msg_type == "interrupt" && channel == WireChannel::iopub) return;  // xeus-only message
+    bool aborted = false;
     if (might_need_fixup(channel, msg_type, frame_views[d + 5])) {
         auto content = nlohmann::json::parse(frame_views[d + 5], nullptr, false);
         if (!content.is_discarded() && fix_outbound(channel, msg_type, content) == Fixup::modified) {
+            aborted = content.value("status", std::string()) == "aborted";
             const std::string text = content.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
             frames[d + 5] = zmq::message_t(text.data(), text.size());
         }
@@ -274,7 +276,12 @@ void WireGuard::relay_outbound(int channel_index) {
     const std::string signature = signer_.sign(parts);
     frames[d + 1] = zmq::message_t(signature.data(), signature.size());
     zmq::socket_t& to = channel_index == iopub ? s.publisher : s.routers[channel_index];
+    // xeus answers requests aborted by stop_on_error without busy/idle; clients (and ipykernel) expect the
+    // usual busy -> reply -> idle for each request.
+    const std::string parent_header(view(frames[d + 3]));
+    if (aborted) publish_status(parent_header, "busy");
     zmq::send_multipart(to, frames);
+    if (aborted) publish_status(parent_header, "idle");
 }
 
 void WireGuard::echo_heartbeat() {
@@ -283,9 +290,9 @@ void WireGuard::echo_heartbeat() {
     zmq::send_multipart(sockets_->heartbeat, frames, zmq::send_flags::dontwait);
 }
 
-std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::message_t>& request,
-                                                     std::size_t delimiter, std::string_view msg_type,
-                                                     const nlohmann::json& content, bool for_iopub) const {
+std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::message_t>& identities,
+                                                     std::string_view parent_header, std::string_view msg_type,
+                                                     const nlohmann::json& content) const {
     const nlohmann::json header = {{"msg_id", std::string(xeus::new_xguid().c_str())},
                                    {"username", "cellblock"},
                                    {"session", session_id_},
@@ -293,23 +300,26 @@ std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::mess
                                    {"msg_type", std::string(msg_type)},
                                    {"version", "5.3"}};
     const std::string header_text = header.dump();
-    const std::string_view parent = view(request[delimiter + 2]);
     const std::string metadata = "{}";
     const std::string content_text = content.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-    const std::string signature = signer_.sign({header_text, parent, metadata, content_text});
+    const std::string signature = signer_.sign({header_text, parent_header, metadata, content_text});
     std::vector<zmq::message_t> message;
-    if (for_iopub) {
-        message.emplace_back(msg_type.data(), msg_type.size());
+    if (identities.empty()) {
+        message.emplace_back(msg_type.data(), msg_type.size());  // IOPub topic
     } else {
-        for (std::size_t i = 0; i < delimiter; ++i) message.emplace_back(request[i].data(), request[i].size());
+        for (const auto& identity : identities) message.emplace_back(identity.data(), identity.size());
     }
     message.emplace_back(delimiter_frame.data(), delimiter_frame.size());
     message.emplace_back(signature.data(), signature.size());
     message.emplace_back(header_text.data(), header_text.size());
-    message.emplace_back(parent.data(), parent.size());
+    message.emplace_back(parent_header.data(), parent_header.size());
     message.emplace_back(metadata.data(), metadata.size());
     message.emplace_back(content_text.data(), content_text.size());
     return message;
+}
+
+void WireGuard::publish_status(std::string_view parent_header, const char* state) {
+    zmq::send_multipart(sockets_->publisher, build_message({}, parent_header, "status", {{"execution_state", state}}));
 }
 
 void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index) {
@@ -317,10 +327,13 @@ void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::
     const auto request = nlohmann::json::parse(view(frames[delimiter + 5]), nullptr, false);
     const bool restart = request.is_object() && request.value("restart", false);
     log_event(LogLevel::info, "shutdown_request", {{"restart", restart}});
-    zmq::send_multipart(s.publisher, build_message(frames, delimiter, "status", {{"execution_state", "busy"}}, true));
+    const std::string_view request_header = view(frames[delimiter + 2]);
+    std::vector<zmq::message_t> identities;
+    for (std::size_t i = 0; i < delimiter; ++i) identities.emplace_back(frames[i].data(), frames[i].size());
+    publish_status(request_header, "busy");
     zmq::send_multipart(s.routers[channel_index],
-                        build_message(frames, delimiter, "shutdown_reply", {{"status", "ok"}, {"restart", restart}}, false));
-    zmq::send_multipart(s.publisher, build_message(frames, delimiter, "status", {{"execution_state", "idle"}}, true));
+                        build_message(identities, request_header, "shutdown_reply", {{"status", "ok"}, {"restart", restart}}));
+    publish_status(request_header, "idle");
     s.close_all();
     if (actions_.shutdown) actions_.shutdown();
 }

@@ -74,10 +74,12 @@ private:
     void relay_inbound(int channel_index);
     void relay_outbound(int channel_index);
     void echo_heartbeat();
+    void publish_status(std::string_view parent_header, const char* state);
     void answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index);
-    std::vector<zmq::message_t> build_message(const std::vector<zmq::message_t>& request, std::size_t delimiter,
-                                              std::string_view msg_type, const nlohmann::json& content,
-                                              bool for_iopub) const;
+    // A message of the guard's own, in reply to (or about) the request whose header is `parent_header`;
+    // `identities` route it on a ROUTER, none means IOPub.
+    std::vector<zmq::message_t> build_message(const std::vector<zmq::message_t>& identities, std::string_view parent_header,
+                                              std::string_view msg_type, const nlohmann::json& content) const;
     void note_refusal(const InboundVerdict& verdict, const char* channel);
 
     MessageSigner signer_;

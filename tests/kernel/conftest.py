@@ -6,6 +6,7 @@ installed kernelspec. Every kernel a test starts is shut down (and killed if nee
 from __future__ import annotations
 
 import os
+import queue
 import time
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class Kernel:
         self.client.start_channels()
         self.client.wait_for_ready(timeout=START_TIMEOUT)
         self.start_seconds = time.monotonic() - started
+        self._iopub_stash: dict = {}
+        self._shell_stash: dict = {}
 
     @property
     def pid(self) -> int:
@@ -70,15 +73,20 @@ class Kernel:
         return self.collect(msg_id, timeout, answers)
 
     def collect(self, msg_id: str, timeout: float = 60, answers: list | None = None) -> Run:
-        """Waits for the reply and the IOPub idle of msg_id, answering input requests from `answers`."""
+        """Waits for the reply and the IOPub idle of msg_id, answering input requests from `answers`.
+
+        Messages for other requests are kept for their own collect() call (requests may be queued)."""
         kc = self.client
         started = time.monotonic()
         deadline = started + timeout
-        reply = None
-        idle = False
         run = Run(reply={})
+        idle = False
         pending_answers = list(answers or [])
-        while reply is None or not idle:
+        for msg in self._iopub_stash.pop(msg_id, []):
+            idle = self._note_iopub(run, msg, started) or idle
+        if msg_id in self._shell_stash:
+            run.reply = self._shell_stash.pop(msg_id)
+        while not run.reply or not idle:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no reply/idle within {timeout} s; got {[m['msg_type'] for _, m in run.outputs]}")
             if answers is not None:
@@ -86,26 +94,36 @@ class Kernel:
                     request = kc.get_stdin_msg(timeout=0.01)
                     run.input_requests.append(request)
                     kc.input(pending_answers.pop(0) if pending_answers else "")
-                except Exception:  # queue.Empty
+                except queue.Empty:
                     pass
             try:
-                msg = kc.get_iopub_msg(timeout=0.05)
-                if msg["parent_header"].get("msg_id") == msg_id:
-                    if msg["msg_type"] == "status":
-                        idle = idle or msg["content"]["execution_state"] == "idle"
-                    else:
-                        run.outputs.append((time.monotonic() - started, msg))
-            except Exception:
+                msg = kc.get_iopub_msg(timeout=0.02)
+                parent = msg["parent_header"].get("msg_id")
+                if parent == msg_id:
+                    idle = self._note_iopub(run, msg, started) or idle
+                else:
+                    self._iopub_stash.setdefault(parent, []).append(msg)
+            except queue.Empty:
                 pass
-            if reply is None:
+            if not run.reply:
                 try:
                     msg = kc.get_shell_msg(timeout=0.01)
-                    if msg["parent_header"].get("msg_id") == msg_id:
-                        reply = msg
+                    parent = msg["parent_header"].get("msg_id")
+                    if parent == msg_id:
                         run.reply = msg
-                except Exception:
+                    else:
+                        self._shell_stash[parent] = msg
+                except queue.Empty:
                     pass
         return run
+
+    @staticmethod
+    def _note_iopub(run: Run, msg: dict, started: float) -> bool:
+        """Records an output; returns True for the idle status that ends the request."""
+        if msg["msg_type"] == "status":
+            return msg["content"]["execution_state"] == "idle"
+        run.outputs.append((time.monotonic() - started, msg))
+        return False
 
     def shutdown(self) -> None:
         try:

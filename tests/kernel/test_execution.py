@@ -1,0 +1,158 @@
+"""What a user of the kernel notices while running cells: state, outputs, streaming, stdin, errors."""
+import time
+
+import pytest
+
+
+def test_state_persists_between_cells(kernel):
+    assert kernel.execute("answer = 41").content["status"] == "ok"
+    run = kernel.execute("answer + 1")
+    assert run.content["status"] == "ok"
+    results = run.of_type("execute_result")
+    assert results[0]["content"]["data"]["text/plain"] == "42"
+    assert results[0]["content"]["execution_count"] == run.content["execution_count"]
+
+
+def test_error_reply_has_real_ename_and_traceback(kernel):
+    run = kernel.execute("1/0")
+    assert run.content["status"] == "error"
+    assert run.content["ename"] == "ZeroDivisionError"
+    assert run.content["evalue"] == "division by zero"
+    errors = run.of_type("error")
+    assert len(errors) == 1 and errors[0]["content"]["ename"] == "ZeroDivisionError"
+    assert any("ZeroDivisionError" in line for line in errors[0]["content"]["traceback"])
+
+
+def test_stop_on_error_aborts_queued_requests(kernel):
+    failing = kernel.client.execute("import time; time.sleep(0.3); 1/0", stop_on_error=True)
+    queued = kernel.client.execute("never_defined_by_this_cell = 1", stop_on_error=True)
+    assert kernel.collect(failing).content["status"] == "error"
+    assert kernel.collect(queued).content["status"] == "aborted"
+    assert kernel.execute("'never_defined_by_this_cell' in dir()").of_type("execute_result")[0]["content"]["data"][
+        "text/plain"] == "False"
+
+
+def test_streaming_prints_arrive_while_the_cell_runs(kernel):
+    run = kernel.execute("import time\nfor i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(0.3)")
+    ticks = [(t, m["content"]["text"]) for t, m in run.outputs if m["msg_type"] == "stream" and "tick" in m["content"]["text"]]
+    assert len(ticks) == 3, ticks
+    # Three prints 0.3 s apart must not arrive as one batch at the end.
+    assert ticks[-1][0] - ticks[0][0] > 0.45, ticks
+
+
+def test_subprocess_and_fd_output_are_captured(kernel):
+    run = kernel.execute("import os, subprocess\nos.write(1, b'raw fd write\\n')\n"
+                         "subprocess.run(['echo', 'from a child process'])\n"
+                         "os.write(2, b'raw stderr\\n')")
+    assert run.content["status"] == "ok"
+    assert "raw fd write" in run.stream_text("stdout")
+    assert "from a child process" in run.stream_text("stdout")
+    assert "raw stderr" in run.stream_text("stderr")
+
+
+def test_invalid_utf8_output_does_not_cost_the_reply(kernel):
+    run = kernel.execute("import os; os.write(1, b'bad:\\xff\\xfe end\\n'); 'still here'")
+    assert run.content["status"] == "ok"
+    assert "bad:\ufffd\ufffd end" in run.stream_text("stdout")
+    assert run.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "'still here'"
+
+
+def test_rich_outputs(kernel):
+    run = kernel.execute("import pandas as pd\npd.DataFrame({'fruit': ['apple', 'pear'], 'sold': [3, 5]})")
+    data = run.of_type("execute_result")[0]["content"]["data"]
+    assert "text/plain" in data and "<table" in data["text/html"]
+
+    run = kernel.execute("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [3, 1, 2])")
+    displays = run.of_type("display_data")
+    assert any("image/png" in m["content"]["data"] for m in displays), [m["content"]["data"].keys() for m in displays]
+
+    run = kernel.execute("from IPython.display import display\nh = display('first', display_id=True)\n"
+                         "h.update('second')")
+    assert run.of_type("display_data")[0]["content"]["transient"]["display_id"]
+    assert run.of_type("update_display_data")[0]["content"]["data"]["text/plain"] == "'second'"
+
+
+def test_large_output_is_capped_with_a_visible_note(kernel):
+    started = time.monotonic()
+    run = kernel.execute("print('x' * 20_000_000)\n'finished'", timeout=120)
+    assert run.content["status"] == "ok"
+    out = run.stream_text("stdout")
+    assert 0 < len(out) <= 1_100_000, len(out)
+    assert "truncated" in run.stream_text("stderr")
+    assert run.of_type("execute_result") == [] or True  # the result may be dropped past the cap
+    assert time.monotonic() - started < 60
+
+
+def test_input_and_getpass(kernel):
+    run = kernel.execute("name = input('Name: ')\nprint('hello', name)", allow_stdin=True, answers=["Ada"])
+    assert run.content["status"] == "ok"
+    assert len(run.input_requests) == 1
+    assert run.input_requests[0]["content"]["prompt"] == "Name: "
+    assert run.input_requests[0]["content"]["password"] is False
+    assert "hello Ada" in run.stream_text()
+
+    run = kernel.execute("import getpass\nsecret = getpass.getpass('Password: ')\nlen(secret)", allow_stdin=True,
+                         answers=["hunter22"])
+    assert run.content["status"] == "ok"
+    assert run.input_requests[0]["content"]["password"] is True
+    assert run.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "8"
+
+
+def test_input_without_stdin_fails_cleanly(kernel):
+    run = kernel.execute("input('?')", allow_stdin=False)
+    assert run.content["status"] == "error"
+    assert kernel.execute("1").content["status"] == "ok"
+
+
+def test_silent_execution_publishes_nothing(kernel):
+    run = kernel.execute("print('should not be seen'); 5", silent=True)
+    assert run.content["status"] == "ok"
+    assert run.outputs == []
+
+
+def test_user_expressions(kernel):
+    run = kernel.execute("ue_value = 6", user_expressions={"double": "ue_value * 2", "bad": "1/0"})
+    expressions = run.content["user_expressions"]
+    assert expressions["double"]["status"] == "ok"
+    assert expressions["double"]["data"]["text/plain"] == "12"
+    assert expressions["bad"]["status"] == "error"
+
+
+def test_comm_messages_do_not_break_the_kernel(kernel):
+    kc = kernel.client
+    msg = kc.session.msg("comm_info_request", {})
+    kc.shell_channel.send(msg)
+    reply = kc.get_shell_msg(timeout=10)
+    assert reply["msg_type"] == "comm_info_reply" and reply["content"]["status"] == "ok"
+    kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": "c1", "target_name": "nobody", "data": {}}))
+    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": "c1", "data": {"x": 1}}))
+    kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": "c1", "data": {}}))
+    assert kernel.execute("2 + 2").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "4"
+
+
+def test_interrupt_by_signal_keeps_state(kernel):
+    kernel.execute("kept = 'still here'")
+    msg_id = kernel.client.execute("import time; time.sleep(60)")
+    time.sleep(1.0)
+    interrupted_at = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    run = kernel.collect(msg_id, timeout=30)
+    assert time.monotonic() - interrupted_at < 1.0
+    assert run.content["status"] == "error"
+    assert run.content["ename"] == "KeyboardInterrupt"
+    assert kernel.execute("kept").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "'still here'"
+
+
+def test_interrupt_request_on_control_keeps_state(kernel):
+    kernel.execute("kept_too = 7")
+    kc = kernel.client
+    msg_id = kc.execute("import time; time.sleep(60)")
+    time.sleep(1.0)
+    interrupted_at = time.monotonic()
+    kc.control_channel.send(kc.session.msg("interrupt_request", {}))
+    run = kernel.collect(msg_id, timeout=30)
+    assert time.monotonic() - interrupted_at < 1.0
+    assert run.content["ename"] == "KeyboardInterrupt"
+    reply = kc.get_control_msg(timeout=10)
+    assert reply["msg_type"] == "interrupt_reply" and reply["content"]["status"] == "ok"
+    assert kernel.execute("kept_too").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "7"
