@@ -78,17 +78,9 @@ void run_child(const ChildPlan& plan) noexcept {
     ::close(plan.sync_write_fd);
     ::close(plan.error_read_fd);
 
-    // Wait until the parent has written our uid/gid maps and put us into our cgroups.
-    char go = 0;
-    ssize_t got = 0;
-    do {
-        got = ::read(plan.sync_read_fd, &go, 1);
-    } while (got < 0 && errno == EINTR);
-    if (got != 1) fail(plan.step_sync, got < 0 ? errno : EPIPE);
-    ::close(plan.sync_read_fd);
-
-    if (plan.new_cgroup_namespace && ::unshare(CLONE_NEWCGROUP) != 0) fail(plan.step_cgroupns, errno);
-
+    // The mounts need no uid map (we hold every capability in our new user namespace from the start
+    // and reach host files as the host uid we were cloned with), so they run while the parent writes
+    // the maps and moves us into our cgroups.
     for (const auto& op : plan.mounts_before_pivot) {
         if (const int error = run_mount(op); error != 0) fail(op.step, error);
     }
@@ -106,6 +98,18 @@ void run_child(const ChildPlan& plan) noexcept {
     if (plan.loopback_up) {
         if (const int error = bring_loopback_up(); error != 0) fail(plan.step_loopback, error);
     }
+
+    // Wait until the parent has written our uid/gid maps and put us into our cgroups; the cgroup
+    // namespace must be created after that so that its root is the session's cgroup.
+    char go = 0;
+    ssize_t got = 0;
+    do {
+        got = ::read(plan.sync_read_fd, &go, 1);
+    } while (got < 0 && errno == EINTR);
+    if (got != 1) fail(plan.step_sync, got < 0 ? errno : EPIPE);
+    ::close(plan.sync_read_fd);
+    if (plan.new_cgroup_namespace && ::unshare(CLONE_NEWCGROUP) != 0) fail(plan.step_cgroupns, errno);
+
     if (::setsid() < 0) fail(plan.step_setsid, errno);
 
     int failed_step = 0;

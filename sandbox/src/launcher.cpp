@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -237,22 +238,36 @@ Process Launcher::launch(const LaunchRequest& request) {
     sync_read.reset();
     error_write.reset();
 
-    if (state.user_namespaces) detail::write_id_maps(impl->pid, policy.inside_uid, host_uid);
-    impl->cgroups.add_process(impl->pid);
-    const char go = 1;
-    if (::write(sync_write.get(), &go, 1) != 1) throw_errno("launch: release the child");
+    // The child reports {step, errno} and exits on failure; EOF means execve happened.
+    auto child_status = [&]() -> std::optional<std::string> {
+        detail::ChildFailure failure{};
+        ssize_t got = 0;
+        do {
+            got = ::read(error_read.get(), &failure, sizeof failure);
+        } while (got < 0 && errno == EINTR);
+        if (got < 0) throw_errno("launch: read the child's status");
+        if (got == 0) return std::nullopt;
+        if (got != sizeof failure) return std::string("launch: the child reported a truncated error");
+        return steps.name(failure.step) + ": " + std::strerror(failure.error);
+    };
+    try {
+        if (state.user_namespaces) detail::write_id_maps(impl->pid, policy.inside_uid, host_uid);
+        impl->cgroups.add_process(impl->pid);
+        const char go = 1;
+        if (::write(sync_write.get(), &go, 1) != 1) throw_errno("launch: release the child");
+    } catch (const SandboxError&) {
+        // The child may have failed first (it sets up its mounts meanwhile), which is then the
+        // real cause; closing the sync pipe makes a waiting child give up.
+        sync_write.reset();
+        impl->kill_everything();
+        if (auto child_error = child_status()) throw SandboxError(*child_error);
+        throw;
+    }
     sync_write.reset();
-
-    detail::ChildFailure failure{};
-    ssize_t got = 0;
-    do {
-        got = ::read(error_read.get(), &failure, sizeof failure);
-    } while (got < 0 && errno == EINTR);
-    if (got < 0) throw_errno("launch: read the child's status");
-    if (got == 0) return Process(std::move(impl));   // the pipe closed on execve: the program runs
+    auto child_error = child_status();
+    if (!child_error) return Process(std::move(impl));   // the program runs
     impl->reap(true);
-    if (got != sizeof failure) throw SandboxError("launch: the child reported a truncated error");
-    throw SandboxError(steps.name(failure.step) + ": " + std::strerror(failure.error));
+    throw SandboxError(*child_error);
 }
 
 }  // namespace cellblock::sandbox

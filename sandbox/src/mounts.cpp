@@ -101,13 +101,43 @@ RootSkeleton& RootSkeleton::operator=(RootSkeleton&& other) noexcept {
 RootSkeleton::~RootSkeleton() { remove(); }
 
 void RootSkeleton::remove() noexcept {
-    if (path_.empty()) return;
-    // The skeleton holds no mounts on the host side (they live in the sandbox's mount namespace, which
-    // is gone once the sandbox is reaped), so this only removes plain directories, files and symlinks.
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
+    // Kept for the next launch with this uid (see the class comment); only forget it.
     path_.clear();
 }
+
+namespace {
+
+// FNV-1a: a stable fingerprint of everything that shapes the skeleton.
+std::string fingerprint_of(const Policy& policy) {
+    std::string text = policy.workspace_target + '\n';
+    for (const auto& spec : policy.mounts) {
+        text += std::to_string(static_cast<int>(spec.kind)) + '\x1f' + spec.source + '\x1f' + spec.target + '\x1f' +
+                spec.content + '\x1f' + std::to_string(spec.size_bytes) + '\x1f';
+        if (spec.kind == MountSpec::Kind::bind) {
+            // Whether an optional source exists decides whether its mount point is there.
+            struct stat info {};
+            const bool exists = ::stat(spec.source.c_str(), &info) == 0;
+            text += exists ? (S_ISDIR(info.st_mode) ? "d" : "f") : "-";
+        }
+        text += '\n';
+    }
+    std::uint64_t hash = 1469598103934665603ULL;
+    for (const char c : text) {
+        hash ^= static_cast<unsigned char>(c);
+        hash *= 1099511628211ULL;
+    }
+    return std::to_string(hash) + "\n";
+}
+
+bool file_equals(const fs::path& path, const std::string& expected) {
+    try {
+        return read_small_file(path) == expected;
+    } catch (const SandboxError&) {
+        return false;
+    }
+}
+
+}  // namespace
 
 RootSkeleton RootSkeleton::prepare(const Policy& policy, const std::string& name, const fs::path& workspace,
                                    StepNames& steps, ChildPlan& plan) {
@@ -115,9 +145,16 @@ RootSkeleton RootSkeleton::prepare(const Policy& policy, const std::string& name
     make_directories(roots, 0711);
     RootSkeleton skeleton(roots / name);
     const auto& root = skeleton.path_;
-    std::error_code ignored;
-    fs::remove_all(root, ignored);   // a stale skeleton of a crashed launcher with the same uid
-    if (::mkdir(root.c_str(), 0755) != 0) throw_errno("root skeleton: mkdir " + root.string());
+    const auto fingerprint_file = roots / (name + ".fingerprint");
+    const auto fingerprint = fingerprint_of(policy);
+    // Reuse the skeleton the previous holder of this uid left, if it was built for the same mounts.
+    const bool build = !file_equals(fingerprint_file, fingerprint);
+    if (build) {
+        std::error_code ignored;
+        fs::remove(fingerprint_file, ignored);
+        fs::remove_all(root, ignored);
+        if (::mkdir(root.c_str(), 0755) != 0) throw_errno("root skeleton: mkdir " + root.string());
+    }
 
     auto& ops = plan.mounts_before_pivot;
     // Nothing we mount may propagate back to the host.
@@ -133,15 +170,15 @@ RootSkeleton RootSkeleton::prepare(const Policy& policy, const std::string& name
                     if (spec.optional && errno == ENOENT) break;
                     throw_errno("bind source " + spec.source);
                 }
-                if (S_ISDIR(source_info.st_mode)) make_directories(target, 0755);
-                else make_empty_file(target);
+                if (build && S_ISDIR(source_info.st_mode)) make_directories(target, 0755);
+                else if (build) make_empty_file(target);
                 unsigned long flags = MS_NOSUID | MS_NODEV;
                 if (!spec.writable) flags |= MS_RDONLY;
                 add_bind(ops, steps, spec.source, target, spec.target, flags);
                 break;
             }
             case MountSpec::Kind::tmpfs: {
-                make_directories(target, 0755);
+                if (build) make_directories(target, 0755);
                 unsigned long flags = MS_NOSUID | MS_NODEV;
                 if (!spec.writable) flags |= MS_RDONLY;
                 ops.push_back(mount_op(steps, "mount tmpfs " + spec.target, "tmpfs", target, "tmpfs", flags,
@@ -149,37 +186,43 @@ RootSkeleton RootSkeleton::prepare(const Policy& policy, const std::string& name
                 break;
             }
             case MountSpec::Kind::proc:
-                make_directories(target, 0555);
+                if (build) make_directories(target, 0555);
                 // A fresh proc of the sandbox's own pid namespace, read-only.
                 ops.push_back(mount_op(steps, "mount proc " + spec.target, "proc", target, "proc",
                                        MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, ""));
                 break;
             case MountSpec::Kind::dev: {
-                make_directories(target, 0755);
+                if (build) make_directories(target, 0755);
                 for (const char* node : device_nodes) {
-                    make_empty_file(target / node);
+                    if (build) make_empty_file(target / node);
                     add_bind(ops, steps, std::string("/dev/") + node, target / node, spec.target + "/" + node,
                              MS_NOSUID | MS_NOEXEC);
                 }
-                for (const auto& [link, text] : device_links) make_symlink(target / link, text);
-                make_directories(target / "shm", 0755);
+                if (build) {
+                    for (const auto& [link, text] : device_links) make_symlink(target / link, text);
+                    make_directories(target / "shm", 0755);
+                }
                 ops.push_back(mount_op(steps, "mount tmpfs " + spec.target + "/shm", "tmpfs", target / "shm", "tmpfs",
                                        MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                        tmpfs_options(spec.size_bytes ? spec.size_bytes : default_shm_bytes, "1777")));
                 break;
             }
             case MountSpec::Kind::file:
-                write_file(target, spec.content);
+                if (build) write_file(target, spec.content);
                 break;
             case MountSpec::Kind::symlink:
-                make_symlink(target, spec.source);
+                if (build) make_symlink(target, spec.source);
                 break;
         }
     }
 
     // The workspace: the only writable host directory; no setuid binaries or devices from it.
     const auto workspace_target = inside(root, policy.workspace_target);
-    make_directories(workspace_target, 0755);
+    if (build) {
+        make_directories(workspace_target, 0755);
+        // Written last: a half-built skeleton (a crash, an error above) is rebuilt next time.
+        write_file(fingerprint_file, fingerprint);
+    }
     add_bind(ops, steps, workspace.string(), workspace_target, policy.workspace_target + " (workspace)",
              MS_NOSUID | MS_NODEV);
 

@@ -48,12 +48,10 @@ void write_existing_file(const std::filesystem::path& path, std::string_view con
 }
 
 void make_directories(const std::filesystem::path& path, unsigned mode) {
-    std::filesystem::path partial;
-    for (const auto& component : path) {
-        partial /= component;
-        if (partial == partial.root_path()) continue;
-        if (::mkdir(partial.c_str(), mode) != 0 && errno != EEXIST) throw_errno("mkdir " + partial.string());
-    }
+    if (::mkdir(path.c_str(), mode) == 0 || errno == EEXIST) return;
+    if (errno != ENOENT || !path.has_relative_path() || path.parent_path() == path) throw_errno("mkdir " + path.string());
+    make_directories(path.parent_path(), mode);
+    if (::mkdir(path.c_str(), mode) != 0 && errno != EEXIST) throw_errno("mkdir " + path.string());
 }
 
 std::string random_hex(std::size_t bytes) {

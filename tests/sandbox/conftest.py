@@ -18,7 +18,9 @@ import pytest
 PREFIX = Path(os.environ.get("CELLBLOCK_PREFIX", "/usr/local"))
 SANDBOX = PREFIX / "bin" / "cellblock-sandbox"
 DEFAULT_POLICY = PREFIX / "share" / "cellblock" / "sandbox-policy.json"
-UID_FIRST, UID_COUNT = 200000, 10000
+# The battery leases uids from its own range, so that "no process of the session uid is left" can never
+# see a sandbox of another test suite that happens to reuse the uid right after ours.
+UID_FIRST, UID_COUNT = 260000, 1000
 
 # Prepended to every attack: a raw syscall helper and a way to report results as one JSON line.
 PRELUDE = textwrap.dedent(
@@ -98,8 +100,9 @@ def sha256(path):
 
 
 class Sandbox:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, default_policy):
         self.tmp_path = tmp_path
+        self.default_policy = default_policy
         self.count = 0
 
     def workspace(self):
@@ -109,9 +112,7 @@ class Sandbox:
         return path
 
     def command(self, argv, *, workspace, policy=None, memory_mb=None, timeout=None, output_bytes=None):
-        cmd = [str(SANDBOX), "--workspace", str(workspace)]
-        if policy:
-            cmd += ["--policy", str(policy)]
+        cmd = [str(SANDBOX), "--workspace", str(workspace), "--policy", str(policy or self.default_policy)]
         if memory_mb:
             cmd += ["--memory-mb", str(memory_mb)]
         if timeout:
@@ -145,15 +146,29 @@ class Sandbox:
         return process, workspace
 
 
+def battery_policy():
+    """The installed default policy, with the battery's own uid range."""
+    policy = json.loads(DEFAULT_POLICY.read_text())
+    policy["uid_range"] = {"first": UID_FIRST, "count": UID_COUNT}
+    return policy
+
+
+@pytest.fixture(scope="session")
+def default_policy(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy") / "battery-policy.json"
+    path.write_text(json.dumps(battery_policy()))
+    return path
+
+
 @pytest.fixture
-def sandbox(tmp_path):
-    return Sandbox(tmp_path)
+def sandbox(tmp_path, default_policy):
+    return Sandbox(tmp_path, default_policy)
 
 
 @pytest.fixture
 def small_policy(tmp_path):
     """The default policy with small limits, so that resource attacks end quickly."""
-    policy = json.loads(DEFAULT_POLICY.read_text())
+    policy = battery_policy()
     policy["limits"].update({"memory": "256M", "pids": 64, "file_size": "16M", "open_files": 64})
     for mount in policy["mounts"]:
         if mount["target"] == "/tmp":
