@@ -143,6 +143,9 @@ def test_matplotlib_figure_becomes_png_without_show(worker):
     assert "text/plain" in images[0]["data"]
     # The figure was closed after display: the next cell shows nothing.
     assert worker.execute("1;").frames == []
+    # An explicit show() and the %matplotlib magic give one image per figure, not two.
+    shown = worker.execute("%matplotlib inline\nplt.figure(); plt.bar(['a', 'b'], [1, 2]); plt.show()").assert_ok()
+    assert len([frame for frame in shown.frames_of("display_data") if "image/png" in frame["data"]]) == 1
 
 
 def test_cd_magic_changes_the_working_directory(worker, tmp_path):
