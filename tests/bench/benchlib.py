@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 
@@ -71,7 +72,12 @@ def _fmt(stats: Optional[Stats], unit: str) -> str:
         return "–"
     if unit == "ms":
         return f"{stats.median:.2f} ({stats.p99:.2f})"
-    return f"{stats.median:.1f} {unit}" if stats.n == 1 else f"{stats.median:.1f} ({stats.p99:.1f}) {unit}"
+    digits = 2 if abs(stats.median) < 10 else 1  # sub-millisecond CPU figures need the second decimal
+    if all(float(sample).is_integer() for sample in stats.samples):
+        digits = 0  # counts (sessions, failures) read best without decimals
+    if stats.n == 1:
+        return f"{stats.median:.{digits}f} {unit}"
+    return f"{stats.median:.{digits}f} ({stats.p99:.{digits}f}) {unit}"
 
 
 def _ratio(ours: Optional[Stats], peer: Optional[Stats], higher_is_better: bool) -> str:
@@ -155,3 +161,415 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
 
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Installed tree, processes and /proc accounting shared by bench_outputs/bench_throughput/bench_memory (additive).
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+
+def cellblock_prefix() -> Path:
+    """The installed tree under test: $CELLBLOCK_PREFIX, default build/test/stage in the repository."""
+    return Path(os.environ.get("CELLBLOCK_PREFIX") or REPO_ROOT / "build" / "test" / "stage").resolve()
+
+
+def use_installed_kernelspecs() -> None:
+    """Makes jupyter_client (in this process and its children) see cellblock-python next to Debian's kernelspecs."""
+    wanted = f"{cellblock_prefix() / 'share' / 'jupyter'}:/usr/share/jupyter"
+    current = os.environ.get("JUPYTER_PATH", "")
+    if str(cellblock_prefix() / "share" / "jupyter") not in current.split(":"):
+        os.environ["JUPYTER_PATH"] = wanted + (":" + current if current else "")
+
+
+def kernelspec_available(name: str) -> bool:
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    try:
+        spec = KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        return False
+    return bool(spec.argv) and os.access(spec.argv[0], os.X_OK)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """utime + stime of the given processes (each counted once), in seconds; vanished processes count 0."""
+    total = 0
+    for pid in set(pids):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5): utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / CLOCK_TICKS
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def mem_available_kib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    return 0
+
+
+def smaps_breakdown(pid: int, top: int = 12) -> list[tuple[str, int, int]]:
+    """(mapping, Pss KiB, Rss KiB) of one process summed per mapped file ('[anon]' for anonymous), largest first."""
+    totals: dict[str, list[int]] = {}
+    current = "[anon]"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                first = line.split(None, 1)[0]
+                if "-" in first and not first.endswith(":"):
+                    parts = line.split()
+                    current = parts[5] if len(parts) > 5 else "[anon]"
+                elif first == "Pss:":
+                    totals.setdefault(current, [0, 0])[0] += int(line.split()[1])
+                elif first == "Rss:":
+                    totals.setdefault(current, [0, 0])[1] += int(line.split()[1])
+    except OSError:
+        return []
+    ranked = sorted(((name, v[0], v[1]) for name, v in totals.items()), key=lambda item: -item[1])
+    return ranked[:top]
+
+
+def process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        return " ".join(a.decode(errors="replace") for a in argv[:3] if a)[:80]
+    except OSError:
+        return "?"
+
+
+class RunningKernel:
+    """One kernel started by jupyter_client's KernelManager with a BlockingKernelClient, stopped by stop()."""
+
+    def __init__(self, kernel_name: str, env: Optional[dict] = None, ready_timeout: float = 120.0):
+        from jupyter_client import KernelManager
+        self.kernel_name = kernel_name
+        self.manager = KernelManager(kernel_name=kernel_name)
+        self.manager.start_kernel(env=dict(os.environ, **(env or {})))
+        self.client = self.manager.client()
+        self.client.start_channels()
+        try:
+            self.client.wait_for_ready(timeout=ready_timeout)
+        except Exception:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        provisioner = getattr(self.manager, "provisioner", None)
+        process = getattr(provisioner, "process", None) or getattr(self.manager, "kernel", None)
+        return process.pid
+
+    def tree(self) -> list[int]:
+        return descendants(self.pid)
+
+    def stop(self) -> None:
+        """Polite shutdown_request first (cellblock then removes its workspace and runtime dir), then kill."""
+        pid = None
+        try:
+            pid = self.pid
+        except Exception:
+            pass
+        try:
+            self.client.stop_channels()
+        except Exception:
+            pass
+        self.client = None  # its __del__ would otherwise run during interpreter teardown and log noise
+        try:
+            self.manager.shutdown_kernel(now=False)
+        except Exception:
+            try:
+                self.manager.shutdown_kernel(now=True)
+            except Exception:
+                pass
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # anything the kernel left in its process group
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def start_kernels(kernel_name: str, count: int, env: Optional[dict] = None, parallel: int = 16,
+                  ready_timeout: float = 180.0) -> tuple[list[RunningKernel], int]:
+    """Starts `count` kernels, `parallel` at a time; returns (the ones that answered kernel_info, failures)."""
+    from concurrent.futures import ThreadPoolExecutor
+    kernels, failures = [], 0
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, count))) as pool:
+        futures = [pool.submit(RunningKernel, kernel_name, env, ready_timeout) for _ in range(count)]
+        for future in futures:
+            try:
+                kernels.append(future.result())
+            except Exception as error:  # noqa: BLE001 - a failed start is counted, not fatal
+                failures += 1
+                progress(f"{kernel_name}: start failed: {type(error).__name__}: {error}")
+    return kernels, failures
+
+
+def stop_kernels(kernels: list[RunningKernel]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    if not kernels:
+        return
+    with ThreadPoolExecutor(max_workers=min(16, len(kernels))) as pool:
+        list(pool.map(lambda k: k.stop(), kernels))
+
+
+def execute_round_trip(client, code: str, timeout: float = 60.0) -> tuple[float, list[dict]]:
+    """Milliseconds from sending execute_request to its `status: idle` on IOPub, and the IOPub messages for it.
+
+    The shell reply is collected after the clock stops, so replies never pile up in the client.
+    """
+    import queue
+    start = time.perf_counter()
+    msg_id = client.execute(code, store_history=True)
+    messages = []
+    deadline = start + timeout
+    while True:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            raise TimeoutError(f"no idle for {code[:30]!r} within {timeout} s")
+        try:
+            message = client.get_iopub_msg(timeout=remaining)
+        except queue.Empty:
+            continue
+        if message.get("parent_header", {}).get("msg_id") != msg_id:
+            continue
+        if message["msg_type"] == "status" and message["content"].get("execution_state") == "idle":
+            elapsed = (time.perf_counter() - start) * 1000.0
+            break
+        messages.append(message)
+    while True:
+        reply = client.get_shell_msg(timeout=timeout)
+        if reply.get("parent_header", {}).get("msg_id") == msg_id:
+            break
+    if reply["content"].get("status") != "ok":
+        raise RuntimeError(f"{code[:30]!r}: {reply['content'].get('ename')}: {reply['content'].get('evalue')}")
+    return elapsed, messages
+
+
+class ServerProcess:
+    """A server (cellblock-gateway, jupyter server) in its own process group, output to a log file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_http(self, url: str, timeout: float = 60.0, headers: Optional[dict] = None) -> None:
+        import requests
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(url, headers=headers, timeout=2).status_code < 500:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name}: {url} not answering within {timeout} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        stop_process(self.process, timeout)
+        self._log.close()
+
+
+class KernelServer:
+    """REST + WebSocket client of one running kernel server (cellblock-gateway or Jupyter Server)."""
+
+    def __init__(self, label: str, base_url: str, token: str, server: ServerProcess):
+        import requests
+        self.label = label
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.server = server
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"token {token}"
+
+    def create_kernel(self, name: Optional[str] = None, timeout: float = 120.0) -> str:
+        body = {"name": name} if name else {}
+        response = self.http.post(f"{self.base_url}/api/kernels", json=body, timeout=timeout)
+        if response.status_code not in (200, 201):
+            raise RuntimeError(f"{self.label}: POST /api/kernels: {response.status_code} {response.text[:200]}")
+        return response.json()["id"]
+
+    def delete_kernel(self, kernel_id: str, timeout: float = 60.0) -> None:
+        try:
+            self.http.delete(f"{self.base_url}/api/kernels/{kernel_id}", timeout=timeout)
+        except Exception:  # noqa: BLE001 - cleanup is best effort; the server is stopped afterwards anyway
+            pass
+
+    def list_kernels(self) -> list[dict]:
+        return self.http.get(f"{self.base_url}/api/kernels", timeout=30).json()
+
+    def connect(self, kernel_id: str, timeout: float = 60.0) -> "WebSocketKernel":
+        return WebSocketKernel(f"{self.base_url.replace('http', 'ws', 1)}/api/kernels/{kernel_id}/channels",
+                               self.token, timeout)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.stop()
+
+
+class WebSocketKernel:
+    """The Jupyter JSON-over-WebSocket protocol with websocket-client (which sets TCP_NODELAY on its socket)."""
+
+    def __init__(self, url: str, token: str, timeout: float = 60.0):
+        import uuid
+        import websocket
+        self.session_id = uuid.uuid4().hex
+        self.ws = websocket.create_connection(f"{url}?session_id={self.session_id}",
+                                              header=[f"Authorization: token {token}"], timeout=timeout)
+
+    def send(self, msg_type: str, content: dict, channel: str = "shell") -> str:
+        import datetime
+        import json
+        import uuid
+        msg_id = uuid.uuid4().hex
+        header = {"msg_id": msg_id, "msg_type": msg_type, "username": "bench", "session": self.session_id,
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "5.3"}
+        self.ws.send(json.dumps({"header": header, "parent_header": {}, "metadata": {}, "content": content,
+                                 "channel": channel, "buffers": []}))
+        return msg_id
+
+    def receive(self) -> dict:
+        import json
+        return json.loads(self.ws.recv())
+
+    def kernel_info(self, timeout: float = 60.0) -> dict:
+        """Sends kernel_info_request until a reply comes (Jupyter Server may drop the very first one)."""
+        import websocket
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg_id = self.send("kernel_info_request", {})
+            self.ws.settimeout(2.0)
+            try:
+                while True:
+                    message = self.receive()
+                    if message.get("parent_header", {}).get("msg_id") == msg_id and \
+                            message.get("msg_type") == "kernel_info_reply":
+                        return message
+            except websocket.WebSocketTimeoutException:
+                continue
+            finally:
+                self.ws.settimeout(timeout)
+        raise TimeoutError("no kernel_info_reply over the WebSocket")
+
+    def execute(self, code: str, timeout: float = 60.0) -> tuple[float, list[dict]]:
+        """Milliseconds from sending execute_request to its `status: idle`; then waits for the execute_reply."""
+        self.ws.settimeout(timeout)
+        start = time.perf_counter()
+        msg_id = self.send("execute_request", {"code": code, "silent": False, "store_history": True,
+                                               "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+        messages, elapsed, reply = [], None, None
+        while elapsed is None or reply is None:
+            message = self.receive()
+            if message.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if message.get("msg_type") == "status" and message["content"].get("execution_state") == "idle":
+                elapsed = (time.perf_counter() - start) * 1000.0
+            elif message.get("msg_type") == "execute_reply":
+                reply = message
+            else:
+                messages.append(message)
+        if reply["content"].get("status") != "ok":
+            raise RuntimeError(f"{code[:30]!r}: {reply['content'].get('ename')}: {reply['content'].get('evalue')}")
+        return elapsed, messages
+
+    def close(self) -> None:
+        try:
+            self.ws.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# Makes Jupyter Server's kernel WebSocket handler set TCP_NODELAY (it does not by default: Nagle + delayed ACK cost
+# ~40 ms per message). Loaded as jupyter_server_config.py from a private JUPYTER_CONFIG_DIR.
+_JUPYTER_SERVER_NODELAY_CONFIG = '''
+from jupyter_server.services.kernels.handlers import ZMQChannelsHandler as _Handler
+_original_open = _Handler.open
+def _open_with_nodelay(self, kernel_id):
+    self.set_nodelay(True)
+    return _original_open(self, kernel_id)
+_Handler.open = _open_with_nodelay
+'''
+
+
+def start_jupyter_server(workdir: Path, nodelay: bool, extra_env: Optional[dict] = None,
+                         timeout: float = 90.0) -> KernelServer:
+    """Jupyter Server 1.23 on a free port with a private config/runtime dir under `workdir` (caller removes it)."""
+    import secrets
+    config_dir = workdir / "config"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(_JUPYTER_SERVER_NODELAY_CONFIG if nodelay else "")
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config_dir), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
+               JUPYTER_DATA_DIR=str(workdir / "data"), **(extra_env or {}))
+    argv = [DEBIAN_PYTHON, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+            f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={workdir}",
+            "--ServerApp.port_retries=0", "--log-level=WARN"]
+    server = ServerProcess(f"jupyter server{' (nodelay)' if nodelay else ''}", argv, env,
+                           workdir / f"jupyter-server-{port}.log")
+    try:
+        server.wait_http(f"http://127.0.0.1:{port}/api/status", timeout, {"Authorization": f"token {token}"})
+    except Exception:
+        server.stop()
+        raise
+    return KernelServer(server.name, f"http://127.0.0.1:{port}", token, server)
+
+
+def gateway_binary() -> Path:
+    return cellblock_prefix() / "bin" / "cellblock-gateway"
+
+
+def start_gateway(workdir: Path, extra_args: Optional[list[str]] = None, extra_env: Optional[dict] = None,
+                  timeout: float = 90.0) -> KernelServer:
+    """The installed cellblock-gateway on a free port, runtime and workspaces under `workdir` (caller removes it)."""
+    import secrets
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ, **(extra_env or {}))
+    argv = [str(gateway_binary()), "--ip", "127.0.0.1", "--port", str(port), "--token", token,
+            "--runtime-dir", str(workdir / "runtime"), "--workspace-root", str(workdir / "workspaces"),
+            *(extra_args or [])]
+    server = ServerProcess("cellblock-gateway", argv, env, workdir / f"gateway-{port}.log")
+    try:
+        server.wait_http(f"http://127.0.0.1:{port}/api", timeout, {"Authorization": f"token {token}"})
+    except Exception:
+        server.stop()
+        raise
+    return KernelServer("cellblock-gateway", f"http://127.0.0.1:{port}", token, server)
