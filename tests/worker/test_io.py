@@ -150,3 +150,13 @@ def test_interrupting_input_then_a_late_reply_is_ignored(worker):
     worker.send({"type": "input_reply", "value": "fresh"})
     assert worker.next_frame()["content"]["status"] == "ok"
     assert worker.execute("second").result["data"]["text/plain"] == "'fresh'"
+
+
+def test_ctrl_d_answer_is_end_of_input(worker):
+    worker.send({"type": "execute", "id": "ctrl-d", "silent": False, "store_history": True, "user_expressions": {},
+                 "allow_stdin": True,
+                 "code": "try:\n    input('more? ')\nexcept EOFError:\n    print('got EOF')"})
+    assert worker.next_frame()["prompt"] == "more? "
+    worker.send({"type": "input_reply", "value": "\x04"})
+    assert worker.next_frame()["content"]["status"] == "ok"
+    assert "got EOF\n" in "".join(event[1] for event in worker.events if event[0] == "stdout")
