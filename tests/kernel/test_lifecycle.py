@@ -1,0 +1,137 @@
+"""Kernel and worker lifecycle: crashes, limits, shutdown, restart, kill."""
+import os
+import signal
+import time
+
+import pytest
+
+
+def _descendants(pid: int) -> set:
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        for child in children.get(current, []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, timeout: float) -> set:
+    deadline = time.monotonic() + timeout
+    left = {p for p in pids if _alive(p)}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = {p for p in left if _alive(p)}
+    return left
+
+
+def _result(run) -> str:
+    return run.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+
+
+@pytest.mark.parametrize("crash, reason", [
+    ("import os; os._exit(3)", "exited with status 3"),
+    ("import ctypes; ctypes.string_at(0)", "signal 11"),
+])
+def test_worker_crash_is_reported_and_the_next_cell_gets_a_fresh_worker(fresh_kernel, crash, reason):
+    k = fresh_kernel()
+    kernel_pid = k.pid
+    k.execute("doomed = 1")
+    run = k.execute(crash)
+    assert run.content["status"] == "error"
+    assert run.content["ename"] == "WorkerDied"
+    assert reason in run.content["evalue"], run.content["evalue"]
+    assert run.of_type("error")[0]["content"]["ename"] == "WorkerDied"
+
+    after = k.execute("'doomed' in dir()")
+    assert "state" in after.stream_text("stderr") and "gone" in after.stream_text("stderr")
+    assert _result(after) == "False"
+    assert k.pid == kernel_pid and k.manager.is_alive()
+
+
+def test_memory_bomb_names_the_memory_limit(fresh_kernel):
+    k = fresh_kernel(CELLBLOCK_MEMORY_MB=256)
+    run = k.execute("blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 1024 * 1024))", timeout=120)
+    assert run.content["status"] == "error"
+    assert run.content["ename"] == "WorkerDied", run.content
+    assert "memory limit" in run.content["evalue"], run.content
+    assert k.execute("1 + 1").content["status"] == "ok"
+
+
+def test_timeout_interrupts_then_kills(fresh_kernel):
+    k = fresh_kernel(CELLBLOCK_TIMEOUT_S=1)
+    run = k.execute("import time; time.sleep(30)", timeout=60)
+    assert run.content["status"] == "error"
+    assert run.content["ename"] == "TimeoutError"
+    assert "time limit" in run.content["evalue"]
+    assert k.execute("survivor = 1").content["status"] == "ok"
+
+    stubborn = "import time\nwhile True:\n    try:\n        time.sleep(10)\n    except KeyboardInterrupt:\n        pass"
+    started = time.monotonic()
+    run = k.execute(stubborn, timeout=60)
+    assert run.content["ename"] == "WorkerDied"
+    assert "time limit" in run.content["evalue"]
+    assert time.monotonic() - started < 20
+    assert k.execute("1 + 1").content["status"] == "ok"
+
+
+def test_shutdown_while_busy_exits_within_a_second(fresh_kernel):
+    k = fresh_kernel()
+    workers = _descendants(k.pid)
+    assert workers, "the worker should be running under the kernel"
+    k.client.execute("import time; time.sleep(60)")
+    time.sleep(0.5)
+    started = time.monotonic()
+    k.manager.request_shutdown()
+    while k.manager.is_alive() and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    assert time.monotonic() - started < 1.0
+    assert not _wait_gone(workers, 5)
+
+
+def test_restart_clears_state(fresh_kernel):
+    k = fresh_kernel()
+    k.execute("before_restart = 1")
+    k.manager.restart_kernel(now=False)
+    k.client.wait_for_ready(timeout=60)
+    run = k.execute("'before_restart' in dir()")
+    assert _result(run) == "False"
+
+
+def test_sigkilled_kernel_leaves_no_worker(fresh_kernel):
+    k = fresh_kernel()
+    k.execute("1")
+    workers = _descendants(k.pid)
+    assert workers
+    os.kill(k.pid, signal.SIGKILL)
+    assert not _wait_gone(workers, 5), "worker processes survived the kernel"
+
+
+def test_sigterm_shuts_down_cleanly(fresh_kernel):
+    k = fresh_kernel()
+    k.execute("1")
+    workers = _descendants(k.pid)
+    os.kill(k.pid, signal.SIGTERM)
+    started = time.monotonic()
+    while k.manager.is_alive() and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    assert not k.manager.is_alive()
+    assert not _wait_gone(workers, 5)
