@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""cellblock-kernel vs ipykernel over raw ZMQ: cold start to kernel_info_reply, `1+1` round trip, idle PSS.
+
+    /usr/bin/python3 tests/bench/bench_kernel.py [--quick] [--starts N] [--executes N]
+
+Both kernels are launched the same way, from their kernelspec argv with a fresh connection file (no
+jupyter_client KernelManager in the timed path), and driven by the same lean client: a DEALER on shell and a SUB
+on IOPub, requests signed with hmac-sha256.
+- cold start: Popen -> kernel_info_reply on shell (the request is queued in the DEALER before the kernel binds;
+  a 2 ms reconnect interval keeps libzmq's 100 ms default out of the figure);
+- `1+1`: execute_request sent -> IOPub `status: idle` for it (execute_input, execute_result and the reply included);
+- idle PSS: the kernel process and every descendant (for cellblock: the sandbox and the Python worker), after
+  the executes and a second of rest.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+import benchlib
+from benchlib import Row, Stats, markdown_table, progress
+
+KINDS = [("cellblock", "cellblock-python"), ("ipykernel", "python3")]
+DELIMITER = b"<IDS|MSG>"
+
+
+class LeanClient:
+    def __init__(self, context: zmq.Context, info: dict):
+        self.key = info["key"].encode()
+        self.session = uuid.uuid4().hex
+        base = f"{info['transport']}://{info['ip']}:"
+        self.shell = context.socket(zmq.DEALER)
+        self.shell.linger = 0
+        self.shell.setsockopt(zmq.RECONNECT_IVL, 2)
+        self.shell.connect(base + str(info["shell_port"]))
+        self.iopub = context.socket(zmq.SUB)
+        self.iopub.linger = 0
+        self.iopub.setsockopt(zmq.RECONNECT_IVL, 2)
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.iopub.connect(base + str(info["iopub_port"]))
+
+    def close(self) -> None:
+        self.shell.close()
+        self.iopub.close()
+
+    def send(self, msg_type: str, content: dict) -> bytes:
+        msg_id = uuid.uuid4().hex
+        header = json.dumps({"msg_id": msg_id, "msg_type": msg_type, "username": "bench", "session": self.session,
+                             "version": "5.3",
+                             "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}).encode()
+        frames = [header, b"{}", b"{}", json.dumps(content).encode()]
+        signature = hmac.new(self.key, digestmod=hashlib.sha256)
+        for frame in frames:
+            signature.update(frame)
+        self.shell.send_multipart([DELIMITER, signature.hexdigest().encode(), *frames])
+        return msg_id.encode()
+
+    def wait_reply(self, msg_id: bytes, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.shell.poll(50):
+                frames = self.shell.recv_multipart()
+                start = frames.index(DELIMITER)
+                if msg_id in frames[start + 3]:
+                    return json.loads(frames[start + 5])
+        raise TimeoutError("no reply")
+
+    def wait_idle(self, msg_id: bytes, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.iopub.poll(50):
+                frames = self.iopub.recv_multipart()
+                start = frames.index(DELIMITER)
+                if msg_id in frames[start + 3] and b'"status"' in frames[start + 2] and b"idle" in frames[start + 5]:
+                    return
+        raise TimeoutError("no idle")
+
+    def drain_shell(self) -> None:
+        while self.shell.poll(0):
+            self.shell.recv_multipart()
+
+
+class LaunchedKernel:
+    """A kernel started from its kernelspec argv with our own connection file."""
+
+    def __init__(self, kernel_name: str, workdir: Path):
+        from jupyter_client.connect import write_connection_file
+        from jupyter_client.kernelspec import KernelSpecManager
+        spec = KernelSpecManager().get_kernel_spec(kernel_name)
+        self.connection_file = str(workdir / f"{kernel_name}-{uuid.uuid4().hex}.json")
+        write_connection_file(self.connection_file, key=uuid.uuid4().hex.encode(), signature_scheme="hmac-sha256")
+        with open(self.connection_file) as f:
+            self.info = json.load(f)
+        self.argv = [arg.replace("{connection_file}", self.connection_file) for arg in spec.argv]
+        self.env = dict(os.environ, **spec.env)
+        self.process = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, env=self.env, start_new_session=True,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            benchlib.stop_process(self.process)
+        try:
+            os.unlink(self.connection_file)
+        except OSError:
+            pass
+
+
+def cold_start_ms(context: zmq.Context, kernel_name: str, workdir: Path) -> float:
+    kernel = LaunchedKernel(kernel_name, workdir)
+    client = LeanClient(context, kernel.info)
+    try:
+        started = time.perf_counter()
+        kernel.start()
+        msg_id = client.send("kernel_info_request", {})
+        client.wait_reply(msg_id, timeout=60)
+        return (time.perf_counter() - started) * 1000.0
+    finally:
+        client.close()
+        kernel.stop()
+
+
+def execute_and_memory(context: zmq.Context, kernel_name: str, workdir: Path, executes: int) -> tuple[Stats, Stats]:
+    kernel = LaunchedKernel(kernel_name, workdir)
+    client = LeanClient(context, kernel.info)
+    try:
+        kernel.start()
+        client.wait_reply(client.send("kernel_info_request", {}), timeout=60)
+        content = {"code": "1+1", "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": True}
+        # Warm up until IOPub is connected (the first idle can be missed by a slow joiner).
+        for _ in range(100):
+            msg_id = client.send("execute_request", content)
+            try:
+                client.wait_idle(msg_id, timeout=30 if _ == 0 else 2)
+                break
+            except TimeoutError:
+                continue
+        for _ in range(5):
+            client.wait_idle(client.send("execute_request", content), timeout=30)
+        client.drain_shell()
+        samples = []
+        for _ in range(executes):
+            started = time.perf_counter()
+            msg_id = client.send("execute_request", content)
+            client.wait_idle(msg_id, timeout=30)
+            samples.append((time.perf_counter() - started) * 1000.0)
+            client.drain_shell()
+        time.sleep(1.0)
+        pss_mb = sum(benchlib.pss_kib(pid) for pid in benchlib.descendants(kernel.process.pid)) / 1024.0
+        return Stats(samples), Stats([pss_mb])
+    finally:
+        client.close()
+        kernel.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument("--starts", type=int, help="cold starts per kernel (default 20, quick 3)")
+    parser.add_argument("--executes", type=int, help="timed `1+1` per kernel (default 300, quick 30)")
+    args = parser.parse_args()
+    starts = args.starts or (3 if args.quick else 20)
+    executes = args.executes or (30 if args.quick else 300)
+
+    benchlib.use_installed_kernelspecs()
+    context = zmq.Context()
+    cold: dict[str, Stats | None] = {}
+    round_trip: dict[str, Stats | None] = {}
+    memory: dict[str, Stats | None] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-kernel-") as tmp:
+        workdir = Path(tmp)
+        for label, kernel_name in KINDS:
+            if not benchlib.kernelspec_available(kernel_name):
+                progress(f"{label}: kernelspec {kernel_name} not available, skipped")
+                cold[label] = round_trip[label] = memory[label] = None
+                continue
+            try:
+                progress(f"{label}: {starts} cold starts")
+                # Alternate nothing else meanwhile: each start is measured alone on the machine.
+                cold[label] = Stats([cold_start_ms(context, kernel_name, workdir) for _ in range(starts)])
+                progress(f"{label}: {executes} executes of 1+1, then idle PSS")
+                round_trip[label], memory[label] = execute_and_memory(context, kernel_name, workdir, executes)
+            except Exception as error:  # a peer failing must not hide our figures (and vice versa)
+                progress(f"{label}: failed: {error!r}")
+                cold.setdefault(label, None)
+                round_trip[label] = memory.get(label)
+                memory.setdefault(label, None)
+    context.term()
+
+    rows = [
+        Row("cold start → kernel_info_reply", cold.get("cellblock"), {"ipykernel": cold.get("ipykernel")},
+            target="≤ 400 ms"),
+        Row("execute `1+1` → idle (ZMQ)", round_trip.get("cellblock"), {"ipykernel": round_trip.get("ipykernel")},
+            target="≤ 1.5 ms"),
+        Row("idle PSS, kernel + worker", memory.get("cellblock"), {"ipykernel": memory.get("ipykernel")}, unit="MB",
+            note="sum over the kernel's process tree"),
+    ]
+    print(markdown_table("cellblock-kernel vs ipykernel (raw ZMQ client)", rows))
+    ok = all(x is not None for x in (cold.get("cellblock"), round_trip.get("cellblock"), memory.get("cellblock")))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
