@@ -154,7 +154,15 @@ CgroupSession CgroupSession::create(const CgroupHost& host, const std::string& n
     session.version_ = host.version;
     auto make = [&](const fs::path& base) {
         const auto dir = base / name;
-        if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) throw_errno("cgroup mkdir " + dir.string());
+        if (::mkdir(dir.c_str(), 0755) != 0) {
+            if (errno != EEXIST) throw_errno("cgroup mkdir " + dir.string());
+            // Left by a launcher that crashed while holding this uid (we hold its lease now): start
+            // from a fresh cgroup so that old OOM counts and processes cannot leak into this session.
+            CgroupSession stale;
+            stale.dirs_.push_back(dir);
+            stale.remove();
+            if (::mkdir(dir.c_str(), 0755) != 0) throw_errno("cgroup mkdir " + dir.string() + " (after removing a stale one)");
+        }
         session.dirs_.push_back(dir);
         return dir;
     };

@@ -35,6 +35,7 @@ public:
     ~CgroupSession();
 
     // Creates and configures the cgroups the limits need (only controllers that the limits use).
+    // `name` must be unique to the caller (the leased uid): an existing cgroup of that name is stale.
     static CgroupSession create(const CgroupHost& host, const std::string& name, const ResourceLimits& limits);
 
     void add_process(pid_t pid) const;

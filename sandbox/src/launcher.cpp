@@ -178,8 +178,8 @@ Process Launcher::launch(const LaunchRequest& request) {
     plan.cwd = request.cwd.empty() ? policy.workspace_target : request.cwd;
     plan.step_chdir = steps.add("chdir " + plan.cwd);
 
-    const std::string name = std::to_string(host_uid) + "-" + detail::random_hex(4);
-    impl->skeleton = detail::RootSkeleton::prepare(policy, std::to_string(host_uid), request.workspace, steps, plan);
+    const std::string name = std::to_string(host_uid);   // unique while we hold the uid's lease
+    impl->skeleton = detail::RootSkeleton::prepare(policy, name, request.workspace, steps, plan);
     impl->cgroups = detail::CgroupSession::create(state.cgroups, name, limits);
     detail::plan_rlimits(limits, steps, plan);
     detail::plan_credentials(state.user_namespaces ? policy.inside_uid : host_uid, steps, plan);

@@ -1,6 +1,7 @@
 // Process: the handle of a running sandbox (signals, waiting, limits, teardown).
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,9 +38,11 @@ std::optional<Outcome> Process::Impl::reap(bool block) {
     if (outcome) return outcome;
     if (pid <= 0) return std::nullopt;
     siginfo_t info{};
+    rusage usage{};
     for (;;) {
         const int options = WEXITED | (block ? 0 : WNOHANG);
-        if (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(pidfd.get()), &info, options) == 0) break;
+        // The raw system call also reports the resource usage, which tells a CPU-limit kill apart.
+        if (::syscall(SYS_waitid, P_PIDFD, pidfd.get(), &info, options, &usage) == 0) break;
         if (errno == EINTR) continue;
         detail::throw_errno("waitid for the sandbox");
     }
@@ -56,8 +59,12 @@ std::optional<Outcome> Process::Impl::reap(bool block) {
         else if (cgroups.memory_limit_hit() && result.signal == SIGKILL) result.reason = Outcome::Reason::memory_limit;
         else if (output_limit_noted && result.signal == SIGKILL) result.reason = Outcome::Reason::output_limit;
         else if (limits.cpu_seconds > 0 && (result.signal == SIGXCPU || result.signal == SIGKILL)) {
-            // RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one.
-            result.reason = result.signal == SIGXCPU ? Outcome::Reason::cpu_limit : result.reason;
+            // RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one (a second later).
+            const double cpu = static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+                               static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
+            if (result.signal == SIGXCPU || cpu >= static_cast<double>(limits.cpu_seconds)) {
+                result.reason = Outcome::Reason::cpu_limit;
+            }
         }
     }
     // Anything that outlived pid 1 (it cannot: the pid namespace dies with it) is swept anyway.

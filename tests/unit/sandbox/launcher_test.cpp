@@ -188,3 +188,50 @@ TEST_F(LauncherTest, ConcurrentSandboxesGetDistinctUids) {
     a.kill();
     b.kill();
 }
+
+TEST_F(LauncherTest, ChildSideFailureNamesTheStep) {
+    sb::Launcher launcher(policy_);
+    auto r = request({"/usr/bin/true"});
+    r.cwd = "/no/such/dir";
+    try {
+        launcher.launch(r);
+        FAIL() << "expected SandboxError";
+    } catch (const sb::SandboxError& error) {
+        EXPECT_EQ(std::string(error.what()), "chdir /no/such/dir: No such file or directory");
+    }
+}
+
+TEST_F(LauncherTest, MissingBindSourceIsReportedBeforeLaunch) {
+    sb::MountSpec extra;
+    extra.kind = sb::MountSpec::Kind::bind;
+    extra.source = "/nonexistent/source";
+    extra.target = "/opt/extra";
+    policy_.mounts.push_back(extra);
+    sb::Launcher launcher(policy_);
+    try {
+        launcher.launch(request({"/usr/bin/true"}));
+        FAIL() << "expected SandboxError";
+    } catch (const sb::SandboxError& error) {
+        EXPECT_EQ(std::string(error.what()), "bind source /nonexistent/source: No such file or directory");
+    }
+}
+
+TEST_F(LauncherTest, CpuTimeLimitIsReportedAsSuch) {
+    sb::Launcher launcher(policy_);
+    auto r = request({"/usr/bin/python3", "-c", "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"});
+    sb::ResourceLimits limits = policy_.limits;
+    limits.cpu_seconds = 1;
+    r.limits = limits;
+    auto process = launcher.launch(r);
+    const auto outcome = process.wait_for(30s);
+    ASSERT_TRUE(outcome.has_value());
+    EXPECT_EQ(outcome->reason, sb::Outcome::Reason::cpu_limit) << outcome->describe();
+}
+
+TEST_F(LauncherTest, FullyEquippedHostReportsNothingWeakened) {
+    // On this host every controller exists, so a launch with all limits must not be weakened.
+    sb::Launcher launcher(policy_);
+    auto process = launcher.launch(request({"/usr/bin/true"}));
+    EXPECT_EQ(process.wait().exit_code, 0);
+    EXPECT_TRUE(launcher.weakened().empty()) << "this host supports every mechanism the policy needs";
+}
