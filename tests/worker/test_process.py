@@ -54,13 +54,13 @@ def test_sigint_while_idle_is_harmless(worker):
 
 
 def test_interrupts_never_corrupt_frames(worker):
-    # A cell that publishes as fast as it can, interrupted repeatedly: every frame must still parse and
-    # the worker must keep serving.
+    # A cell that publishes big frames as fast as it can (each needs several writes into a full socket
+    # buffer), interrupted repeatedly: every frame must still parse and the worker must keep serving.
     for attempt in range(5):
         worker.send({"type": "execute", "id": f"flood-{attempt}", "silent": False, "store_history": False,
                      "user_expressions": {}, "allow_stdin": False,
                      "code": "from IPython.display import display\nprint('go', flush=True)\n"
-                             "while True:\n    display('x' * 5000)"})
+                             "while True:\n    display('x' * 2_000_000)"})
         _wait_for_stdout(worker, "go")
         time.sleep(0.1)
         worker.interrupt()
@@ -158,3 +158,12 @@ def test_user_sigint_handler_is_kept_for_later_cells(worker):
     _wait_for_stdout(worker, "napping")
     worker.interrupt()
     assert _reply_after(worker, timeout=20)[-1]["content"]["ename"] == "KeyboardInterrupt"
+
+
+def test_a_failing_handler_becomes_an_error_reply(worker):
+    # Break IPython's completer from user code: the worker must answer, not die.
+    worker.execute("get_ipython().Completer.completions = None").assert_ok()
+    broken = worker.request("complete", code="pri", cursor_pos=3).reply
+    assert broken["status"] == "error" and broken["ename"] == "WorkerInternalError"
+    assert "TypeError" in broken["evalue"] and broken["traceback"]
+    assert worker.execute("'serving'").result["data"]["text/plain"] == "'serving'"
