@@ -246,7 +246,167 @@ private:
             return write(json_error(http::status::unauthorized, "Missing or invalid token"), upgrade ? false : keep_alive);
         if (upgrade) return handle_upgrade(request_context);
 
+        request_context.client_address = client_address();
+        request_context.start_stream = [self = this->shared_from_this(), keep_alive](HttpResponse head) {
+            return self->begin_stream(std::move(head), keep_alive);
+        };
         context_.router.dispatch(request_context, make_responder(keep_alive));
+    }
+
+    std::string client_address() {
+        beast::error_code error;
+        auto endpoint = beast::get_lowest_layer(stream_).socket().remote_endpoint(error);
+        return error ? std::string() : endpoint.address().to_string();
+    }
+
+    // ---- Streamed responses (ResponseStream): chunked body pieces written in order; while the body is being
+    // produced the socket is read, so a client that goes away is noticed even when nothing is being written.
+    class StreamAdapter : public ResponseStream {
+    public:
+        explicit StreamAdapter(std::shared_ptr<HttpConnection> connection) : connection_(std::move(connection)) {}
+        ~StreamAdapter() override { finish(); }
+        void write(std::string data) override {
+            if (connection_) connection_->stream_write(std::move(data));
+        }
+        void finish() override {
+            if (auto connection = std::exchange(connection_, nullptr)) connection->stream_finish();
+        }
+        void on_disconnect(std::function<void()> handler) override {
+            if (connection_) connection_->streaming_.disconnect_handler = std::move(handler);
+        }
+        bool client_gone() const override { return !connection_ || connection_->streaming_.broken; }
+
+    private:
+        std::shared_ptr<HttpConnection> connection_;
+    };
+
+    struct StreamState {
+        std::optional<http::response<http::empty_body>> head;
+        std::optional<http::response_serializer<http::empty_body>> serializer;
+        std::deque<std::string> queue;
+        std::function<void()> disconnect_handler;
+        bool chunked = true, keep_alive = false, writing = false, finishing = false, last_sent = false,
+             complete = false, broken = false, watching = false;
+        void reset() {  // the serializer is not assignable, so the state is reset field by field
+            serializer.reset();
+            head.reset();
+            queue.clear();
+            disconnect_handler = nullptr;
+            chunked = true;
+            keep_alive = writing = finishing = last_sent = complete = broken = watching = false;
+        }
+    };
+
+    std::shared_ptr<ResponseStream> begin_stream(HttpResponse source, bool keep_alive) {
+        streaming_.reset();
+        const bool http10 = request_.version() == 10;
+        source.set(http::field::server, server_name);
+        context_.cors.apply(source);
+        streaming_.head.emplace(source.result(), http10 ? 10 : 11);
+        for (const auto& field : source)
+            if (field.name() != http::field::content_length) streaming_.head->insert(field.name_string(), field.value());
+        // HTTP/1.0 has no chunked encoding: the body then ends with the connection.
+        streaming_.chunked = !http10;
+        streaming_.keep_alive = keep_alive && !http10;
+        streaming_.head->keep_alive(streaming_.keep_alive);
+        if (streaming_.chunked) streaming_.head->chunked(true);
+        streaming_.serializer.emplace(*streaming_.head);
+        beast::get_lowest_layer(stream_).expires_never();
+        streaming_.writing = true;
+        http::async_write_header(stream_, *streaming_.serializer,
+                                 [self = this->shared_from_this()](beast::error_code error, std::size_t) {
+                                     self->streaming_.writing = false;
+                                     if (error) return self->stream_failed();
+                                     self->stream_pump();
+                                 });
+        if constexpr (!is_tls<Stream>) {
+            if (buffer_.size() == 0) watch_for_disconnect();
+        }
+        return std::make_shared<StreamAdapter>(this->shared_from_this());
+    }
+
+    void watch_for_disconnect() {
+        streaming_.watching = true;
+        stream_.async_read_some(buffer_.prepare(4096), [self = this->shared_from_this()](beast::error_code error,
+                                                                                        std::size_t bytes) {
+            self->streaming_.watching = false;
+            if (!error) {
+                // A pipelined next request: keep it for read_request(); stop watching.
+                self->buffer_.commit(bytes);
+                if (self->streaming_.complete) self->after_stream();
+                return;
+            }
+            if (error == net::error::operation_aborted && self->streaming_.complete) return self->after_stream();
+            self->stream_failed();
+        });
+    }
+
+    void stream_write(std::string data) {
+        if (streaming_.broken || streaming_.finishing || data.empty()) return;  // an empty chunk would end the body
+        streaming_.queue.push_back(std::move(data));
+        stream_pump();
+    }
+
+    void stream_finish() {
+        if (streaming_.finishing) return;
+        streaming_.finishing = true;
+        stream_pump();
+    }
+
+    void stream_pump() {
+        if (streaming_.writing || streaming_.broken) return;
+        auto on_written = [self = this->shared_from_this()](beast::error_code error, std::size_t) {
+            self->streaming_.writing = false;
+            if (!self->streaming_.queue.empty()) self->streaming_.queue.pop_front();
+            if (error) return self->stream_failed();
+            self->stream_pump();
+        };
+        if (!streaming_.queue.empty()) {
+            streaming_.writing = true;
+            const net::const_buffer data = net::buffer(streaming_.queue.front());
+            if (streaming_.chunked) net::async_write(stream_, http::make_chunk(data), std::move(on_written));
+            else net::async_write(stream_, data, std::move(on_written));
+            return;
+        }
+        if (!streaming_.finishing || streaming_.last_sent) return;
+        streaming_.last_sent = true;
+        if (!streaming_.chunked) return stream_complete();
+        streaming_.writing = true;
+        net::async_write(stream_, http::make_chunk_last(), [self = this->shared_from_this()](beast::error_code error, std::size_t) {
+            self->streaming_.writing = false;
+            if (error) return self->stream_failed();
+            self->stream_complete();
+        });
+    }
+
+    void stream_complete() {
+        streaming_.complete = true;
+        if (!streaming_.keep_alive) {
+            streaming_.disconnect_handler = nullptr;
+            return close_connection();
+        }
+        if (streaming_.watching) {
+            beast::error_code ignored;
+            beast::get_lowest_layer(stream_).socket().cancel(ignored);  // the watch's handler continues
+            return;
+        }
+        after_stream();
+    }
+
+    void after_stream() {
+        streaming_.reset();
+        read_request();
+    }
+
+    void stream_failed() {
+        if (streaming_.broken) return;
+        streaming_.broken = true;
+        streaming_.queue.clear();
+        auto handler = std::move(streaming_.disconnect_handler);
+        streaming_.disconnect_handler = nullptr;
+        beast::error_code ignored;
+        beast::get_lowest_layer(stream_).socket().shutdown(tcp::socket::shutdown_both, ignored);
+        if (handler && !streaming_.complete) handler();
     }
 
     Responder make_responder(bool keep_alive) {
@@ -310,6 +470,7 @@ private:
     }
 
     Stream stream_;
+    StreamState streaming_;
     const HttpServerContext& context_;
     beast::flat_buffer buffer_;
     std::optional<http::request_parser<http::string_body>> parser_;

@@ -23,12 +23,31 @@ using HttpResponse = http::response<http::string_body>;
 // Completes a request; must be called exactly once, possibly later (after a kernel started).
 using Responder = std::function<void(HttpResponse)>;
 
+// A response whose body is sent as it is produced (chunked transfer encoding), e.g. NDJSON execution events.
+// Obtained instead of calling the Responder; everything runs on the io_context thread.
+class ResponseStream {
+public:
+    virtual ~ResponseStream() = default;
+    // Queues one piece of the body; ignored once the client is gone or after finish().
+    virtual void write(std::string data) = 0;
+    // Ends the body; the connection then serves its next request (keep-alive) or closes.
+    virtual void finish() = 0;
+    // Runs once if the client disconnects before finish() (it is watched for EOF while the body is streamed).
+    virtual void on_disconnect(std::function<void()> handler) = 0;
+    virtual bool client_gone() const = 0;
+};
+// Sends the status line and headers of `head` (its body is ignored) and returns the stream for the body.
+using StreamStarter = std::function<std::shared_ptr<ResponseStream>(HttpResponse head)>;
+
 struct RequestContext {
     const HttpRequest& request;
     std::string path;                                 // decoded, without query and base_url, starts with "/"
     std::map<std::string, std::string> query;         // decoded query parameters
     std::map<std::string, std::string> params;        // captured {placeholders}
     std::string base_url;                             // e.g. "/" or "/gw/"
+    // Set by the HTTP server for plain requests: a handler may call it (once) instead of the Responder.
+    StreamStarter start_stream = {};
+    std::string client_address = {};                  // peer IP address, for audit trails
     const std::string& param(const std::string& name) const { return params.at(name); }
     // Parses the body as a JSON object; an empty body gives {}. Throws HttpError(400) otherwise.
     nlohmann::json json_body() const;
