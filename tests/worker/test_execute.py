@@ -184,3 +184,13 @@ def test_user_registered_formatters_apply_to_builtin_results(worker):
     worker.execute("get_ipython().display_formatter.formatters['text/html'].for_type(int, lambda n: f'<b>{n}</b>')")
     data = worker.execute("5").assert_ok().result["data"]
     assert data == {"text/plain": "5", "text/html": "<b>5</b>"}
+
+
+def test_history_search_magic_sees_recent_and_old_cells(worker):
+    for count in range(1, 131):
+        worker.execute(f"cell_{count} = {count}", execution_count=count).assert_ok()
+    pending = worker.execute("len(get_ipython().history_manager.db_input_cache)", execution_count=131)
+    assert int(pending.result["data"]["text/plain"]) < 100, "the history write cache must stay bounded"
+    found = worker.execute("%history -g cell_12 -n", execution_count=132).assert_ok().text()
+    # cell_12 went to the history database with the periodic write-out, cell_125 came from the cache.
+    assert "cell_12 = 12" in found and "cell_125 = 125" in found

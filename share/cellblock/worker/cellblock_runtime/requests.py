@@ -13,6 +13,9 @@ from .shell import safe_text
 from .streams import DiscardingTextStream
 
 
+_HISTORY_CACHE_LIMIT = 100
+
+
 class RequestError(Exception):
     """A malformed request: answered with an error reply, the worker keeps serving."""
 
@@ -100,6 +103,7 @@ class RequestHandlers:
             shell.output_route.silent = False
             self._stdin.allowed = False
             shell.payload_manager.clear_payload()
+            self._bound_history_cache()
 
     def _align_input_history(self, execution_count):
         # `In[n]`/`_in` are list positions: pad if the kernel's counter ran ahead (e.g. a fresh worker).
@@ -107,6 +111,13 @@ class RequestHandlers:
         while len(history.input_hist_parsed) < execution_count:
             history.input_hist_parsed.append("")
             history.input_hist_raw.append("")
+
+    def _bound_history_cache(self):
+        # Without IPython's history-saving thread (in-memory history), stored cells pile up in a write cache;
+        # move them into the (in-memory) database now and then, as the thread would.
+        history = self._shell.history_manager
+        if len(history.db_input_cache) >= _HISTORY_CACHE_LIMIT:
+            history.writeout_cache()
 
     def _error_content(self, result):
         error = self._shell.last_error
