@@ -175,7 +175,12 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
                      endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
                     {[&supervisor] { supervisor.interrupt(); }, [&exit_path] { exit_path.leave(0); }});
     guard.start();
-    SignalRouter signals([&supervisor] { supervisor.interrupt(); }, [&exit_path](int) { exit_path.leave(0); });
+    SignalRouter signals(
+        [&supervisor, &guard] {
+            supervisor.interrupt();
+            guard.interrupt_pending_input();
+        },
+        [&exit_path](int) { exit_path.leave(0); });
 
     log_event(LogLevel::info, "kernel_started", {{"shell", connection.endpoint(connection.shell_port)}});
     // xeus prints its version on std::clog at start; keep stderr for our structured log lines.

@@ -125,6 +125,9 @@ struct WireGuard::Sockets {
     // Wakes the loop up for destruction.
     zmq::socket_t stop_receiver{context, zmq::socket_type::pair};
     zmq::socket_t stop_sender{context, zmq::socket_type::pair};
+    // Signal-mode interrupts from the signal thread (sender guarded by wake_mutex_).
+    zmq::socket_t wake_receiver{context, zmq::socket_type::pair};
+    zmq::socket_t wake_sender{context, zmq::socket_type::pair};
     bool open = true;
 
     void close_all() {
@@ -136,6 +139,8 @@ struct WireGuard::Sockets {
         subscriber.close();
         stop_receiver.close();
         stop_sender.close();
+        wake_receiver.close();
+        wake_sender.close();
         // Waits (up to the linger) until queued replies are on the wire.
         context.close();
         open = false;
@@ -168,6 +173,8 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
     s.subscriber.connect(xeus.iopub);
     s.stop_receiver.bind("inproc://wire-guard-stop");
     s.stop_sender.connect("inproc://wire-guard-stop");
+    s.wake_receiver.bind("inproc://wire-guard-wake");
+    s.wake_sender.connect("inproc://wire-guard-wake");
 }
 
 WireGuard::~WireGuard() {
@@ -182,9 +189,37 @@ void WireGuard::start() {
     thread_ = std::thread([this] { run(); });
 }
 
+void WireGuard::interrupt_pending_input() {
+    std::lock_guard lock(wake_mutex_);
+    if (sockets_->open) sockets_->wake_sender.send(zmq::str_buffer("interrupt"), zmq::send_flags::dontwait);
+}
+
+void WireGuard::release_pending_input() {
+    if (!pending_input_) return;
+    const nlohmann::json header = {{"msg_id", std::string(xeus::new_xguid().c_str())},
+                                   {"username", "cellblock"},
+                                   {"session", session_id_},
+                                   {"date", utc_now_iso8601()},
+                                   {"msg_type", "input_reply"},
+                                   {"version", "5.3"}};
+    std::vector<zmq::message_t> message;
+    for (const auto& identity : pending_input_->identities) message.emplace_back(identity.data(), identity.size());
+    const std::string header_text = header.dump();
+    const std::string content = R"({"value":""})";
+    message.emplace_back(delimiter_frame.data(), delimiter_frame.size());
+    message.emplace_back();  // xeus listens unsigned
+    message.emplace_back(header_text.data(), header_text.size());
+    message.emplace_back(pending_input_->header.data(), pending_input_->header.size());
+    message.emplace_back("{}", 2);
+    message.emplace_back(content.data(), content.size());
+    pending_input_.reset();
+    log_event(LogLevel::debug, "input_request_released", {});
+    zmq::send_multipart(sockets_->dealers[stdin_channel], message);
+}
+
 void WireGuard::run() noexcept {
     auto& s = *sockets_;
-    std::array<zmq::pollitem_t, 9> items = {{
+    std::array<zmq::pollitem_t, 10> items = {{
         {s.routers[shell].handle(), 0, ZMQ_POLLIN, 0},
         {s.routers[control].handle(), 0, ZMQ_POLLIN, 0},
         {s.routers[stdin_channel].handle(), 0, ZMQ_POLLIN, 0},
@@ -194,6 +229,7 @@ void WireGuard::run() noexcept {
         {s.subscriber.handle(), 0, ZMQ_POLLIN, 0},
         {s.heartbeat.handle(), 0, ZMQ_POLLIN, 0},
         {s.stop_receiver.handle(), 0, ZMQ_POLLIN, 0},
+        {s.wake_receiver.handle(), 0, ZMQ_POLLIN, 0},
     }};
     while (s.open) {
         try {
@@ -210,6 +246,12 @@ void WireGuard::run() noexcept {
             if (items[5].revents & ZMQ_POLLIN) relay_outbound(stdin_channel);
             if (items[6].revents & ZMQ_POLLIN) relay_outbound(iopub);
             if (items[7].revents & ZMQ_POLLIN) echo_heartbeat();
+            if (items[9].revents & ZMQ_POLLIN) {
+                zmq::message_t wake;
+                while (s.wake_receiver.recv(wake, zmq::recv_flags::dontwait)) {
+                }
+                release_pending_input();
+            }
         } catch (const zmq::error_t& error) {
             if (error.num() == EINTR) continue;
             if (error.num() == ETERM) return;
@@ -243,7 +285,17 @@ void WireGuard::relay_inbound(int channel_index) {
         answer_shutdown(frames, verdict.delimiter, channel_index);
         return;
     }
-    if (verdict.msg_type == "interrupt_request" && actions_.interrupt) actions_.interrupt();
+    if (channel_index == stdin_channel) {
+        if (verdict.msg_type != "input_reply" || !pending_input_) {
+            log_event(LogLevel::debug, "stdin_message_dropped", {{"msg_type", verdict.msg_type}});
+            return;
+        }
+        pending_input_.reset();
+    }
+    if (verdict.msg_type == "interrupt_request") {
+        if (actions_.interrupt) actions_.interrupt();
+        release_pending_input();
+    }
     zmq::send_multipart(s.dealers[channel_index], frames);
 }
 
@@ -279,6 +331,12 @@ void WireGuard::relay_outbound(int channel_index) {
     // xeus answers requests aborted by stop_on_error without busy/idle; clients (and ipykernel) expect the
     // usual busy -> reply -> idle for each request.
     const std::string parent_header(view(frames[d + 3]));
+    if (channel == WireChannel::stdin_channel && msg_type == "input_request") {
+        PendingInput pending;
+        for (std::size_t i = 0; i < d; ++i) pending.identities.emplace_back(view(frames[i]));
+        pending.header = std::string(view(frames[d + 2]));
+        pending_input_ = std::move(pending);
+    }
     if (aborted) publish_status(parent_header, "busy");
     zmq::send_multipart(to, frames);
     if (aborted) publish_status(parent_header, "idle");

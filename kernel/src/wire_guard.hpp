@@ -11,6 +11,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -68,6 +69,10 @@ public:
     // Runs the proxy loop on its own thread until destruction or shutdown_request.
     void start();
 
+    // A signal-mode interrupt (SIGINT) reached the kernel: if the shell thread is blocked waiting for an
+    // input_reply, release it. Thread-safe.
+    void interrupt_pending_input();
+
 private:
     struct Sockets;
     void run() noexcept;
@@ -75,6 +80,7 @@ private:
     void relay_outbound(int channel_index);
     void echo_heartbeat();
     void publish_status(std::string_view parent_header, const char* state);
+    void release_pending_input();
     void answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index);
     // A message of the guard's own, in reply to (or about) the request whose header is `parent_header`;
     // `identities` route it on a ROUTER, none means IOPub.
@@ -89,6 +95,16 @@ private:
     std::unique_ptr<Sockets> sockets_;
     std::thread thread_;
     std::vector<unsigned long> refusals_;  // per InboundVerdict::Kind, for log-once
+
+    // The input_request xeus is blocked on (xeus 2.4.1 waits in a blocking recv with no cancel): its
+    // routing identities and header. Only an input_reply while one is pending is forwarded, so a stale
+    // reply can never answer a later prompt; an interrupt answers it with "" to free the shell thread.
+    struct PendingInput {
+        std::vector<std::string> identities;
+        std::string header;
+    };
+    std::optional<PendingInput> pending_input_;
+    std::mutex wake_mutex_;
 };
 
 }  // namespace cellblock::kernel

@@ -156,3 +156,24 @@ def test_interrupt_request_on_control_keeps_state(kernel):
     reply = kc.get_control_msg(timeout=10)
     assert reply["msg_type"] == "interrupt_reply" and reply["content"]["status"] == "ok"
     assert kernel.execute("kept_too").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "7"
+
+
+@pytest.mark.parametrize("how", ["signal", "message"])
+def test_interrupt_releases_an_unanswered_input(kernel, how):
+    kc = kernel.client
+    msg_id = kc.execute("input('never answered: ')", allow_stdin=True)
+    request = kc.get_stdin_msg(timeout=30)
+    assert request["content"]["prompt"] == "never answered: "
+    if how == "signal":
+        kernel.manager.interrupt_kernel()
+    else:
+        kc.control_channel.send(kc.session.msg("interrupt_request", {}))
+    run = kernel.collect(msg_id, timeout=10)
+    assert run.content["ename"] == "KeyboardInterrupt"
+    if how == "message":
+        assert kc.get_control_msg(timeout=10)["msg_type"] == "interrupt_reply"
+    # A late answer to the abandoned prompt must not answer anything else.
+    kc.input("too late")
+    assert kernel.execute("1 + 1").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "2"
+    run = kernel.execute("input('again: ')", allow_stdin=True, answers=["fresh"])
+    assert run.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "'fresh'"
