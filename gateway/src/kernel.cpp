@@ -107,6 +107,7 @@ Kernel::~Kernel() {
     process_.reset();
     std::error_code ignored;
     fs::remove(connection_file_, ignored);
+    fs::remove(launch_.runtime_dir / ("kernel-" + id() + ".log"), ignored);
     for (int port = 1; port <= 5; ++port) fs::remove(endpoints_.base + "-" + std::to_string(port), ignored);
     if (!launch_.workspace_dir.empty()) fs::remove_all(launch_.workspace_dir, ignored);
 }
@@ -227,7 +228,9 @@ void Kernel::spawn() {
     ready_ = false;
     launch_deadline_ = std::chrono::steady_clock::now() +
                        std::chrono::milliseconds(static_cast<long long>(config_.kernel_launch_timeout * 1000));
-    process_ = std::make_unique<ChildProcess>(io_, argv, launch_.environment, launch_.workspace_dir.string());
+    const std::string output_file =
+        logger_.enabled(LogLevel::debug) ? std::string() : (launch_.runtime_dir / ("kernel-" + id() + ".log")).string();
+    process_ = std::make_unique<ChildProcess>(io_, argv, launch_.environment, launch_.workspace_dir.string(), output_file);
     logger_.info("kernel_spawned", {{"kernel_id", id()}, {"pid", process_->pid()}, {"spec", launch_.spec.name}});
     std::weak_ptr<Kernel> weak = weak_from_this();
     process_->on_exit([weak, this_io = &io_](ProcessExit exit) {

@@ -90,13 +90,15 @@ std::map<std::string, std::string> KernelManager::kernel_environment(
 }
 
 std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
-                                                     const std::map<std::string, std::string>& request_env) {
+                                                     const std::map<std::string, std::string>& request_env,
+                                                     const std::map<std::string, std::string>& trusted_env) {
     KernelLaunch launch;
     launch.id = new_uuid();
     launch.spec = spec;
     launch.runtime_dir = runtime_dir_;
     launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
     launch.environment = kernel_environment(spec, request_env, launch.id, launch.workspace_dir);
+    for (const auto& [name, value] : trusted_env) launch.environment[name] = value;
     return std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
 }
 
@@ -144,7 +146,7 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
         return;
     }
     std::shared_ptr<Kernel> kernel;
-    if (pool_can_serve(*spec, request.env)) {
+    if (request.trusted_env.empty() && pool_can_serve(*spec, request.env)) {
         // Prefer a ready warm kernel, else one that is still warming up (it is ahead of a cold start).
         auto ready = std::find_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); });
         auto chosen = ready != pool_.end() ? ready : pool_.begin();
@@ -155,7 +157,7 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
     }
     const bool from_pool = kernel != nullptr;
     try {
-        if (!kernel) kernel = create_kernel(*spec, request.env);
+        if (!kernel) kernel = create_kernel(*spec, request.env, request.trusted_env);
     } catch (const std::exception& error) {
         on_started(KernelStartError{KernelStartError::Kind::failed, error.what()});
         return;

@@ -1,6 +1,7 @@
 #include "cellblock/gateway/kernel_process.hpp"
 
 #include <cerrno>
+#include <fcntl.h>
 #include <csignal>
 #include <poll.h>
 #include <cstring>
@@ -38,7 +39,7 @@ std::string ProcessExit::describe() const {
 
 ChildProcess::ChildProcess(boost::asio::io_context& io, const std::vector<std::string>& argv,
                            const std::map<std::string, std::string>& environment,
-                           const std::string& working_directory)
+                           const std::string& working_directory, const std::string& output_file)
     : pidfd_(io) {
     if (argv.empty()) throw std::system_error(EINVAL, std::generic_category(), "kernelspec argv is empty");
     std::vector<char*> argument_pointers;
@@ -64,6 +65,17 @@ ChildProcess::ChildProcess(boost::asio::io_context& io, const std::vector<std::s
     if (!working_directory.empty())
         if (int rc = posix_spawn_file_actions_addchdir_np(&file_actions.actions, working_directory.c_str()); rc != 0)
             throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_addchdir_np");
+    if (int rc = posix_spawn_file_actions_addopen(&file_actions.actions, 0, "/dev/null", O_RDONLY, 0); rc != 0)
+        throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_addopen /dev/null");
+    if (!output_file.empty()) {
+        // Kernel chatter (banners, warnings, crash traces) goes to a per-kernel log instead of the gateway's output.
+        if (int rc = posix_spawn_file_actions_addopen(&file_actions.actions, 1, output_file.c_str(),
+                                                      O_WRONLY | O_CREAT | O_APPEND, 0600);
+            rc != 0)
+            throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_addopen " + output_file);
+        if (int rc = posix_spawn_file_actions_adddup2(&file_actions.actions, 1, 2); rc != 0)
+            throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_adddup2");
+    }
     // Only stdin/stdout/stderr are inherited; the gateway's sockets must not leak into kernels.
     if (int rc = posix_spawn_file_actions_addclosefrom_np(&file_actions.actions, 3); rc != 0)
         throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_addclosefrom_np");

@@ -21,6 +21,9 @@ namespace cellblock::gateway {
 struct KernelStartRequest {
     std::string name;                             // empty = default kernelspec
     std::map<std::string, std::string> env;       // as sent by the client; filtered by the manager
+    // Set by gateway code itself (e.g. the agent API's CELLBLOCK_TIMEOUT_S limits): passed to the kernel unfiltered.
+    // A non-empty map means the warm pool cannot serve the request.
+    std::map<std::string, std::string> trusted_env = {};
 };
 
 struct KernelStartError {
@@ -58,7 +61,8 @@ public:
                                                           const std::filesystem::path& workspace) const;
 
 private:
-    std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec, const std::map<std::string, std::string>& request_env);
+    std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec, const std::map<std::string, std::string>& request_env,
+                                          const std::map<std::string, std::string>& trusted_env = {});
     bool pool_can_serve(const KernelSpec& spec, const std::map<std::string, std::string>& request_env) const;
     void refill_pool();
     void schedule_cull();

@@ -24,7 +24,8 @@ class ChildProcess {
 public:
     // Throws std::system_error (with the failing step) when the process cannot be started.
     ChildProcess(boost::asio::io_context& io, const std::vector<std::string>& argv,
-                 const std::map<std::string, std::string>& environment, const std::string& working_directory);
+                 const std::map<std::string, std::string>& environment, const std::string& working_directory,
+                 const std::string& output_file = {});  // stdout+stderr go here (appended) unless empty
     ~ChildProcess();  // SIGKILLs the process group if still running, then reaps
     ChildProcess(const ChildProcess&) = delete;
     ChildProcess& operator=(const ChildProcess&) = delete;
