@@ -316,7 +316,7 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
 }
 
 nl::json PythonInterpreter::execute_request_impl(int execution_counter, const std::string& code, bool silent,
-                                                 bool store_history, nl::json user_expressions, bool allow_stdin) {
+                                                 bool store_history, nl::json user_expressions, bool allow_stdin) try {
     Exchange exchange;
     exchange.publish = !silent;
     exchange.allow_stdin = allow_stdin;
@@ -363,9 +363,13 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
     }
     if (!exchange.error_published && !silent) publish_execution_error(ename, evalue, traceback_lines(traceback));
     return make_error_reply(ename, evalue, traceback);
+} catch (const std::exception& failure) {
+    // xeus swallows exceptions from handlers and then sends no reply at all; answer with an error instead.
+    log_event(LogLevel::error, "execute_failed", {{"error", failure.what()}});
+    return make_error_reply("KernelError", failure.what());
 }
 
-nl::json PythonInterpreter::complete_request_impl(const std::string& code, int cursor_pos) {
+nl::json PythonInterpreter::complete_request_impl(const std::string& code, int cursor_pos) try {
     Exchange exchange;
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending = run({{"type", "complete"}, {"code", code}, {"cursor_pos", cursor_pos}}, exchange);
@@ -373,9 +377,12 @@ nl::json PythonInterpreter::complete_request_impl(const std::string& code, int c
         return ending.content;
     }
     return make_empty_complete_reply(cursor_pos);
+} catch (const std::exception& failure) {
+    log_event(LogLevel::error, "complete_failed", {{"error", failure.what()}});
+    return make_empty_complete_reply(cursor_pos);
 }
 
-nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cursor_pos, int detail_level) {
+nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cursor_pos, int detail_level) try {
     Exchange exchange;
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending = run(
@@ -384,15 +391,21 @@ nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cu
         return ending.content;
     }
     return make_not_found_inspect_reply();
+} catch (const std::exception& failure) {
+    log_event(LogLevel::error, "inspect_failed", {{"error", failure.what()}});
+    return make_not_found_inspect_reply();
 }
 
-nl::json PythonInterpreter::is_complete_request_impl(const std::string& code) {
+nl::json PythonInterpreter::is_complete_request_impl(const std::string& code) try {
     Exchange exchange;
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending = run({{"type", "is_complete"}, {"code", code}}, exchange);
     if (ending.kind == Ending::Kind::reply && ending.content.is_object() && ending.content.contains("status")) {
         return ending.content;
     }
+    return make_unknown_is_complete_reply();
+} catch (const std::exception& failure) {
+    log_event(LogLevel::error, "is_complete_failed", {{"error", failure.what()}});
     return make_unknown_is_complete_reply();
 }
 

@@ -47,9 +47,11 @@ class Run:
 class Kernel:
     """A started kernel with a connected client and helpers to execute code."""
 
-    def __init__(self, extra_env: dict | None = None):
+    def __init__(self, extra_env: dict | None = None, key: bytes | None = None):
         _require_kernelspec()
         self.manager = KernelManager(kernel_name=KERNEL_NAME)
+        if key is not None:
+            self.manager.session.key = key  # written to the connection file; b"" = unsigned messages
         env = dict(os.environ)
         env.update(extra_env or {})
         started = time.monotonic()
@@ -146,8 +148,8 @@ def fresh_kernel():
     """A kernel of its own, for tests that crash, kill or restart it."""
     kernels = []
 
-    def start(**extra_env):
-        k = Kernel(extra_env={key: str(value) for key, value in extra_env.items()})
+    def start(key: bytes | None = None, **extra_env):
+        k = Kernel(extra_env={name: str(value) for name, value in extra_env.items()}, key=key)
         kernels.append(k)
         return k
 

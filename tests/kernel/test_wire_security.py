@@ -131,3 +131,12 @@ print('FDS', fds)
     fds = json.loads(fds_line[4:])
     # 0-2 stdio, 3 the worker channel, plus the listdir handle itself (and at most a few Python-internal ones).
     assert max(fds) < 10, fds
+
+
+def test_empty_key_means_unsigned_messages_work(fresh_kernel):
+    k = fresh_kernel(key=b"")
+    with open(k.manager.connection_file) as f:
+        assert json.load(f)["key"] == ""
+    run = k.execute("6 * 7")
+    assert run.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "42"
+    assert run.reply["header"]["msg_type"] == "execute_reply"
