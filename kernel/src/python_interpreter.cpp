@@ -207,7 +207,7 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
         publish_execution_error(ename, evalue, traceback_lines(message.value("traceback", nl::json::array())));
         exchange.error_published = true;
     } else if (type == "input_request") {
-        drain_streams(worker, exchange);
+        flush_text(exchange);
         answer_input_request(worker, message, exchange);
     } else {
         log_event(LogLevel::debug, "worker_message_ignored", {{"type", type}});
@@ -264,22 +264,22 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
             log_event(LogLevel::error, "poll_failed", {{"errno", errno}});
             worker->kill();
         }
-        if (fds[1].revents & (POLLIN | POLLHUP)) read_stream(*worker, false, exchange);
-        if (fds[2].revents & (POLLIN | POLLHUP)) read_stream(*worker, true, exchange);
-        if (Clock::now() >= exchange.flush_at) flush_text(exchange);
+        // The channel before the pipes: the worker sends a frame only after the kernel has read what it
+        // wrote to fds 1/2 before it, so pipe text readable together with a frame was written after it.
         if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
             const ssize_t got = ::recv(worker->channel_fd(), buffer.data(), buffer.size(), MSG_DONTWAIT);
             if (got > 0) {
                 worker->frames.append({buffer.data(), static_cast<std::size_t>(got)});
                 try {
                     while (auto message = worker->frames.next()) {
-                        // Ordering rule: text written before the frame is published before it.
-                        drain_streams(*worker, exchange);
+                        // Text read before the frame was written before it: publish it first.
+                        flush_text(exchange);
                         if (handle_worker_message(*worker, *message, exchange)) {
                             if (message->value("id", std::uint64_t{0}) != id) {
                                 log_event(LogLevel::warning, "stale_worker_reply", {{"id", message->value("id", 0)}});
                                 continue;
                             }
+                            // Output of children or C code that raced with the reply still belongs here.
                             drain_streams(*worker, exchange);
                             return {Ending::Kind::reply, message->value("content", nl::json::object()), {}};
                         }
@@ -298,6 +298,9 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
                 }
             }
         }
+        if (fds[1].revents & (POLLIN | POLLHUP)) read_stream(*worker, false, exchange);
+        if (fds[2].revents & (POLLIN | POLLHUP)) read_stream(*worker, true, exchange);
+        if (Clock::now() >= exchange.flush_at) flush_text(exchange);
         if (fds[3].revents != 0) {
             drain_streams(*worker, exchange);
             const auto outcome = supervisor_.retire(worker);

@@ -177,3 +177,21 @@ def test_interrupt_releases_an_unanswered_input(kernel, how):
     assert kernel.execute("1 + 1").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "2"
     run = kernel.execute("input('again: ')", allow_stdin=True, answers=["fresh"])
     assert run.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "'fresh'"
+
+
+def test_streams_and_displays_keep_their_order(kernel):
+    # (stdout and stderr are separate pipes: their relative order is not guaranteed, as with ipykernel.)
+    run = kernel.execute("from IPython.display import display\nprint('before')\ndisplay('shown')\nprint('after')\n"
+                         "display('again')\nprint('end')")
+    sequence = []
+    for _, msg in run.outputs:
+        if msg["msg_type"] == "stream":
+            label = msg["content"]["name"]
+            if sequence and sequence[-1][0] == label:
+                sequence[-1] = (label, sequence[-1][1] + msg["content"]["text"])
+            else:
+                sequence.append((label, msg["content"]["text"]))
+        elif msg["msg_type"] == "display_data":
+            sequence.append(("display", msg["content"]["data"]["text/plain"]))
+    assert sequence == [("stdout", "before\n"), ("display", "'shown'"), ("stdout", "after\n"),
+                        ("display", "'again'"), ("stdout", "end\n")]
