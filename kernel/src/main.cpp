@@ -174,6 +174,8 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
                     {endpoint(private_config.m_shell_port), endpoint(private_config.m_control_port),
                      endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
                     {[&supervisor] { supervisor.interrupt(); }, [&exit_path] { exit_path.leave(0); }});
+    // Only now, with every socket bound, start the worker (so a bad port fails fast and leaves nothing).
+    supervisor.start();
     guard.start();
     SignalRouter signals(
         [&supervisor, &guard] {

@@ -72,8 +72,10 @@ std::optional<sandbox::Outcome> LiveWorker::wait_for(std::chrono::milliseconds t
     return process_->wait_for(timeout);
 }
 
-WorkerSupervisor::WorkerSupervisor(WorkerLaunchSpec spec) : spec_(std::move(spec)) {
-    launcher_thread_ = std::thread([this] { launcher_loop(); });
+WorkerSupervisor::WorkerSupervisor(WorkerLaunchSpec spec) : spec_(std::move(spec)) {}
+
+void WorkerSupervisor::start() {
+    if (!launcher_thread_.joinable()) launcher_thread_ = std::thread([this] { launcher_loop(); });
 }
 
 WorkerSupervisor::~WorkerSupervisor() {
@@ -190,7 +192,12 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
                                       {worker->stdout_fd(), POLLIN, 0},
                                       {worker->stderr_fd(), POLLIN, 0},
                                       {worker->pidfd(), POLLIN, 0}}};
-        const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(left.count()));
+        if (stopping_) {
+            worker->kill();
+            throw std::runtime_error("the kernel is shutting down");
+        }
+        // Wake up now and then to notice a shutdown.
+        const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(std::min<long long>(left.count(), 100)));
         if (ready < 0) {
             if (errno == EINTR) continue;
             throw system_error("poll (worker start-up)");
@@ -292,6 +299,7 @@ void WorkerSupervisor::shutdown() {
     std::shared_ptr<LiveWorker> worker;
     {
         std::lock_guard lock(mutex_);
+        stopping_ = true;
         if (state_ == State::stopped && !current_) return;
         state_ = State::stopped;
         worker = std::move(current_);

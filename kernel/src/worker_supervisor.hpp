@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -79,6 +80,8 @@ class WorkerSupervisor {
 public:
     explicit WorkerSupervisor(WorkerLaunchSpec spec);
     ~WorkerSupervisor();
+    // Starts the launcher thread, which launches the first worker right away.
+    void start();
     WorkerSupervisor(const WorkerSupervisor&) = delete;
     WorkerSupervisor& operator=(const WorkerSupervisor&) = delete;
 
@@ -112,6 +115,7 @@ private:
     std::string launch_error_;
     std::optional<std::string> lost_state_note_;
     std::optional<std::string> python_version_;
+    std::atomic<bool> stopping_{false};  // read by a launch in progress, which then gives up
     std::thread launcher_thread_;
 };
 
