@@ -182,6 +182,7 @@ WireGuard::~WireGuard() {
         if (sockets_->open) sockets_->stop_sender.send(zmq::str_buffer("stop"), zmq::send_flags::dontwait);
         thread_.join();
     }
+    std::lock_guard lock(wake_mutex_);
     sockets_->close_all();
 }
 
@@ -392,7 +393,10 @@ void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::
     zmq::send_multipart(s.routers[channel_index],
                         build_message(identities, request_header, "shutdown_reply", {{"status", "ok"}, {"restart", restart}}));
     publish_status(request_header, "idle");
-    s.close_all();
+    {
+        std::lock_guard lock(wake_mutex_);  // the signal thread may be using wake_sender
+        s.close_all();
+    }
     if (actions_.shutdown) actions_.shutdown();
 }
 
