@@ -172,6 +172,11 @@ int run(const Options& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    // A closed stdin/stdout/stderr would be reused by our own pipes (and the sandbox would read its
+    // own output as input): occupy them with /dev/null first.
+    for (int fd = 0; fd <= 2; ++fd) {
+        if (::fcntl(fd, F_GETFD) < 0 && ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY) < 0) return 125;
+    }
     CLI::App app{"Run one command confined by the cellblock sandbox."};
     Options options;
     app.add_option("--policy", options.policy_file, "policy JSON file")->check(CLI::ExistingFile);
