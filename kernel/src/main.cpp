@@ -149,6 +149,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     auto history = std::make_unique<HistoryManager>();
     HistoryManager& history_ref = *history;
     auto interpreter = std::make_unique<PythonInterpreter>(supervisor, history_ref, settings);
+    PythonInterpreter& interpreter_ref = *interpreter;
 
     // xeus listens on private ipc endpoints inside the 0700 runtime directory, unsigned; the wire guard
     // does the verification and signing on the public side.
@@ -174,6 +175,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
                     {endpoint(private_config.m_shell_port), endpoint(private_config.m_control_port),
                      endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
                     {[&supervisor] { supervisor.interrupt(); }, [&exit_path] { exit_path.leave(0); }});
+    interpreter_ref.set_input_releaser([&guard] { guard.interrupt_pending_input(); });
     // Only now, with every socket bound, start the worker (so a bad port fails fast and leaves nothing).
     supervisor.start();
     guard.start();

@@ -10,7 +10,11 @@
 #include <array>
 #include <cerrno>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <functional>
+#include <mutex>
+#include <thread>
 
 #include "logging.hpp"
 
@@ -31,6 +35,38 @@ Clock::duration to_duration(double seconds) {
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
+// Runs `action` once at `when` unless stopped first (on its own thread: the caller is blocked).
+class InputWatchdog {
+public:
+    InputWatchdog(Clock::time_point when, std::function<void()> action)
+        : thread_([this, when, action = std::move(action)] {
+              std::unique_lock lock(mutex_);
+              if (!changed_.wait_until(lock, when, [this] { return stopped_; })) {
+                  fired_ = true;
+                  lock.unlock();
+                  action();
+              }
+          }) {}
+    ~InputWatchdog() { stop(); }
+    // Cancels the watchdog; returns true if it had already fired.
+    bool stop() {
+        {
+            std::lock_guard lock(mutex_);
+            stopped_ = true;
+        }
+        changed_.notify_all();
+        if (thread_.joinable()) thread_.join();
+        return fired_;
+    }
+
+private:
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    bool stopped_ = false;
+    bool fired_ = false;
+    std::thread thread_;
+};
+
 }  // namespace
 
 // Everything one request to the worker needs and produces.
@@ -45,6 +81,8 @@ struct PythonInterpreter::Exchange {
     bool error_published = false;
     bool timed_out = false;          // SIGINT sent because the time limit passed
     bool killed_for_timeout = false;
+    Clock::time_point deadline = Clock::time_point::max();   // the time limit
+    Clock::time_point kill_at = Clock::time_point::max();    // after the timeout's interrupt
     std::optional<std::string> result_text;  // text/plain of execute_result, for history
     bool stdout_open = true;         // until the pipe reports end of file
     bool stderr_open = true;
@@ -164,8 +202,22 @@ void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json&
     if (exchange.allow_stdin && exchange.publish) {
         const std::string prompt = message.value("prompt", std::string());
         const bool password = message.value("password", false);
-        // Blocks the shell thread until the client answers on stdin (xeus 2.4.1 has no cancel).
+        // Blocks the shell thread until the client answers on stdin (xeus 2.4.1 has no cancel), so the
+        // time limit is enforced by a watchdog that interrupts the worker and has the wire guard answer
+        // the prompt with "".
+        std::optional<InputWatchdog> watchdog;
+        if (exchange.deadline != Clock::time_point::max() && input_releaser_) {
+            watchdog.emplace(exchange.deadline, [&worker, this] {
+                worker.signal(SIGINT);
+                input_releaser_();
+            });
+        }
         answer["value"] = xeus::blocking_input_request(prompt, password);
+        if (watchdog && watchdog->stop()) {
+            exchange.timed_out = true;
+            exchange.kill_at = Clock::now() + to_duration(settings_.limits.interrupt_grace_s);
+            log_event(LogLevel::info, "execution_timeout", {{"timeout_s", exchange.timeout_s}, {"while", "input"}});
+        }
     } else {
         answer["error"] = "this frontend does not support input requests (allow_stdin is false)";
     }
@@ -226,8 +278,7 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
     bool killed_for_protocol = false;
     const auto started = Clock::now();
     const auto never = Clock::time_point::max();
-    const auto deadline = exchange.timeout_s > 0 ? started + to_duration(exchange.timeout_s) : never;
-    auto kill_deadline = never;
+    exchange.deadline = exchange.timeout_s > 0 ? started + to_duration(exchange.timeout_s) : never;
     if (!channel_open) {
         worker->kill();
         killed_for_protocol = true;
@@ -236,17 +287,17 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
 
     while (true) {
         const auto now = Clock::now();
-        if (!exchange.timed_out && now >= deadline) {
+        if (!exchange.timed_out && now >= exchange.deadline) {
             exchange.timed_out = true;
             log_event(LogLevel::info, "execution_timeout", {{"timeout_s", exchange.timeout_s}});
             worker->signal(SIGINT);
-            kill_deadline = now + to_duration(settings_.limits.interrupt_grace_s);
+            exchange.kill_at = now + to_duration(settings_.limits.interrupt_grace_s);
         }
-        if (exchange.timed_out && !exchange.killed_for_timeout && now >= kill_deadline) {
+        if (exchange.timed_out && !exchange.killed_for_timeout && now >= exchange.kill_at) {
             exchange.killed_for_timeout = true;
             worker->kill();
         }
-        auto next_event = exchange.timed_out ? kill_deadline : deadline;
+        auto next_event = exchange.timed_out ? exchange.kill_at : exchange.deadline;
         if (exchange.killed_for_timeout) next_event = never;
         next_event = std::min(next_event, exchange.flush_at);
         int wait_ms = -1;

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,6 +30,10 @@ struct InterpreterSettings {
 class PythonInterpreter final : public xeus::xinterpreter {
 public:
     PythonInterpreter(WorkerSupervisor& supervisor, HistoryManager& history, InterpreterSettings settings);
+
+    // How to answer a pending input_request with "" (the wire guard's); used when the time limit passes
+    // while the shell thread waits for input. Set before the kernel starts.
+    void set_input_releaser(std::function<void()> releaser) { input_releaser_ = std::move(releaser); }
 
 private:
     struct Exchange;   // one request to the worker and everything it produced
@@ -59,6 +64,7 @@ private:
     HistoryManager& history_;
     InterpreterSettings settings_;
     std::uint64_t next_request_id_ = 0;
+    std::function<void()> input_releaser_;
 };
 
 }  // namespace cellblock::kernel

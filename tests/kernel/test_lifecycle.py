@@ -84,6 +84,13 @@ def test_timeout_interrupts_then_kills(fresh_kernel):
     assert "time limit" in run.content["evalue"]
     assert k.execute("survivor = 1").content["status"] == "ok"
 
+    # A prompt nobody answers is bound by the same limit.
+    msg_id = k.client.execute("input('nobody answers: ')", allow_stdin=True)
+    assert k.client.get_stdin_msg(timeout=30)["content"]["prompt"] == "nobody answers: "
+    run = k.collect(msg_id, timeout=30)
+    assert run.content["ename"] == "TimeoutError", run.content
+    assert k.execute("survivor").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "1"
+
     stubborn = "import time\nwhile True:\n    try:\n        time.sleep(10)\n    except KeyboardInterrupt:\n        pass"
     started = time.monotonic()
     run = k.execute(stubborn, timeout=60)
