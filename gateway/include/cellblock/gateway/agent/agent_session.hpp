@@ -1,0 +1,147 @@
+#pragma once
+// One agent session: a kernel from the KernelManager (so it is listed in /api/kernels and a notebook can attach to
+// it and watch), the session's limits, a queue of executes run one at a time, the history that becomes its notebook,
+// and its audit trail. The session talks to its kernel as one more KernelClient with its own session_id.
+#include "cellblock/gateway/agent/agent_config.hpp"
+#include "cellblock/gateway/agent/durable_writer.hpp"
+#include "cellblock/gateway/agent/execution.hpp"
+#include "cellblock/gateway/kernel.hpp"
+#include "cellblock/gateway/kernel_manager.hpp"
+#include "cellblock/gateway/log.hpp"
+
+#include <boost/asio/steady_timer.hpp>
+
+#include <chrono>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cellblock::gateway::agent {
+
+// What sessions share; owned by the AgentService.
+struct SessionServices {
+    boost::asio::io_context& io;
+    const Logger& logger;
+    KernelManager& kernels;
+    const AgentConfig& config;
+    DurableWriter& writer;
+};
+
+struct ExecuteRequest {
+    std::string code;
+    double timeout_s = 0;        // the circuit breaker for this call; <= the session's limits.timeout_s
+    std::string client_address;  // for the audit trail
+    std::string client_kind;     // "http", "ndjson", "mcp"
+};
+
+struct ExecuteHandlers {
+    ExecutionCollector::EventSink on_event;               // optional, for streaming
+    std::function<void(nlohmann::json answer)> on_done;   // always called exactly once
+};
+
+class AgentSession : public KernelClient, public std::enable_shared_from_this<AgentSession> {
+public:
+    struct Record {
+        std::string id, name, created;
+        AgentLimits limits;
+    };
+    using Done = std::function<void(std::optional<std::string> error)>;
+
+    // `directory` holds session.json, cells.jsonl and audit.jsonl; `cells` is the history reloaded from it.
+    AgentSession(SessionServices& services, Record record, std::filesystem::path directory,
+                 std::vector<nlohmann::json> cells);
+    ~AgentSession() override;
+
+    // Starts a kernel for the session unless it has a live one; `done` runs once it is ready.
+    void ensure_kernel(Done done);
+    // Queues an execute; returns a ticket for `abandon`.
+    std::uint64_t execute(ExecuteRequest request, ExecuteHandlers handlers);
+    // The client of `ticket` went away: a queued execute is dropped, a running one interrupted.
+    void abandon(std::uint64_t ticket);
+    // Restarts the kernel in place (variables gone, files kept) and clears the history; runs after queued executes.
+    void reset(std::string client_address, Done done);
+    // Shuts the kernel down and fails whatever is queued. The session is unusable afterwards.
+    void close(const std::string& reason);
+
+    nlohmann::json model() const;
+    // nbformat 4.5 notebook of the history; `only_ok` leaves out cells that failed or timed out.
+    nlohmann::json notebook(bool only_ok) const;
+    // Appends {"time", "session", ...entry} to the audit trail.
+    void audit(nlohmann::json entry);
+    void persist_record();
+
+    const Record& record() const { return record_; }
+    const std::string& id() const { return record_.id; }
+    const std::string& name() const { return record_.name; }
+    const std::filesystem::path& directory() const { return directory_; }
+    std::filesystem::path audit_file() const { return directory_ / "audit.jsonl"; }
+    // The host directory the kernel's code sees as its cwd; nullopt without a live kernel.
+    std::optional<std::filesystem::path> workspace() const;
+    std::shared_ptr<Kernel> kernel() const { return kernel_; }
+    bool busy() const { return running_ != nullptr || !queue_.empty(); }
+    bool closed() const { return closed_; }
+    std::chrono::steady_clock::time_point last_used() const;
+    void touch() { last_used_ = std::chrono::steady_clock::now(); }
+
+    // KernelClient: messages for our session_id (replies) and every IOPub message of the kernel.
+    void deliver(const JupyterMessage& message) override;
+    void disconnect(const std::string& reason) override;
+
+private:
+    struct Pending {
+        std::uint64_t ticket = 0;
+        bool is_reset = false;
+        ExecuteRequest request;
+        ExecuteHandlers handlers;
+        Done reset_done;
+    };
+    struct Running {
+        Pending pending;
+        std::unique_ptr<ExecutionCollector> collector;
+        std::chrono::steady_clock::time_point started;
+        std::chrono::system_clock::time_point started_wall;
+        bool timed_out = false;          // our deadline passed and the kernel was interrupted
+        bool kernel_restarted = false;   // still running after the grace period: the kernel was restarted
+        bool interrupted_by_client = false;
+        std::string kernel_failure;      // the kernel died or went away during the execute
+    };
+
+    void run_next();
+    void start_execute(Pending pending);
+    void start_reset(Pending pending);
+    void on_deadline();
+    void on_grace_expired();
+    void finish_execute();
+    nlohmann::json build_answer(Running& running, nlohmann::json& cell_outputs);
+    std::optional<std::string> save_output(const std::string& file_name, const std::string& text);
+    void fail_pending(Pending& pending, const std::string& ename, const std::string& evalue);
+    std::map<std::string, std::string> kernel_limit_environment() const;
+    void attach_kernel(std::shared_ptr<Kernel> kernel);
+    nlohmann::json runtime_info() const;
+
+    SessionServices& services_;
+    Record record_;
+    std::filesystem::path directory_;
+    std::vector<nlohmann::json> cells_;
+    std::string link_session_id_;  // our session_id on the kernel (ZMQ routing identity)
+    std::shared_ptr<Kernel> kernel_;
+    std::shared_ptr<KernelSession> link_;
+    nlohmann::json kernel_info_;  // kernel_info_reply content of the current kernel
+    std::string kernel_info_msg_id_;
+    bool starting_kernel_ = false;
+    bool had_kernel_ = false;          // a kernel served this session before (a new one means lost state)
+    bool state_lost_notice_ = false;   // tell the next answer that a new kernel replaced the old one
+    std::vector<Done> kernel_waiters_;
+    std::deque<Pending> queue_;
+    std::unique_ptr<Running> running_;
+    boost::asio::steady_timer deadline_timer_;
+    std::uint64_t next_ticket_ = 1;
+    std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
+    bool closed_ = false;
+};
+
+}  // namespace cellblock::gateway::agent

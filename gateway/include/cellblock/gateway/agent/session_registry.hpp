@@ -1,0 +1,51 @@
+#pragma once
+// All agent sessions, by id and by name: creation (with limits checked against the maxima), lookup, deletion, the
+// idle TTL, and the state directory that makes session records, histories and audit trails survive a restart.
+#include "cellblock/gateway/agent/agent_session.hpp"
+#include "cellblock/gateway/router.hpp"
+
+#include <boost/asio/steady_timer.hpp>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cellblock::gateway::agent {
+
+// True for names a session may be given: 1-64 of [A-Za-z0-9._-], starting with a letter or digit, not a UUID.
+bool valid_session_name(std::string_view name);
+
+class AgentSessionRegistry {
+public:
+    explicit AgentSessionRegistry(SessionServices& services);
+    ~AgentSessionRegistry();
+
+    // Chooses and locks the state directory (`fallback_dir` when the configured one is taken or unusable), reloads
+    // the sessions recorded there (without kernels: one starts on first use) and starts the TTL timer.
+    void start(const std::filesystem::path& fallback_dir);
+    const std::filesystem::path& state_dir() const { return state_dir_; }
+
+    using CreateHandler = std::function<void(std::shared_ptr<AgentSession> session, std::optional<HttpError> error)>;
+    // Empty `name` = generated. Responds once the session's kernel is ready.
+    void create(std::string name, AgentLimits limits, const std::string& client_address, CreateHandler done);
+    // By id, then by name.
+    std::shared_ptr<AgentSession> find(const std::string& id_or_name) const;
+    std::vector<std::shared_ptr<AgentSession>> list() const;
+    void remove(const std::shared_ptr<AgentSession>& session, const std::string& reason, const std::string& client);
+
+private:
+    void load_sessions();
+    void schedule_expiry();
+    void expire_idle();
+
+    SessionServices& services_;
+    std::filesystem::path state_dir_;
+    int lock_fd_ = -1;  // flock on <state_dir>/lock, held while running (closed in the destructor)
+    std::map<std::string, std::shared_ptr<AgentSession>> by_id_;
+    std::map<std::string, std::string> id_by_name_;
+    boost::asio::steady_timer expiry_timer_;
+};
+
+}  // namespace cellblock::gateway::agent
