@@ -1,4 +1,5 @@
 // cellblock-gateway: command line, configuration precedence, signal handling and the readiness line.
+#include "cellblock/gateway/agent/agent_api.hpp"
 #include "cellblock/gateway/auth.hpp"
 #include "cellblock/gateway/config.hpp"
 #include "cellblock/gateway/crypto.hpp"
@@ -92,7 +93,11 @@ int main(int argc, char** argv) {
     app.add_option("--workspace-root", cli.workspace_root, "where per-kernel CELLBLOCK_WORKSPACE directories are made");
     app.add_option("--log-level", cli.log_level, "debug, info, warning (default), error");
     app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
+    cellblock::gateway::agent::AgentConfig agent_config;
+    cellblock::gateway::agent::add_agent_options(app, agent_config);
     CLI11_PARSE(app, argc, argv);
+    // The agent API's default limits are the kernel's own, so warm-pool kernels can serve default sessions.
+    agent_config.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");
 
     GatewayConfig config;
     try {
@@ -145,9 +150,12 @@ int main(int argc, char** argv) {
         GatewayServices services{io, logger, config, kernelspecs, kernels, sessions, auth, cors};
         Router router;
         register_jupyter_api(router, services);
+        cellblock::gateway::agent::AgentService agent_service(services, agent_config);
+        agent_service.register_routes(router);
         HttpServer server(io, logger, config, router, auth, cors);
         const std::uint16_t port = server.listen(config.ip, config.port);
         kernels.start();
+        agent_service.start();
 
         boost::asio::signal_set stop_signals(io, SIGINT, SIGTERM);
         stop_signals.async_wait([&](const boost::system::error_code& error, int signal_number) {
