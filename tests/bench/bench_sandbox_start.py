@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import Row, markdown_table, measure, progress  # noqa: E402
+import time  # noqa: E402
+
+from benchlib import Row, Stats, markdown_table, progress  # noqa: E402
 
 PYTHON = "/usr/bin/python3"
 READY = "import sys; sys.stdout.write('r'); sys.stdout.flush()"
@@ -43,6 +45,21 @@ def spawn_to_first_byte(argv: list[str]) -> None:
     process.wait()
     if first != b"r":
         raise RuntimeError(f"{argv[0]} did not say ready (exit {process.returncode})")
+
+
+def measure_interleaved(actions: dict, repeat: int, warmup: int = 2) -> dict:
+    """Milliseconds per action; the variants take turns sample by sample, so that a change in the
+    machine's load during the run affects them all alike (this host is shared and noisy)."""
+    for _ in range(warmup):
+        for action in actions.values():
+            action()
+    samples = {name: [] for name in actions}
+    for _ in range(repeat):
+        for name, action in actions.items():
+            start = time.perf_counter()
+            action()
+            samples[name].append((time.perf_counter() - start) * 1000.0)
+    return {name: Stats(values) for name, values in samples.items()}
 
 
 def main() -> int:
@@ -81,10 +98,12 @@ def main() -> int:
         rows = []
         for title, action, argv, target in cases:
             progress(f"sandbox start: {title} ({repeat}×)")
-            ours = measure(lambda: action(confined + argv), repeat, warmup=2)
-            peers = {"plain": measure(lambda: action(argv), repeat, warmup=2)}
+            variants = {"cellblock": lambda: action(confined + argv), "plain": lambda: action(argv)}
             if bwrap_prefix:
-                peers["bwrap"] = measure(lambda: action(bwrap_prefix + argv), repeat, warmup=2)
+                variants["bwrap"] = lambda: action(bwrap_prefix + argv)
+            measured = measure_interleaved(variants, repeat)
+            ours = measured.pop("cellblock")
+            peers = measured
             rows.append(Row(title, ours, peers, target=target,
                             note="full profile incl. cgroups + seccomp" if not target else "issue 3 target"))
     print(markdown_table("Confined start (cellblock-sandbox vs plain exec)", rows))
