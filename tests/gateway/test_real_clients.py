@@ -112,6 +112,9 @@ class Gateway:
         if self.server:
             self.server.assert_alive()
 
+    def log_tail(self) -> str:
+        return self.server.log_tail() if self.server else "(external gateway: no log)"
+
     def get(self, path: str) -> requests.Response:
         return requests.get(f"{self.url}{path}", headers={"Authorization": f"token {self.token}"}, timeout=30)
 
@@ -172,8 +175,11 @@ def run_node_test(node: str, script: str, env_overrides: dict[str, str]) -> str:
 
 
 def test_jupyterlab_services_start_execute_interrupt_restart_shutdown(gateway, node_clients):
-    run_node_test(node_clients, "lab-services.test.js",
-                  {"GATEWAY_URL": gateway.url, "GATEWAY_TOKEN": gateway.token})
+    try:
+        run_node_test(node_clients, "lab-services.test.js",
+                      {"GATEWAY_URL": gateway.url, "GATEWAY_TOKEN": gateway.token})
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}\n--- gateway log ---\n{gateway.log_tail()}") from None
     gateway.assert_alive()
 
 
@@ -226,7 +232,7 @@ def test_classic_notebook_in_chromium_runs_a_cell_through_the_gateway(gateway, n
             "GATEWAY_URL": gateway.url, "GATEWAY_TOKEN": gateway.token,
         })
     except AssertionError as failure:
-        raise AssertionError(f"{failure}\n--- notebook server log ---\n{notebook_server['server'].log_tail()}") \
-            from None
+        raise AssertionError(f"{failure}\n--- notebook server log ---\n{notebook_server['server'].log_tail()}"
+                             f"\n--- gateway log ---\n{gateway.log_tail()}") from None
     assert screenshot.is_file(), "the screenshot artifact was written"
     gateway.assert_alive()

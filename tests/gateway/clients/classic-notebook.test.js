@@ -104,7 +104,9 @@ test('running print(6*7) and 21*2 shows 42 in both output areas', async () => {
     const resultOutput = resultCell.locator('.output_subarea.output_result');
     await resultOutput.waitFor({ timeout: OUTPUT_TIMEOUT_MS });
     assert.equal((await resultOutput.innerText()).trim(), '42');
-    // In [n] and Out[n] both show the execution count the kernel reported for this run.
+    // In [n] and Out[n] both show the execution count the kernel reported for this run. The Notebook fills In [n]
+    // only when the execute_reply arrives, which may come after the result is drawn: wait for the number.
+    await resultCell.locator('.input_prompt', { hasText: /\[\s*\d+\s*\]/ }).waitFor({ timeout: OUTPUT_TIMEOUT_MS });
     const inPrompt = (await resultCell.locator('.input_prompt').innerText()).replace(/\s/g, '');
     const outPrompt = (await resultCell.locator('.output_area .prompt.output_prompt').first().innerText()).replace(/\s/g, '');
     const count = /^In\[(\d+)\]:$/.exec(inPrompt)?.[1];

@@ -200,7 +200,7 @@ test('interrupt stops time.sleep(30) with KeyboardInterrupt', async () => {
   assert.equal(after.content.status, 'ok');
 });
 
-test('restart clears the kernel state and keeps the kernel id', async () => {
+test('restart clears the kernel state, keeps the kernel id, and the new kernel stays', async () => {
   const { reply: setReply } = await execute(kernel, 'remembered = 41');
   assert.equal(setReply.content.status, 'ok');
   const { iopub: beforeRestart } = await execute(kernel, 'remembered + 1');
@@ -210,13 +210,31 @@ test('restart clears the kernel state and keeps the kernel id', async () => {
   await withTimeout(kernel.restart(), 'POST /api/kernels/{id}/restart and the reconnect');
   await waitForIdle(kernel);
   assert.equal(kernel.id, idBefore, 'a restart keeps the kernel id');
-
-  const { reply, iopub } = await execute(kernel, 'remembered');
-  assert.equal(reply.content.status, 'error', 'the variable is gone after a restart');
-  assert.equal(outputsOfType(iopub, 'error')[0]?.content.ename, 'NameError');
-  const { iopub: fresh } = await execute(kernel, '1+1');
-  assert.equal(outputsOfType(fresh, 'execute_result')[0]?.content.data['text/plain'], '2');
   assert.equal(v1Connections.at(-1).selected, V1_PROTOCOL, 'the reconnect after restart negotiates v1 again');
+
+  // From here on the user works in the restarted kernel: nothing may restart it again behind their back.
+  const statusesSeen = [];
+  const watchStatus = (_sender, status) => { statusesSeen.push(status); };
+  kernel.statusChanged.connect(watchStatus);
+  try {
+    const { reply: defined } = await execute(kernel, 'after_restart = "kept"');
+    assert.equal(defined.content.status, 'ok');
+
+    const { reply, iopub } = await execute(kernel, 'remembered');
+    assert.equal(reply.content.status, 'error', 'the variable from before the restart is gone');
+    assert.equal(outputsOfType(iopub, 'error')[0]?.content.ename, 'NameError');
+    const { iopub: fresh } = await execute(kernel, '1+1');
+    assert.equal(outputsOfType(fresh, 'execute_result')[0]?.content.data['text/plain'], '2');
+
+    await new Promise((resolve) => setTimeout(resolve, 3000));
+    const { reply: readBack, iopub: readBackIopub } = await execute(kernel, 'after_restart');
+    assert.ok(!statusesSeen.includes('autorestarting') && !statusesSeen.includes('restarting'),
+      `the kernel restarted again on its own after the requested restart (statuses: ${statusesSeen})`);
+    assert.equal(readBack.content.status, 'ok', 'a variable defined right after the restart is still there 3 s later');
+    assert.equal(outputsOfType(readBackIopub, 'execute_result')[0]?.content.data['text/plain'], "'kept'");
+  } finally {
+    kernel.statusChanged.disconnect(watchStatus);
+  }
 });
 
 test('a second client offering no subprotocol gets legacy JSON and watches the first client\'s cells', async () => {
