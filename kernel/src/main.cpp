@@ -43,7 +43,7 @@ extern char** environ;
 namespace cellblock::kernel {
 namespace {
 
-constexpr const char* cellblock_version = "0.1.0";
+constexpr const char* cellblock_version = CELLBLOCK_VERSION;
 
 // "3.11.2" from `python --version` (kernel_info must not wait for the worker to start).
 std::string probe_python_version(const std::filesystem::path& python) {
@@ -141,7 +141,6 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     spec.worker_script = config.worker_script;
     spec.policy_file = config.sandbox_policy;
     spec.workspace = workspace;
-    spec.give_workspace_to_sandbox = own_workspace.has_value();
     spec.memory_bytes = config.limits.memory_mb * 1024 * 1024;
     WorkerSupervisor supervisor(spec);
     ExitPath exit_path(supervisor, own_workspace, runtime);

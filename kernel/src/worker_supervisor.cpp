@@ -168,12 +168,6 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
     err_write.reset();
     set_nonblocking(out_read.get());
     set_nonblocking(err_read.get());
-    if (spec_.give_workspace_to_sandbox) {
-        if (::chown(spec_.workspace.c_str(), process.host_uid(), process.host_uid()) != 0) {
-            log_event(LogLevel::warning, "workspace_chown_failed",
-                      {{"path", spec_.workspace.string()}, {"error", std::strerror(errno)}});
-        }
-    }
     auto worker = std::make_shared<LiveWorker>(std::move(process), std::move(kernel_end), std::move(out_read),
                                                std::move(err_read));
 

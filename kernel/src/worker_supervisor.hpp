@@ -34,7 +34,7 @@ struct WorkerLaunchSpec {
     std::filesystem::path worker_script;    // host path; its directory is bind-mounted read-only
     std::filesystem::path policy_file;      // sandbox policy JSON
     std::filesystem::path workspace;        // host directory mounted at the policy's workspace target
-    bool give_workspace_to_sandbox = false; // the kernel created it: chown it to the sandbox's uid
+                                            // (the sandbox gives it to the session's uid)
     std::uint64_t memory_bytes = 0;         // overrides the policy's memory limit (0 = keep the policy's)
     std::chrono::milliseconds ready_timeout{60000};
 };

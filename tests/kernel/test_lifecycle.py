@@ -142,3 +142,36 @@ def test_sigterm_shuts_down_cleanly(fresh_kernel):
         time.sleep(0.01)
     assert not k.manager.is_alive()
     assert not _wait_gone(workers, 5)
+
+
+def test_gateway_workspace_is_the_working_directory(fresh_kernel, tmp_path):
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "input.csv").write_text("fruit,sold\napple,3\n")
+    k = fresh_kernel(CELLBLOCK_WORKSPACE=workspace)
+    run = k.execute("import os\nprint(os.getcwd())\nprint(open('input.csv').read().splitlines()[1])\n"
+                    "open('result.txt', 'w').write('written inside')")
+    assert run.content["status"] == "ok", run.content
+    assert "apple,3" in run.stream_text()
+    assert (workspace / "result.txt").read_text() == "written inside"
+    k.shutdown()
+    assert (workspace / "result.txt").exists(), "a workspace the gateway owns must survive the kernel"
+
+
+def test_private_workspace_is_removed_at_exit(fresh_kernel):
+    import glob
+    import json
+    import uuid
+    marker = f"scratch-{uuid.uuid4().hex}.txt"
+    k = fresh_kernel()
+    run = k.execute(f"open({marker!r}, 'w').write('x')")
+    assert run.content["status"] == "ok", run.content
+    # Where the kernel creates private workspaces: workspace_root from its config, or a temp dir fallback.
+    config_path = k.manager.kernel_spec.argv[k.manager.kernel_spec.argv.index("--config") + 1]
+    with open(config_path) as f:
+        root = json.load(f)["workspace_root"]
+    root = os.path.join(os.path.dirname(config_path), root)
+    candidates = glob.glob(os.path.join(root, "kernel-*", marker)) + glob.glob(f"/tmp/cellblock-workspace-*/{marker}")
+    assert len(candidates) == 1, candidates
+    k.shutdown()
+    assert not os.path.exists(os.path.dirname(candidates[0])), "the private workspace was left behind"
