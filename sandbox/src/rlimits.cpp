@@ -25,7 +25,10 @@ void plan_rlimits(const ResourceLimits& limits, StepNames& steps, ChildPlan& pla
         plan.rlimits.push_back(RlimitOp{resource, clamped(resource, value),
                                         steps.add(std::string("setrlimit ") + name + " " + std::to_string(value))});
     };
-    add(RLIMIT_CORE, "CORE", 0);
+    // 1, not 0: a core_pattern that pipes to a helper (systemd-coredump, apport) ignores a limit of 0
+    // and runs the helper as host root on our process; 1 is the kernel's "skip" value for pipes, and
+    // is below the smallest ELF core for files.
+    add(RLIMIT_CORE, "CORE", 1);
     add(RLIMIT_NOFILE, "NOFILE", limits.open_files);
     if (limits.processes > 0) add(RLIMIT_NPROC, "NPROC", limits.processes);
     if (limits.file_size_bytes > 0) add(RLIMIT_FSIZE, "FSIZE", limits.file_size_bytes);
