@@ -185,6 +185,9 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
         },
         [&exit_path](int) { exit_path.leave(0); });
 
+    // Clean up after kernels that were SIGKILLed (their runtime dir and private workspace stayed behind).
+    write_owner_marker(runtime.path(), own_workspace ? own_workspace->path() : std::filesystem::path());
+    sweep_abandoned_kernel_dirs("/tmp", "cbk-", runtime.path());
     log_event(LogLevel::info, "kernel_started", {{"shell", connection.endpoint(connection.shell_port)}});
     // xeus prints its version on std::clog at start; keep stderr for our structured log lines.
     if (!log_enabled(LogLevel::debug)) std::clog.rdbuf(nullptr);

@@ -24,3 +24,16 @@ private:
 };
 
 }  // namespace cellblock::kernel
+
+namespace cellblock::kernel {
+
+// Records, inside the kernel's private runtime directory, which process owns it and which private
+// workspace it created, so that a later kernel can clean up after one that was SIGKILLed.
+void write_owner_marker(const std::filesystem::path& runtime_dir, const std::filesystem::path& own_workspace);
+
+// Removes `parent`/`prefix`* runtime directories (and the private workspaces they name) whose owner
+// process is gone. Directories without a marker (a kernel still starting) are left alone.
+void sweep_abandoned_kernel_dirs(const std::filesystem::path& parent, const std::string& prefix,
+                                 const std::filesystem::path& keep);
+
+}  // namespace cellblock::kernel

@@ -1,4 +1,5 @@
 """Kernel and worker lifecycle: crashes, limits, shutdown, restart, kill."""
+import json
 import os
 import signal
 import time
@@ -41,6 +42,14 @@ def _wait_gone(pids, timeout: float) -> set:
         time.sleep(0.05)
         left = {p for p in left if _alive(p)}
     return left
+
+
+def _owner_pid(runtime_dir: str):
+    try:
+        with open(os.path.join(runtime_dir, "owner.json")) as f:
+            return json.load(f)["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _result(run) -> str:
@@ -128,8 +137,19 @@ def test_sigkilled_kernel_leaves_no_worker(fresh_kernel):
     k.execute("1")
     workers = _descendants(k.pid)
     assert workers
+    import glob
+    import json
+    owned = [d for d in glob.glob("/tmp/cbk-*") if _owner_pid(d) == k.pid]
+    assert len(owned) == 1, owned
+    with open(os.path.join(owned[0], "owner.json")) as f:
+        workspace = json.load(f)["workspace"]
+    assert os.path.isdir(workspace)
     os.kill(k.pid, signal.SIGKILL)
     assert not _wait_gone(workers, 5), "worker processes survived the kernel"
+    # What a SIGKILLed kernel could not remove, the next kernel sweeps up.
+    k.manager.provisioner.process.wait()
+    fresh_kernel()
+    assert not os.path.exists(owned[0]) and not os.path.exists(workspace)
 
 
 def test_sigterm_shuts_down_cleanly(fresh_kernel):
