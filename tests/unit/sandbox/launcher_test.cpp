@@ -24,6 +24,10 @@ protected:
         workspace_ = pattern;
         policy_ = sb::Policy::load(CELLBLOCK_DEFAULT_POLICY_SOURCE);
         policy_.limits.memory_bytes = 256ULL << 20;
+        // A range of our own: "no process of the session uid is left" must not see another suite's
+        // sandbox that leased the same uid right after ours.
+        policy_.uid_first = 270000;
+        policy_.uid_count = 1000;
     }
     void TearDown() override {
         if (!workspace_.empty()) fs::remove_all(workspace_);

@@ -134,6 +134,9 @@ private:
     std::unique_ptr<Impl> impl_;
 };
 
+// Use a Launcher from one thread at a time. The sandbox's parent-death signal is tied to the thread
+// that called launch(): launch from a thread that outlives the Process (or the sandbox is killed when
+// that thread exits).
 class Launcher {
 public:
     explicit Launcher(Policy policy);
