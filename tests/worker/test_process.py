@@ -36,6 +36,8 @@ def test_sigint_interrupts_sleep_and_keeps_state(worker):
     assert time.monotonic() - interrupted_at < 5
     errors = [frame for frame in frames if frame["type"] == "error"]
     assert len(errors) == 1 and errors[0]["ename"] == "KeyboardInterrupt"
+    traceback = "\n".join(errors[0]["traceback"])
+    assert "time.sleep(30)" in traceback and "cellblock_runtime" not in traceback, traceback
     assert frames[-1]["id"] == "sleepy"
     assert frames[-1]["content"]["ename"] == "KeyboardInterrupt"
     assert worker.execute("kept").result["data"]["text/plain"] == "'still here'"

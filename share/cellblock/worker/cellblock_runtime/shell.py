@@ -23,6 +23,24 @@ from traitlets import Any, Type
 from traitlets.config import Config
 
 
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _without_runtime_tail(tb):
+    """The traceback minus trailing frames of this runtime (the SIGINT gate that raised KeyboardInterrupt):
+    the user should see the line of *their* code that was interrupted, not our handler."""
+    nodes = []
+    while tb is not None:
+        nodes.append(tb)
+        tb = tb.tb_next
+    keep = len(nodes)
+    while keep > 1 and os.path.dirname(os.path.abspath(nodes[keep - 1].tb_frame.f_code.co_filename)) == _RUNTIME_DIR:
+        keep -= 1
+    if keep < len(nodes):
+        nodes[keep - 1].tb_next = None
+    return nodes[0] if nodes else None
+
+
 class OutputRoute:
     """Where a request's events go: to the kernel, or nowhere during a silent execute."""
 
@@ -160,6 +178,10 @@ class CellblockShell(InteractiveShell):
         self.set_hook("show_in_pager", page.as_hook(_page_as_payload(self)), 99)
 
     # -- errors ---------------------------------------------------------------------------------
+    def _get_exc_info(self, exc_tuple=None):
+        etype, evalue, tb = super()._get_exc_info(exc_tuple)
+        return etype, evalue, _without_runtime_tail(tb)
+
     def _showtraceback(self, etype, evalue, stb):
         error = {
             "ename": getattr(etype, "__name__", safe_text(etype)),
