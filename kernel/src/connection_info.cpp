@@ -8,7 +8,8 @@ namespace cellblock::kernel {
 
 ConnectionInfo ConnectionInfo::load(const std::filesystem::path& file) {
     std::ifstream input(file);
-    if (!input) throw std::runtime_error("cannot read connection file " + file.string());
+    if (!input)
+        throw std::runtime_error("cannot read connection file " + file.string());
     const auto json = nlohmann::json::parse(input, nullptr, false);
     if (json.is_discarded() || !json.is_object()) {
         throw std::runtime_error("connection file " + file.string() + " is not a JSON object");
@@ -28,7 +29,8 @@ ConnectionInfo ConnectionInfo::load(const std::filesystem::path& file) {
         throw std::runtime_error("connection file " + file.string() + ": " + error.what());
     }
     if (info.transport != "tcp" && info.transport != "ipc") {
-        throw std::runtime_error("connection file " + file.string() + ": unsupported transport " + info.transport);
+        throw std::runtime_error("connection file " + file.string() + ": unsupported transport " +
+                                 info.transport);
     }
     return info;
 }

@@ -29,14 +29,16 @@ double parse_number(const std::string& name, const std::string& text) {
 KernelConfig::EnvironmentLookup KernelConfig::process_environment() {
     return [](const std::string& name) -> std::optional<std::string> {
         const char* value = std::getenv(name.c_str());
-        if (value == nullptr || *value == '\0') return std::nullopt;
+        if (value == nullptr || *value == '\0')
+            return std::nullopt;
         return std::string(value);
     };
 }
 
 KernelConfig KernelConfig::load(const std::filesystem::path& file, const EnvironmentLookup& environment) {
     std::ifstream input(file);
-    if (!input) throw ConfigError("cannot read kernel config " + file.string());
+    if (!input)
+        throw ConfigError("cannot read kernel config " + file.string());
     const auto json = nlohmann::json::parse(input, nullptr, false);
     if (json.is_discarded() || !json.is_object()) {
         throw ConfigError("kernel config " + file.string() + " is not a JSON object");
@@ -48,20 +50,24 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.python = worker.value("python", std::string("/usr/bin/python3"));
         config.worker_script = resolve(base, worker.at("script").get<std::string>());
         config.sandbox_policy = resolve(base, json.at("sandbox_policy").get<std::string>());
-        config.workspace_root = resolve(base, json.value("workspace_root", std::string("/var/lib/cellblock/workspaces")));
+        config.workspace_root =
+            resolve(base, json.value("workspace_root", std::string("/var/lib/cellblock/workspaces")));
         if (json.contains("limits")) {
             const auto& limits = json.at("limits");
             config.limits.timeout_s = limits.value("timeout_s", config.limits.timeout_s);
-            config.limits.interrupt_grace_s = limits.value("interrupt_grace_s", config.limits.interrupt_grace_s);
+            config.limits.interrupt_grace_s =
+                limits.value("interrupt_grace_s", config.limits.interrupt_grace_s);
             config.limits.output_bytes = limits.value("output_bytes", config.limits.output_bytes);
             config.limits.memory_mb = limits.value("memory_mb", config.limits.memory_mb);
         }
     } catch (const nlohmann::json::exception& error) {
         throw ConfigError("kernel config " + file.string() + ": " + error.what());
     }
-    if (!config.python.is_absolute()) throw ConfigError("worker.python must be an absolute path");
+    if (!config.python.is_absolute())
+        throw ConfigError("worker.python must be an absolute path");
 
-    if (auto value = environment("CELLBLOCK_WORKSPACE")) config.workspace = std::filesystem::path(*value);
+    if (auto value = environment("CELLBLOCK_WORKSPACE"))
+        config.workspace = std::filesystem::path(*value);
     if (auto value = environment("CELLBLOCK_TIMEOUT_S")) {
         config.limits.timeout_s = parse_number("CELLBLOCK_TIMEOUT_S", *value);
     }
@@ -69,7 +75,8 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.limits.memory_mb = static_cast<std::uint64_t>(parse_number("CELLBLOCK_MEMORY_MB", *value));
     }
     if (auto value = environment("CELLBLOCK_OUTPUT_BYTES")) {
-        config.limits.output_bytes = static_cast<std::uint64_t>(parse_number("CELLBLOCK_OUTPUT_BYTES", *value));
+        config.limits.output_bytes =
+            static_cast<std::uint64_t>(parse_number("CELLBLOCK_OUTPUT_BYTES", *value));
     }
     return config;
 }

@@ -12,22 +12,22 @@
 namespace cellblock::kernel {
 
 class ConfigError : public std::runtime_error {
-public:
+  public:
     using std::runtime_error::runtime_error;
 };
 
 struct ExecutionLimits {
-    double timeout_s = 600;           // wall clock per execute; 0 = none
-    double interrupt_grace_s = 2;     // after the timeout's SIGINT, kill the worker if it is still busy
+    double timeout_s = 600;                // wall clock per execute; 0 = none
+    double interrupt_grace_s = 2;          // after the timeout's SIGINT, kill the worker if it is still busy
     std::uint64_t output_bytes = 1 << 20;  // published output per execute; 0 = unlimited
-    std::uint64_t memory_mb = 2048;   // the worker sandbox's memory limit; 0 = none
+    std::uint64_t memory_mb = 2048;        // the worker sandbox's memory limit; 0 = none
 };
 
 struct KernelConfig {
     std::filesystem::path python = "/usr/bin/python3";
-    std::filesystem::path worker_script;    // host path of cellblock_worker.py
-    std::filesystem::path sandbox_policy;   // host path of the sandbox policy JSON
-    std::filesystem::path workspace_root;   // where private workspaces are created
+    std::filesystem::path worker_script;             // host path of cellblock_worker.py
+    std::filesystem::path sandbox_policy;            // host path of the sandbox policy JSON
+    std::filesystem::path workspace_root;            // where private workspaces are created
     std::optional<std::filesystem::path> workspace;  // CELLBLOCK_WORKSPACE: use this directory as is
     ExecutionLimits limits;
 

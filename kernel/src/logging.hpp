@@ -13,6 +13,7 @@ enum class LogLevel { debug = 0, info = 1, warning = 2, error = 3 };
 bool log_enabled(LogLevel level) noexcept;
 
 // Writes {"ts":..., "level":..., "component":"kernel", "event": event, ...fields} as one line.
-void log_event(LogLevel level, std::string_view event, const nlohmann::json& fields = nlohmann::json::object());
+void log_event(LogLevel level, std::string_view event,
+               const nlohmann::json& fields = nlohmann::json::object());
 
 }  // namespace cellblock::kernel

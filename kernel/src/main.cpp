@@ -6,17 +6,11 @@
 // threads on private ipc:// endpoints, the wire guard serves the public ports, the supervisor launches
 // workers, and the signal router takes SIGINT/SIGTERM.
 #include <fcntl.h>
+#include <openssl/crypto.h>
 #include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <openssl/crypto.h>
-#include <xeus/xeus_context.hpp>
-#include <xeus/xkernel.hpp>
-#include <xeus/xkernel_configuration.hpp>
-#include <xeus/xmiddleware.hpp>
-#include <xeus/xserver_control_main.hpp>
 
 #include <CLI/CLI.hpp>
 #include <array>
@@ -27,6 +21,11 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <xeus/xeus_context.hpp>
+#include <xeus/xkernel.hpp>
+#include <xeus/xkernel_configuration.hpp>
+#include <xeus/xmiddleware.hpp>
+#include <xeus/xserver_control_main.hpp>
 
 #include "connection_info.hpp"
 #include "history_manager.hpp"
@@ -48,7 +47,8 @@ constexpr const char* cellblock_version = CELLBLOCK_VERSION;
 // "3.11.2" from `python --version` (kernel_info must not wait for the worker to start).
 std::string probe_python_version(const std::filesystem::path& python) {
     std::array<int, 2> pipe_fds{};
-    if (::pipe2(pipe_fds.data(), O_CLOEXEC) != 0) return "3";
+    if (::pipe2(pipe_fds.data(), O_CLOEXEC) != 0)
+        return "3";
     UniqueFd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
@@ -71,16 +71,19 @@ std::string probe_python_version(const std::filesystem::path& python) {
     if (failed == 0) {
         std::array<char, 256> buffer{};
         ssize_t got = 0;
-        while ((got = ::read(read_end.get(), buffer.data(), buffer.size())) > 0) output.append(buffer.data(), got);
+        while ((got = ::read(read_end.get(), buffer.data(), buffer.size())) > 0)
+            output.append(buffer.data(), got);
         int status = 0;
         while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
         }
     }
     // "Python 3.11.2\n"
     const auto space = output.find(' ');
-    if (space == std::string::npos) return "3";
+    if (space == std::string::npos)
+        return "3";
     std::string version = output.substr(space + 1);
-    while (!version.empty() && (version.back() == '\n' || version.back() == '\r')) version.pop_back();
+    while (!version.empty() && (version.back() == '\n' || version.back() == '\r'))
+        version.pop_back();
     return version.empty() ? "3" : version;
 }
 
@@ -88,20 +91,22 @@ std::string probe_python_version(const std::filesystem::path& python) {
 // its detached threads keep running during static destruction. So the kernel releases the worker and
 // its directories explicitly and leaves with _exit.
 class ExitPath {
-public:
-    ExitPath(WorkerSupervisor& supervisor, std::optional<PrivateDirectory>& workspace, PrivateDirectory& runtime)
+  public:
+    ExitPath(WorkerSupervisor& supervisor, std::optional<PrivateDirectory>& workspace,
+             PrivateDirectory& runtime)
         : supervisor_(supervisor), workspace_(workspace), runtime_(runtime) {}
 
     [[noreturn]] void leave(int code) {
         std::call_once(once_, [this] {
             supervisor_.shutdown();
-            if (workspace_) workspace_->remove();
+            if (workspace_)
+                workspace_->remove();
             runtime_.remove();
         });
         ::_exit(code);
     }
 
-private:
+  private:
     WorkerSupervisor& supervisor_;
     std::optional<PrivateDirectory>& workspace_;
     PrivateDirectory& runtime_;
@@ -190,7 +195,8 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     sweep_abandoned_kernel_dirs("/tmp", "cbk-", runtime.path());
     log_event(LogLevel::info, "kernel_started", {{"shell", connection.endpoint(connection.shell_port)}});
     // xeus prints its version on std::clog at start; keep stderr for our structured log lines.
-    if (!log_enabled(LogLevel::debug)) std::clog.rdbuf(nullptr);
+    if (!log_enabled(LogLevel::debug))
+        std::clog.rdbuf(nullptr);
     kernel.start();  // does not return: xeus ends the process with std::exit
     exit_path.leave(0);
 }
@@ -207,7 +213,9 @@ int main(int argc, char** argv) {
     CLI::App app{"cellblock-kernel: a Jupyter kernel running Python in a confined worker"};
     std::string config_file;
     std::string connection_file;
-    app.add_option("--config", config_file, "kernel configuration (JSON)")->required()->check(CLI::ExistingFile);
+    app.add_option("--config", config_file, "kernel configuration (JSON)")
+        ->required()
+        ->check(CLI::ExistingFile);
     app.add_option("-f,--connection-file", connection_file, "Jupyter connection file")
         ->required()
         ->check(CLI::ExistingFile);

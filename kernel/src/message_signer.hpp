@@ -18,7 +18,7 @@ namespace cellblock::kernel {
 using SignedParts = std::array<std::string_view, 4>;
 
 class MessageSigner {
-public:
+  public:
     // scheme: "hmac-sha256" (or any hmac-<digest> OpenSSL knows). An empty key disables signing: sign()
     // returns "" and verify() accepts everything, as the protocol specifies. Throws std::invalid_argument
     // for an unknown scheme.
@@ -31,7 +31,7 @@ public:
     std::string sign(const SignedParts& parts) const;
     bool verify(std::string_view signature, const SignedParts& parts) const;
 
-private:
+  private:
     struct Mac;
     std::string key_;
     std::unique_ptr<Mac> mac_;
@@ -39,12 +39,12 @@ private:
 
 // Remembers the last `capacity` signatures; a message whose signature was already seen is a replay.
 class ReplayFilter {
-public:
+  public:
     explicit ReplayFilter(std::size_t capacity) : capacity_(capacity) {}
     // True the first time a signature is offered, false for a replay.
     bool first_time(std::string_view signature);
 
-private:
+  private:
     std::size_t capacity_;
     std::deque<std::string> order_;
     std::unordered_set<std::string> seen_;

@@ -5,8 +5,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <xeus/xinput.hpp>
-
 #include <array>
 #include <cerrno>
 #include <cmath>
@@ -15,6 +13,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <xeus/xinput.hpp>
 
 #include "logging.hpp"
 
@@ -37,7 +36,7 @@ Clock::duration to_duration(double seconds) {
 
 // Runs `action` once at `when` unless stopped first (on its own thread: the caller is blocked).
 class InputWatchdog {
-public:
+  public:
     InputWatchdog(Clock::time_point when, std::function<void()> action)
         : thread_([this, when, action = std::move(action)] {
               std::unique_lock lock(mutex_);
@@ -55,11 +54,12 @@ public:
             stopped_ = true;
         }
         changed_.notify_all();
-        if (thread_.joinable()) thread_.join();
+        if (thread_.joinable())
+            thread_.join();
         return fired_;
     }
 
-private:
+  private:
     std::mutex mutex_;
     std::condition_variable changed_;
     bool stopped_ = false;
@@ -71,20 +71,20 @@ private:
 
 // Everything one request to the worker needs and produces.
 struct PythonInterpreter::Exchange {
-    bool publish = false;            // execute and not silent: outputs go to IOPub
+    bool publish = false;  // execute and not silent: outputs go to IOPub
     bool allow_stdin = false;
     int execution_count = 0;
-    double timeout_s = 0;            // 0 = no limit
-    std::uint64_t output_cap = 0;    // 0 = unlimited
+    double timeout_s = 0;          // 0 = no limit
+    std::uint64_t output_cap = 0;  // 0 = unlimited
     std::uint64_t published_bytes = 0;
     bool truncated = false;
     bool error_published = false;
-    bool timed_out = false;          // SIGINT sent because the time limit passed
+    bool timed_out = false;  // SIGINT sent because the time limit passed
     bool killed_for_timeout = false;
-    Clock::time_point deadline = Clock::time_point::max();   // the time limit
-    Clock::time_point kill_at = Clock::time_point::max();    // after the timeout's interrupt
-    std::optional<std::string> result_text;  // text/plain of execute_result, for history
-    bool stdout_open = true;         // until the pipe reports end of file
+    Clock::time_point deadline = Clock::time_point::max();  // the time limit
+    Clock::time_point kill_at = Clock::time_point::max();   // after the timeout's interrupt
+    std::optional<std::string> result_text;                 // text/plain of execute_result, for history
+    bool stdout_open = true;                                // until the pipe reports end of file
     bool stderr_open = true;
     // Stream text is batched for a few milliseconds so a print() that reaches the pipe as several writes
     // becomes one stream message, while prints further apart still arrive apart.
@@ -107,11 +107,13 @@ PythonInterpreter::PythonInterpreter(WorkerSupervisor& supervisor, HistoryManage
 }
 
 void PythonInterpreter::publish_text(const std::string& name, const std::string& text, Exchange& exchange) {
-    if (!exchange.publish || text.empty() || exchange.truncated) return;
+    if (!exchange.publish || text.empty() || exchange.truncated)
+        return;
     if (exchange.output_cap != 0 && exchange.published_bytes + text.size() > exchange.output_cap) {
         const auto room = static_cast<std::size_t>(exchange.output_cap - exchange.published_bytes);
         const auto part = utf8_prefix(text, room);
-        if (!part.empty()) publish_stream(name, std::string(part));
+        if (!part.empty())
+            publish_stream(name, std::string(part));
         note_truncation(exchange);
         return;
     }
@@ -120,8 +122,10 @@ void PythonInterpreter::publish_text(const std::string& name, const std::string&
 }
 
 void PythonInterpreter::queue_text(const std::string& name, std::string text, Exchange& exchange) {
-    if (text.empty()) return;
-    if (!exchange.pending_text.empty() && exchange.pending_name != name) flush_text(exchange);
+    if (text.empty())
+        return;
+    if (!exchange.pending_text.empty() && exchange.pending_name != name)
+        flush_text(exchange);
     exchange.pending_name = name;
     exchange.pending_text += text;
     if (exchange.pending_text.size() >= read_chunk_bytes) {
@@ -133,14 +137,16 @@ void PythonInterpreter::queue_text(const std::string& name, std::string text, Ex
 
 void PythonInterpreter::flush_text(Exchange& exchange) {
     exchange.flush_at = Clock::time_point::max();
-    if (exchange.pending_text.empty()) return;
+    if (exchange.pending_text.empty())
+        return;
     const std::string text = std::move(exchange.pending_text);
     exchange.pending_text.clear();
     publish_text(exchange.pending_name, text, exchange);
 }
 
 void PythonInterpreter::note_truncation(Exchange& exchange) {
-    if (exchange.truncated) return;
+    if (exchange.truncated)
+        return;
     exchange.truncated = true;
     exchange.published_bytes = exchange.output_cap;
     publish_stream("stderr", "\n[cellblock] Output truncated: this cell produced more than " +
@@ -149,8 +155,10 @@ void PythonInterpreter::note_truncation(Exchange& exchange) {
 }
 
 bool PythonInterpreter::admit_rich_output(const nl::json& data, Exchange& exchange) {
-    if (!exchange.publish || exchange.truncated) return false;
-    if (exchange.output_cap == 0) return true;
+    if (!exchange.publish || exchange.truncated)
+        return false;
+    if (exchange.output_cap == 0)
+        return true;
     const std::size_t size = data.dump(-1, ' ', false, nl::json::error_handler_t::replace).size();
     if (exchange.published_bytes + size > exchange.output_cap) {
         note_truncation(exchange);
@@ -167,8 +175,8 @@ void PythonInterpreter::read_stream(LiveWorker& worker, bool is_stderr, Exchange
     auto& decoder = is_stderr ? worker.stderr_text : worker.stdout_text;
     const ssize_t got = ::read(fd, buffer.data(), buffer.size());
     if (got > 0) {
-        queue_text(is_stderr ? "stderr" : "stdout", decoder.feed({buffer.data(), static_cast<std::size_t>(got)}),
-                   exchange);
+        queue_text(is_stderr ? "stderr" : "stdout",
+                   decoder.feed({buffer.data(), static_cast<std::size_t>(got)}), exchange);
     } else if (got == 0) {
         open = false;
         queue_text(is_stderr ? "stderr" : "stdout", decoder.finish(), exchange);
@@ -182,7 +190,8 @@ void PythonInterpreter::drain_streams(LiveWorker& worker, Exchange& exchange) {
     for (int round = 0; round < 4096; ++round) {
         std::array<pollfd, 2> fds = {{{exchange.stdout_open ? worker.stdout_fd() : -1, POLLIN, 0},
                                       {exchange.stderr_open ? worker.stderr_fd() : -1, POLLIN, 0}}};
-        if (::poll(fds.data(), fds.size(), 0) <= 0) break;
+        if (::poll(fds.data(), fds.size(), 0) <= 0)
+            break;
         bool any = false;
         if (fds[0].revents & (POLLIN | POLLHUP)) {
             read_stream(worker, false, exchange);
@@ -192,12 +201,14 @@ void PythonInterpreter::drain_streams(LiveWorker& worker, Exchange& exchange) {
             read_stream(worker, true, exchange);
             any = true;
         }
-        if (!any) break;
+        if (!any)
+            break;
     }
     flush_text(exchange);
 }
 
-void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json& message, Exchange& exchange) {
+void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json& message,
+                                             Exchange& exchange) {
     nl::json answer = {{"type", "input_reply"}};
     if (exchange.allow_stdin && exchange.publish) {
         const std::string prompt = message.value("prompt", std::string());
@@ -216,7 +227,8 @@ void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json&
         if (watchdog && watchdog->stop()) {
             exchange.timed_out = true;
             exchange.kill_at = Clock::now() + to_duration(settings_.limits.interrupt_grace_s);
-            log_event(LogLevel::info, "execution_timeout", {{"timeout_s", exchange.timeout_s}, {"while", "input"}});
+            log_event(LogLevel::info, "execution_timeout",
+                      {{"timeout_s", exchange.timeout_s}, {"while", "input"}});
         }
     } else {
         answer["error"] = "this frontend does not support input requests (allow_stdin is false)";
@@ -228,10 +240,12 @@ void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json&
 
 bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& message, Exchange& exchange) {
     const std::string type = message["type"].get<std::string>();
-    if (type == "reply") return true;
+    if (type == "reply")
+        return true;
     if (type == "display_data" || type == "update_display_data") {
         nl::json data = message.value("data", nl::json::object());
-        if (!admit_rich_output(data, exchange)) return false;
+        if (!admit_rich_output(data, exchange))
+            return false;
         nl::json metadata = message.value("metadata", nl::json::object());
         nl::json transient = message.value("transient", nl::json::object());
         if (type == "display_data") {
@@ -240,23 +254,29 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
             update_display_data(std::move(data), std::move(metadata), std::move(transient));
         }
     } else if (type == "clear_output") {
-        if (exchange.publish) clear_output(message.value("wait", false));
+        if (exchange.publish)
+            clear_output(message.value("wait", false));
     } else if (type == "execute_result") {
         nl::json data = message.value("data", nl::json::object());
         if (data.contains("text/plain") && data["text/plain"].is_string()) {
             exchange.result_text = data["text/plain"].get<std::string>();
         }
-        if (!admit_rich_output(data, exchange)) return false;
-        publish_execution_result(exchange.execution_count, std::move(data), message.value("metadata", nl::json::object()));
+        if (!admit_rich_output(data, exchange))
+            return false;
+        publish_execution_result(exchange.execution_count, std::move(data),
+                                 message.value("metadata", nl::json::object()));
     } else if (type == "error") {
-        if (!exchange.publish) return false;
+        if (!exchange.publish)
+            return false;
         std::string ename = message.value("ename", std::string("Error"));
         std::string evalue = message.value("evalue", std::string());
         if (exchange.timed_out) {
             ename = "TimeoutError";
-            evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) + " s and was interrupted";
+            evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) +
+                     " s and was interrupted";
         }
-        publish_execution_error(ename, evalue, traceback_lines(message.value("traceback", nl::json::array())));
+        publish_execution_error(ename, evalue,
+                                traceback_lines(message.value("traceback", nl::json::array())));
         exchange.error_published = true;
     } else if (type == "input_request") {
         flush_text(exchange);
@@ -270,7 +290,8 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
 PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exchange) {
     std::string error;
     auto worker = supervisor_.acquire(settings_.worker_start_timeout, error);
-    if (!worker) return {Ending::Kind::unavailable, nullptr, error};
+    if (!worker)
+        return {Ending::Kind::unavailable, nullptr, error};
 
     const std::uint64_t id = ++next_request_id_;
     request["id"] = id;
@@ -298,12 +319,13 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
             worker->kill();
         }
         auto next_event = exchange.timed_out ? exchange.kill_at : exchange.deadline;
-        if (exchange.killed_for_timeout) next_event = never;
+        if (exchange.killed_for_timeout)
+            next_event = never;
         next_event = std::min(next_event, exchange.flush_at);
         int wait_ms = -1;
         if (next_event != never) {
-            wait_ms = static_cast<int>(
-                std::max<long long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
+            wait_ms = static_cast<int>(std::max<long long>(
+                0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
         }
         std::array<pollfd, 4> fds = {{{channel_open ? worker->channel_fd() : -1, POLLIN, 0},
                                       {exchange.stdout_open ? worker->stdout_fd() : -1, POLLIN, 0},
@@ -311,7 +333,8 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
                                       {worker->pidfd(), POLLIN, 0}}};
         const int ready = ::poll(fds.data(), fds.size(), wait_ms);
         if (ready < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR)
+                continue;
             log_event(LogLevel::error, "poll_failed", {{"errno", errno}});
             worker->kill();
         }
@@ -327,7 +350,8 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
                         flush_text(exchange);
                         if (handle_worker_message(*worker, *message, exchange)) {
                             if (message->value("id", std::uint64_t{0}) != id) {
-                                log_event(LogLevel::warning, "stale_worker_reply", {{"id", message->value("id", 0)}});
+                                log_event(LogLevel::warning, "stale_worker_reply",
+                                          {{"id", message->value("id", 0)}});
                                 continue;
                             }
                             // Output of children or C code that raced with the reply still belongs here.
@@ -345,21 +369,25 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
                 // The worker closed its end: it is exiting. Make sure it does, then report why.
                 channel_open = false;
                 if (fds[3].revents == 0) {
-                    if (!worker->wait_for(std::chrono::milliseconds(500))) worker->kill();
+                    if (!worker->wait_for(std::chrono::milliseconds(500)))
+                        worker->kill();
                 }
             }
         }
-        if (fds[1].revents & (POLLIN | POLLHUP)) read_stream(*worker, false, exchange);
-        if (fds[2].revents & (POLLIN | POLLHUP)) read_stream(*worker, true, exchange);
-        if (Clock::now() >= exchange.flush_at) flush_text(exchange);
+        if (fds[1].revents & (POLLIN | POLLHUP))
+            read_stream(*worker, false, exchange);
+        if (fds[2].revents & (POLLIN | POLLHUP))
+            read_stream(*worker, true, exchange);
+        if (Clock::now() >= exchange.flush_at)
+            flush_text(exchange);
         if (fds[3].revents != 0) {
             drain_streams(*worker, exchange);
             const auto outcome = supervisor_.retire(worker);
             std::string reason = outcome.describe();
             if (exchange.killed_for_timeout) {
-                reason = "killed by the time limit (the cell ran longer than " + seconds_text(exchange.timeout_s) +
-                         " s and did not stop within " + seconds_text(settings_.limits.interrupt_grace_s) +
-                         " s of the interrupt)";
+                reason = "killed by the time limit (the cell ran longer than " +
+                         seconds_text(exchange.timeout_s) + " s and did not stop within " +
+                         seconds_text(settings_.limits.interrupt_grace_s) + " s of the interrupt)";
             } else if (killed_for_protocol) {
                 reason = "killed after a protocol error on the worker channel";
             }
@@ -370,7 +398,8 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
 }
 
 nl::json PythonInterpreter::execute_request_impl(int execution_counter, const std::string& code, bool silent,
-                                                 bool store_history, nl::json user_expressions, bool allow_stdin) try {
+                                                 bool store_history, nl::json user_expressions,
+                                                 bool allow_stdin) try {
     Exchange exchange;
     exchange.publish = !silent;
     exchange.allow_stdin = allow_stdin;
@@ -379,28 +408,33 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
     exchange.output_cap = settings_.limits.output_bytes;
 
     if (auto note = supervisor_.take_lost_state_note(); note && !silent) {
-        publish_stream("stderr", "[cellblock] The Python worker was restarted (the previous one was " + *note +
+        publish_stream("stderr", "[cellblock] The Python worker was restarted (the previous one was " +
+                                     *note +
                                      "); variables, imports and other state from earlier cells are gone.\n");
     }
 
-    nl::json request = {{"type", "execute"},
-                        {"code", code},
-                        {"silent", silent},
-                        {"store_history", store_history},
-                        {"user_expressions", user_expressions.is_object() ? user_expressions : nl::json::object()},
-                        {"allow_stdin", allow_stdin},
-                        {"execution_count", execution_counter}};
+    nl::json request = {
+        {"type", "execute"},
+        {"code", code},
+        {"silent", silent},
+        {"store_history", store_history},
+        {"user_expressions", user_expressions.is_object() ? user_expressions : nl::json::object()},
+        {"allow_stdin", allow_stdin},
+        {"execution_count", execution_counter}};
     const Ending ending = run(std::move(request), exchange);
 
-    if (store_history && !silent) history_.record(execution_counter, code, exchange.result_text);
+    if (store_history && !silent)
+        history_.record(execution_counter, code, exchange.result_text);
 
     if (ending.kind != Ending::Kind::reply) {
-        const std::string ename = ending.kind == Ending::Kind::worker_died ? "WorkerDied" : "WorkerUnavailable";
+        const std::string ename =
+            ending.kind == Ending::Kind::worker_died ? "WorkerDied" : "WorkerUnavailable";
         const std::string evalue = ending.kind == Ending::Kind::worker_died
                                        ? ending.reason + "; the next execution starts a fresh Python worker"
                                        : ending.reason;
         const std::vector<std::string> traceback = {ename + ": " + evalue};
-        if (!silent) publish_execution_error(ename, evalue, traceback);
+        if (!silent)
+            publish_execution_error(ename, evalue, traceback);
         return make_error_reply(ename, evalue, traceback);
     }
     const nl::json& content = ending.content;
@@ -413,9 +447,11 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
     nl::json traceback = content.value("traceback", nl::json::array());
     if (exchange.timed_out) {
         ename = "TimeoutError";
-        evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) + " s and was interrupted";
+        evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) +
+                 " s and was interrupted";
     }
-    if (!exchange.error_published && !silent) publish_execution_error(ename, evalue, traceback_lines(traceback));
+    if (!exchange.error_published && !silent)
+        publish_execution_error(ename, evalue, traceback_lines(traceback));
     return make_error_reply(ename, evalue, traceback);
 } catch (const std::exception& failure) {
     // xeus swallows exceptions from handlers and then sends no reply at all; answer with an error instead.
@@ -427,7 +463,8 @@ nl::json PythonInterpreter::complete_request_impl(const std::string& code, int c
     Exchange exchange;
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending = run({{"type", "complete"}, {"code", code}, {"cursor_pos", cursor_pos}}, exchange);
-    if (ending.kind == Ending::Kind::reply && ending.content.is_object() && ending.content.contains("matches")) {
+    if (ending.kind == Ending::Kind::reply && ending.content.is_object() &&
+        ending.content.contains("matches")) {
         return ending.content;
     }
     return make_empty_complete_reply(cursor_pos);
@@ -436,12 +473,15 @@ nl::json PythonInterpreter::complete_request_impl(const std::string& code, int c
     return make_empty_complete_reply(cursor_pos);
 }
 
-nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cursor_pos, int detail_level) try {
+nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cursor_pos,
+                                                 int detail_level) try {
     Exchange exchange;
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
-    const Ending ending = run(
-        {{"type", "inspect"}, {"code", code}, {"cursor_pos", cursor_pos}, {"detail_level", detail_level}}, exchange);
-    if (ending.kind == Ending::Kind::reply && ending.content.is_object() && ending.content.contains("found")) {
+    const Ending ending =
+        run({{"type", "inspect"}, {"code", code}, {"cursor_pos", cursor_pos}, {"detail_level", detail_level}},
+            exchange);
+    if (ending.kind == Ending::Kind::reply && ending.content.is_object() &&
+        ending.content.contains("found")) {
         return ending.content;
     }
     return make_not_found_inspect_reply();
@@ -454,7 +494,8 @@ nl::json PythonInterpreter::is_complete_request_impl(const std::string& code) tr
     Exchange exchange;
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending = run({{"type", "is_complete"}, {"code", code}}, exchange);
-    if (ending.kind == Ending::Kind::reply && ending.content.is_object() && ending.content.contains("status")) {
+    if (ending.kind == Ending::Kind::reply && ending.content.is_object() &&
+        ending.content.contains("status")) {
         return ending.content;
     }
     return make_unknown_is_complete_reply();
@@ -465,7 +506,8 @@ nl::json PythonInterpreter::is_complete_request_impl(const std::string& code) tr
 
 nl::json PythonInterpreter::kernel_info_request_impl() {
     KernelIdentity identity = settings_.identity;
-    if (auto version = supervisor_.worker_python_version()) identity.python_version = *version;
+    if (auto version = supervisor_.worker_python_version())
+        identity.python_version = *version;
     return make_kernel_info_reply(identity);
 }
 

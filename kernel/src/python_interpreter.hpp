@@ -4,14 +4,13 @@
 // parent header are not thread-safe.
 #pragma once
 
-#include <xeus/xinterpreter.hpp>
-
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <xeus/xinterpreter.hpp>
 
 #include "history_manager.hpp"
 #include "kernel_config.hpp"
@@ -28,20 +27,20 @@ struct InterpreterSettings {
 };
 
 class PythonInterpreter final : public xeus::xinterpreter {
-public:
+  public:
     PythonInterpreter(WorkerSupervisor& supervisor, HistoryManager& history, InterpreterSettings settings);
 
     // How to answer a pending input_request with "" (the wire guard's); used when the time limit passes
     // while the shell thread waits for input. Set before the kernel starts.
     void set_input_releaser(std::function<void()> releaser) { input_releaser_ = std::move(releaser); }
 
-private:
-    struct Exchange;   // one request to the worker and everything it produced
-    struct Ending;     // how an exchange ended
+  private:
+    struct Exchange;  // one request to the worker and everything it produced
+    struct Ending;    // how an exchange ended
 
     void configure_impl() override {}
-    nl::json execute_request_impl(int execution_counter, const std::string& code, bool silent, bool store_history,
-                                  nl::json user_expressions, bool allow_stdin) override;
+    nl::json execute_request_impl(int execution_counter, const std::string& code, bool silent,
+                                  bool store_history, nl::json user_expressions, bool allow_stdin) override;
     nl::json complete_request_impl(const std::string& code, int cursor_pos) override;
     nl::json inspect_request_impl(const std::string& code, int cursor_pos, int detail_level) override;
     nl::json is_complete_request_impl(const std::string& code) override;

@@ -2,7 +2,8 @@
 
 namespace cellblock::kernel {
 
-nlohmann::json make_error_reply(const std::string& ename, const std::string& evalue, const nlohmann::json& traceback) {
+nlohmann::json make_error_reply(const std::string& ename, const std::string& evalue,
+                                const nlohmann::json& traceback) {
     nlohmann::json lines = traceback.is_array() ? traceback : nlohmann::json::array({ename + ": " + evalue});
     return {{"status", "error"}, {"ename", ename}, {"evalue", evalue}, {"traceback", std::move(lines)}};
 }
@@ -10,18 +11,22 @@ nlohmann::json make_error_reply(const std::string& ename, const std::string& eva
 nlohmann::json make_execute_ok_reply(nlohmann::json payload, nlohmann::json user_expressions) {
     return {{"status", "ok"},
             {"payload", payload.is_array() ? std::move(payload) : nlohmann::json::array()},
-            {"user_expressions", user_expressions.is_object() ? std::move(user_expressions) : nlohmann::json::object()}};
+            {"user_expressions",
+             user_expressions.is_object() ? std::move(user_expressions) : nlohmann::json::object()}};
 }
 
 std::vector<std::string> traceback_lines(const nlohmann::json& traceback) {
     std::vector<std::string> lines;
-    if (!traceback.is_array()) return lines;
-    for (const auto& line : traceback) lines.push_back(line.is_string() ? line.get<std::string>() : line.dump());
+    if (!traceback.is_array())
+        return lines;
+    for (const auto& line : traceback)
+        lines.push_back(line.is_string() ? line.get<std::string>() : line.dump());
     return lines;
 }
 
 nlohmann::json make_kernel_info_reply(const KernelIdentity& identity) {
-    const std::string python_major_minor = identity.python_version.substr(0, identity.python_version.rfind('.'));
+    const std::string python_major_minor =
+        identity.python_version.substr(0, identity.python_version.rfind('.'));
     return {
         {"status", "ok"},
         {"protocol_version", "5.3"},
@@ -56,9 +61,14 @@ nlohmann::json make_empty_complete_reply(int cursor_pos) {
 }
 
 nlohmann::json make_not_found_inspect_reply() {
-    return {{"status", "ok"}, {"found", false}, {"data", nlohmann::json::object()}, {"metadata", nlohmann::json::object()}};
+    return {{"status", "ok"},
+            {"found", false},
+            {"data", nlohmann::json::object()},
+            {"metadata", nlohmann::json::object()}};
 }
 
-nlohmann::json make_unknown_is_complete_reply() { return {{"status", "unknown"}}; }
+nlohmann::json make_unknown_is_complete_reply() {
+    return {{"status", "unknown"}};
+}
 
 }  // namespace cellblock::kernel

@@ -8,7 +8,7 @@
 namespace cellblock::kernel {
 
 class PrivateDirectory {
-public:
+  public:
     // Creates a fresh directory `prefix`XXXXXX under `parent` (mkdtemp, mode 0700). Throws on failure.
     PrivateDirectory(const std::filesystem::path& parent, const std::string& prefix);
     ~PrivateDirectory();
@@ -19,7 +19,7 @@ public:
     // Removes it now (idempotent); used on the exit path, where destructors do not run.
     void remove() noexcept;
 
-private:
+  private:
     std::filesystem::path path_;
 };
 

@@ -13,13 +13,13 @@ namespace cellblock::kernel {
 void block_kernel_signals();
 
 class SignalRouter {
-public:
+  public:
     SignalRouter(std::function<void()> on_interrupt, std::function<void(int)> on_terminate);
     ~SignalRouter();
     SignalRouter(const SignalRouter&) = delete;
     SignalRouter& operator=(const SignalRouter&) = delete;
 
-private:
+  private:
     std::function<void()> on_interrupt_;
     std::function<void(int)> on_terminate_;
     std::thread thread_;

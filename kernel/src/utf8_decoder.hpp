@@ -9,14 +9,14 @@
 namespace cellblock::kernel {
 
 class Utf8StreamDecoder {
-public:
+  public:
     // Returns the valid text decodable so far; an incomplete trailing sequence is held back.
     std::string feed(std::string_view bytes);
     // End of stream: a held-back incomplete sequence becomes U+FFFD.
     std::string finish();
     bool has_pending() const noexcept { return !pending_.empty(); }
 
-private:
+  private:
     std::string pending_;
 };
 

@@ -1,12 +1,11 @@
 #include "wire_guard.hpp"
 
-#include <xeus/xguid.hpp>
-#include <zmq_addon.hpp>
-
 #include <array>
 #include <chrono>
 #include <ctime>
 #include <iterator>
+#include <xeus/xguid.hpp>
+#include <zmq_addon.hpp>
 
 #include "logging.hpp"
 #include "protocol_fixups.hpp"
@@ -29,7 +28,8 @@ std::string_view view(const zmq::message_t& frame) {
 
 std::optional<std::size_t> find_delimiter(const std::vector<std::string_view>& frames) {
     for (std::size_t i = 0; i < frames.size(); ++i) {
-        if (frames[i] == delimiter_frame) return i;
+        if (frames[i] == delimiter_frame)
+            return i;
     }
     return std::nullopt;
 }
@@ -37,7 +37,8 @@ std::optional<std::size_t> find_delimiter(const std::vector<std::string_view>& f
 std::vector<std::string_view> views(const std::vector<zmq::message_t>& frames) {
     std::vector<std::string_view> result;
     result.reserve(frames.size());
-    for (const auto& frame : frames) result.push_back(view(frame));
+    for (const auto& frame : frames)
+        result.push_back(view(frame));
     return result;
 }
 
@@ -56,22 +57,31 @@ std::string utc_now_iso8601() {
 }
 
 bool might_need_fixup(WireChannel channel, std::string_view msg_type, std::string_view content) {
-    if (channel == WireChannel::iopub) return false;  // only msg_type matters there
-    if (channel == WireChannel::stdin_channel) return msg_type == "input_request";
-    if (msg_type == "interrupt_reply") return true;
+    if (channel == WireChannel::iopub)
+        return false;  // only msg_type matters there
+    if (channel == WireChannel::stdin_channel)
+        return msg_type == "input_request";
+    if (msg_type == "interrupt_reply")
+        return true;
     // Cheap pre-filter so large replies are not parsed: only error replies without ename are rewritten.
-    return content.find("\"error\"") != std::string_view::npos && content.find("\"ename\"") == std::string_view::npos;
+    return content.find("\"error\"") != std::string_view::npos &&
+           content.find("\"ename\"") == std::string_view::npos;
 }
 
 }  // namespace
 
 const char* describe(InboundVerdict::Kind kind) noexcept {
     switch (kind) {
-        case InboundVerdict::Kind::accepted: return "accepted";
-        case InboundVerdict::Kind::malformed: return "malformed";
-        case InboundVerdict::Kind::bad_signature: return "bad_signature";
-        case InboundVerdict::Kind::replayed: return "replayed";
-        case InboundVerdict::Kind::bad_header: return "bad_header";
+        case InboundVerdict::Kind::accepted:
+            return "accepted";
+        case InboundVerdict::Kind::malformed:
+            return "malformed";
+        case InboundVerdict::Kind::bad_signature:
+            return "bad_signature";
+        case InboundVerdict::Kind::replayed:
+            return "replayed";
+        case InboundVerdict::Kind::bad_header:
+            return "bad_header";
     }
     return "?";
 }
@@ -131,9 +141,12 @@ struct WireGuard::Sockets {
     bool open = true;
 
     void close_all() {
-        if (!open) return;
-        for (auto& socket : routers) socket.close();
-        for (auto& socket : dealers) socket.close();
+        if (!open)
+            return;
+        for (auto& socket : routers)
+            socket.close();
+        for (auto& socket : dealers)
+            socket.close();
         publisher.close();
         heartbeat.close();
         subscriber.close();
@@ -179,7 +192,8 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
 
 WireGuard::~WireGuard() {
     if (thread_.joinable()) {
-        if (sockets_->open) sockets_->stop_sender.send(zmq::str_buffer("stop"), zmq::send_flags::dontwait);
+        if (sockets_->open)
+            sockets_->stop_sender.send(zmq::str_buffer("stop"), zmq::send_flags::dontwait);
         thread_.join();
     }
     std::lock_guard lock(wake_mutex_);
@@ -192,11 +206,13 @@ void WireGuard::start() {
 
 void WireGuard::interrupt_pending_input() {
     std::lock_guard lock(wake_mutex_);
-    if (sockets_->open) sockets_->wake_sender.send(zmq::str_buffer("interrupt"), zmq::send_flags::dontwait);
+    if (sockets_->open)
+        sockets_->wake_sender.send(zmq::str_buffer("interrupt"), zmq::send_flags::dontwait);
 }
 
 void WireGuard::release_pending_input() {
-    if (!pending_input_) return;
+    if (!pending_input_)
+        return;
     const nlohmann::json header = {{"msg_id", std::string(xeus::new_xguid().c_str())},
                                    {"username", "cellblock"},
                                    {"session", session_id_},
@@ -204,7 +220,8 @@ void WireGuard::release_pending_input() {
                                    {"msg_type", "input_reply"},
                                    {"version", "5.3"}};
     std::vector<zmq::message_t> message;
-    for (const auto& identity : pending_input_->identities) message.emplace_back(identity.data(), identity.size());
+    for (const auto& identity : pending_input_->identities)
+        message.emplace_back(identity.data(), identity.size());
     const std::string header_text = header.dump();
     const std::string content = R"({"value":""})";
     message.emplace_back(delimiter_frame.data(), delimiter_frame.size());
@@ -235,18 +252,29 @@ void WireGuard::run() noexcept {
     while (s.open) {
         try {
             zmq::poll(items.data(), items.size(), std::chrono::milliseconds(-1));
-            if (items[8].revents & ZMQ_POLLIN) return;
+            if (items[8].revents & ZMQ_POLLIN)
+                return;
             // Control first: an interrupt or shutdown must not queue behind shell traffic.
-            if (items[1].revents & ZMQ_POLLIN) relay_inbound(control);
-            if (!s.open) return;
-            if (items[4].revents & ZMQ_POLLIN) relay_outbound(control);
-            if (items[0].revents & ZMQ_POLLIN) relay_inbound(shell);
-            if (!s.open) return;
-            if (items[2].revents & ZMQ_POLLIN) relay_inbound(stdin_channel);
-            if (items[3].revents & ZMQ_POLLIN) relay_outbound(shell);
-            if (items[5].revents & ZMQ_POLLIN) relay_outbound(stdin_channel);
-            if (items[6].revents & ZMQ_POLLIN) relay_outbound(iopub);
-            if (items[7].revents & ZMQ_POLLIN) echo_heartbeat();
+            if (items[1].revents & ZMQ_POLLIN)
+                relay_inbound(control);
+            if (!s.open)
+                return;
+            if (items[4].revents & ZMQ_POLLIN)
+                relay_outbound(control);
+            if (items[0].revents & ZMQ_POLLIN)
+                relay_inbound(shell);
+            if (!s.open)
+                return;
+            if (items[2].revents & ZMQ_POLLIN)
+                relay_inbound(stdin_channel);
+            if (items[3].revents & ZMQ_POLLIN)
+                relay_outbound(shell);
+            if (items[5].revents & ZMQ_POLLIN)
+                relay_outbound(stdin_channel);
+            if (items[6].revents & ZMQ_POLLIN)
+                relay_outbound(iopub);
+            if (items[7].revents & ZMQ_POLLIN)
+                echo_heartbeat();
             if (items[9].revents & ZMQ_POLLIN) {
                 zmq::message_t wake;
                 while (s.wake_receiver.recv(wake, zmq::recv_flags::dontwait)) {
@@ -254,8 +282,10 @@ void WireGuard::run() noexcept {
                 release_pending_input();
             }
         } catch (const zmq::error_t& error) {
-            if (error.num() == EINTR) continue;
-            if (error.num() == ETERM) return;
+            if (error.num() == EINTR)
+                continue;
+            if (error.num() == ETERM)
+                return;
             log_event(LogLevel::error, "wire_guard_error", {{"error", error.what()}});
         } catch (const std::exception& error) {
             // A single bad message must never stop the proxy.
@@ -275,13 +305,15 @@ void WireGuard::note_refusal(const InboundVerdict& verdict, const char* channel)
 void WireGuard::relay_inbound(int channel_index) {
     auto& s = *sockets_;
     std::vector<zmq::message_t> frames;
-    if (!zmq::recv_multipart(s.routers[channel_index], std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
+    if (!zmq::recv_multipart(s.routers[channel_index], std::back_inserter(frames), zmq::recv_flags::dontwait))
+        return;
     const auto verdict = verifier_.check(views(frames));
     if (verdict.kind != InboundVerdict::Kind::accepted) {
         note_refusal(verdict, channel_names[channel_index]);
         return;
     }
-    log_event(LogLevel::debug, "message_in", {{"channel", channel_names[channel_index]}, {"msg_type", verdict.msg_type}});
+    log_event(LogLevel::debug, "message_in",
+              {{"channel", channel_names[channel_index]}, {"msg_type", verdict.msg_type}});
     if (verdict.msg_type == "shutdown_request" && channel_index != stdin_channel) {
         answer_shutdown(frames, verdict.delimiter, channel_index);
         return;
@@ -294,7 +326,8 @@ void WireGuard::relay_inbound(int channel_index) {
         pending_input_.reset();
     }
     if (verdict.msg_type == "interrupt_request") {
-        if (actions_.interrupt) actions_.interrupt();
+        if (actions_.interrupt)
+            actions_.interrupt();
         release_pending_input();
     }
     zmq::send_multipart(s.dealers[channel_index], frames);
@@ -304,7 +337,8 @@ void WireGuard::relay_outbound(int channel_index) {
     auto& s = *sockets_;
     std::vector<zmq::message_t> frames;
     zmq::socket_t& from = channel_index == iopub ? s.subscriber : s.dealers[channel_index];
-    if (!zmq::recv_multipart(from, std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
+    if (!zmq::recv_multipart(from, std::back_inserter(frames), zmq::recv_flags::dontwait))
+        return;
     const auto frame_views = views(frames);
     const auto delimiter = find_delimiter(frame_views);
     if (!delimiter || frames.size() < *delimiter + 6) {
@@ -315,7 +349,8 @@ void WireGuard::relay_outbound(int channel_index) {
     const auto header = nlohmann::json::parse(frame_views[d + 2], nullptr, false);
     const std::string msg_type = header.is_object() ? header.value("msg_type", std::string()) : std::string();
     const WireChannel channel = wire_channels[channel_index];
-    if (msg_type == "interrupt" && channel == WireChannel::iopub) return;  // xeus-only message
+    if (msg_type == "interrupt" && channel == WireChannel::iopub)
+        return;  // xeus-only message
     bool aborted = false;
     if (might_need_fixup(channel, msg_type, frame_views[d + 5])) {
         auto content = nlohmann::json::parse(frame_views[d + 5], nullptr, false);
@@ -325,7 +360,8 @@ void WireGuard::relay_outbound(int channel_index) {
             frames[d + 5] = zmq::message_t(text.data(), text.size());
         }
     }
-    const SignedParts parts = {view(frames[d + 2]), view(frames[d + 3]), view(frames[d + 4]), view(frames[d + 5])};
+    const SignedParts parts = {view(frames[d + 2]), view(frames[d + 3]), view(frames[d + 4]),
+                               view(frames[d + 5])};
     const std::string signature = signer_.sign(parts);
     frames[d + 1] = zmq::message_t(signature.data(), signature.size());
     zmq::socket_t& to = channel_index == iopub ? s.publisher : s.routers[channel_index];
@@ -334,23 +370,28 @@ void WireGuard::relay_outbound(int channel_index) {
     const std::string parent_header(view(frames[d + 3]));
     if (channel == WireChannel::stdin_channel && msg_type == "input_request") {
         PendingInput pending;
-        for (std::size_t i = 0; i < d; ++i) pending.identities.emplace_back(view(frames[i]));
+        for (std::size_t i = 0; i < d; ++i)
+            pending.identities.emplace_back(view(frames[i]));
         pending.header = std::string(view(frames[d + 2]));
         pending_input_ = std::move(pending);
     }
-    if (aborted) publish_status(parent_header, "busy");
+    if (aborted)
+        publish_status(parent_header, "busy");
     zmq::send_multipart(to, frames);
-    if (aborted) publish_status(parent_header, "idle");
+    if (aborted)
+        publish_status(parent_header, "idle");
 }
 
 void WireGuard::echo_heartbeat() {
     std::vector<zmq::message_t> frames;
-    if (!zmq::recv_multipart(sockets_->heartbeat, std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
+    if (!zmq::recv_multipart(sockets_->heartbeat, std::back_inserter(frames), zmq::recv_flags::dontwait))
+        return;
     zmq::send_multipart(sockets_->heartbeat, frames, zmq::send_flags::dontwait);
 }
 
 std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::message_t>& identities,
-                                                     std::string_view parent_header, std::string_view msg_type,
+                                                     std::string_view parent_header,
+                                                     std::string_view msg_type,
                                                      const nlohmann::json& content) const {
     const nlohmann::json header = {{"msg_id", std::string(xeus::new_xguid().c_str())},
                                    {"username", "cellblock"},
@@ -366,7 +407,8 @@ std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::mess
     if (identities.empty()) {
         message.emplace_back(msg_type.data(), msg_type.size());  // IOPub topic
     } else {
-        for (const auto& identity : identities) message.emplace_back(identity.data(), identity.size());
+        for (const auto& identity : identities)
+            message.emplace_back(identity.data(), identity.size());
     }
     message.emplace_back(delimiter_frame.data(), delimiter_frame.size());
     message.emplace_back(signature.data(), signature.size());
@@ -378,26 +420,30 @@ std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::mess
 }
 
 void WireGuard::publish_status(std::string_view parent_header, const char* state) {
-    zmq::send_multipart(sockets_->publisher, build_message({}, parent_header, "status", {{"execution_state", state}}));
+    zmq::send_multipart(sockets_->publisher,
+                        build_message({}, parent_header, "status", {{"execution_state", state}}));
 }
 
-void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index) {
+void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter,
+                                int channel_index) {
     auto& s = *sockets_;
     const auto request = nlohmann::json::parse(view(frames[delimiter + 5]), nullptr, false);
     const bool restart = request.is_object() && request.value("restart", false);
     log_event(LogLevel::info, "shutdown_request", {{"restart", restart}});
     const std::string_view request_header = view(frames[delimiter + 2]);
     std::vector<zmq::message_t> identities;
-    for (std::size_t i = 0; i < delimiter; ++i) identities.emplace_back(frames[i].data(), frames[i].size());
+    for (std::size_t i = 0; i < delimiter; ++i)
+        identities.emplace_back(frames[i].data(), frames[i].size());
     publish_status(request_header, "busy");
-    zmq::send_multipart(s.routers[channel_index],
-                        build_message(identities, request_header, "shutdown_reply", {{"status", "ok"}, {"restart", restart}}));
+    zmq::send_multipart(s.routers[channel_index], build_message(identities, request_header, "shutdown_reply",
+                                                                {{"status", "ok"}, {"restart", restart}}));
     publish_status(request_header, "idle");
     {
         std::lock_guard lock(wake_mutex_);  // the signal thread may be using wake_sender
         s.close_all();
     }
-    if (actions_.shutdown) actions_.shutdown();
+    if (actions_.shutdown)
+        actions_.shutdown();
 }
 
 }  // namespace cellblock::kernel

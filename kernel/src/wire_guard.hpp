@@ -9,15 +9,14 @@
 #pragma once
 
 #include <functional>
-#include <nlohmann/json.hpp>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
-
 #include <zmq.hpp>
 
 #include "connection_info.hpp"
@@ -42,12 +41,12 @@ const char* describe(InboundVerdict::Kind kind) noexcept;
 
 // Signature, replay and structure checks; pure apart from the replay memory.
 class InboundVerifier {
-public:
+  public:
     InboundVerifier(const MessageSigner& signer, std::size_t replay_capacity)
         : signer_(signer), replays_(replay_capacity) {}
     InboundVerdict check(const std::vector<std::string_view>& frames);
 
-private:
+  private:
     const MessageSigner& signer_;
     ReplayFilter replays_;
 };
@@ -59,7 +58,7 @@ struct GuardActions {
 };
 
 class WireGuard {
-public:
+  public:
     // Binds the public sockets and connects to xeus's private ones; throws on failure (e.g. port in use).
     WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& xeus, GuardActions actions);
     ~WireGuard();
@@ -73,7 +72,7 @@ public:
     // input_reply, release it. Thread-safe.
     void interrupt_pending_input();
 
-private:
+  private:
     struct Sockets;
     void run() noexcept;
     void relay_inbound(int channel_index);
@@ -84,8 +83,9 @@ private:
     void answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index);
     // A message of the guard's own, in reply to (or about) the request whose header is `parent_header`;
     // `identities` route it on a ROUTER, none means IOPub.
-    std::vector<zmq::message_t> build_message(const std::vector<zmq::message_t>& identities, std::string_view parent_header,
-                                              std::string_view msg_type, const nlohmann::json& content) const;
+    std::vector<zmq::message_t> build_message(const std::vector<zmq::message_t>& identities,
+                                              std::string_view parent_header, std::string_view msg_type,
+                                              const nlohmann::json& content) const;
     void note_refusal(const InboundVerdict& verdict, const char* channel);
 
     MessageSigner signer_;

@@ -15,20 +15,20 @@ inline constexpr std::uint32_t max_frame_bytes = 64u << 20;
 
 // The worker broke the protocol (oversized frame, invalid JSON): the kernel kills it.
 class ProtocolError : public std::runtime_error {
-public:
+  public:
     using std::runtime_error::runtime_error;
 };
 
 std::string encode_frame(const nlohmann::json& message);
 
 class FrameDecoder {
-public:
+  public:
     void append(std::string_view bytes) { buffer_.append(bytes); }
     // The next complete message, if one has arrived. Throws ProtocolError.
     std::optional<nlohmann::json> next();
     bool empty() const noexcept { return consumed_ == buffer_.size(); }
 
-private:
+  private:
     std::string buffer_;
     std::size_t consumed_ = 0;
 };

@@ -26,12 +26,14 @@ std::runtime_error system_error(const std::string& what) {
 
 void set_nonblocking(int fd) {
     const int flags = ::fcntl(fd, F_GETFL);
-    if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw system_error("fcntl(O_NONBLOCK)");
+    if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
+        throw system_error("fcntl(O_NONBLOCK)");
 }
 
 void keep_tail(std::string& tail, const char* data, std::size_t size) {
     tail.append(data, size);
-    if (tail.size() > startup_tail_bytes) tail.erase(0, tail.size() - startup_tail_bytes);
+    if (tail.size() > startup_tail_bytes)
+        tail.erase(0, tail.size() - startup_tail_bytes);
 }
 
 }  // namespace
@@ -53,12 +55,14 @@ LiveWorker::~LiveWorker() {
 
 void LiveWorker::signal(int signo) {
     std::lock_guard lock(mutex_);
-    if (process_) process_->signal(signo);
+    if (process_)
+        process_->signal(signo);
 }
 
 void LiveWorker::kill() {
     std::lock_guard lock(mutex_);
-    if (process_) process_->kill();
+    if (process_)
+        process_->kill();
 }
 
 void LiveWorker::terminate() {
@@ -68,19 +72,22 @@ void LiveWorker::terminate() {
 
 std::optional<sandbox::Outcome> LiveWorker::wait_for(std::chrono::milliseconds timeout) {
     std::lock_guard lock(mutex_);
-    if (!process_) return std::nullopt;
+    if (!process_)
+        return std::nullopt;
     return process_->wait_for(timeout);
 }
 
 WorkerSupervisor::WorkerSupervisor(WorkerLaunchSpec spec) : spec_(std::move(spec)) {}
 
 void WorkerSupervisor::start() {
-    if (!launcher_thread_.joinable()) launcher_thread_ = std::thread([this] { launcher_loop(); });
+    if (!launcher_thread_.joinable())
+        launcher_thread_ = std::thread([this] { launcher_loop(); });
 }
 
 WorkerSupervisor::~WorkerSupervisor() {
     shutdown();
-    if (launcher_thread_.joinable()) launcher_thread_.join();
+    if (launcher_thread_.joinable())
+        launcher_thread_.join();
 }
 
 void WorkerSupervisor::launcher_loop() {
@@ -88,7 +95,8 @@ void WorkerSupervisor::launcher_loop() {
     std::unique_lock lock(mutex_);
     while (true) {
         changed_.wait(lock, [this] { return launch_requested_ || state_ == State::stopped; });
-        if (state_ == State::stopped) break;
+        if (state_ == State::stopped)
+            break;
         launch_requested_ = false;
         state_ = State::starting;
         lock.unlock();
@@ -139,12 +147,15 @@ void WorkerSupervisor::launcher_loop() {
 
 std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& launcher) {
     std::array<int, 2> pair{};
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair.data()) != 0) throw system_error("socketpair");
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair.data()) != 0)
+        throw system_error("socketpair");
     UniqueFd kernel_end(pair[0]), worker_end(pair[1]);
     std::array<int, 2> out{}, err{};
-    if (::pipe2(out.data(), O_CLOEXEC) != 0) throw system_error("pipe2 (worker stdout)");
+    if (::pipe2(out.data(), O_CLOEXEC) != 0)
+        throw system_error("pipe2 (worker stdout)");
     UniqueFd out_read(out[0]), out_write(out[1]);
-    if (::pipe2(err.data(), O_CLOEXEC) != 0) throw system_error("pipe2 (worker stderr)");
+    if (::pipe2(err.data(), O_CLOEXEC) != 0)
+        throw system_error("pipe2 (worker stderr)");
     UniqueFd err_read(err[0]), err_write(err[1]);
 
     sandbox::LaunchRequest request;
@@ -176,11 +187,13 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
     const auto deadline = std::chrono::steady_clock::now() + spec_.ready_timeout;
     std::array<char, 65536> buffer{};
     while (true) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
         if (left.count() <= 0) {
             worker->kill();
             throw std::runtime_error("the worker did not report ready within " +
-                                     std::to_string(spec_.ready_timeout.count() / 1000) + " s; output: " + tail);
+                                     std::to_string(spec_.ready_timeout.count() / 1000) +
+                                     " s; output: " + tail);
         }
         std::array<pollfd, 4> fds = {{{worker->channel_fd(), POLLIN, 0},
                                       {worker->stdout_fd(), POLLIN, 0},
@@ -191,15 +204,18 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
             throw std::runtime_error("the kernel is shutting down");
         }
         // Wake up now and then to notice a shutdown.
-        const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(std::min<long long>(left.count(), 100)));
+        const int ready =
+            ::poll(fds.data(), fds.size(), static_cast<int>(std::min<long long>(left.count(), 100)));
         if (ready < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR)
+                continue;
             throw system_error("poll (worker start-up)");
         }
         for (std::size_t i = 1; i <= 2; ++i) {
             if (fds[i].revents & (POLLIN | POLLHUP)) {
                 const ssize_t got = ::read(fds[i].fd, buffer.data(), buffer.size());
-                if (got > 0) keep_tail(tail, buffer.data(), static_cast<std::size_t>(got));
+                if (got > 0)
+                    keep_tail(tail, buffer.data(), static_cast<std::size_t>(got));
             }
         }
         if (fds[0].revents & (POLLIN | POLLHUP)) {
@@ -230,7 +246,8 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
 
 std::shared_ptr<LiveWorker> WorkerSupervisor::acquire(std::chrono::milliseconds timeout, std::string& error) {
     std::unique_lock lock(mutex_);
-    if (state_ == State::ready && current_) return current_;
+    if (state_ == State::ready && current_)
+        return current_;
     if (state_ == State::stopped) {
         error = "the kernel is shutting down";
         return nullptr;
@@ -243,7 +260,8 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::acquire(std::chrono::milliseconds 
     const bool settled = changed_.wait_for(lock, timeout, [this] {
         return (state_ == State::ready && current_) || state_ == State::failed || state_ == State::stopped;
     });
-    if (settled && state_ == State::ready) return current_;
+    if (settled && state_ == State::ready)
+        return current_;
     if (!settled) {
         error = "the Python worker did not start within " + std::to_string(timeout.count() / 1000) + " s";
     } else if (state_ == State::failed) {
@@ -271,7 +289,8 @@ sandbox::Outcome WorkerSupervisor::retire(const std::shared_ptr<LiveWorker>& wor
         worker->kill();
         outcome = worker->wait_for(std::chrono::milliseconds(5000));
     }
-    sandbox::Outcome result = outcome.value_or(sandbox::Outcome{sandbox::Outcome::Reason::signaled, 0, SIGKILL});
+    sandbox::Outcome result =
+        outcome.value_or(sandbox::Outcome{sandbox::Outcome::Reason::signaled, 0, SIGKILL});
     std::lock_guard lock(mutex_);
     lost_state_note_ = result.describe();
     return result;
@@ -294,12 +313,14 @@ void WorkerSupervisor::shutdown() {
     {
         std::lock_guard lock(mutex_);
         stopping_ = true;
-        if (state_ == State::stopped && !current_) return;
+        if (state_ == State::stopped && !current_)
+            return;
         state_ = State::stopped;
         worker = std::move(current_);
         changed_.notify_all();
     }
-    if (worker) worker->terminate();
+    if (worker)
+        worker->terminate();
 }
 
 std::optional<std::string> WorkerSupervisor::take_lost_state_note() {

@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <cellblock/sandbox/sandbox.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -21,8 +22,6 @@
 #include <thread>
 #include <vector>
 
-#include <cellblock/sandbox/sandbox.hpp>
-
 #include "unique_fd.hpp"
 #include "utf8_decoder.hpp"
 #include "worker_channel.hpp"
@@ -31,17 +30,17 @@ namespace cellblock::kernel {
 
 struct WorkerLaunchSpec {
     std::filesystem::path python = "/usr/bin/python3";
-    std::filesystem::path worker_script;    // host path; its directory is bind-mounted read-only
-    std::filesystem::path policy_file;      // sandbox policy JSON
-    std::filesystem::path workspace;        // host directory mounted at the policy's workspace target
-                                            // (the sandbox gives it to the session's uid)
-    std::uint64_t memory_bytes = 0;         // overrides the policy's memory limit (0 = keep the policy's)
+    std::filesystem::path worker_script;  // host path; its directory is bind-mounted read-only
+    std::filesystem::path policy_file;    // sandbox policy JSON
+    std::filesystem::path workspace;      // host directory mounted at the policy's workspace target
+                                          // (the sandbox gives it to the session's uid)
+    std::uint64_t memory_bytes = 0;       // overrides the policy's memory limit (0 = keep the policy's)
     std::chrono::milliseconds ready_timeout{60000};
 };
 
 // One running worker. The shell thread reads its fds; other threads may only signal or kill it.
 class LiveWorker {
-public:
+  public:
     LiveWorker(sandbox::Process process, UniqueFd channel, UniqueFd stdout_pipe, UniqueFd stderr_pipe);
     ~LiveWorker();
     LiveWorker(const LiveWorker&) = delete;
@@ -67,7 +66,7 @@ public:
     Utf8StreamDecoder stderr_text;
     nlohmann::json ready_info;
 
-private:
+  private:
     std::mutex mutex_;
     std::optional<sandbox::Process> process_;
     UniqueFd channel_, stdout_, stderr_;
@@ -77,7 +76,7 @@ private:
 };
 
 class WorkerSupervisor {
-public:
+  public:
     explicit WorkerSupervisor(WorkerLaunchSpec spec);
     ~WorkerSupervisor();
     // Starts the launcher thread, which launches the first worker right away.
@@ -102,7 +101,7 @@ public:
     // The worker's Python version once a worker has reported ready.
     std::optional<std::string> worker_python_version();
 
-private:
+  private:
     void launcher_loop();
     std::shared_ptr<LiveWorker> launch_one(sandbox::Launcher& launcher);
 

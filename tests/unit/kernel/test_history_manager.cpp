@@ -8,7 +8,7 @@ namespace {
 using nlohmann::json;
 
 class HistoryShapes : public ::testing::Test {
-protected:
+  protected:
     void SetUp() override {
         history.record(1, "x = 1", std::nullopt);
         history.record(2, "x + 1", "2");
@@ -51,7 +51,8 @@ TEST_F(HistoryShapes, SearchUsesGlobsUniqueAndN) {
 }
 
 TEST_F(HistoryShapes, ProcessRequestDispatchesOnAccessType) {
-    const json reply = history.process_request({{"hist_access_type", "tail"}, {"n", 1}, {"output", false}, {"raw", true}});
+    const json reply =
+        history.process_request({{"hist_access_type", "tail"}, {"n", 1}, {"output", false}, {"raw", true}});
     EXPECT_EQ(reply["history"], (json::array({{1, 4, "x + 1"}})));
 }
 

@@ -9,9 +9,10 @@ namespace cellblock::kernel {
 namespace {
 
 class KernelConfigFile : public ::testing::Test {
-protected:
+  protected:
     void SetUp() override {
-        dir = std::filesystem::temp_directory_path() / ("cellblock-config-test-" + std::to_string(::getpid()));
+        dir =
+            std::filesystem::temp_directory_path() / ("cellblock-config-test-" + std::to_string(::getpid()));
         std::filesystem::create_directories(dir);
         file = dir / "kernel-config.json";
         std::ofstream(file) << R"({"worker": {"python": "/usr/bin/python3", "script": "worker/w.py"},
@@ -23,7 +24,8 @@ protected:
     KernelConfig::EnvironmentLookup environment() const {
         return [this](const std::string& name) -> std::optional<std::string> {
             auto it = variables.find(name);
-            if (it == variables.end()) return std::nullopt;
+            if (it == variables.end())
+                return std::nullopt;
             return it->second;
         };
     }
@@ -44,8 +46,10 @@ TEST_F(KernelConfigFile, RelativePathsResolveAgainstTheFile) {
 }
 
 TEST_F(KernelConfigFile, EnvironmentOverridesTheFile) {
-    variables = {{"CELLBLOCK_TIMEOUT_S", "2.5"}, {"CELLBLOCK_MEMORY_MB", "128"},
-                 {"CELLBLOCK_OUTPUT_BYTES", "4096"}, {"CELLBLOCK_WORKSPACE", "/srv/ws/abc"}};
+    variables = {{"CELLBLOCK_TIMEOUT_S", "2.5"},
+                 {"CELLBLOCK_MEMORY_MB", "128"},
+                 {"CELLBLOCK_OUTPUT_BYTES", "4096"},
+                 {"CELLBLOCK_WORKSPACE", "/srv/ws/abc"}};
     const auto config = KernelConfig::load(file, environment());
     EXPECT_EQ(config.limits.timeout_s, 2.5);
     EXPECT_EQ(config.limits.memory_mb, 128u);

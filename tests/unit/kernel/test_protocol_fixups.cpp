@@ -23,7 +23,9 @@ TEST(ProtocolFixups, AbortedRequestsSayAborted) {
 }
 
 TEST(ProtocolFixups, RealErrorsAreUntouched) {
-    json content = {{"status", "error"}, {"ename", "ZeroDivisionError"}, {"evalue", "division by zero"},
+    json content = {{"status", "error"},
+                    {"ename", "ZeroDivisionError"},
+                    {"evalue", "division by zero"},
                     {"traceback", json::array()}};
     const json before = content;
     EXPECT_EQ(fix_outbound(WireChannel::shell, "execute_reply", content), Fixup::unchanged);

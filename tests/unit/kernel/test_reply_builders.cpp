@@ -6,7 +6,8 @@ namespace cellblock::kernel {
 namespace {
 
 TEST(ReplyBuilders, ErrorReplyKeepsNameAndValueApart) {
-    const auto reply = make_error_reply("NameError", "name 'x' is not defined", nlohmann::json::array({"tb"}));
+    const auto reply =
+        make_error_reply("NameError", "name 'x' is not defined", nlohmann::json::array({"tb"}));
     EXPECT_EQ(reply["status"], "error");
     EXPECT_EQ(reply["ename"], "NameError");
     EXPECT_EQ(reply["evalue"], "name 'x' is not defined");

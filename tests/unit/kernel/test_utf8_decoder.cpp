@@ -12,7 +12,8 @@ const std::string replacement = "\xEF\xBF\xBD";
 TEST(Utf8StreamDecoder, PassesAsciiAndValidText) {
     Utf8StreamDecoder decoder;
     EXPECT_EQ(decoder.feed("hello\n"), "hello\n");
-    EXPECT_EQ(decoder.feed("h\xC3\xA9llo \xE2\x82\xAC \xF0\x9F\x98\x80"), "h\xC3\xA9llo \xE2\x82\xAC \xF0\x9F\x98\x80");
+    EXPECT_EQ(decoder.feed("h\xC3\xA9llo \xE2\x82\xAC \xF0\x9F\x98\x80"),
+              "h\xC3\xA9llo \xE2\x82\xAC \xF0\x9F\x98\x80");
     EXPECT_FALSE(decoder.has_pending());
 }
 
@@ -30,7 +31,8 @@ TEST(Utf8StreamDecoder, ReplacesInvalidBytes) {
     Utf8StreamDecoder decoder;
     EXPECT_EQ(decoder.feed("bad:\xFF\xFE end"), "bad:" + replacement + replacement + " end");
     EXPECT_EQ(decoder.feed("\xC0\x80"), replacement + replacement) << "overlong encodings are invalid";
-    EXPECT_EQ(decoder.feed("\xED\xA0\x80x"), replacement + replacement + replacement + "x") << "surrogates are invalid";
+    EXPECT_EQ(decoder.feed("\xED\xA0\x80x"), replacement + replacement + replacement + "x")
+        << "surrogates are invalid";
     EXPECT_EQ(decoder.feed("\xE2\x82z"), replacement + "z") << "a truncated sequence followed by ASCII";
 }
 
@@ -42,7 +44,9 @@ TEST(Utf8StreamDecoder, FinishFlushesAnIncompleteTail) {
 }
 
 TEST(Utf8Prefix, CutsOnCodePointBoundaries) {
-    const std::string text = "ab\xE2\x82\xAC" "cd";  // a b € c d
+    const std::string text =
+        "ab\xE2\x82\xAC"
+        "cd";  // a b € c d
     EXPECT_EQ(utf8_prefix(text, 100), text);
     EXPECT_EQ(utf8_prefix(text, 2), "ab");
     EXPECT_EQ(utf8_prefix(text, 3), "ab");

@@ -12,10 +12,12 @@ namespace {
 // Frames of a shell message as a ROUTER receives them: identity, delimiter, signature, 4 JSON parts.
 std::vector<std::string> message(const MessageSigner& signer, const std::string& msg_id,
                                  const std::string& msg_type = "execute_request") {
-    const std::string header = R"({"msg_id":")" + msg_id + R"(","msg_type":")" + msg_type +
-                               R"(","session":"s","username":"u","version":"5.3","date":"2026-01-01T00:00:00Z"})";
+    const std::string header =
+        R"({"msg_id":")" + msg_id + R"(","msg_type":")" + msg_type +
+        R"(","session":"s","username":"u","version":"5.3","date":"2026-01-01T00:00:00Z"})";
     const std::string parent = "{}", metadata = "{}", content = R"({"code":"1+1"})";
-    return {"client-id", "<IDS|MSG>", signer.sign({header, parent, metadata, content}), header, parent, metadata, content};
+    return {"client-id", "<IDS|MSG>", signer.sign({header, parent, metadata, content}), header, parent,
+            metadata,    content};
 }
 
 std::vector<std::string_view> views(const std::vector<std::string>& frames) {
@@ -25,7 +27,8 @@ std::vector<std::string_view> views(const std::vector<std::string>& frames) {
 TEST(MessageSigner, MatchesPythonHmacSha256) {
     MessageSigner signer("hmac-sha256", "key");
     // hmac.new(b"key", b"abcd", hashlib.sha256).hexdigest()
-    EXPECT_EQ(signer.sign({"a", "b", "c", "d"}), "2a31ec0ee8d878c9eece9fb0df79b3b90b2256240163aa5ee50d176d3d1121f8");
+    EXPECT_EQ(signer.sign({"a", "b", "c", "d"}),
+              "2a31ec0ee8d878c9eece9fb0df79b3b90b2256240163aa5ee50d176d3d1121f8");
 }
 
 TEST(MessageSigner, VerifiesOnlyTheExactSignature) {
@@ -113,7 +116,8 @@ TEST(InboundVerifier, RefusesSignedButUnparsableHeader) {
     MessageSigner signer("hmac-sha256", "secret");
     InboundVerifier verifier(signer, 100);
     const std::string header = "not json";
-    std::vector<std::string> frames = {"id", "<IDS|MSG>", signer.sign({header, "{}", "{}", "{}"}), header, "{}", "{}", "{}"};
+    std::vector<std::string> frames = {
+        "id", "<IDS|MSG>", signer.sign({header, "{}", "{}", "{}"}), header, "{}", "{}", "{}"};
     EXPECT_EQ(verifier.check(views(frames)).kind, InboundVerdict::Kind::bad_header);
 }
 
