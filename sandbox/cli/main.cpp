@@ -1,5 +1,6 @@
 // cellblock-sandbox: runs one command confined, for people and tests.
-//   cellblock-sandbox [--policy FILE] [--workspace DIR] [--memory-mb N] [--timeout S] [--output-bytes N] -- CMD ARGS...
+//   cellblock-sandbox [--policy FILE] [--workspace DIR] [--memory-mb N] [--timeout S] [--output-bytes N] --
+//   CMD ARGS...
 // The command's stdout and stderr are streamed through (and cut at --output-bytes); the exit status is
 // the command's, or 128 + signal; when a limit ended it, the reason is printed on stderr.
 #include <fcntl.h>
@@ -38,7 +39,7 @@ struct Options {
 
 // A temporary workspace, removed (with whatever the command left in it) when the CLI exits.
 class TemporaryWorkspace {
-public:
+  public:
     TemporaryWorkspace() {
         std::string pattern = (fs::temp_directory_path() / "cellblock-workspace-XXXXXX").string();
         if (::mkdtemp(pattern.data()) == nullptr) {
@@ -54,7 +55,7 @@ public:
     TemporaryWorkspace& operator=(const TemporaryWorkspace&) = delete;
     const fs::path& path() const { return path_; }
 
-private:
+  private:
     fs::path path_;
 };
 
@@ -63,13 +64,19 @@ struct Pipe {
     int write_end = -1;
     Pipe() {
         int ends[2];
-        if (::pipe2(ends, O_CLOEXEC) != 0) throw sb::SandboxError(std::string("pipe: ") + std::strerror(errno));
+        if (::pipe2(ends, O_CLOEXEC) != 0) {
+            throw sb::SandboxError(std::string("pipe: ") + std::strerror(errno));
+        }
         read_end = ends[0];
         write_end = ends[1];
     }
     ~Pipe() {
-        if (read_end >= 0) ::close(read_end);
-        if (write_end >= 0) ::close(write_end);
+        if (read_end >= 0) {
+            ::close(read_end);
+        }
+        if (write_end >= 0) {
+            ::close(write_end);
+        }
     }
     Pipe(const Pipe&) = delete;
     Pipe& operator=(const Pipe&) = delete;
@@ -83,7 +90,9 @@ bool write_all(int fd, const char* data, std::size_t size) {
     while (size > 0) {
         const ssize_t written = ::write(fd, data, size);
         if (written < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR) {
+                continue;
+            }
             return false;
         }
         data += written;
@@ -103,19 +112,27 @@ bool relay_output(sb::Process& process, Pipe& out, Pipe& err, std::uint64_t cap)
     while (fds[0].fd >= 0 || fds[1].fd >= 0) {
         // Wake up every 100 ms so that the wall-clock limit is enforced while the output is idle.
         const int ready = ::poll(fds.data(), fds.size(), 100);
-        if (ready < 0 && errno != EINTR) break;
+        if (ready < 0 && errno != EINTR) {
+            break;
+        }
         process.try_wait();
         for (std::size_t i = 0; i < fds.size(); ++i) {
-            if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+            if (fds[i].fd < 0 || fds[i].revents == 0) {
+                continue;
+            }
             const ssize_t got = ::read(fds[i].fd, buffer.data(), buffer.size());
-            if (got < 0 && errno == EINTR) continue;
+            if (got < 0 && errno == EINTR) {
+                continue;
+            }
             if (got <= 0) {
                 fds[i].fd = -1;
                 continue;
             }
             auto forward = static_cast<std::uint64_t>(got);
             const bool over = cap > 0 && total + forward > cap;
-            if (over) forward = cap - total;
+            if (over) {
+                forward = cap - total;
+            }
             total += forward;
             write_all(targets[i], buffer.data(), static_cast<std::size_t>(forward));
             if (over) {
@@ -130,12 +147,19 @@ bool relay_output(sb::Process& process, Pipe& out, Pipe& err, std::uint64_t cap)
 
 int run(const Options& options) {
     sb::Policy policy = sb::Policy::load(options.policy_file);
-    if (options.memory_mb) policy.limits.memory_bytes = *options.memory_mb << 20;
-    if (options.timeout_seconds) {
-        policy.limits.wall_clock = std::chrono::milliseconds(static_cast<std::int64_t>(*options.timeout_seconds * 1000));
+    if (options.memory_mb) {
+        policy.limits.memory_bytes = *options.memory_mb << 20;
     }
-    if (options.output_bytes) policy.limits.output_bytes = *options.output_bytes;
-    if (options.command.empty()) throw sb::SandboxError("no command given (usage: cellblock-sandbox [options] -- CMD ARGS...)");
+    if (options.timeout_seconds) {
+        policy.limits.wall_clock =
+            std::chrono::milliseconds(static_cast<std::int64_t>(*options.timeout_seconds * 1000));
+    }
+    if (options.output_bytes) {
+        policy.limits.output_bytes = *options.output_bytes;
+    }
+    if (options.command.empty()) {
+        throw sb::SandboxError("no command given (usage: cellblock-sandbox [options] -- CMD ARGS...)");
+    }
 
     std::optional<TemporaryWorkspace> temporary;
     fs::path workspace;
@@ -150,7 +174,9 @@ int run(const Options& options) {
     Pipe out, err;
     sb::LaunchRequest request;
     request.argv = options.command;
-    if (request.argv.front().find('/') == std::string::npos) request.argv.front() = "/usr/bin/" + request.argv.front();
+    if (request.argv.front().find('/') == std::string::npos) {
+        request.argv.front() = "/usr/bin/" + request.argv.front();
+    }
     request.workspace = workspace;
     request.stdin_fd = STDIN_FILENO;
     request.stdout_fd = out.write_end;
@@ -163,8 +189,10 @@ int run(const Options& options) {
     const sb::Outcome outcome = process.wait();
     switch (outcome.reason) {
         case sb::Outcome::Reason::exited:
-        case sb::Outcome::Reason::signaled: break;
-        default: std::cerr << "cellblock-sandbox: " << outcome.describe() << std::endl;
+        case sb::Outcome::Reason::signaled:
+            break;
+        default:
+            std::cerr << "cellblock-sandbox: " << outcome.describe() << std::endl;
     }
     return outcome.shell_status();
 }
@@ -175,16 +203,20 @@ int main(int argc, char** argv) {
     // A closed stdin/stdout/stderr would be reused by our own pipes (and the sandbox would read its
     // own output as input): occupy them with /dev/null first.
     for (int fd = 0; fd <= 2; ++fd) {
-        if (::fcntl(fd, F_GETFD) < 0 && ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY) < 0) return 125;
+        if (::fcntl(fd, F_GETFD) < 0 && ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY) < 0) {
+            return 125;
+        }
     }
     CLI::App app{"Run one command confined by the cellblock sandbox."};
     Options options;
     app.add_option("--policy", options.policy_file, "policy JSON file")->check(CLI::ExistingFile);
-    app.add_option("--workspace", options.workspace, "host directory mounted read-write as the workspace "
-                                                     "(default: a temporary directory removed afterwards)")
+    app.add_option("--workspace", options.workspace,
+                   "host directory mounted read-write as the workspace "
+                   "(default: a temporary directory removed afterwards)")
         ->check(CLI::ExistingDirectory);
     app.add_option("--memory-mb", options.memory_mb, "memory limit in MiB (overrides the policy)");
-    app.add_option("--timeout", options.timeout_seconds, "wall-clock limit in seconds (overrides the policy)");
+    app.add_option("--timeout", options.timeout_seconds,
+                   "wall-clock limit in seconds (overrides the policy)");
     app.add_option("--output-bytes", options.output_bytes, "stop and kill after this much stdout+stderr");
     app.add_option("command", options.command, "the command and its arguments (after --)")->required();
     try {

@@ -17,7 +17,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct MountInfo {
-    std::string root;          // the cgroup path mounted there
+    std::string root;  // the cgroup path mounted there
     fs::path mount_point;
     std::string fstype;
     std::string super_options;
@@ -37,7 +37,9 @@ std::vector<MountInfo> cgroup_mounts() {
         MountInfo info;
         std::string source;
         fields >> info.fstype >> source >> info.super_options;
-        if (info.fstype != "cgroup" && info.fstype != "cgroup2") continue;
+        if (info.fstype != "cgroup" && info.fstype != "cgroup2") {
+            continue;
+        }
         info.root = root;
         info.mount_point = mount_point;
         mounts.push_back(std::move(info));
@@ -49,7 +51,9 @@ bool has_option(const std::string& options, const std::string& wanted) {
     std::istringstream list(options);
     std::string option;
     while (std::getline(list, option, ',')) {
-        if (option == wanted) return true;
+        if (option == wanted) {
+            return true;
+        }
     }
     return false;
 }
@@ -61,10 +65,14 @@ std::optional<std::string> own_cgroup(const std::string& controller) {
     while (std::getline(lines, line)) {
         const auto first = line.find(':');
         const auto second = line.find(':', first + 1);
-        if (first == std::string::npos || second == std::string::npos) continue;
+        if (first == std::string::npos || second == std::string::npos) {
+            continue;
+        }
         const std::string controllers = line.substr(first + 1, second - first - 1);
         const std::string path = line.substr(second + 1);
-        if (controller.empty() ? (line.compare(0, 3, "0::") == 0) : has_option(controllers, controller)) return path;
+        if (controller.empty() ? (line.compare(0, 3, "0::") == 0) : has_option(controllers, controller)) {
+            return path;
+        }
     }
     return std::nullopt;
 }
@@ -78,7 +86,9 @@ fs::path session_base(const MountInfo& mount, const std::string& own) {
     fs::path base = mount.mount_point;
     base += relative;
     base /= "cellblock";
-    if (::mkdir(base.c_str(), 0755) != 0 && errno != EEXIST) return {};
+    if (::mkdir(base.c_str(), 0755) != 0 && errno != EEXIST) {
+        return {};
+    }
     return base;
 }
 
@@ -86,7 +96,9 @@ std::string read_key(const fs::path& file, const std::string& key) {
     std::istringstream lines(read_small_file(file));
     std::string name, value;
     while (lines >> name >> value) {
-        if (name == key) return value;
+        if (name == key) {
+            return value;
+        }
     }
     return {};
 }
@@ -103,24 +115,35 @@ CgroupHost CgroupHost::probe() {
     }
     // cgroup v1: one hierarchy per controller.
     for (const auto& mount : mounts) {
-        if (mount.fstype != "cgroup") continue;
+        if (mount.fstype != "cgroup") {
+            continue;
+        }
         for (const auto& [controller, base] : {std::pair<std::string, fs::path*>{"memory", &host.memory_base},
-                                                {"pids", &host.pids_base},
-                                                {"cpu", &host.cpu_base}}) {
-            if (!base->empty() || !has_option(mount.super_options, controller)) continue;
-            if (const auto own = own_cgroup(controller)) *base = session_base(mount, *own);
+                                               {"pids", &host.pids_base},
+                                               {"cpu", &host.cpu_base}}) {
+            if (!base->empty() || !has_option(mount.super_options, controller)) {
+                continue;
+            }
+            if (const auto own = own_cgroup(controller)) {
+                *base = session_base(mount, *own);
+            }
         }
     }
     if (!host.memory_base.empty() || !host.pids_base.empty() || !host.cpu_base.empty()) {
         host.version = Version::v1;
-        host.memory_swap = !host.memory_base.empty() && ::access((host.memory_base / "memory.memsw.limit_in_bytes").c_str(), F_OK) == 0;
+        host.memory_swap = !host.memory_base.empty() &&
+                           ::access((host.memory_base / "memory.memsw.limit_in_bytes").c_str(), F_OK) == 0;
         return host;
     }
     // cgroup v2: one hierarchy; controllers must be enabled for our subtree.
     for (const auto& mount : mounts) {
-        if (mount.fstype != "cgroup2") continue;
+        if (mount.fstype != "cgroup2") {
+            continue;
+        }
         const auto own = own_cgroup("");
-        if (!own) continue;
+        if (!own) {
+            continue;
+        }
         fs::path ours = mount.mount_point;
         ours += *own;
         std::string available;
@@ -130,15 +153,24 @@ CgroupHost CgroupHost::probe() {
             continue;
         }
         const auto base = ours / "cellblock";
-        if (::mkdir(base.c_str(), 0755) != 0 && errno != EEXIST) continue;
-        for (const auto& [controller, field] : {std::pair<std::string, fs::path*>{"memory", &host.memory_base},
-                                                 {"pids", &host.pids_base},
-                                                 {"cpu", &host.cpu_base}}) {
-            if (available.find(controller) == std::string::npos) continue;
+        if (::mkdir(base.c_str(), 0755) != 0 && errno != EEXIST) {
+            continue;
+        }
+        for (const auto& [controller, field] :
+             {std::pair<std::string, fs::path*>{"memory", &host.memory_base},
+              {"pids", &host.pids_base},
+              {"cpu", &host.cpu_base}}) {
+            if (available.find(controller) == std::string::npos) {
+                continue;
+            }
             // Fails (EBUSY) when our own cgroup holds processes and is not the root: then the
             // controller is simply unavailable to us.
-            if (try_write_existing_file(ours / "cgroup.subtree_control", "+" + controller) != 0) continue;
-            if (try_write_existing_file(base / "cgroup.subtree_control", "+" + controller) != 0) continue;
+            if (try_write_existing_file(ours / "cgroup.subtree_control", "+" + controller) != 0) {
+                continue;
+            }
+            if (try_write_existing_file(base / "cgroup.subtree_control", "+" + controller) != 0) {
+                continue;
+            }
             *field = base;
         }
         if (!host.memory_base.empty() || !host.pids_base.empty() || !host.cpu_base.empty()) {
@@ -149,19 +181,24 @@ CgroupHost CgroupHost::probe() {
     return host;
 }
 
-CgroupSession CgroupSession::create(const CgroupHost& host, const std::string& name, const ResourceLimits& limits) {
+CgroupSession CgroupSession::create(const CgroupHost& host, const std::string& name,
+                                    const ResourceLimits& limits) {
     CgroupSession session;
     session.version_ = host.version;
     auto make = [&](const fs::path& base) {
         const auto dir = base / name;
         if (::mkdir(dir.c_str(), 0755) != 0) {
-            if (errno != EEXIST) throw_errno("cgroup mkdir " + dir.string());
+            if (errno != EEXIST) {
+                throw_errno("cgroup mkdir " + dir.string());
+            }
             // Left by a launcher that crashed while holding this uid (we hold its lease now): start
             // from a fresh cgroup so that old OOM counts and processes cannot leak into this session.
             CgroupSession stale;
             stale.dirs_.push_back(dir);
             stale.remove();
-            if (::mkdir(dir.c_str(), 0755) != 0) throw_errno("cgroup mkdir " + dir.string() + " (after removing a stale one)");
+            if (::mkdir(dir.c_str(), 0755) != 0) {
+                throw_errno("cgroup mkdir " + dir.string() + " (after removing a stale one)");
+            }
         }
         session.dirs_.push_back(dir);
         return dir;
@@ -172,7 +209,9 @@ CgroupSession CgroupSession::create(const CgroupHost& host, const std::string& n
         const auto base = !host.memory_base.empty() ? host.memory_base
                           : !host.pids_base.empty() ? host.pids_base
                                                     : host.cpu_base;
-        if (base.empty() || (limits.memory_bytes == 0 && limits.pids == 0 && limits.cpu_cores <= 0)) return session;
+        if (base.empty() || (limits.memory_bytes == 0 && limits.pids == 0 && limits.cpu_cores <= 0)) {
+            return session;
+        }
         const auto dir = make(base);
         if (limits.memory_bytes > 0 && !host.memory_base.empty()) {
             write_existing_file(dir / "memory.max", std::to_string(limits.memory_bytes));
@@ -180,7 +219,9 @@ CgroupSession CgroupSession::create(const CgroupHost& host, const std::string& n
             try_write_existing_file(dir / "memory.swap.max", "0");
             session.memory_dir_ = dir;
         }
-        if (limits.pids > 0 && !host.pids_base.empty()) write_existing_file(dir / "pids.max", std::to_string(limits.pids));
+        if (limits.pids > 0 && !host.pids_base.empty()) {
+            write_existing_file(dir / "pids.max", std::to_string(limits.pids));
+        }
         if (limits.cpu_cores > 0 && !host.cpu_base.empty()) {
             const auto quota = static_cast<long>(std::ceil(limits.cpu_cores * 100000));
             write_existing_file(dir / "cpu.max", std::to_string(quota) + " 100000");
@@ -190,7 +231,9 @@ CgroupSession CgroupSession::create(const CgroupHost& host, const std::string& n
     if (limits.memory_bytes > 0 && !host.memory_base.empty()) {
         const auto dir = make(host.memory_base);
         write_existing_file(dir / "memory.limit_in_bytes", std::to_string(limits.memory_bytes));
-        if (host.memory_swap) write_existing_file(dir / "memory.memsw.limit_in_bytes", std::to_string(limits.memory_bytes));
+        if (host.memory_swap) {
+            write_existing_file(dir / "memory.memsw.limit_in_bytes", std::to_string(limits.memory_bytes));
+        }
         session.memory_dir_ = dir;
     }
     if (limits.pids > 0 && !host.pids_base.empty()) {
@@ -222,17 +265,24 @@ CgroupSession& CgroupSession::operator=(CgroupSession&& other) noexcept {
     return *this;
 }
 
-CgroupSession::~CgroupSession() { remove(); }
+CgroupSession::~CgroupSession() {
+    remove();
+}
 
 void CgroupSession::add_process(pid_t pid) const {
-    for (const auto& dir : dirs_) write_existing_file(dir / "cgroup.procs", std::to_string(pid));
+    for (const auto& dir : dirs_) {
+        write_existing_file(dir / "cgroup.procs", std::to_string(pid));
+    }
 }
 
 bool CgroupSession::memory_limit_hit() const {
-    if (memory_dir_.empty()) return false;
+    if (memory_dir_.empty()) {
+        return false;
+    }
     try {
-        const auto count = version_ == CgroupHost::Version::v2 ? read_key(memory_dir_ / "memory.events", "oom_kill")
-                                                               : read_key(memory_dir_ / "memory.oom_control", "oom_kill");
+        const auto count = version_ == CgroupHost::Version::v2
+                               ? read_key(memory_dir_ / "memory.events", "oom_kill")
+                               : read_key(memory_dir_ / "memory.oom_control", "oom_kill");
         return !count.empty() && std::stoull(count) > 0;
     } catch (const std::exception&) {
         return false;
@@ -244,7 +294,9 @@ void CgroupSession::kill_all() const noexcept {
         try {
             std::istringstream pids(read_small_file(dir / "cgroup.procs"));
             pid_t pid = 0;
-            while (pids >> pid) ::kill(pid, SIGKILL);
+            while (pids >> pid) {
+                ::kill(pid, SIGKILL);
+            }
         } catch (const std::exception&) {
             // The directory may already be gone; nothing to kill.
         }
@@ -252,12 +304,17 @@ void CgroupSession::kill_all() const noexcept {
 }
 
 void CgroupSession::remove() noexcept {
-    if (dirs_.empty()) return;
+    if (dirs_.empty()) {
+        return;
+    }
     // Processes leave a cgroup shortly after they die; retry for up to ~2 s, killing stragglers.
     for (int attempt = 0; attempt < 200 && !dirs_.empty(); ++attempt) {
         kill_all();
-        std::erase_if(dirs_, [](const fs::path& dir) { return ::rmdir(dir.c_str()) == 0 || errno == ENOENT; });
-        if (!dirs_.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        std::erase_if(dirs_,
+                      [](const fs::path& dir) { return ::rmdir(dir.c_str()) == 0 || errno == ENOENT; });
+        if (!dirs_.empty()) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
     }
     dirs_.clear();
 }

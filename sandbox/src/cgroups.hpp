@@ -19,14 +19,14 @@ struct CgroupHost {
     Version version = Version::none;
     // The parent directory for sessions per controller ("<our cgroup>/cellblock"); empty = unavailable.
     std::filesystem::path memory_base, pids_base, cpu_base;
-    bool memory_swap = false;   // v1: memory.memsw.* exists (swap accounting on)
+    bool memory_swap = false;  // v1: memory.memsw.* exists (swap accounting on)
 
     static CgroupHost probe();
 };
 
 // The cgroups of one session. The destructor kills every process still in them and removes them.
 class CgroupSession {
-public:
+  public:
     CgroupSession() = default;
     CgroupSession(CgroupSession&&) noexcept;
     CgroupSession& operator=(CgroupSession&&) noexcept;
@@ -36,16 +36,17 @@ public:
 
     // Creates and configures the cgroups the limits need (only controllers that the limits use).
     // `name` must be unique to the caller (the leased uid): an existing cgroup of that name is stale.
-    static CgroupSession create(const CgroupHost& host, const std::string& name, const ResourceLimits& limits);
+    static CgroupSession create(const CgroupHost& host, const std::string& name,
+                                const ResourceLimits& limits);
 
     void add_process(pid_t pid) const;
-    bool memory_limit_hit() const;    // the OOM killer fired inside the session
-    void kill_all() const noexcept;   // SIGKILL every process in the session's cgroups
+    bool memory_limit_hit() const;   // the OOM killer fired inside the session
+    void kill_all() const noexcept;  // SIGKILL every process in the session's cgroups
 
-private:
+  private:
     void remove() noexcept;
     CgroupHost::Version version_ = CgroupHost::Version::none;
-    std::vector<std::filesystem::path> dirs_;   // every directory we created (to join and remove)
+    std::vector<std::filesystem::path> dirs_;  // every directory we created (to join and remove)
     std::filesystem::path memory_dir_;
 };
 

@@ -23,7 +23,9 @@ namespace cellblock::sandbox::detail {
 
 const std::string& StepNames::name(int step) const {
     static const std::string unknown = "an unknown setup step";
-    if (step < 0 || static_cast<std::size_t>(step) >= names_.size()) return unknown;
+    if (step < 0 || static_cast<std::size_t>(step) >= names_.size()) {
+        return unknown;
+    }
     return names_[static_cast<std::size_t>(step)];
 }
 
@@ -40,8 +42,11 @@ namespace {
 // nosuid/nodev/noexec/ro/atime flags locked, and dropping any of them makes the remount fail.
 unsigned long locked_flags(const char* target) noexcept {
     struct statfs info {};
-    if (::statfs(target, &info) != 0) return 0;
-    const unsigned long keep = ST_RDONLY | ST_NOSUID | ST_NODEV | ST_NOEXEC | ST_NOATIME | ST_NODIRATIME | ST_RELATIME;
+    if (::statfs(target, &info) != 0) {
+        return 0;
+    }
+    const unsigned long keep =
+        ST_RDONLY | ST_NOSUID | ST_NODEV | ST_NOEXEC | ST_NOATIME | ST_NODIRATIME | ST_RELATIME;
     // The ST_* values of these flags equal the MS_* values.
     return static_cast<unsigned long>(info.f_flags) & keep;
 }
@@ -67,13 +72,17 @@ void run_child(const ChildPlan& plan) noexcept {
 
     // Die with the thread that launched us. Set now for the setup, and again after the uid change,
     // which clears it.
-    if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) fail(plan.step_pdeathsig, errno);
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
+        fail(plan.step_pdeathsig, errno);
+    }
     // Signal handlers of the parent's code must never run here: reset them all to the default.
     for (int signo = 1; signo < NSIG; ++signo) {
-        if (signo == SIGKILL || signo == SIGSTOP) continue;
+        if (signo == SIGKILL || signo == SIGSTOP) {
+            continue;
+        }
         struct sigaction action {};
         action.sa_handler = SIG_DFL;
-        ::sigaction(signo, &action, nullptr);   // EINVAL for glibc-reserved signals is fine
+        ::sigaction(signo, &action, nullptr);  // EINVAL for glibc-reserved signals is fine
     }
     ::close(plan.sync_write_fd);
     ::close(plan.error_read_fd);
@@ -82,21 +91,37 @@ void run_child(const ChildPlan& plan) noexcept {
     // and reach host files as the host uid we were cloned with), so they run while the parent writes
     // the maps and moves us into our cgroups.
     for (const auto& op : plan.mounts_before_pivot) {
-        if (const int error = run_mount(op); error != 0) fail(op.step, error);
+        if (const int error = run_mount(op); error != 0) {
+            fail(op.step, error);
+        }
     }
-    if (::chdir(plan.new_root.c_str()) != 0) fail(plan.step_chdir_root, errno);
+    if (::chdir(plan.new_root.c_str()) != 0) {
+        fail(plan.step_chdir_root, errno);
+    }
     // pivot_root(".", ".") stacks the old root on top of the new one; unmounting "." then drops it
     // without needing a directory for it inside the new root.
-    if (::syscall(SYS_pivot_root, ".", ".") != 0) fail(plan.step_pivot, errno);
-    if (::umount2(".", MNT_DETACH) != 0) fail(plan.step_umount_old, errno);
-    if (::chdir("/") != 0) fail(plan.step_chdir_root, errno);
+    if (::syscall(SYS_pivot_root, ".", ".") != 0) {
+        fail(plan.step_pivot, errno);
+    }
+    if (::umount2(".", MNT_DETACH) != 0) {
+        fail(plan.step_umount_old, errno);
+    }
+    if (::chdir("/") != 0) {
+        fail(plan.step_chdir_root, errno);
+    }
     for (const auto& op : plan.mounts_after_pivot) {
-        if (const int error = run_mount(op); error != 0) fail(op.step, error);
+        if (const int error = run_mount(op); error != 0) {
+            fail(op.step, error);
+        }
     }
 
-    if (::sethostname(plan.hostname.data(), plan.hostname.size()) != 0) fail(plan.step_hostname, errno);
+    if (::sethostname(plan.hostname.data(), plan.hostname.size()) != 0) {
+        fail(plan.step_hostname, errno);
+    }
     if (plan.loopback_up) {
-        if (const int error = bring_loopback_up(); error != 0) fail(plan.step_loopback, error);
+        if (const int error = bring_loopback_up(); error != 0) {
+            fail(plan.step_loopback, error);
+        }
     }
 
     // Wait until the parent has written our uid/gid maps and put us into our cgroups; the cgroup
@@ -106,36 +131,58 @@ void run_child(const ChildPlan& plan) noexcept {
     do {
         got = ::read(plan.sync_read_fd, &go, 1);
     } while (got < 0 && errno == EINTR);
-    if (got != 1) fail(plan.step_sync, got < 0 ? errno : EPIPE);
+    if (got != 1) {
+        fail(plan.step_sync, got < 0 ? errno : EPIPE);
+    }
     ::close(plan.sync_read_fd);
-    if (plan.new_cgroup_namespace && ::unshare(CLONE_NEWCGROUP) != 0) fail(plan.step_cgroupns, errno);
+    if (plan.new_cgroup_namespace && ::unshare(CLONE_NEWCGROUP) != 0) {
+        fail(plan.step_cgroupns, errno);
+    }
 
-    if (::setsid() < 0) fail(plan.step_setsid, errno);
+    if (::setsid() < 0) {
+        fail(plan.step_setsid, errno);
+    }
 
     int failed_step = 0;
-    if (!install_fds(plan, &failed_step, &error_fd)) fail(failed_step, errno);
-    for (const auto& limit : plan.rlimits) {
-        if (::setrlimit(static_cast<__rlimit_resource>(limit.resource), &limit.value) != 0) fail(limit.step, errno);
+    if (!install_fds(plan, &failed_step, &error_fd)) {
+        fail(failed_step, errno);
     }
-    if (!drop_privileges(plan, &failed_step)) fail(failed_step, errno);
-    if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) fail(plan.step_pdeathsig, errno);
+    for (const auto& limit : plan.rlimits) {
+        if (::setrlimit(static_cast<__rlimit_resource>(limit.resource), &limit.value) != 0) {
+            fail(limit.step, errno);
+        }
+    }
+    if (!drop_privileges(plan, &failed_step)) {
+        fail(failed_step, errno);
+    }
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
+        fail(plan.step_pdeathsig, errno);
+    }
     // If the launcher died before that, nobody would kill us: its end of the error pipe (held until
     // our execve) is then closed, which poll reports as POLLERR on ours.
     pollfd launcher_alive{error_fd, POLLOUT, 0};
-    if (::poll(&launcher_alive, 1, 0) < 0 || (launcher_alive.revents & (POLLERR | POLLHUP)) != 0) ::_exit(127);
-    if (::chdir(plan.cwd.c_str()) != 0) fail(plan.step_chdir, errno);
+    if (::poll(&launcher_alive, 1, 0) < 0 || (launcher_alive.revents & (POLLERR | POLLHUP)) != 0) {
+        ::_exit(127);
+    }
+    if (::chdir(plan.cwd.c_str()) != 0) {
+        fail(plan.step_chdir, errno);
+    }
 
     if (plan.seccomp_filter != nullptr && !plan.seccomp_filter->empty()) {
         const sock_fprog program{static_cast<unsigned short>(plan.seccomp_filter->size()),
                                  const_cast<sock_filter*>(plan.seccomp_filter->data())};
-        if (::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &program) != 0) fail(plan.step_seccomp, errno);
+        if (::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &program) != 0) {
+            fail(plan.step_seccomp, errno);
+        }
     }
     sigset_t none;
     sigemptyset(&none);
-    if (::sigprocmask(SIG_SETMASK, &none, nullptr) != 0) fail(plan.step_sigmask, errno);
+    if (::sigprocmask(SIG_SETMASK, &none, nullptr) != 0) {
+        fail(plan.step_sigmask, errno);
+    }
     ::execve(plan.argv[0], plan.argv.data(), plan.envp.data());
     fail(plan.step_execve, errno);
-    ::_exit(127);   // not reached: fail() exits
+    ::_exit(127);  // not reached: fail() exits
 }
 
 }  // namespace cellblock::sandbox::detail

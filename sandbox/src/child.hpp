@@ -21,22 +21,22 @@ struct ChildFailure {
 
 // Human-readable names of the steps, indexed by ChildFailure::step ("mount /usr", "setsid", ...).
 class StepNames {
-public:
+  public:
     int add(std::string name) {
         names_.push_back(std::move(name));
         return static_cast<int>(names_.size() - 1);
     }
     const std::string& name(int step) const;
 
-private:
+  private:
     std::vector<std::string> names_;
 };
 
 // One mount-table operation, with every string already built.
 struct MountOp {
     enum class Action {
-        mount,          // mount(source, target, fstype, flags, data)
-        remount_bind,   // mount(NULL, target, NULL, MS_REMOUNT|MS_BIND|flags + the mount's locked flags)
+        mount,         // mount(source, target, fstype, flags, data)
+        remount_bind,  // mount(NULL, target, NULL, MS_REMOUNT|MS_BIND|flags + the mount's locked flags)
     };
     Action action = Action::mount;
     int step = 0;
@@ -59,16 +59,16 @@ struct RlimitOp {
 // The fds the program starts with: sources[i] becomes fd i (0, 1, 2, then the pass_fds).
 struct FdPlan {
     std::vector<int> sources;
-    int dup_base = 0;          // above every source fd; scratch copies go here first
+    int dup_base = 0;  // above every source fd; scratch copies go here first
     int step_dup = 0;
     int step_close = 0;
 };
 
 struct ChildPlan {
-    int sync_read_fd = -1;       // the parent writes one byte when ids are mapped and cgroups joined
-    int sync_write_fd = -1;      // the parent's end, closed in the child
-    int error_write_fd = -1;     // CLOEXEC; ChildFailure goes here
-    int error_read_fd = -1;      // the parent's end, closed in the child
+    int sync_read_fd = -1;    // the parent writes one byte when ids are mapped and cgroups joined
+    int sync_write_fd = -1;   // the parent's end, closed in the child
+    int error_write_fd = -1;  // CLOEXEC; ChildFailure goes here
+    int error_read_fd = -1;   // the parent's end, closed in the child
 
     bool new_cgroup_namespace = true;
     int step_sync = 0, step_cgroupns = 0, step_setgroups = 0, step_hostname = 0, step_setsid = 0;
@@ -78,7 +78,7 @@ struct ChildPlan {
     std::vector<MountOp> mounts_before_pivot;
     std::string new_root;
     int step_chdir_root = 0, step_pivot = 0, step_umount_old = 0;
-    std::vector<MountOp> mounts_after_pivot;   // remount / read-only
+    std::vector<MountOp> mounts_after_pivot;  // remount / read-only
 
     std::string hostname;
     bool loopback_up = true;
@@ -99,8 +99,8 @@ struct ChildPlan {
     int step_seccomp = 0;
 
     std::string cwd;
-    std::vector<char*> argv;   // null-terminated, pointing into strings owned by the launcher
-    std::vector<char*> envp;   // null-terminated
+    std::vector<char*> argv;  // null-terminated, pointing into strings owned by the launcher
+    std::vector<char*> envp;  // null-terminated
 };
 
 // Runs in the child after clone: sets everything up and execs. Never returns.

@@ -36,27 +36,41 @@ bool drop_privileges(const ChildPlan& plan, int* failed_step) noexcept {
         *failed_step = step;
         return false;
     };
-    if (::syscall(SYS_setgroups, 0, nullptr) != 0) return fail(plan.step_setgroups);
+    if (::syscall(SYS_setgroups, 0, nullptr) != 0) {
+        return fail(plan.step_setgroups);
+    }
     for (int cap = 0; cap <= plan.last_capability; ++cap) {
         // EINVAL means the kernel does not know this capability: nothing to drop.
-        if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) return fail(plan.step_bounding);
+        if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) {
+            return fail(plan.step_bounding);
+        }
     }
     // Lock the securebits so that nothing can regain capabilities through a uid change or exec.
     const unsigned long securebits = SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP |
                                      SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED |
                                      SECBIT_NO_CAP_AMBIENT_RAISE | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED;
-    if (::prctl(PR_SET_SECUREBITS, securebits, 0, 0, 0) != 0) return fail(plan.step_securebits);
+    if (::prctl(PR_SET_SECUREBITS, securebits, 0, 0, 0) != 0) {
+        return fail(plan.step_securebits);
+    }
     // Raw syscalls: the glibc wrappers broadcast credential changes to all threads (setxid), which is
     // not safe in a child cloned from a multi-threaded process.
-    if (::syscall(SYS_setresgid, plan.gid, plan.gid, plan.gid) != 0) return fail(plan.step_setresgid);
-    if (::syscall(SYS_setresuid, plan.uid, plan.uid, plan.uid) != 0) return fail(plan.step_setresuid);
+    if (::syscall(SYS_setresgid, plan.gid, plan.gid, plan.gid) != 0) {
+        return fail(plan.step_setresgid);
+    }
+    if (::syscall(SYS_setresuid, plan.uid, plan.uid, plan.uid) != 0) {
+        return fail(plan.step_setresuid);
+    }
     __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
     __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
-    if (::syscall(SYS_capset, &header, data) != 0) return fail(plan.step_capset);
+    if (::syscall(SYS_capset, &header, data) != 0) {
+        return fail(plan.step_capset);
+    }
     if (::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL) {
         return fail(plan.step_ambient);
     }
-    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return fail(plan.step_no_new_privs);
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
+        return fail(plan.step_no_new_privs);
+    }
     return true;
 }
 

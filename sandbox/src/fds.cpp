@@ -12,7 +12,9 @@ namespace cellblock::sandbox::detail {
 void plan_fds(std::vector<int> sources, StepNames& steps, ChildPlan& plan) {
     plan.fds.sources = std::move(sources);
     int highest = std::max({plan.sync_read_fd, plan.error_write_fd, 2});
-    for (const int fd : plan.fds.sources) highest = std::max(highest, fd);
+    for (const int fd : plan.fds.sources) {
+        highest = std::max(highest, fd);
+    }
     highest = std::max(highest, static_cast<int>(plan.fds.sources.size()) + 1);
     plan.fds.dup_base = highest + 1;
     plan.fds.step_dup = steps.add("dup the program's fds into place");
@@ -42,7 +44,7 @@ bool install_fds(const ChildPlan& plan, int* failed_step, int* error_fd) noexcep
         return false;
     }
     for (int i = 0; i < count; ++i) {
-        if (::dup2(scratch[i], i) < 0) {   // dup2 leaves the new fd without CLOEXEC: it survives execve
+        if (::dup2(scratch[i], i) < 0) {  // dup2 leaves the new fd without CLOEXEC: it survives execve
             *failed_step = plan.fds.step_dup;
             return false;
         }
@@ -67,12 +69,17 @@ std::vector<std::string> merge_environment(const std::vector<std::string>& base,
     auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
     auto put = [&](const std::string& entry) {
         const auto name = name_of(entry);
-        const auto existing =
-            std::find_if(merged.begin(), merged.end(), [&](const std::string& e) { return name_of(e) == name; });
-        if (existing != merged.end()) *existing = entry;
-        else merged.push_back(entry);
+        const auto existing = std::find_if(merged.begin(), merged.end(),
+                                           [&](const std::string& e) { return name_of(e) == name; });
+        if (existing != merged.end()) {
+            *existing = entry;
+        } else {
+            merged.push_back(entry);
+        }
     };
-    for (const auto& entry : base) put(entry);
+    for (const auto& entry : base) {
+        put(entry);
+    }
     for (const auto& entry : overrides) {
         if (entry.find('=') == std::string::npos || entry.front() == '=') {
             throw SandboxError("environment: '" + entry + "' is not NAME=value");

@@ -11,9 +11,9 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <optional>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cgroups.hpp"
 #include "child.hpp"
@@ -42,12 +42,17 @@ struct Launcher::State {
     // A mechanism the limits need is missing: refuse, or record it when the policy allows weaker
     // confinement (and say so on stderr, once per mechanism).
     void require(bool available, const std::string& mechanism) {
-        if (available) return;
+        if (available) {
+            return;
+        }
         if (!policy.allow_weaker_confinement) {
-            throw SandboxError(mechanism + " is unavailable on this host; refusing to start (set "
+            throw SandboxError(mechanism +
+                               " is unavailable on this host; refusing to start (set "
                                "\"allow_weaker_confinement\": true in the policy to run without it)");
         }
-        if (std::find(weakened.begin(), weakened.end(), mechanism) != weakened.end()) return;
+        if (std::find(weakened.begin(), weakened.end(), mechanism) != weakened.end()) {
+            return;
+        }
         weakened.push_back(mechanism);
         const nlohmann::json line = {{"level", "warning"},
                                      {"component", "sandbox"},
@@ -57,9 +62,15 @@ struct Launcher::State {
     }
 
     void require_limits(const ResourceLimits& limits) {
-        if (limits.memory_bytes > 0) require(!cgroups.memory_base.empty(), "the cgroup memory controller");
-        if (limits.pids > 0) require(!cgroups.pids_base.empty(), "the cgroup pids controller");
-        if (limits.cpu_cores > 0) require(!cgroups.cpu_base.empty(), "the cgroup cpu controller");
+        if (limits.memory_bytes > 0) {
+            require(!cgroups.memory_base.empty(), "the cgroup memory controller");
+        }
+        if (limits.pids > 0) {
+            require(!cgroups.pids_base.empty(), "the cgroup pids controller");
+        }
+        if (limits.cpu_cores > 0) {
+            require(!cgroups.cpu_base.empty(), "the cgroup cpu controller");
+        }
     }
 };
 
@@ -69,9 +80,13 @@ namespace {
 // our range become the new session's, so a restarted session can still edit its files. Nothing is
 // followed (no symlinks, no other mounts) and multiply-linked files are left alone.
 void adopt_workspace(int dir_fd, uid_t uid, const Policy& policy, std::size_t& budget, int depth) {
-    if (depth > 64) return;
+    if (depth > 64) {
+        return;
+    }
     const int listing_fd = ::dup(dir_fd);
-    if (listing_fd < 0) throw_errno("workspace: dup");
+    if (listing_fd < 0) {
+        throw_errno("workspace: dup");
+    }
     std::unique_ptr<DIR, int (*)(DIR*)> listing(::fdopendir(listing_fd), ::closedir);
     if (!listing) {
         ::close(listing_fd);
@@ -81,12 +96,20 @@ void adopt_workspace(int dir_fd, uid_t uid, const Policy& policy, std::size_t& b
         return owner == 0 || (owner >= policy.uid_first && owner - policy.uid_first < policy.uid_count);
     };
     while (dirent* entry = ::readdir(listing.get())) {
-        if (std::strcmp(entry->d_name, ".") == 0 || std::strcmp(entry->d_name, "..") == 0) continue;
-        if (budget == 0) return;
+        if (std::strcmp(entry->d_name, ".") == 0 || std::strcmp(entry->d_name, "..") == 0) {
+            continue;
+        }
+        if (budget == 0) {
+            return;
+        }
         --budget;
         struct stat info {};
-        if (::fstatat(dir_fd, entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) continue;
-        if (!S_ISDIR(info.st_mode) && info.st_nlink > 1) continue;
+        if (::fstatat(dir_fd, entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) {
+            continue;
+        }
+        if (!S_ISDIR(info.st_mode) && info.st_nlink > 1) {
+            continue;
+        }
         if (info.st_uid != uid && ours(info.st_uid)) {
             if (::fchownat(dir_fd, entry->d_name, uid, uid, AT_SYMLINK_NOFOLLOW) != 0) {
                 throw_errno(std::string("workspace: chown ") + entry->d_name);
@@ -94,7 +117,9 @@ void adopt_workspace(int dir_fd, uid_t uid, const Policy& policy, std::size_t& b
         }
         if (S_ISDIR(info.st_mode)) {
             UniqueFd child(::openat(dir_fd, entry->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-            if (child) adopt_workspace(child.get(), uid, policy, budget, depth + 1);
+            if (child) {
+                adopt_workspace(child.get(), uid, policy, budget, depth + 1);
+            }
         }
     }
 }
@@ -104,9 +129,15 @@ void prepare_workspace(const std::filesystem::path& workspace, uid_t uid, const 
         throw SandboxError("workspace: '" + workspace.string() + "' must be an absolute host directory");
     }
     UniqueFd dir(::open(workspace.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-    if (!dir) throw_errno("workspace: open " + workspace.string());
-    if (::fchown(dir.get(), uid, uid) != 0) throw_errno("workspace: chown " + workspace.string());
-    if (::fchmod(dir.get(), 0750) != 0) throw_errno("workspace: chmod " + workspace.string());
+    if (!dir) {
+        throw_errno("workspace: open " + workspace.string());
+    }
+    if (::fchown(dir.get(), uid, uid) != 0) {
+        throw_errno("workspace: chown " + workspace.string());
+    }
+    if (::fchmod(dir.get(), 0750) != 0) {
+        throw_errno("workspace: chmod " + workspace.string());
+    }
     std::size_t budget = 100000;
     adopt_workspace(dir.get(), uid, policy, budget, 0);
 }
@@ -116,7 +147,9 @@ struct SignalBlock {
     SignalBlock() {
         sigset_t all;
         sigfillset(&all);
-        if (const int error = ::pthread_sigmask(SIG_SETMASK, &all, &previous); error != 0) throw_errno("pthread_sigmask", error);
+        if (const int error = ::pthread_sigmask(SIG_SETMASK, &all, &previous); error != 0) {
+            throw_errno("pthread_sigmask", error);
+        }
     }
     ~SignalBlock() { ::pthread_sigmask(SIG_SETMASK, &previous, nullptr); }
     SignalBlock(const SignalBlock&) = delete;
@@ -131,27 +164,40 @@ Launcher::Launcher(Policy policy) : state_(std::make_unique<State>()) {
     detail::make_directories(state.policy.state_dir, 0711);
     state.user_namespaces = detail::user_namespaces_available();
     if (!state.user_namespaces) {
-        if (::geteuid() != 0) throw SandboxError("user namespaces are unavailable and we are not root: cannot confine");
-        state.require(false, "user namespaces (the sandbox runs its setup as host root before dropping to the session uid)");
+        if (::geteuid() != 0) {
+            throw SandboxError("user namespaces are unavailable and we are not root: cannot confine");
+        }
+        state.require(
+            false,
+            "user namespaces (the sandbox runs its setup as host root before dropping to the session uid)");
     }
     state.cgroups = detail::CgroupHost::probe();
     state.require_limits(state.policy.limits);
-    if (state.policy.seccomp) state.seccomp_filter = detail::build_seccomp_filter();
+    if (state.policy.seccomp) {
+        state.seccomp_filter = detail::build_seccomp_filter();
+    }
 }
 
 Launcher::~Launcher() = default;
 Launcher::Launcher(Launcher&&) noexcept = default;
 Launcher& Launcher::operator=(Launcher&&) noexcept = default;
 
-const std::vector<std::string>& Launcher::weakened() const noexcept { return state_->weakened; }
-const Policy& Launcher::policy() const noexcept { return state_->policy; }
+const std::vector<std::string>& Launcher::weakened() const noexcept {
+    return state_->weakened;
+}
+const Policy& Launcher::policy() const noexcept {
+    return state_->policy;
+}
 
 Process Launcher::launch(const LaunchRequest& request) {
     auto& state = *state_;
     const Policy& policy = state.policy;
-    if (request.argv.empty()) throw SandboxError("launch: argv is empty");
+    if (request.argv.empty()) {
+        throw SandboxError("launch: argv is empty");
+    }
     if (request.argv.front().empty() || request.argv.front().front() != '/') {
-        throw SandboxError("launch: argv[0] '" + request.argv.front() + "' must be an absolute path inside the sandbox");
+        throw SandboxError("launch: argv[0] '" + request.argv.front() +
+                           "' must be an absolute path inside the sandbox");
     }
     const ResourceLimits limits = request.limits.value_or(policy.limits);
     state.require_limits(limits);
@@ -178,19 +224,27 @@ Process Launcher::launch(const LaunchRequest& request) {
     plan.cwd = request.cwd.empty() ? policy.workspace_target : request.cwd;
     plan.step_chdir = steps.add("chdir " + plan.cwd);
 
-    const std::string name = std::to_string(host_uid);   // unique while we hold the uid's lease
+    const std::string name = std::to_string(host_uid);  // unique while we hold the uid's lease
     impl->skeleton = detail::RootSkeleton::prepare(policy, name, request.workspace, steps, plan);
     impl->cgroups = detail::CgroupSession::create(state.cgroups, name, limits);
     detail::plan_rlimits(limits, steps, plan);
     detail::plan_credentials(state.user_namespaces ? policy.inside_uid : host_uid, steps, plan);
-    if (!state.user_namespaces) plan.uid = plan.gid = host_uid;
-    if (policy.seccomp) plan.seccomp_filter = &state.seccomp_filter;
+    if (!state.user_namespaces) {
+        plan.uid = plan.gid = host_uid;
+    }
+    if (policy.seccomp) {
+        plan.seccomp_filter = &state.seccomp_filter;
+    }
 
     int sync_pipe[2];
     int error_pipe[2];
-    if (::pipe2(sync_pipe, O_CLOEXEC) != 0) throw_errno("launch: pipe");
+    if (::pipe2(sync_pipe, O_CLOEXEC) != 0) {
+        throw_errno("launch: pipe");
+    }
     UniqueFd sync_read(sync_pipe[0]), sync_write(sync_pipe[1]);
-    if (::pipe2(error_pipe, O_CLOEXEC) != 0) throw_errno("launch: pipe");
+    if (::pipe2(error_pipe, O_CLOEXEC) != 0) {
+        throw_errno("launch: pipe");
+    }
     UniqueFd error_read(error_pipe[0]), error_write(error_pipe[1]);
     plan.sync_read_fd = sync_read.get();
     plan.sync_write_fd = sync_write.get();
@@ -199,29 +253,42 @@ Process Launcher::launch(const LaunchRequest& request) {
 
     UniqueFd dev_null;
     auto stdio = [&](int fd) {
-        if (fd >= 0) return fd;
+        if (fd >= 0) {
+            return fd;
+        }
         if (!dev_null) {
             dev_null.reset(::open("/dev/null", O_RDWR | O_CLOEXEC));
-            if (!dev_null) throw_errno("launch: open /dev/null");
+            if (!dev_null) {
+                throw_errno("launch: open /dev/null");
+            }
         }
         return dev_null.get();
     };
     std::vector<int> fd_sources{stdio(request.stdin_fd), stdio(request.stdout_fd), stdio(request.stderr_fd)};
     for (const int fd : request.pass_fds) {
-        if (::fcntl(fd, F_GETFD) < 0) throw_errno("launch: pass_fds " + std::to_string(fd));
+        if (::fcntl(fd, F_GETFD) < 0) {
+            throw_errno("launch: pass_fds " + std::to_string(fd));
+        }
         fd_sources.push_back(fd);
     }
     detail::plan_fds(std::move(fd_sources), steps, plan);
 
     std::vector<std::string> argv = request.argv;
     std::vector<std::string> envp = detail::merge_environment(policy.environment, request.environment);
-    for (auto& arg : argv) plan.argv.push_back(arg.data());
+    for (auto& arg : argv) {
+        plan.argv.push_back(arg.data());
+    }
     plan.argv.push_back(nullptr);
-    for (auto& entry : envp) plan.envp.push_back(entry.data());
+    for (auto& entry : envp) {
+        plan.envp.push_back(entry.data());
+    }
     plan.envp.push_back(nullptr);
 
-    unsigned long flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PIDFD | SIGCHLD;
-    if (state.user_namespaces) flags |= CLONE_NEWUSER;
+    unsigned long flags =
+        CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PIDFD | SIGCHLD;
+    if (state.user_namespaces) {
+        flags |= CLONE_NEWUSER;
+    }
     int pidfd = -1;
     long child = 0;
     {
@@ -229,9 +296,13 @@ Process Launcher::launch(const LaunchRequest& request) {
         // resets them; the child restores an empty mask just before execve.
         SignalBlock blocked;
         child = ::syscall(SYS_clone, flags, nullptr, &pidfd, nullptr, 0);
-        if (child == 0) detail::run_child(plan);
+        if (child == 0) {
+            detail::run_child(plan);
+        }
     }
-    if (child < 0) throw_errno("clone (new user, mount, pid, net, ipc and uts namespaces)");
+    if (child < 0) {
+        throw_errno("clone (new user, mount, pid, net, ipc and uts namespaces)");
+    }
     impl->pid = static_cast<pid_t>(child);
     impl->pidfd.reset(pidfd);
     impl->started = std::chrono::steady_clock::now();
@@ -245,27 +316,41 @@ Process Launcher::launch(const LaunchRequest& request) {
         do {
             got = ::read(error_read.get(), &failure, sizeof failure);
         } while (got < 0 && errno == EINTR);
-        if (got < 0) throw_errno("launch: read the child's status");
-        if (got == 0) return std::nullopt;
-        if (got != sizeof failure) return std::string("launch: the child reported a truncated error");
+        if (got < 0) {
+            throw_errno("launch: read the child's status");
+        }
+        if (got == 0) {
+            return std::nullopt;
+        }
+        if (got != sizeof failure) {
+            return std::string("launch: the child reported a truncated error");
+        }
         return steps.name(failure.step) + ": " + std::strerror(failure.error);
     };
     try {
-        if (state.user_namespaces) detail::write_id_maps(impl->pid, policy.inside_uid, host_uid);
+        if (state.user_namespaces) {
+            detail::write_id_maps(impl->pid, policy.inside_uid, host_uid);
+        }
         impl->cgroups.add_process(impl->pid);
         const char go = 1;
-        if (::write(sync_write.get(), &go, 1) != 1) throw_errno("launch: release the child");
+        if (::write(sync_write.get(), &go, 1) != 1) {
+            throw_errno("launch: release the child");
+        }
     } catch (const SandboxError&) {
         // The child may have failed first (it sets up its mounts meanwhile), which is then the
         // real cause; closing the sync pipe makes a waiting child give up.
         sync_write.reset();
         impl->kill_everything();
-        if (auto child_error = child_status()) throw SandboxError(*child_error);
+        if (auto child_error = child_status()) {
+            throw SandboxError(*child_error);
+        }
         throw;
     }
     sync_write.reset();
     auto child_error = child_status();
-    if (!child_error) return Process(std::move(impl));   // the program runs
+    if (!child_error) {
+        return Process(std::move(impl));  // the program runs
+    }
     impl->reap(true);
     throw SandboxError(*child_error);
 }

@@ -17,38 +17,49 @@ namespace fs = std::filesystem;
 
 // Device nodes bound from the host /dev; everything else in /dev is absent.
 constexpr const char* device_nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
-constexpr std::pair<const char*, const char*> device_links[] = {
-    {"fd", "/proc/self/fd"}, {"stdin", "/proc/self/fd/0"}, {"stdout", "/proc/self/fd/1"},
-    {"stderr", "/proc/self/fd/2"}};
+constexpr std::pair<const char*, const char*> device_links[] = {{"fd", "/proc/self/fd"},
+                                                                {"stdin", "/proc/self/fd/0"},
+                                                                {"stdout", "/proc/self/fd/1"},
+                                                                {"stderr", "/proc/self/fd/2"}};
 constexpr std::uint64_t default_shm_bytes = 64ULL << 20;
 
-fs::path inside(const fs::path& root, const std::string& target) { return root / fs::path(target).relative_path(); }
+fs::path inside(const fs::path& root, const std::string& target) {
+    return root / fs::path(target).relative_path();
+}
 
 void make_empty_file(const fs::path& path) {
     make_directories(path.parent_path(), 0755);
     UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
-    if (!fd) throw_errno("root skeleton: create " + path.string());
+    if (!fd) {
+        throw_errno("root skeleton: create " + path.string());
+    }
 }
 
 void write_file(const fs::path& path, const std::string& content) {
     make_directories(path.parent_path(), 0755);
     UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644));
-    if (!fd) throw_errno("root skeleton: create " + path.string());
+    if (!fd) {
+        throw_errno("root skeleton: create " + path.string());
+    }
     std::size_t done = 0;
     while (done < content.size()) {
         const ssize_t written = ::write(fd.get(), content.data() + done, content.size() - done);
-        if (written < 0) throw_errno("root skeleton: write " + path.string());
+        if (written < 0) {
+            throw_errno("root skeleton: write " + path.string());
+        }
         done += static_cast<std::size_t>(written);
     }
 }
 
 void make_symlink(const fs::path& path, const std::string& text) {
     make_directories(path.parent_path(), 0755);
-    if (::symlink(text.c_str(), path.c_str()) != 0) throw_errno("root skeleton: symlink " + path.string());
+    if (::symlink(text.c_str(), path.c_str()) != 0) {
+        throw_errno("root skeleton: symlink " + path.string());
+    }
 }
 
-MountOp mount_op(StepNames& steps, const std::string& what, std::string source, std::string target, std::string fstype,
-                 unsigned long flags, std::string data) {
+MountOp mount_op(StepNames& steps, const std::string& what, std::string source, std::string target,
+                 std::string fstype, unsigned long flags, std::string data) {
     MountOp op;
     op.action = MountOp::Action::mount;
     op.step = steps.add(what);
@@ -81,13 +92,17 @@ void add_bind(std::vector<MountOp>& ops, StepNames& steps, const std::string& so
 
 std::string tmpfs_options(std::uint64_t size, const char* mode) {
     std::string data = std::string("mode=") + mode;
-    if (size > 0) data += ",size=" + std::to_string(size);
+    if (size > 0) {
+        data += ",size=" + std::to_string(size);
+    }
     return data;
 }
 
 }  // namespace
 
-RootSkeleton::RootSkeleton(RootSkeleton&& other) noexcept : path_(std::move(other.path_)) { other.path_.clear(); }
+RootSkeleton::RootSkeleton(RootSkeleton&& other) noexcept : path_(std::move(other.path_)) {
+    other.path_.clear();
+}
 
 RootSkeleton& RootSkeleton::operator=(RootSkeleton&& other) noexcept {
     if (this != &other) {
@@ -98,7 +113,9 @@ RootSkeleton& RootSkeleton::operator=(RootSkeleton&& other) noexcept {
     return *this;
 }
 
-RootSkeleton::~RootSkeleton() { remove(); }
+RootSkeleton::~RootSkeleton() {
+    remove();
+}
 
 void RootSkeleton::remove() noexcept {
     // Kept for the next launch with this uid (see the class comment); only forget it.
@@ -111,8 +128,8 @@ namespace {
 std::string fingerprint_of(const Policy& policy) {
     std::string text = policy.workspace_target + '\n';
     for (const auto& spec : policy.mounts) {
-        text += std::to_string(static_cast<int>(spec.kind)) + '\x1f' + spec.source + '\x1f' + spec.target + '\x1f' +
-                spec.content + '\x1f' + std::to_string(spec.size_bytes) + '\x1f';
+        text += std::to_string(static_cast<int>(spec.kind)) + '\x1f' + spec.source + '\x1f' + spec.target +
+                '\x1f' + spec.content + '\x1f' + std::to_string(spec.size_bytes) + '\x1f';
         if (spec.kind == MountSpec::Kind::bind) {
             // Whether an optional source exists decides whether its mount point is there.
             struct stat info {};
@@ -153,13 +170,16 @@ RootSkeleton RootSkeleton::prepare(const Policy& policy, const std::string& name
         std::error_code ignored;
         fs::remove(fingerprint_file, ignored);
         fs::remove_all(root, ignored);
-        if (::mkdir(root.c_str(), 0755) != 0) throw_errno("root skeleton: mkdir " + root.string());
+        if (::mkdir(root.c_str(), 0755) != 0) {
+            throw_errno("root skeleton: mkdir " + root.string());
+        }
     }
 
     auto& ops = plan.mounts_before_pivot;
     // Nothing we mount may propagate back to the host.
     ops.push_back(mount_op(steps, "make / private (MS_PRIVATE)", "", "/", "", MS_REC | MS_PRIVATE, ""));
-    ops.push_back(mount_op(steps, "bind the new root " + root.string(), root.string(), root.string(), "", MS_BIND, ""));
+    ops.push_back(
+        mount_op(steps, "bind the new root " + root.string(), root.string(), root.string(), "", MS_BIND, ""));
 
     for (const auto& spec : policy.mounts) {
         const auto target = inside(root, spec.target);
@@ -167,51 +187,75 @@ RootSkeleton RootSkeleton::prepare(const Policy& policy, const std::string& name
             case MountSpec::Kind::bind: {
                 struct stat source_info {};
                 if (::stat(spec.source.c_str(), &source_info) != 0) {
-                    if (spec.optional && errno == ENOENT) break;
+                    if (spec.optional && errno == ENOENT) {
+                        break;
+                    }
                     throw_errno("bind source " + spec.source);
                 }
-                if (build && S_ISDIR(source_info.st_mode)) make_directories(target, 0755);
-                else if (build) make_empty_file(target);
+                if (build && S_ISDIR(source_info.st_mode)) {
+                    make_directories(target, 0755);
+                } else if (build) {
+                    make_empty_file(target);
+                }
                 unsigned long flags = MS_NOSUID | MS_NODEV;
-                if (!spec.writable) flags |= MS_RDONLY;
+                if (!spec.writable) {
+                    flags |= MS_RDONLY;
+                }
                 add_bind(ops, steps, spec.source, target, spec.target, flags);
                 break;
             }
             case MountSpec::Kind::tmpfs: {
-                if (build) make_directories(target, 0755);
+                if (build) {
+                    make_directories(target, 0755);
+                }
                 unsigned long flags = MS_NOSUID | MS_NODEV;
-                if (!spec.writable) flags |= MS_RDONLY;
+                if (!spec.writable) {
+                    flags |= MS_RDONLY;
+                }
                 ops.push_back(mount_op(steps, "mount tmpfs " + spec.target, "tmpfs", target, "tmpfs", flags,
                                        tmpfs_options(spec.size_bytes, spec.writable ? "1777" : "0755")));
                 break;
             }
             case MountSpec::Kind::proc:
-                if (build) make_directories(target, 0555);
+                if (build) {
+                    make_directories(target, 0555);
+                }
                 // A fresh proc of the sandbox's own pid namespace, read-only.
                 ops.push_back(mount_op(steps, "mount proc " + spec.target, "proc", target, "proc",
                                        MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, ""));
                 break;
             case MountSpec::Kind::dev: {
-                if (build) make_directories(target, 0755);
+                if (build) {
+                    make_directories(target, 0755);
+                }
                 for (const char* node : device_nodes) {
-                    if (build) make_empty_file(target / node);
+                    if (build) {
+                        make_empty_file(target / node);
+                    }
                     add_bind(ops, steps, std::string("/dev/") + node, target / node, spec.target + "/" + node,
                              MS_NOSUID | MS_NOEXEC);
                 }
                 if (build) {
-                    for (const auto& [link, text] : device_links) make_symlink(target / link, text);
+                    for (const auto& [link, text] : device_links) {
+                        make_symlink(target / link, text);
+                    }
                     make_directories(target / "shm", 0755);
                 }
-                ops.push_back(mount_op(steps, "mount tmpfs " + spec.target + "/shm", "tmpfs", target / "shm", "tmpfs",
-                                       MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                                       tmpfs_options(spec.size_bytes ? spec.size_bytes : default_shm_bytes, "1777")));
+                ops.push_back(
+                    mount_op(steps, "mount tmpfs " + spec.target + "/shm", "tmpfs", target / "shm", "tmpfs",
+                             MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                             tmpfs_options(spec.size_bytes ? spec.size_bytes : default_shm_bytes, "1777")));
                 break;
             }
             case MountSpec::Kind::file:
-                if (build) write_file(target, spec.content);
+                if (build) {
+                    write_file(target, spec.content);
+                }
                 break;
             case MountSpec::Kind::symlink:
-                if (build) make_symlink(target, spec.source);
+                if (build) {
+                    make_symlink(target, spec.source);
+                }
                 break;
         }
     }

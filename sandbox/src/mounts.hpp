@@ -16,7 +16,7 @@ namespace cellblock::sandbox::detail {
 // read-only), so it is kept and reused by the next launch with the same uid and the same policy
 // mounts (a fingerprint file next to it records which); deleting a tree on ext4 costs tens of ms.
 class RootSkeleton {
-public:
+  public:
     RootSkeleton() = default;
     RootSkeleton(RootSkeleton&&) noexcept;
     RootSkeleton& operator=(RootSkeleton&&) noexcept;
@@ -26,11 +26,11 @@ public:
 
     // Creates (or reuses) <state_dir>/roots/<name> with every mount point the policy needs, and fills
     // plan.mounts_before_pivot / new_root / mounts_after_pivot to mount them and the workspace.
-    static RootSkeleton prepare(const Policy& policy, const std::string& name, const std::filesystem::path& workspace,
-                                StepNames& steps, ChildPlan& plan);
+    static RootSkeleton prepare(const Policy& policy, const std::string& name,
+                                const std::filesystem::path& workspace, StepNames& steps, ChildPlan& plan);
     const std::filesystem::path& path() const noexcept { return path_; }
 
-private:
+  private:
     explicit RootSkeleton(std::filesystem::path path) : path_(std::move(path)) {}
     void remove() noexcept;
     std::filesystem::path path_;

@@ -1,9 +1,8 @@
 // Policy: the confinement profile, loaded from JSON. Parsing is strict: an unknown key or a value of the
 // wrong type is an error naming the key, because a typo in a security policy must never be ignored.
-#include <nlohmann/json.hpp>
-
 #include <cctype>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
@@ -19,53 +18,85 @@ using nlohmann::json;
 }
 
 void reject_unknown_keys(const json& object, const std::string& where, const std::set<std::string>& known) {
-    if (!object.is_object()) fail(where.empty() ? "top level" : where, "must be an object");
+    if (!object.is_object()) {
+        fail(where.empty() ? "top level" : where, "must be an object");
+    }
     for (const auto& [key, value] : object.items()) {
-        if (!known.contains(key)) fail(where.empty() ? key : where + "." + key, "unknown key");
+        if (!known.contains(key)) {
+            fail(where.empty() ? key : where + "." + key, "unknown key");
+        }
     }
 }
 
-std::string join(const std::string& where, const std::string& key) { return where.empty() ? key : where + "." + key; }
+std::string join(const std::string& where, const std::string& key) {
+    return where.empty() ? key : where + "." + key;
+}
 
 // A size as a non-negative integer of bytes or a string with a binary suffix: "512M", "2G", "64K".
 std::uint64_t parse_size(const json& value, const std::string& where) {
-    if (value.is_number_unsigned()) return value.get<std::uint64_t>();
-    if (value.is_number_integer()) fail(where, "must not be negative");
-    if (!value.is_string()) fail(where, "must be a byte count or a string like \"512M\"");
+    if (value.is_number_unsigned()) {
+        return value.get<std::uint64_t>();
+    }
+    if (value.is_number_integer()) {
+        fail(where, "must not be negative");
+    }
+    if (!value.is_string()) {
+        fail(where, "must be a byte count or a string like \"512M\"");
+    }
     const auto text = value.get<std::string>();
     std::size_t digits = 0;
-    while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits])) != 0) ++digits;
-    if (digits == 0 || digits > 15) fail(where, "'" + text + "' is not a size");
+    while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits])) != 0) {
+        ++digits;
+    }
+    if (digits == 0 || digits > 15) {
+        fail(where, "'" + text + "' is not a size");
+    }
     std::uint64_t number = std::stoull(text.substr(0, digits));
     const std::string suffix = text.substr(digits);
     std::uint64_t unit = 1;
-    if (suffix.empty() || suffix == "B") unit = 1;
-    else if (suffix == "K" || suffix == "KiB") unit = 1ULL << 10;
-    else if (suffix == "M" || suffix == "MiB") unit = 1ULL << 20;
-    else if (suffix == "G" || suffix == "GiB") unit = 1ULL << 30;
-    else fail(where, "'" + text + "' has an unknown unit (use K, M or G)");
+    if (suffix.empty() || suffix == "B") {
+        unit = 1;
+    } else if (suffix == "K" || suffix == "KiB") {
+        unit = 1ULL << 10;
+    } else if (suffix == "M" || suffix == "MiB") {
+        unit = 1ULL << 20;
+    } else if (suffix == "G" || suffix == "GiB") {
+        unit = 1ULL << 30;
+    } else {
+        fail(where, "'" + text + "' has an unknown unit (use K, M or G)");
+    }
     return number * unit;
 }
 
 std::uint64_t parse_count(const json& value, const std::string& where) {
-    if (!value.is_number_unsigned()) fail(where, "must be a non-negative integer");
+    if (!value.is_number_unsigned()) {
+        fail(where, "must be a non-negative integer");
+    }
     return value.get<std::uint64_t>();
 }
 
 bool parse_bool(const json& value, const std::string& where) {
-    if (!value.is_boolean()) fail(where, "must be true or false");
+    if (!value.is_boolean()) {
+        fail(where, "must be true or false");
+    }
     return value.get<bool>();
 }
 
 std::string parse_string(const json& value, const std::string& where) {
-    if (!value.is_string()) fail(where, "must be a string");
+    if (!value.is_string()) {
+        fail(where, "must be a string");
+    }
     return value.get<std::string>();
 }
 
 std::string parse_absolute_path(const json& value, const std::string& where) {
     auto path = parse_string(value, where);
-    if (path.empty() || path.front() != '/') fail(where, "'" + path + "' must be an absolute path");
-    if (path.find("/../") != std::string::npos || path.ends_with("/..")) fail(where, "'" + path + "' must not contain '..'");
+    if (path.empty() || path.front() != '/') {
+        fail(where, "'" + path + "' must be an absolute path");
+    }
+    if (path.find("/../") != std::string::npos || path.ends_with("/..")) {
+        fail(where, "'" + path + "' must not contain '..'");
+    }
     return path;
 }
 
@@ -75,36 +106,58 @@ ResourceLimits parse_limits(const json& object, const std::string& where, Resour
                          "wall_clock_seconds", "output"});
     for (const auto& [key, value] : object.items()) {
         const auto at = join(where, key);
-        if (key == "memory") limits.memory_bytes = parse_size(value, at);
-        else if (key == "pids") limits.pids = parse_count(value, at);
-        else if (key == "cpu_cores") {
-            if (!value.is_number() || value.get<double>() < 0) fail(at, "must be a non-negative number");
+        if (key == "memory") {
+            limits.memory_bytes = parse_size(value, at);
+        } else if (key == "pids") {
+            limits.pids = parse_count(value, at);
+        } else if (key == "cpu_cores") {
+            if (!value.is_number() || value.get<double>() < 0) {
+                fail(at, "must be a non-negative number");
+            }
             limits.cpu_cores = value.get<double>();
         } else if (key == "open_files") {
             limits.open_files = parse_count(value, at);
-            if (limits.open_files < 16) fail(at, "must be at least 16 (an interpreter needs a few)");
-        } else if (key == "processes") limits.processes = parse_count(value, at);
-        else if (key == "file_size") limits.file_size_bytes = parse_size(value, at);
-        else if (key == "cpu_seconds") limits.cpu_seconds = parse_count(value, at);
-        else if (key == "wall_clock_seconds") {
-            if (!value.is_number() || value.get<double>() < 0) fail(at, "must be a non-negative number");
-            limits.wall_clock = std::chrono::milliseconds(static_cast<std::int64_t>(value.get<double>() * 1000));
-        } else if (key == "output") limits.output_bytes = parse_size(value, at);
+            if (limits.open_files < 16) {
+                fail(at, "must be at least 16 (an interpreter needs a few)");
+            }
+        } else if (key == "processes") {
+            limits.processes = parse_count(value, at);
+        } else if (key == "file_size") {
+            limits.file_size_bytes = parse_size(value, at);
+        } else if (key == "cpu_seconds") {
+            limits.cpu_seconds = parse_count(value, at);
+        } else if (key == "wall_clock_seconds") {
+            if (!value.is_number() || value.get<double>() < 0) {
+                fail(at, "must be a non-negative number");
+            }
+            limits.wall_clock =
+                std::chrono::milliseconds(static_cast<std::int64_t>(value.get<double>() * 1000));
+        } else if (key == "output") {
+            limits.output_bytes = parse_size(value, at);
+        }
     }
     return limits;
 }
 
 MountSpec parse_mount(const json& object, const std::string& where) {
-    if (!object.is_object()) fail(where, "must be an object");
-    if (!object.contains("type")) fail(where, "missing \"type\" (bind, tmpfs, proc, dev, file or symlink)");
-    if (!object.contains("target")) fail(where, "missing \"target\"");
+    if (!object.is_object()) {
+        fail(where, "must be an object");
+    }
+    if (!object.contains("type")) {
+        fail(where, "missing \"type\" (bind, tmpfs, proc, dev, file or symlink)");
+    }
+    if (!object.contains("target")) {
+        fail(where, "missing \"target\"");
+    }
     MountSpec mount;
     const auto type = parse_string(object.at("type"), join(where, "type"));
     std::set<std::string> known{"type", "target"};
     if (type == "bind") {
         mount.kind = MountSpec::Kind::bind;
         known.insert({"source", "writable", "optional"});
-        if (!object.contains("source")) fail(where, "a bind needs \"source\"");
+        if (!object.contains("source")) {
+            fail(where, "a bind needs \"source\"");
+        }
     } else if (type == "tmpfs") {
         mount.kind = MountSpec::Kind::tmpfs;
         known.insert({"size", "writable"});
@@ -119,58 +172,88 @@ MountSpec parse_mount(const json& object, const std::string& where) {
     } else if (type == "symlink") {
         mount.kind = MountSpec::Kind::symlink;
         known.insert({"source"});
-        if (!object.contains("source")) fail(where, "a symlink needs \"source\" (the link text)");
+        if (!object.contains("source")) {
+            fail(where, "a symlink needs \"source\" (the link text)");
+        }
     } else {
         fail(join(where, "type"), "'" + type + "' is not one of bind, tmpfs, proc, dev, file, symlink");
     }
     reject_unknown_keys(object, where, known);
     mount.target = parse_absolute_path(object.at("target"), join(where, "target"));
-    if (mount.target == "/") fail(join(where, "target"), "the root is built by the launcher");
-    if (object.contains("source")) {
-        mount.source = mount.kind == MountSpec::Kind::bind ? parse_absolute_path(object.at("source"), join(where, "source"))
-                                                           : parse_string(object.at("source"), join(where, "source"));
+    if (mount.target == "/") {
+        fail(join(where, "target"), "the root is built by the launcher");
     }
-    if (object.contains("writable")) mount.writable = parse_bool(object.at("writable"), join(where, "writable"));
-    if (object.contains("optional")) mount.optional = parse_bool(object.at("optional"), join(where, "optional"));
-    if (object.contains("size")) mount.size_bytes = parse_size(object.at("size"), join(where, "size"));
-    if (object.contains("content")) mount.content = parse_string(object.at("content"), join(where, "content"));
-    if (mount.kind == MountSpec::Kind::tmpfs && !object.contains("writable")) mount.writable = true;
+    if (object.contains("source")) {
+        mount.source = mount.kind == MountSpec::Kind::bind
+                           ? parse_absolute_path(object.at("source"), join(where, "source"))
+                           : parse_string(object.at("source"), join(where, "source"));
+    }
+    if (object.contains("writable")) {
+        mount.writable = parse_bool(object.at("writable"), join(where, "writable"));
+    }
+    if (object.contains("optional")) {
+        mount.optional = parse_bool(object.at("optional"), join(where, "optional"));
+    }
+    if (object.contains("size")) {
+        mount.size_bytes = parse_size(object.at("size"), join(where, "size"));
+    }
+    if (object.contains("content")) {
+        mount.content = parse_string(object.at("content"), join(where, "content"));
+    }
+    if (mount.kind == MountSpec::Kind::tmpfs && !object.contains("writable")) {
+        mount.writable = true;
+    }
     return mount;
 }
 
 }  // namespace
 
 Policy Policy::from_json(const json& root) {
-    reject_unknown_keys(root, "",
-                        {"uid_range", "inside_uid", "hostname", "workspace_target", "mounts", "environment", "limits",
-                         "seccomp", "network_loopback", "allow_weaker_confinement", "state_dir", "comment"});
+    reject_unknown_keys(
+        root, "",
+        {"uid_range", "inside_uid", "hostname", "workspace_target", "mounts", "environment", "limits",
+         "seccomp", "network_loopback", "allow_weaker_confinement", "state_dir", "comment"});
     Policy policy;
     for (const auto& [key, value] : root.items()) {
         if (key == "uid_range") {
             reject_unknown_keys(value, key, {"first", "count"});
-            if (value.contains("first")) policy.uid_first = static_cast<uid_t>(parse_count(value.at("first"), "uid_range.first"));
-            if (value.contains("count")) policy.uid_count = static_cast<uid_t>(parse_count(value.at("count"), "uid_range.count"));
+            if (value.contains("first")) {
+                policy.uid_first = static_cast<uid_t>(parse_count(value.at("first"), "uid_range.first"));
+            }
+            if (value.contains("count")) {
+                policy.uid_count = static_cast<uid_t>(parse_count(value.at("count"), "uid_range.count"));
+            }
         } else if (key == "inside_uid") {
             const auto uid = parse_count(value, key);
-            if (uid == 0 || uid > 65533) fail(key, "must be between 1 and 65533 (the program never runs as root)");
+            if (uid == 0 || uid > 65533) {
+                fail(key, "must be between 1 and 65533 (the program never runs as root)");
+            }
             policy.inside_uid = static_cast<uid_t>(uid);
         } else if (key == "hostname") {
             policy.hostname = parse_string(value, key);
-            if (policy.hostname.empty() || policy.hostname.size() > 64) fail(key, "must be 1 to 64 characters");
+            if (policy.hostname.empty() || policy.hostname.size() > 64) {
+                fail(key, "must be 1 to 64 characters");
+            }
         } else if (key == "workspace_target") {
             policy.workspace_target = parse_absolute_path(value, key);
         } else if (key == "mounts") {
-            if (!value.is_array()) fail(key, "must be an array");
+            if (!value.is_array()) {
+                fail(key, "must be an array");
+            }
             for (std::size_t i = 0; i < value.size(); ++i) {
                 policy.mounts.push_back(parse_mount(value[i], "mounts[" + std::to_string(i) + "]"));
             }
         } else if (key == "environment") {
-            if (!value.is_array()) fail(key, "must be an array of \"NAME=value\" strings");
+            if (!value.is_array()) {
+                fail(key, "must be an array of \"NAME=value\" strings");
+            }
             for (std::size_t i = 0; i < value.size(); ++i) {
                 const auto at = "environment[" + std::to_string(i) + "]";
                 auto entry = parse_string(value[i], at);
                 const auto equals = entry.find('=');
-                if (equals == 0 || equals == std::string::npos) fail(at, "'" + entry + "' is not NAME=value");
+                if (equals == 0 || equals == std::string::npos) {
+                    fail(at, "'" + entry + "' is not NAME=value");
+                }
                 policy.environment.push_back(std::move(entry));
             }
         } else if (key == "limits") {
@@ -187,8 +270,12 @@ Policy Policy::from_json(const json& root) {
             // Free text for people reading the file.
         }
     }
-    if (policy.uid_first == 0) fail("uid_range.first", "must not be 0 (host root is never handed out)");
-    if (policy.uid_count == 0) fail("uid_range.count", "must be at least 1");
+    if (policy.uid_first == 0) {
+        fail("uid_range.first", "must not be 0 (host root is never handed out)");
+    }
+    if (policy.uid_count == 0) {
+        fail("uid_range.count", "must be at least 1");
+    }
     if (static_cast<std::uint64_t>(policy.uid_first) + policy.uid_count > 0xFFFFFFFEULL) {
         fail("uid_range", "extends past the largest valid uid");
     }
@@ -197,7 +284,9 @@ Policy Policy::from_json(const json& root) {
 
 Policy Policy::load(const std::filesystem::path& file) {
     std::ifstream stream(file);
-    if (!stream) throw SandboxError("policy: cannot open " + file.string());
+    if (!stream) {
+        throw SandboxError("policy: cannot open " + file.string());
+    }
     json document;
     try {
         document = json::parse(stream);

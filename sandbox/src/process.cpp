@@ -35,18 +35,28 @@ void Process::Impl::kill_everything() noexcept {
 }
 
 std::optional<Outcome> Process::Impl::reap(bool block) {
-    if (outcome) return outcome;
-    if (pid <= 0) return std::nullopt;
+    if (outcome) {
+        return outcome;
+    }
+    if (pid <= 0) {
+        return std::nullopt;
+    }
     siginfo_t info{};
     rusage usage{};
     for (;;) {
         const int options = WEXITED | (block ? 0 : WNOHANG);
         // The raw system call also reports the resource usage, which tells a CPU-limit kill apart.
-        if (::syscall(SYS_waitid, P_PIDFD, pidfd.get(), &info, options, &usage) == 0) break;
-        if (errno == EINTR) continue;
+        if (::syscall(SYS_waitid, P_PIDFD, pidfd.get(), &info, options, &usage) == 0) {
+            break;
+        }
+        if (errno == EINTR) {
+            continue;
+        }
         detail::throw_errno("waitid for the sandbox");
     }
-    if (info.si_pid == 0) return std::nullopt;   // still running (WNOHANG)
+    if (info.si_pid == 0) {
+        return std::nullopt;  // still running (WNOHANG)
+    }
 
     Outcome result;
     if (info.si_code == CLD_EXITED) {
@@ -55,10 +65,13 @@ std::optional<Outcome> Process::Impl::reap(bool block) {
     } else {
         result.reason = Outcome::Reason::signaled;
         result.signal = info.si_status;
-        if (killed_for_time) result.reason = Outcome::Reason::time_limit;
-        else if (cgroups.memory_limit_hit() && result.signal == SIGKILL) result.reason = Outcome::Reason::memory_limit;
-        else if (output_limit_noted && result.signal == SIGKILL) result.reason = Outcome::Reason::output_limit;
-        else if (limits.cpu_seconds > 0 && (result.signal == SIGXCPU || result.signal == SIGKILL)) {
+        if (killed_for_time) {
+            result.reason = Outcome::Reason::time_limit;
+        } else if (cgroups.memory_limit_hit() && result.signal == SIGKILL) {
+            result.reason = Outcome::Reason::memory_limit;
+        } else if (output_limit_noted && result.signal == SIGKILL) {
+            result.reason = Outcome::Reason::output_limit;
+        } else if (limits.cpu_seconds > 0 && (result.signal == SIGXCPU || result.signal == SIGKILL)) {
             // RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one (a second later).
             const double cpu = static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
                                static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
@@ -78,28 +91,44 @@ Process::Process(Process&&) noexcept = default;
 Process& Process::operator=(Process&&) noexcept = default;
 Process::~Process() = default;
 
-pid_t Process::pid() const noexcept { return impl_ ? impl_->pid : -1; }
-int Process::pidfd() const noexcept { return impl_ ? impl_->pidfd.get() : -1; }
-uid_t Process::host_uid() const noexcept { return impl_ ? impl_->lease.uid() : 0; }
+pid_t Process::pid() const noexcept {
+    return impl_ ? impl_->pid : -1;
+}
+int Process::pidfd() const noexcept {
+    return impl_ ? impl_->pidfd.get() : -1;
+}
+uid_t Process::host_uid() const noexcept {
+    return impl_ ? impl_->lease.uid() : 0;
+}
 
 void Process::signal(int signo) {
-    if (!impl_ || impl_->outcome) return;
+    if (!impl_ || impl_->outcome) {
+        return;
+    }
     if (::syscall(SYS_pidfd_send_signal, impl_->pidfd.get(), signo, nullptr, 0) != 0 && errno != ESRCH) {
         detail::throw_errno("signal the sandbox");
     }
 }
 
 void Process::kill() {
-    if (impl_) impl_->kill_everything();
+    if (impl_) {
+        impl_->kill_everything();
+    }
 }
 
 void Process::note_output_limit() {
-    if (impl_) impl_->output_limit_noted = true;
+    if (impl_) {
+        impl_->output_limit_noted = true;
+    }
 }
 
 std::optional<Outcome> Process::try_wait() {
-    if (!impl_) return std::nullopt;
-    if (auto done = impl_->reap(false)) return done;
+    if (!impl_) {
+        return std::nullopt;
+    }
+    if (auto done = impl_->reap(false)) {
+        return done;
+    }
     // Enforce the wall clock even for callers that only poll.
     const auto limit = impl_->limits.wall_clock;
     if (limit.count() > 0 && steady_clock::now() - impl_->started >= limit) {
@@ -111,28 +140,41 @@ std::optional<Outcome> Process::try_wait() {
 }
 
 std::optional<Outcome> Process::wait_for(milliseconds timeout) {
-    if (!impl_) return std::nullopt;
+    if (!impl_) {
+        return std::nullopt;
+    }
     const auto deadline = steady_clock::now() + timeout;
     for (;;) {
-        if (auto done = try_wait()) return done;
+        if (auto done = try_wait()) {
+            return done;
+        }
         auto now = steady_clock::now();
-        if (now >= deadline) return std::nullopt;
+        if (now >= deadline) {
+            return std::nullopt;
+        }
         auto remaining = duration_cast<milliseconds>(deadline - now) + milliseconds(1);
         const auto limit = impl_->limits.wall_clock;
         if (limit.count() > 0) {
-            const auto until_limit = duration_cast<milliseconds>(impl_->started + limit - now) + milliseconds(1);
+            const auto until_limit =
+                duration_cast<milliseconds>(impl_->started + limit - now) + milliseconds(1);
             remaining = std::min(remaining, std::max(until_limit, milliseconds(1)));
         }
         pollfd ready{impl_->pidfd.get(), POLLIN, 0};
         const int timeout_ms = static_cast<int>(std::min<long long>(remaining.count(), 1000 * 60 * 60));
-        if (::poll(&ready, 1, timeout_ms) < 0 && errno != EINTR) detail::throw_errno("poll the sandbox pidfd");
+        if (::poll(&ready, 1, timeout_ms) < 0 && errno != EINTR) {
+            detail::throw_errno("poll the sandbox pidfd");
+        }
     }
 }
 
 Outcome Process::wait() {
-    if (!impl_) throw SandboxError("wait: this Process was moved from");
+    if (!impl_) {
+        throw SandboxError("wait: this Process was moved from");
+    }
     for (;;) {
-        if (auto done = wait_for(hours(24))) return *done;
+        if (auto done = wait_for(hours(24))) {
+            return *done;
+        }
     }
 }
 

@@ -8,12 +8,14 @@
 namespace cellblock::sandbox::detail {
 
 class UniqueFd {
-public:
+  public:
     UniqueFd() noexcept = default;
     explicit UniqueFd(int fd) noexcept : fd_(fd) {}
     UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
     UniqueFd& operator=(UniqueFd&& other) noexcept {
-        if (this != &other) reset(std::exchange(other.fd_, -1));
+        if (this != &other) {
+            reset(std::exchange(other.fd_, -1));
+        }
         return *this;
     }
     UniqueFd(const UniqueFd&) = delete;
@@ -24,11 +26,13 @@ public:
     explicit operator bool() const noexcept { return fd_ >= 0; }
     int release() noexcept { return std::exchange(fd_, -1); }
     void reset(int fd = -1) noexcept {
-        if (fd_ >= 0) ::close(fd_);
+        if (fd_ >= 0) {
+            ::close(fd_);
+        }
         fd_ = fd;
     }
 
-private:
+  private:
     int fd_ = -1;
 };
 

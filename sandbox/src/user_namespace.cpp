@@ -11,7 +11,9 @@
 namespace cellblock::sandbox::detail {
 
 UidLease UidLease::acquire(const Policy& policy) {
-    if (policy.uid_first == 0) throw SandboxError("uid lease: the uid range must not include host root");
+    if (policy.uid_first == 0) {
+        throw SandboxError("uid lease: the uid range must not include host root");
+    }
     const auto lease_dir = policy.state_dir / "uids";
     make_directories(lease_dir, 0700);
     // First fit: the lowest free uid. Low uids are reused, and with them their root skeletons
@@ -21,16 +23,24 @@ UidLease UidLease::acquire(const Policy& policy) {
         const uid_t uid = policy.uid_first + i;
         const auto path = lease_dir / std::to_string(uid);
         UniqueFd lock(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
-        if (!lock) throw_errno("uid lease: open " + path.string());
-        if (::flock(lock.get(), LOCK_EX | LOCK_NB) == 0) return UidLease(std::move(lock), uid);
-        if (errno != EWOULDBLOCK) throw_errno("uid lease: flock " + path.string());
+        if (!lock) {
+            throw_errno("uid lease: open " + path.string());
+        }
+        if (::flock(lock.get(), LOCK_EX | LOCK_NB) == 0) {
+            return UidLease(std::move(lock), uid);
+        }
+        if (errno != EWOULDBLOCK) {
+            throw_errno("uid lease: flock " + path.string());
+        }
     }
-    throw SandboxError("uid lease: all " + std::to_string(count) + " uids from " + std::to_string(policy.uid_first) +
-                       " are in use");
+    throw SandboxError("uid lease: all " + std::to_string(count) + " uids from " +
+                       std::to_string(policy.uid_first) + " are in use");
 }
 
 void write_id_maps(pid_t pid, uid_t inside, uid_t host) {
-    if (host == 0) throw SandboxError("id map: refusing to map host root into a sandbox");
+    if (host == 0) {
+        throw SandboxError("id map: refusing to map host root into a sandbox");
+    }
     const std::string proc = "/proc/" + std::to_string(pid);
     const std::string line = std::to_string(inside) + " " + std::to_string(host) + " 1\n";
     write_existing_file(proc + "/uid_map", line);

@@ -14,13 +14,13 @@ namespace cellblock::sandbox::detail {
 // flock(2)s on files under <state_dir>/uids, so concurrent launchers in different processes never
 // hand out the same uid, and a crashed holder releases its lease automatically.
 class UidLease {
-public:
+  public:
     static UidLease acquire(const Policy& policy);
     UidLease() = default;
     uid_t uid() const noexcept { return uid_; }
     explicit operator bool() const noexcept { return static_cast<bool>(lock_); }
 
-private:
+  private:
     UidLease(UniqueFd lock, uid_t uid) : lock_(std::move(lock)), uid_(uid) {}
     UniqueFd lock_;
     uid_t uid_ = 0;

@@ -31,29 +31,61 @@ constexpr std::uint64_t resolve_flags = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | 
     Kind kind = Kind::io;
     std::string what = action + ": " + std::strerror(err);
     switch (err) {
-        case ENOENT: kind = Kind::not_found; what = "no such file"; break;
-        case ELOOP: kind = Kind::bad_path; what = "refusing to follow a symbolic link"; break;
-        case EXDEV: kind = Kind::bad_path; what = "path leaves the workspace"; break;
-        case ENOTDIR: kind = Kind::not_found; what = "a parent is not a directory"; break;
-        case ENXIO: kind = Kind::not_regular; what = "not a regular file"; break;
-        case EISDIR: kind = Kind::not_regular; what = "is a directory"; break;
-        case EFBIG: kind = Kind::too_large; what = "file too large"; break;
-        default: break;
+        case ENOENT:
+            kind = Kind::not_found;
+            what = "no such file";
+            break;
+        case ELOOP:
+            kind = Kind::bad_path;
+            what = "refusing to follow a symbolic link";
+            break;
+        case EXDEV:
+            kind = Kind::bad_path;
+            what = "path leaves the workspace";
+            break;
+        case ENOTDIR:
+            kind = Kind::not_found;
+            what = "a parent is not a directory";
+            break;
+        case ENXIO:
+            kind = Kind::not_regular;
+            what = "not a regular file";
+            break;
+        case EISDIR:
+            kind = Kind::not_regular;
+            what = "is a directory";
+            break;
+        case EFBIG:
+            kind = Kind::too_large;
+            what = "file too large";
+            break;
+        default:
+            break;
     }
     fail(kind, relative, what);
 }
 
 // A relative, '/'-separated path without empty, "." or ".." components (and no NUL).
 std::string checked_relative(const std::string& relative) {
-    if (relative.empty()) fail(Kind::bad_path, "(empty)", "empty path");
-    if (relative.front() == '/') fail(Kind::bad_path, relative, "must be relative to the workspace");
-    if (relative.find('\0') != std::string::npos) fail(Kind::bad_path, "(binary)", "path contains a NUL byte");
-    if (relative.size() > 4096) fail(Kind::bad_path, relative.substr(0, 64) + "...", "path too long");
+    if (relative.empty()) {
+        fail(Kind::bad_path, "(empty)", "empty path");
+    }
+    if (relative.front() == '/') {
+        fail(Kind::bad_path, relative, "must be relative to the workspace");
+    }
+    if (relative.find('\0') != std::string::npos) {
+        fail(Kind::bad_path, "(binary)", "path contains a NUL byte");
+    }
+    if (relative.size() > 4096) {
+        fail(Kind::bad_path, relative.substr(0, 64) + "...", "path too long");
+    }
     std::size_t start = 0;
     while (start <= relative.size()) {
         const auto end = std::min(relative.find('/', start), relative.size());
         const auto part = relative.substr(start, end - start);
-        if (part.empty() || part == "." || part == "..") fail(Kind::bad_path, relative, "empty, '.' or '..' component");
+        if (part.empty() || part == "." || part == "..") {
+            fail(Kind::bad_path, relative, "empty, '.' or '..' component");
+        }
         start = end + 1;
     }
     return relative;
@@ -67,13 +99,15 @@ int openat2_beneath(int dir_fd, const std::string& path, std::uint64_t flags, mo
     long fd;
     do {
         fd = ::syscall(SYS_openat2, dir_fd, path.c_str(), &how, sizeof how);
-    } while (fd < 0 && errno == EAGAIN);   // RESOLVE_* may ask to retry after a concurrent rename
+    } while (fd < 0 && errno == EAGAIN);  // RESOLVE_* may ask to retry after a concurrent rename
     return static_cast<int>(fd);
 }
 
 std::pair<std::string, std::string> split_parent(const std::string& relative) {
     const auto slash = relative.rfind('/');
-    if (slash == std::string::npos) return {"", relative};
+    if (slash == std::string::npos) {
+        return {"", relative};
+    }
     return {relative.substr(0, slash), relative.substr(slash + 1)};
 }
 
@@ -88,11 +122,14 @@ Workspace::Workspace(const std::filesystem::path& root) : root_(root) {
     }
 }
 
-Workspace::Workspace(Workspace&& other) noexcept : root_(std::move(other.root_)), root_fd_(std::exchange(other.root_fd_, -1)) {}
+Workspace::Workspace(Workspace&& other) noexcept
+    : root_(std::move(other.root_)), root_fd_(std::exchange(other.root_fd_, -1)) {}
 
 Workspace& Workspace::operator=(Workspace&& other) noexcept {
     if (this != &other) {
-        if (root_fd_ >= 0) ::close(root_fd_);
+        if (root_fd_ >= 0) {
+            ::close(root_fd_);
+        }
         root_ = std::move(other.root_);
         root_fd_ = std::exchange(other.root_fd_, -1);
     }
@@ -100,23 +137,38 @@ Workspace& Workspace::operator=(Workspace&& other) noexcept {
 }
 
 Workspace::~Workspace() {
-    if (root_fd_ >= 0) ::close(root_fd_);
+    if (root_fd_ >= 0) {
+        ::close(root_fd_);
+    }
 }
 
-const std::filesystem::path& Workspace::root() const noexcept { return root_; }
+const std::filesystem::path& Workspace::root() const noexcept {
+    return root_;
+}
 
 std::string Workspace::read_file(const std::string& relative, std::uint64_t max_bytes) const {
     checked_relative(relative);
     // O_NONBLOCK: opening a planted FIFO must not wait for a writer.
     UniqueFd fd(openat2_beneath(root_fd_, relative, O_RDONLY | O_NONBLOCK | O_NOFOLLOW));
-    if (!fd) fail_errno(relative, "open", errno);
+    if (!fd) {
+        fail_errno(relative, "open", errno);
+    }
     struct stat info {};
-    if (::fstat(fd.get(), &info) != 0) fail_errno(relative, "stat", errno);
-    if (S_ISDIR(info.st_mode)) fail(Kind::not_regular, relative, "is a directory");
-    if (!S_ISREG(info.st_mode)) fail(Kind::not_regular, relative, "not a regular file");
-    if (info.st_nlink != 1) fail(Kind::not_regular, relative, "refusing a file with several hard links");
+    if (::fstat(fd.get(), &info) != 0) {
+        fail_errno(relative, "stat", errno);
+    }
+    if (S_ISDIR(info.st_mode)) {
+        fail(Kind::not_regular, relative, "is a directory");
+    }
+    if (!S_ISREG(info.st_mode)) {
+        fail(Kind::not_regular, relative, "not a regular file");
+    }
+    if (info.st_nlink != 1) {
+        fail(Kind::not_regular, relative, "refusing a file with several hard links");
+    }
     if (static_cast<std::uint64_t>(info.st_size) > max_bytes) {
-        fail(Kind::too_large, relative, std::to_string(info.st_size) + " bytes exceeds the limit of " + std::to_string(max_bytes));
+        fail(Kind::too_large, relative,
+             std::to_string(info.st_size) + " bytes exceeds the limit of " + std::to_string(max_bytes));
     }
     std::string content;
     content.resize(static_cast<std::size_t>(info.st_size));
@@ -127,42 +179,56 @@ std::string Workspace::read_file(const std::string& relative, std::uint64_t max_
             if (content.size() >= max_bytes) {
                 char probe;
                 const ssize_t more = ::read(fd.get(), &probe, 1);
-                if (more > 0) fail(Kind::too_large, relative, "exceeds the limit of " + std::to_string(max_bytes) + " bytes");
+                if (more > 0) {
+                    fail(Kind::too_large, relative,
+                         "exceeds the limit of " + std::to_string(max_bytes) + " bytes");
+                }
                 break;
             }
             content.resize(std::min<std::uint64_t>(max_bytes, content.size() + 65536));
         }
         const ssize_t got = ::read(fd.get(), content.data() + done, content.size() - done);
         if (got < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR) {
+                continue;
+            }
             fail_errno(relative, "read", errno);
         }
-        if (got == 0) break;
+        if (got == 0) {
+            break;
+        }
         done += static_cast<std::size_t>(got);
     }
     content.resize(done);
     return content;
 }
 
-void Workspace::write_file(const std::string& relative, std::string_view bytes, std::uint64_t max_bytes) const {
+void Workspace::write_file(const std::string& relative, std::string_view bytes,
+                           std::uint64_t max_bytes) const {
     checked_relative(relative);
     if (bytes.size() > max_bytes) {
-        fail(Kind::too_large, relative, std::to_string(bytes.size()) + " bytes exceeds the limit of " + std::to_string(max_bytes));
+        fail(Kind::too_large, relative,
+             std::to_string(bytes.size()) + " bytes exceeds the limit of " + std::to_string(max_bytes));
     }
     struct stat root_info {};
-    if (::fstat(root_fd_, &root_info) != 0) fail_errno(relative, "stat the workspace", errno);
+    if (::fstat(root_fd_, &root_info) != 0) {
+        fail_errno(relative, "stat the workspace", errno);
+    }
     const auto [parent, name] = split_parent(relative);
 
     // Create missing parents one component at a time, each beneath the root, owned like the root.
     UniqueFd parent_fd(::dup(root_fd_));
-    if (!parent_fd) fail_errno(relative, "dup", errno);
+    if (!parent_fd) {
+        fail_errno(relative, "dup", errno);
+    }
     if (!parent.empty()) {
         std::size_t start = 0;
         while (start < parent.size()) {
             const auto end = std::min(parent.find('/', start), parent.size());
             const auto component = parent.substr(start, end - start);
             if (::mkdirat(parent_fd.get(), component.c_str(), 0755) == 0) {
-                if (::fchownat(parent_fd.get(), component.c_str(), root_info.st_uid, root_info.st_gid, AT_SYMLINK_NOFOLLOW) != 0) {
+                if (::fchownat(parent_fd.get(), component.c_str(), root_info.st_uid, root_info.st_gid,
+                               AT_SYMLINK_NOFOLLOW) != 0) {
                     fail_errno(relative, "chown directory " + component, errno);
                 }
             } else if (errno != EEXIST) {
@@ -171,17 +237,24 @@ void Workspace::write_file(const std::string& relative, std::string_view bytes, 
             UniqueFd next(openat2_beneath(parent_fd.get(), component, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
             if (!next && (errno == ENOTDIR || errno == ELOOP)) {
                 // A symlink (or a file) where a directory should be: never write through it.
-                fail(Kind::bad_path, relative, "'" + component + "' is not a directory (refusing symbolic links)");
+                fail(Kind::bad_path, relative,
+                     "'" + component + "' is not a directory (refusing symbolic links)");
             }
-            if (!next) fail_errno(relative, "open directory " + component, errno);
+            if (!next) {
+                fail_errno(relative, "open directory " + component, errno);
+            }
             parent_fd = std::move(next);
             start = end + 1;
         }
     }
     struct stat existing {};
     if (::fstatat(parent_fd.get(), name.c_str(), &existing, AT_SYMLINK_NOFOLLOW) == 0) {
-        if (S_ISDIR(existing.st_mode)) fail(Kind::not_regular, relative, "is a directory");
-        if (!S_ISREG(existing.st_mode)) fail(Kind::not_regular, relative, "exists and is not a regular file");
+        if (S_ISDIR(existing.st_mode)) {
+            fail(Kind::not_regular, relative, "is a directory");
+        }
+        if (!S_ISREG(existing.st_mode)) {
+            fail(Kind::not_regular, relative, "exists and is not a regular file");
+        }
     } else if (errno != ENOENT) {
         fail_errno(relative, "stat", errno);
     }
@@ -189,13 +262,17 @@ void Workspace::write_file(const std::string& relative, std::string_view bytes, 
     // (which untrusted code may have hard-linked), and readers never see a half-written file.
     const std::string temporary = "." + name + ".cellblock-" + detail::random_hex(6);
     UniqueFd fd(openat2_beneath(parent_fd.get(), temporary, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0644));
-    if (!fd) fail_errno(relative, "create", errno);
+    if (!fd) {
+        fail_errno(relative, "create", errno);
+    }
     auto discard = [&] { ::unlinkat(parent_fd.get(), temporary.c_str(), 0); };
     std::size_t done = 0;
     while (done < bytes.size()) {
         const ssize_t written = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
         if (written < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR) {
+                continue;
+            }
             const int err = errno;
             discard();
             fail_errno(relative, "write", err);
@@ -217,14 +294,23 @@ void Workspace::write_file(const std::string& relative, std::string_view bytes, 
 void Workspace::remove_file(const std::string& relative) const {
     checked_relative(relative);
     const auto [parent, name] = split_parent(relative);
-    UniqueFd parent_fd(parent.empty() ? ::dup(root_fd_)
-                                      : openat2_beneath(root_fd_, parent, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
-    if (!parent_fd) fail_errno(relative, "open parent", errno);
+    UniqueFd parent_fd(parent.empty()
+                           ? ::dup(root_fd_)
+                           : openat2_beneath(root_fd_, parent, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+    if (!parent_fd) {
+        fail_errno(relative, "open parent", errno);
+    }
     struct stat info {};
-    if (::fstatat(parent_fd.get(), name.c_str(), &info, AT_SYMLINK_NOFOLLOW) != 0) fail_errno(relative, "stat", errno);
-    if (S_ISDIR(info.st_mode)) fail(Kind::not_regular, relative, "is a directory");
+    if (::fstatat(parent_fd.get(), name.c_str(), &info, AT_SYMLINK_NOFOLLOW) != 0) {
+        fail_errno(relative, "stat", errno);
+    }
+    if (S_ISDIR(info.st_mode)) {
+        fail(Kind::not_regular, relative, "is a directory");
+    }
     // Removing a name (even of a symlink or FIFO) never touches what it points to.
-    if (::unlinkat(parent_fd.get(), name.c_str(), 0) != 0) fail_errno(relative, "unlink", errno);
+    if (::unlinkat(parent_fd.get(), name.c_str(), 0) != 0) {
+        fail_errno(relative, "unlink", errno);
+    }
 }
 
 std::vector<Workspace::Entry> Workspace::list(std::size_t max_entries) const {
@@ -236,12 +322,16 @@ std::vector<Workspace::Entry> Workspace::list(std::size_t max_entries) const {
     };
     std::vector<Pending> pending;
     pending.push_back({UniqueFd(::dup(root_fd_)), "", 0});
-    if (!pending.back().fd) fail_errno(".", "dup", errno);
+    if (!pending.back().fd) {
+        fail_errno(".", "dup", errno);
+    }
     while (!pending.empty() && entries.size() < max_entries) {
         Pending current = std::move(pending.back());
         pending.pop_back();
         const int listing_fd = ::dup(current.fd.get());
-        if (listing_fd < 0) fail_errno(current.prefix, "dup", errno);
+        if (listing_fd < 0) {
+            fail_errno(current.prefix, "dup", errno);
+        }
         std::unique_ptr<DIR, int (*)(DIR*)> listing(::fdopendir(listing_fd), ::closedir);
         if (!listing) {
             ::close(listing_fd);
@@ -249,18 +339,27 @@ std::vector<Workspace::Entry> Workspace::list(std::size_t max_entries) const {
         }
         ::rewinddir(listing.get());
         while (dirent* entry = ::readdir(listing.get())) {
-            if (std::strcmp(entry->d_name, ".") == 0 || std::strcmp(entry->d_name, "..") == 0) continue;
-            if (entries.size() >= max_entries) break;
+            if (std::strcmp(entry->d_name, ".") == 0 || std::strcmp(entry->d_name, "..") == 0) {
+                continue;
+            }
+            if (entries.size() >= max_entries) {
+                break;
+            }
             struct stat info {};
-            if (::fstatat(current.fd.get(), entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) continue;
+            if (::fstatat(current.fd.get(), entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) {
+                continue;
+            }
             const std::string path = current.prefix + entry->d_name;
             // Only what a reader could use: directories and regular files. Symlinks, FIFOs, sockets
             // and devices are left out.
             if (S_ISDIR(info.st_mode)) {
                 entries.push_back({path, 0, true});
                 if (current.depth < 32) {
-                    UniqueFd child(openat2_beneath(current.fd.get(), entry->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
-                    if (child) pending.push_back({std::move(child), path + "/", current.depth + 1});
+                    UniqueFd child(openat2_beneath(current.fd.get(), entry->d_name,
+                                                   O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+                    if (child) {
+                        pending.push_back({std::move(child), path + "/", current.depth + 1});
+                    }
                 }
             } else if (S_ISREG(info.st_mode)) {
                 entries.push_back({path, static_cast<std::uint64_t>(info.st_size), false});

@@ -16,9 +16,10 @@ using namespace std::chrono_literals;
 namespace {
 
 class LauncherTest : public ::testing::Test {
-protected:
+  protected:
     void SetUp() override {
-        if (::geteuid() != 0) GTEST_SKIP() << "the launcher needs root to map a dedicated uid";
+        if (::geteuid() != 0)
+            GTEST_SKIP() << "the launcher needs root to map a dedicated uid";
         std::string pattern = (fs::temp_directory_path() / "cellblock-launch-test-XXXXXX").string();
         ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
         workspace_ = pattern;
@@ -26,11 +27,12 @@ protected:
         policy_.limits.memory_bytes = 256ULL << 20;
         // A range of our own: "no process of the session uid is left" must not see another suite's
         // sandbox that leased the same uid right after ours.
-        policy_.uid_first = 270000;
+        policy_.uid_first = 280000;   // 260000.. is the battery, 270000.. the kernel battery
         policy_.uid_count = 1000;
     }
     void TearDown() override {
-        if (!workspace_.empty()) fs::remove_all(workspace_);
+        if (!workspace_.empty())
+            fs::remove_all(workspace_);
     }
 
     sb::LaunchRequest request(std::vector<std::string> argv) {
@@ -51,7 +53,8 @@ protected:
         std::string out;
         char buffer[4096];
         ssize_t got;
-        while ((got = ::read(ends[0], buffer, sizeof buffer)) > 0) out.append(buffer, static_cast<std::size_t>(got));
+        while ((got = ::read(ends[0], buffer, sizeof buffer)) > 0)
+            out.append(buffer, static_cast<std::size_t>(got));
         ::close(ends[0]);
         return {process.wait(), out};
     }
@@ -84,7 +87,8 @@ TEST_F(LauncherTest, ShellExitStatusIsReported) {
 
 TEST_F(LauncherTest, ProgramRunsAsTheInsideUidInTheWorkspace) {
     sb::Launcher launcher(policy_);
-    auto [outcome, out] = run_captured(launcher, {"/bin/sh", "-c", "id -u; pwd; hostname; echo hi > note.txt"});
+    auto [outcome, out] =
+        run_captured(launcher, {"/bin/sh", "-c", "id -u; pwd; hostname; echo hi > note.txt"});
     EXPECT_EQ(outcome.exit_code, 0);
     EXPECT_EQ(out, "1000\n/workspace\ncellblock\n");
     struct stat info {};
@@ -98,7 +102,8 @@ TEST_F(LauncherTest, MissingProgramIsASandboxErrorNamingTheStep) {
         launcher.launch(request({"/usr/bin/definitely-not-here"}));
         FAIL() << "expected SandboxError";
     } catch (const sb::SandboxError& error) {
-        EXPECT_EQ(std::string(error.what()), "execve /usr/bin/definitely-not-here: No such file or directory");
+        EXPECT_EQ(std::string(error.what()),
+                  "execve /usr/bin/definitely-not-here: No such file or directory");
     }
 }
 
@@ -113,7 +118,7 @@ TEST_F(LauncherTest, BadRequestsAreRefusedBeforeCloning) {
 
 TEST_F(LauncherTest, PassedFdsBecomeThreeAndNothingElseIsInherited) {
     int extra[2];
-    ASSERT_EQ(::pipe(extra), 0);   // not CLOEXEC on purpose: it must still not leak unless passed
+    ASSERT_EQ(::pipe(extra), 0);  // not CLOEXEC on purpose: it must still not leak unless passed
     int passed[2];
     ASSERT_EQ(::pipe2(passed, O_CLOEXEC), 0);
     sb::Launcher launcher(policy_);
@@ -135,7 +140,8 @@ TEST_F(LauncherTest, PassedFdsBecomeThreeAndNothingElseIsInherited) {
     char via[16] = {};
     EXPECT_EQ(::read(passed[0], via, sizeof via), 8);
     EXPECT_STREQ(via, "via-fd3\n");
-    for (const int fd : {extra[0], extra[1], passed[0], ends[0]}) ::close(fd);
+    for (const int fd : {extra[0], extra[1], passed[0], ends[0]})
+        ::close(fd);
 }
 
 TEST_F(LauncherTest, MemoryLimitIsReportedAsSuch) {
@@ -177,9 +183,11 @@ TEST_F(LauncherTest, DestructorLeavesNoProcessOfTheSessionUid) {
     }
     for (const auto& entry : fs::directory_iterator("/proc")) {
         struct stat info {};
-        if (::stat(entry.path().c_str(), &info) != 0) continue;
+        if (::stat(entry.path().c_str(), &info) != 0)
+            continue;
         const auto name = entry.path().filename().string();
-        if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+        if (name.find_first_not_of("0123456789") != std::string::npos)
+            continue;
         EXPECT_NE(info.st_uid, uid) << "process " << name << " of the session survived";
     }
 }
@@ -222,7 +230,8 @@ TEST_F(LauncherTest, MissingBindSourceIsReportedBeforeLaunch) {
 
 TEST_F(LauncherTest, CpuTimeLimitIsReportedAsSuch) {
     sb::Launcher launcher(policy_);
-    auto r = request({"/usr/bin/python3", "-c", "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"});
+    auto r = request({"/usr/bin/python3", "-c",
+                      "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"});
     sb::ResourceLimits limits = policy_.limits;
     limits.cpu_seconds = 1;
     r.limits = limits;

@@ -34,13 +34,15 @@ TEST(Policy, DefaultPolicyFileLoadsWithWorkerDefaults) {
               policy.environment.end());
     bool has_usr = false;
     for (const auto& mount : policy.mounts) {
-        if (mount.kind == sb::MountSpec::Kind::bind && mount.target == "/usr") has_usr = !mount.writable;
+        if (mount.kind == sb::MountSpec::Kind::bind && mount.target == "/usr")
+            has_usr = !mount.writable;
     }
     EXPECT_TRUE(has_usr) << "/usr must be bound read-only";
 }
 
 TEST(Policy, SizesAcceptUnits) {
-    const auto policy = sb::Policy::from_json(json::parse(R"({"limits": {"memory": "512M", "file_size": 4096}})"));
+    const auto policy =
+        sb::Policy::from_json(json::parse(R"({"limits": {"memory": "512M", "file_size": 4096}})"));
     EXPECT_EQ(policy.limits.memory_bytes, 512ULL << 20);
     EXPECT_EQ(policy.limits.file_size_bytes, 4096U);
 }
@@ -55,11 +57,15 @@ TEST(Policy, UnknownKeysAreRejectedWithTheirName) {
 }
 
 TEST(Policy, WrongTypesAndValuesAreExplained) {
-    EXPECT_NE(error_of(json::parse(R"({"seccomp": "yes"})")).find("seccomp: must be true or false"), std::string::npos);
-    EXPECT_NE(error_of(json::parse(R"({"limits": {"memory": "lots"}})")).find("is not a size"), std::string::npos);
-    EXPECT_NE(error_of(json::parse(R"({"limits": {"memory": "5T"}})")).find("unknown unit"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"seccomp": "yes"})")).find("seccomp: must be true or false"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"memory": "lots"}})")).find("is not a size"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"memory": "5T"}})")).find("unknown unit"),
+              std::string::npos);
     EXPECT_NE(error_of(json::parse(R"({"limits": {"pids": -1}})")).find("limits.pids"), std::string::npos);
-    EXPECT_NE(error_of(json::parse(R"({"environment": ["NOEQUALS"]})")).find("not NAME=value"), std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"environment": ["NOEQUALS"]})")).find("not NAME=value"),
+              std::string::npos);
     EXPECT_NE(error_of(json::parse(R"([1, 2])")).find("must be an object"), std::string::npos);
 }
 
@@ -70,10 +76,12 @@ TEST(Policy, HostRootIsNeverHandedOut) {
 }
 
 TEST(Policy, MountsNeedValidTypesAndAbsoluteTargets) {
-    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "overlay", "target": "/x"}]})")).find("'overlay' is not one of"),
+    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "overlay", "target": "/x"}]})"))
+                  .find("'overlay' is not one of"),
               std::string::npos);
-    EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "bind", "target": "/x"}]})")).find("needs \"source\""),
-              std::string::npos);
+    EXPECT_NE(
+        error_of(json::parse(R"({"mounts": [{"type": "bind", "target": "/x"}]})")).find("needs \"source\""),
+        std::string::npos);
     EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "tmpfs", "target": "tmp"}]})")).find("absolute"),
               std::string::npos);
     EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "tmpfs", "target": "/a/../etc"}]})")).find("'..'"),

@@ -16,7 +16,7 @@ using Kind = sb::WorkspaceError::Kind;
 namespace {
 
 class WorkspaceTest : public ::testing::Test {
-protected:
+  protected:
     void SetUp() override {
         std::string pattern = (fs::temp_directory_path() / "cellblock-ws-test-XXXXXX").string();
         ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
@@ -89,7 +89,8 @@ TEST_F(WorkspaceTest, SymlinkedDirectoryComponentIsRefused) {
     EXPECT_EQ(kind_of([&] { workspace.read_file("escape/host-secret.txt", 1 << 20); }), Kind::bad_path);
     EXPECT_EQ(kind_of([&] { workspace.write_file("escape/new.txt", "x", 10); }), Kind::bad_path);
     EXPECT_FALSE(fs::exists(base_ / "new.txt"));
-    for (const auto& entry : workspace.list()) EXPECT_NE(entry.path.rfind("escape/", 0), 0U) << entry.path;
+    for (const auto& entry : workspace.list())
+        EXPECT_NE(entry.path.rfind("escape/", 0), 0U) << entry.path;
 }
 
 TEST_F(WorkspaceTest, DotDotAndAbsolutePathsAreRefused) {
@@ -109,7 +110,8 @@ TEST_F(WorkspaceTest, PlantedFifoDoesNotBlockAndIsRefused) {
     EXPECT_EQ(kind_of([&] { workspace.read_file("out.txt", 1 << 20); }), Kind::not_regular);
     EXPECT_EQ(kind_of([&] { workspace.write_file("out.txt", "x", 10); }), Kind::not_regular);
     EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
-    for (const auto& entry : workspace.list()) EXPECT_NE(entry.path, "out.txt");
+    for (const auto& entry : workspace.list())
+        EXPECT_NE(entry.path, "out.txt");
 }
 
 TEST_F(WorkspaceTest, HardLinkedFileIsNotRead) {
