@@ -19,6 +19,7 @@ import socket
 import stat
 import subprocess
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -220,29 +221,39 @@ def children(pid):
     return found
 
 
-def pid_namespace(pid):
-    return os.readlink(f"/proc/{pid}/ns/pid")
+class WorkerNamespace:
+    """The pid namespace of a worker, held open while we look for processes left in it: namespace inode
+    numbers are recycled, and a namespace that stays referenced cannot hand its number to a newer one."""
 
+    def __init__(self, pid):
+        self.fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.name = os.readlink(f"/proc/self/fd/{self.fd}")
 
-def processes_in_pid_namespace(namespace):
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.readlink(entry / "ns" / "pid") == namespace:
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+    def __enter__(self):
+        return self
 
+    def __exit__(self, *_):
+        os.close(self.fd)
 
-def assert_namespace_emptied(namespace):
-    for _ in range(100):
-        left = processes_in_pid_namespace(namespace)
-        if not left:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"processes of a killed worker's pid namespace are still running: {left}")
+    def processes(self):
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.readlink(entry / "ns" / "pid") == self.name:
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        return found
+
+    def assert_emptied(self):
+        """Everything that ran in the namespace is gone (allowing a moment for reaping)."""
+        for _ in range(100):
+            left = self.processes()
+            if not left:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"processes of a finished worker's pid namespace are still running: {left}")
 
 
 def files_under(directory: Path):
@@ -422,6 +433,34 @@ def test_kernel_environment_does_not_reach_the_worker(kernel):
     assert not any(name.startswith(("JPY_", "JUPYTER", "CELLBLOCK")) for name in result["environ"]), result["environ"]
     assert secret not in cell.everything
     assert secret.encode() not in Path(f"/proc/{kernel.worker_pid()}/environ").read_bytes()
+
+
+def test_ipython_and_jupyter_helpers_reveal_no_connection_info(kernel):
+    connection_file, info = kernel.connection_key()
+    cell = kernel.attack("""
+        outcomes = {}
+        shell = get_ipython()
+        probes = {
+            "connect_info": lambda: shell.run_line_magic("connect_info", ""),
+            "shell.kernel": lambda: repr(shell.kernel.session.key),
+            "shell.config": lambda: repr(shell.config),
+            "find_connection_file": lambda: __import__("jupyter_client").find_connection_file(),
+            "runtime_dir": lambda: os.listdir(__import__("jupyter_core.paths").paths.jupyter_runtime_dir()),
+            "ipykernel": lambda: repr(__import__("ipykernel.connect").connect.get_connection_info()),
+        }
+        for name, probe in probes.items():
+            try:
+                outcomes[name] = repr(probe())
+            except BaseException as error:
+                outcomes[name] = type(error).__name__
+        report(**outcomes)
+    """)
+    result = cell.result()
+    assert result["shell.kernel"] == "AttributeError", result
+    assert result["find_connection_file"] in ("OSError", "FileNotFoundError", "ModuleNotFoundError"), result
+    assert result["runtime_dir"] in ("FileNotFoundError", "ModuleNotFoundError"), result
+    assert info["key"] not in cell.everything
+    assert Path(connection_file).name not in cell.everything
 
 
 def test_fd_walk_finds_only_the_worker_channel(kernel):
@@ -694,6 +733,101 @@ def test_privilege_escalation_fails_and_the_worker_is_unprivileged_on_the_host(k
     assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2"
 
 
+def test_children_killing_everyone_cannot_take_down_the_worker(kernel, canaries):
+    cell = kernel.attack("""
+        import subprocess
+        outcomes = {}
+        for name, code in [("kill(-1)", "import os; os.kill(-1, 9)"), ("kill(1)", "import os; os.kill(1, 9)"),
+                           ("kill(parent)", "import os; os.kill(os.getppid(), 9)")]:
+            child = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True)
+            outcomes[name] = [child.returncode, (child.stderr.strip().splitlines() or [""])[-1]]
+        outcomes["shell"] = subprocess.run(["/bin/sh", "-c", "kill -9 -1; kill -9 1; echo done"],
+                                           capture_output=True, text=True).stdout.strip()
+        report(**outcomes)
+    """)
+    result = cell.result()
+    # The worker is its namespace's init: kill(-1) from inside spares it (nobody else to hit: ESRCH), and
+    # a SIGKILL aimed at it from inside its namespace is delivered but has no effect. The fixture then
+    # checks that the same worker answers with its state.
+    assert result["kill(-1)"][0] == 1 and result["kill(-1)"][1].startswith("ProcessLookupError"), result
+    assert result["kill(1)"] == result["kill(parent)"] == [0, ""], result
+    assert result["shell"] == "done"
+    assert all(process.poll() is None for process in canaries)
+
+
+def test_kernel_attack_surface_syscalls_are_refused(kernel):
+    cell = kernel.attack("""
+        import fcntl, termios
+        ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC = 0x0040000, 0x0400000
+        calls = {"io_uring_setup": (425, 8, 0), "bpf": (321, 0, 0, 0), "keyctl": (250, 0, -3, 1),
+                 "add_key": (248, 0, 0, 0, 0, -3), "perf_event_open": (298, 0, 0, -1, -1, 0),
+                 "userfaultfd": (323, 0), "kexec_load": (246, 0, 0, 0, 0), "init_module": (175, 0, 0, 0),
+                 "setns": (308, 0, 0), "pidfd_getfd": (438, 0, 3, 0), "open_tree": (428, -100, 0, 1),
+                 "personality no-aslr": (135, ADDR_NO_RANDOMIZE), "personality exec": (135, READ_IMPLIES_EXEC)}
+        outcomes = {name: syscall(*args)[1] for name, args in calls.items()}
+        try:
+            fcntl.ioctl(0, termios.TIOCSTI, b"x")
+            outcomes["TIOCSTI"] = "OK"
+        except OSError as error:
+            outcomes["TIOCSTI"] = errno.errorcode.get(error.errno)
+        report(**outcomes)
+    """)
+    result = cell.result()
+    assert result.pop("io_uring_setup") == "ENOSYS"
+    assert result.pop("TIOCSTI") in ("EPERM", "ENOTTY")
+    for name, outcome in result.items():
+        assert outcome == "EPERM", (name, outcome)
+    # Host side: the worker still runs with full address-space randomisation.
+    assert Path(f"/proc/{kernel.worker_pid()}/personality").read_text().strip() == "00000000"
+
+
+def test_file_size_fd_and_thread_exhaustion_fail_cleanly(kernel):
+    policy_limits = json.loads(DEFAULT_POLICY.read_text())["limits"]
+    cell = kernel.attack("""
+        import threading
+        outcomes = {}
+        # A file beyond RLIMIT_FSIZE in the host-backed workspace (sparse, so the attempt itself is cheap).
+        huge = os.open("/workspace/huge.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(huge, b"x", 300 * 1024 * 1024)
+            outcomes["huge"] = "written"
+        except OSError as error:
+            outcomes["huge"] = errno.errorcode.get(error.errno)
+        finally:
+            os.close(huge)
+        held = []
+        try:
+            while len(held) < 100000:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+            outcomes["fds"] = "unbounded"
+        except OSError as error:
+            outcomes["fds"] = [errno.errorcode.get(error.errno), len(held)]
+        for fd in held:
+            os.close(fd)
+        release, threads = threading.Event(), []
+        try:
+            while len(threads) < 5000:
+                thread = threading.Thread(target=release.wait)
+                thread.start()
+                threads.append(thread)
+            outcomes["threads"] = "unbounded"
+        except RuntimeError as error:
+            outcomes["threads"] = ["RuntimeError", len(threads)]
+        release.set()
+        for thread in threads:
+            thread.join()
+        report(**outcomes)
+    """)
+    result = cell.result()
+    assert result["huge"] == "EFBIG"
+    assert result["fds"][0] == "EMFILE" and result["fds"][1] < policy_limits["open_files"]
+    assert result["threads"][0] == "RuntimeError" and result["threads"][1] < policy_limits["pids"]
+    # Host side: the workspace file stayed within the limit.
+    huge = kernel.workspace / "huge.bin"
+    assert huge.stat().st_size <= 256 * 1024 * 1024
+    huge.unlink()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Filesystem: writes outside the workspace, symlinks planted in it
 # ---------------------------------------------------------------------------------------------------------
@@ -808,12 +942,11 @@ def test_background_processes_do_not_outlive_the_kernel(own_kernel):
     assert heartbeat.exists()
     names = [name for _, name in session_processes(uid)]
     assert any("sleep" in name for name in names) and len(names) >= 3, f"the attack should be running: {names}"
-    namespace = pid_namespace(k.worker_pid())
-    k.shutdown()
-    assert not k.alive()
-    assert_no_session_process(uid)
-    left = processes_in_pid_namespace(namespace)
-    assert left == [], [(pid, process_status(pid)) for pid in left]
+    with WorkerNamespace(k.worker_pid()) as namespace:
+        k.shutdown()
+        assert not k.alive()
+        assert_no_session_process(uid)
+        namespace.assert_emptied()
     size = heartbeat.stat().st_size
     time.sleep(0.5)
     assert heartbeat.stat().st_size == size, "the daemon kept writing after its kernel shut down"
@@ -821,35 +954,54 @@ def test_background_processes_do_not_outlive_the_kernel(own_kernel):
 
 def test_memory_bomb_kills_only_the_worker(limited):
     assert limited.execute("doomed = 1").content["status"] == "ok"
-    namespace = pid_namespace(limited.worker_pid())
-    cell = limited.execute("blocks = []\nwhile True:\n    blocks.append(bytearray(32 * 1024 * 1024))", timeout=120)
-    assert_worker_died(cell, "memory limit")
-    assert_namespace_emptied(namespace)
+    with WorkerNamespace(limited.worker_pid()) as namespace:
+        cell = limited.execute("blocks = []\nwhile True:\n    blocks.append(bytearray(32 * 1024 * 1024))",
+                               timeout=120)
+        assert_worker_died(cell, "memory limit")
+        namespace.assert_emptied()
     after = limited.execute("'doomed' in dir()")
     assert after.value() == "False" and "restarted" in after.stream("stderr")
     limited.assert_serving()
 
 
 def test_fork_bomb_is_contained_and_the_next_cell_gets_a_fresh_worker(limited, canaries):
-    namespace = pid_namespace(limited.worker_pid())
-    started = time.monotonic()
-    cell = limited.execute(textwrap.dedent("""
-        import os, signal
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # ignore the kernel's interrupt: it must kill
-        while True:
-            try:
-                os.fork()
-            except OSError:
-                pass
-    """), timeout=120)
-    # The pids limit stops the bomb; the time limit (or, if the copies' page tables fill the cgroup first,
-    # the memory limit) ends the worker, which ignores the interrupt.
-    assert_worker_died(cell, "time limit", "memory limit")
-    assert time.monotonic() - started < 60
-    assert_namespace_emptied(namespace)
+    pids_limit = json.loads(DEFAULT_POLICY.read_text())["limits"]["pids"]
+    with WorkerNamespace(limited.worker_pid()) as namespace:
+        # Host side, while the bomb runs: how many processes its namespace ever holds.
+        counts, stop = [], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                counts.append(len(namespace.processes()))
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        started = time.monotonic()
+        try:
+            cell = limited.execute(textwrap.dedent("""
+                import os, signal
+                signal.signal(signal.SIGINT, signal.SIG_IGN)   # ignore the kernel's interrupt: it must kill
+                while True:
+                    try:
+                        os.fork()
+                    except OSError:
+                        pass
+            """), timeout=120)
+        finally:
+            stop.set()
+            sampler.join()
+        # The pids limit stops the bomb; the time limit (or, when the copies' private pages fill the
+        # cgroup first, the memory limit) ends the worker, which ignores the interrupt.
+        assert_worker_died(cell, "time limit", "memory limit")
+        assert time.monotonic() - started < 60
+        assert 32 <= max(counts) <= pids_limit, f"processes in the bomb's namespace: max {max(counts)}"
+        namespace.assert_emptied()
     # The host can still start processes and its canaries live.
     assert subprocess.run(["/usr/bin/true"], timeout=30).returncode == 0
     assert all(process.poll() is None for process in canaries)
+    after = limited.execute("import os; os.getpid()")
+    assert after.value() == "1" and "restarted" in after.stream("stderr")
     limited.assert_serving()
 
 
@@ -861,20 +1013,21 @@ def test_infinite_output_is_capped_and_the_kernel_keeps_serving(limited):
     assert "Output truncated" in cell.stream("stderr")
     limited.assert_serving(kept="still here")
     # The same through a child writing straight to fd 1 while os.system() makes the worker ignore SIGINT.
-    namespace = pid_namespace(limited.worker_pid())
-    cell = limited.execute("import os\nos.system('trap \"\" INT; yes')", timeout=120)
-    assert_worker_died(cell, "time limit")
-    assert len(cell.stream().encode()) <= 65536
-    assert_namespace_emptied(namespace)
+    with WorkerNamespace(limited.worker_pid()) as namespace:
+        cell = limited.execute("import os\nos.system('trap \"\" INT; yes')", timeout=120)
+        assert_worker_died(cell, "time limit")
+        assert len(cell.stream().encode()) <= 65536
+        namespace.assert_emptied()
     limited.assert_serving()
 
 
 def test_forged_frame_on_the_worker_channel_kills_only_the_worker(limited):
-    namespace = pid_namespace(limited.worker_pid())
-    cell = limited.execute("import os\nos.write(3, b'\\xff\\xff\\xff\\xff{\"type\": \"reply\"}')\nimport time\ntime.sleep(30)",
-                           timeout=60)
-    assert_worker_died(cell, "protocol error")
-    assert_namespace_emptied(namespace)
+    with WorkerNamespace(limited.worker_pid()) as namespace:
+        # A frame header claiming 4 GiB, then a forged reply: the kernel must not wait for (or believe) it.
+        cell = limited.execute("import os, time\nos.write(3, b'\\xff\\xff\\xff\\xff{\"type\": \"reply\"}')\n"
+                               "time.sleep(30)", timeout=60)
+        assert_worker_died(cell, "protocol error")
+        namespace.assert_emptied()
     limited.assert_serving()
 
 
