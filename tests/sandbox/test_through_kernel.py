@@ -114,7 +114,10 @@ class LiveKernel:
         self.manager.connection_file = str(runtime / f"kernel-{uuid.uuid4()}.json")
         environment = dict(os.environ, CELLBLOCK_WORKSPACE=str(workspace))
         environment.update({name: str(value) for name, value in env.items()})
-        self.manager.start_kernel(env=environment)
+        # The kernel's structured log (stderr): a witness of what reached its public sockets.
+        self.log_path = runtime / "kernel.log"
+        self.log = open(self.log_path, "ab")
+        self.manager.start_kernel(env=environment, stderr=self.log)
         self.client = self.manager.blocking_client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=START_TIMEOUT)
@@ -175,12 +178,24 @@ class LiveKernel:
         cell = self.execute("6 * 7")
         assert cell.content["status"] == "ok" and cell.value() == "42", cell.content
 
+    def log_events(self):
+        events = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                events.append({"event": "unstructured", "line": line})
+        return events
+
     def shutdown(self):
         try:
             self.client.stop_channels()
         finally:
-            if self.manager.has_kernel:
-                self.manager.shutdown_kernel(now=False)
+            try:
+                if self.manager.has_kernel:
+                    self.manager.shutdown_kernel(now=False)
+            finally:
+                self.log.close()
 
 
 def process_state(pid):
@@ -560,6 +575,25 @@ def test_kernel_zmq_ports_and_ipc_endpoints_are_unreachable(kernel):
     assert result["zmq"] in ("no reply", "ZMQError"), result["zmq"]
     # The kernel's public ports still serve the real client (kernel_info and execute, checked by the fixture).
     assert kernel.client.kernel_info(reply=True, timeout=30)["content"]["status"] == "ok"
+    # The wire guard logs the first refused message of each kind: nothing of the forged request arrived.
+    assert not [e for e in kernel.log_events() if e.get("event") == "message_refused"], kernel.log_events()
+    # Control: the same forged request sent from the host does arrive and is refused (the witness works).
+    import zmq
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://{info['ip']}:{ports['shell_port']}")
+        header = json.dumps({"msg_id": "x", "msg_type": "kernel_info_request", "session": "s", "username": "u",
+                             "date": "", "version": "5.3"}).encode()
+        dealer.send_multipart([b"<IDS|MSG>", b"", header, b"{}", b"{}", b"{}"])
+        deadline = time.monotonic() + 30
+        while not [e for e in kernel.log_events() if e.get("event") == "message_refused"]:
+            assert time.monotonic() < deadline, "the kernel did not log the host's forged message"
+            time.sleep(0.1)
+        dealer.close()
+    finally:
+        context.term()
 
 
 def test_network_egress_reaches_no_host_listener(kernel, listeners):
@@ -939,7 +973,7 @@ def test_background_processes_do_not_outlive_the_kernel(own_kernel):
     assert cell.result()["sleeper"] > 1
     uid = k.session_uid()
     heartbeat = k.workspace / "heartbeat"
-    assert heartbeat.exists()
+    assert heartbeat.stat().st_uid == uid, "the daemon's files belong to the session uid"
     names = [name for _, name in session_processes(uid)]
     assert any("sleep" in name for name in names) and len(names) >= 3, f"the attack should be running: {names}"
     with WorkerNamespace(k.worker_pid()) as namespace:
