@@ -186,7 +186,7 @@ CgroupSession CgroupSession::create(const CgroupHost& host, const std::string& n
     CgroupSession session;
     session.version_ = host.version;
     auto make = [&](const fs::path& base) {
-        const auto dir = base / name;
+        auto dir = base / name;
         if (::mkdir(dir.c_str(), 0755) != 0) {
             if (errno != EEXIST) {
                 throw_errno("cgroup mkdir " + dir.string());

@@ -160,7 +160,7 @@ std::optional<Outcome> Process::wait_for(milliseconds timeout) {
             remaining = std::min(remaining, std::max(until_limit, milliseconds(1)));
         }
         pollfd ready{impl_->pidfd.get(), POLLIN, 0};
-        const int timeout_ms = static_cast<int>(std::min<long long>(remaining.count(), 1000 * 60 * 60));
+        const int timeout_ms = static_cast<int>(std::min<long long>(remaining.count(), 1000LL * 60 * 60));
         if (::poll(&ready, 1, timeout_ms) < 0 && errno != EINTR) {
             detail::throw_errno("poll the sandbox pidfd");
         }

@@ -47,7 +47,7 @@ void plan_rlimits(const ResourceLimits& limits, StepNames& steps, ChildPlan& pla
             RlimitOp{RLIMIT_CPU, cpu, steps.add("setrlimit CPU " + std::to_string(limits.cpu_seconds))});
     }
     // Locked memory is a host-wide resource; a sandbox needs none beyond a little for io.
-    add(RLIMIT_MEMLOCK, "MEMLOCK", 64 * 1024);
+    add(RLIMIT_MEMLOCK, "MEMLOCK", 64ULL * 1024);
     add(RLIMIT_MSGQUEUE, "MSGQUEUE", 0);
 }
 
