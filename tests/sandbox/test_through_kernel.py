@@ -1065,6 +1065,68 @@ def test_forged_frame_on_the_worker_channel_kills_only_the_worker(limited):
     limited.assert_serving()
 
 
+def test_channel_flood_does_not_grow_the_kernel(kernel):
+    """Large display frames (each under the 64 MiB frame cap) parsed by the unconfined kernel: its memory
+    stays bounded by one frame's worth, not the total sent, and the output cap holds."""
+    before = int(process_status(kernel.pid)["VmRSS"].split()[0]) * 1024
+    frame_mib, count = 16, 24
+    cell = kernel.execute(textwrap.dedent(f"""
+        import json, os, struct
+        payload = json.dumps({{"type": "display_data", "data": {{"text/plain": "x" * ({frame_mib} << 20)}},
+                              "metadata": {{}}, "transient": {{}}}}).encode()
+        frame = memoryview(struct.pack(">I", len(payload)) + payload)
+        for _ in range({count}):
+            view = frame
+            while view:
+                view = view[os.write(3, view):]
+        print("sent")
+    """), timeout=180)
+    assert cell.content["status"] == "ok", cell.content
+    assert "Output truncated" in cell.stream("stderr")
+    assert not [m for m in cell.messages if m["msg_type"] == "display_data"], "a 16 MiB display passed a 64 KiB cap"
+    peak = int(process_status(kernel.pid)["VmHWM"].split()[0]) * 1024
+    assert peak - before < (count * frame_mib << 20) // 2, f"kernel peak RSS grew by {(peak - before) >> 20} MiB"
+    kernel.assert_serving()
+
+
+def test_planted_links_do_not_make_a_worker_restart_touch_host_files(limited, tmp_path):
+    """A restart gives the workspace to the new session uid (as root, on the host): links planted by the
+    old session must not redirect that to host files."""
+    host_dir = tmp_path / "host-private"
+    host_dir.mkdir(mode=0o700)
+    host_file = host_dir / "secret.txt"
+    host_file.write_text("root only\n")
+    host_file.chmod(0o600)
+    before = {path: (path.stat().st_uid, path.stat().st_mode, sha256(path) if path.is_file() else None)
+              for path in (host_dir, host_file)}
+    cell = limited.execute(textwrap.dedent(f"""
+        import os
+        os.makedirs("/workspace/nested", exist_ok=True)
+        for name, target in [("link-file", {str(host_file)!r}), ("link-dir", {str(host_dir)!r}),
+                             ("nested/link-file", {str(host_file)!r}), ("link-etc", "/etc/shadow")]:
+            if os.path.lexists("/workspace/" + name):
+                os.unlink("/workspace/" + name)
+            os.symlink(target, "/workspace/" + name)
+        os.mkfifo("/workspace/fifo")
+        os._exit(7)
+    """))
+    assert_worker_died(cell, "exited with status 7")
+    # The next cell starts a new session, which adopts the workspace.
+    cell = limited.execute("import os; sorted(os.listdir('/workspace'))")
+    assert cell.content["status"] == "ok" and "link-file" in cell.value(), cell.content
+    uid = limited.session_uid()
+    assert (limited.workspace / "nested").stat().st_uid == uid
+    assert os.lstat(limited.workspace / "link-file").st_uid == uid
+    for path, (owner, mode, digest) in before.items():
+        info = path.stat()
+        assert (info.st_uid, info.st_mode) == (owner, mode), f"{path} changed owner or mode"
+        assert digest is None or sha256(path) == digest
+    assert os.stat("/etc/shadow").st_uid == 0
+    for name in ("link-file", "link-dir", "nested/link-file", "link-etc", "fifo"):
+        (limited.workspace / name).unlink()
+    limited.assert_serving()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Two kernels attacking each other
 # ---------------------------------------------------------------------------------------------------------
