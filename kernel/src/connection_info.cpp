@@ -8,8 +8,9 @@ namespace cellblock::kernel {
 
 ConnectionInfo ConnectionInfo::load(const std::filesystem::path& file) {
     std::ifstream input(file);
-    if (!input)
+    if (!input) {
         throw std::runtime_error("cannot read connection file " + file.string());
+    }
     const auto json = nlohmann::json::parse(input, nullptr, false);
     if (json.is_discarded() || !json.is_object()) {
         throw std::runtime_error("connection file " + file.string() + " is not a JSON object");

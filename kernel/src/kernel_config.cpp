@@ -29,16 +29,18 @@ double parse_number(const std::string& name, const std::string& text) {
 KernelConfig::EnvironmentLookup KernelConfig::process_environment() {
     return [](const std::string& name) -> std::optional<std::string> {
         const char* value = std::getenv(name.c_str());
-        if (value == nullptr || *value == '\0')
+        if (value == nullptr || *value == '\0') {
             return std::nullopt;
+        }
         return std::string(value);
     };
 }
 
 KernelConfig KernelConfig::load(const std::filesystem::path& file, const EnvironmentLookup& environment) {
     std::ifstream input(file);
-    if (!input)
+    if (!input) {
         throw ConfigError("cannot read kernel config " + file.string());
+    }
     const auto json = nlohmann::json::parse(input, nullptr, false);
     if (json.is_discarded() || !json.is_object()) {
         throw ConfigError("kernel config " + file.string() + " is not a JSON object");
@@ -63,11 +65,13 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
     } catch (const nlohmann::json::exception& error) {
         throw ConfigError("kernel config " + file.string() + ": " + error.what());
     }
-    if (!config.python.is_absolute())
+    if (!config.python.is_absolute()) {
         throw ConfigError("worker.python must be an absolute path");
+    }
 
-    if (auto value = environment("CELLBLOCK_WORKSPACE"))
+    if (auto value = environment("CELLBLOCK_WORKSPACE")) {
         config.workspace = std::filesystem::path(*value);
+    }
     if (auto value = environment("CELLBLOCK_TIMEOUT_S")) {
         config.limits.timeout_s = parse_number("CELLBLOCK_TIMEOUT_S", *value);
     }

@@ -11,15 +11,19 @@ namespace {
 
 LogLevel threshold_from_environment() noexcept {
     const char* value = std::getenv("CELLBLOCK_LOG");
-    if (value == nullptr)
+    if (value == nullptr) {
         return LogLevel::warning;
+    }
     const std::string_view level(value);
-    if (level == "debug")
+    if (level == "debug") {
         return LogLevel::debug;
-    if (level == "info")
+    }
+    if (level == "info") {
         return LogLevel::info;
-    if (level == "error")
+    }
+    if (level == "error") {
         return LogLevel::error;
+    }
     return LogLevel::warning;
 }
 
@@ -46,8 +50,9 @@ bool log_enabled(LogLevel level) noexcept {
 }
 
 void log_event(LogLevel level, std::string_view event, const nlohmann::json& fields) {
-    if (!log_enabled(level))
+    if (!log_enabled(level)) {
         return;
+    }
     nlohmann::json line = {
         {"ts", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()},
         {"level", level_name(level)},
@@ -55,8 +60,9 @@ void log_event(LogLevel level, std::string_view event, const nlohmann::json& fie
         {"pid", ::getpid()},
         {"event", std::string(event)}};
     if (fields.is_object()) {
-        for (const auto& [key, value] : fields.items())
+        for (const auto& [key, value] : fields.items()) {
             line[key] = value;
+        }
     }
     std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     text.push_back('\n');

@@ -47,8 +47,9 @@ constexpr const char* cellblock_version = CELLBLOCK_VERSION;
 // "3.11.2" from `python --version` (kernel_info must not wait for the worker to start).
 std::string probe_python_version(const std::filesystem::path& python) {
     std::array<int, 2> pipe_fds{};
-    if (::pipe2(pipe_fds.data(), O_CLOEXEC) != 0)
+    if (::pipe2(pipe_fds.data(), O_CLOEXEC) != 0) {
         return "3";
+    }
     UniqueFd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
@@ -71,19 +72,22 @@ std::string probe_python_version(const std::filesystem::path& python) {
     if (failed == 0) {
         std::array<char, 256> buffer{};
         ssize_t got = 0;
-        while ((got = ::read(read_end.get(), buffer.data(), buffer.size())) > 0)
+        while ((got = ::read(read_end.get(), buffer.data(), buffer.size())) > 0) {
             output.append(buffer.data(), got);
+        }
         int status = 0;
         while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
         }
     }
     // "Python 3.11.2\n"
     const auto space = output.find(' ');
-    if (space == std::string::npos)
+    if (space == std::string::npos) {
         return "3";
+    }
     std::string version = output.substr(space + 1);
-    while (!version.empty() && (version.back() == '\n' || version.back() == '\r'))
+    while (!version.empty() && (version.back() == '\n' || version.back() == '\r')) {
         version.pop_back();
+    }
     return version.empty() ? "3" : version;
 }
 
@@ -99,8 +103,9 @@ class ExitPath {
     [[noreturn]] void leave(int code) {
         std::call_once(once_, [this] {
             supervisor_.shutdown();
-            if (workspace_)
+            if (workspace_) {
                 workspace_->remove();
+            }
             runtime_.remove();
         });
         ::_exit(code);
@@ -195,8 +200,9 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     sweep_abandoned_kernel_dirs("/tmp", "cbk-", runtime.path());
     log_event(LogLevel::info, "kernel_started", {{"shell", connection.endpoint(connection.shell_port)}});
     // xeus prints its version on std::clog at start; keep stderr for our structured log lines.
-    if (!log_enabled(LogLevel::debug))
+    if (!log_enabled(LogLevel::debug)) {
         std::clog.rdbuf(nullptr);
+    }
     kernel.start();  // does not return: xeus ends the process with std::exit
     exit_path.leave(0);
 }

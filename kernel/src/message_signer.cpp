@@ -40,24 +40,28 @@ std::string to_hex(const unsigned char* bytes, std::size_t size) {
 
 MessageSigner::MessageSigner(std::string_view scheme, std::string key)
     : key_(std::move(key)), mac_(std::make_unique<Mac>()) {
-    if (key_.empty())
+    if (key_.empty()) {
         return;
+    }
     constexpr std::string_view prefix = "hmac-";
     if (scheme.substr(0, prefix.size()) != prefix) {
         throw std::invalid_argument("unsupported signature scheme '" + std::string(scheme) + "'");
     }
     std::string digest(scheme.substr(prefix.size()));
     EVP_MD* md = EVP_MD_fetch(nullptr, digest.c_str(), nullptr);
-    if (md == nullptr)
+    if (md == nullptr) {
         throw std::invalid_argument("unknown digest in signature scheme '" + std::string(scheme) + "'");
+    }
     EVP_MD_free(md);
 
     mac_->mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
-    if (mac_->mac == nullptr)
+    if (mac_->mac == nullptr) {
         throw std::runtime_error("OpenSSL has no HMAC implementation");
+    }
     mac_->keyed = EVP_MAC_CTX_new(mac_->mac);
-    if (mac_->keyed == nullptr)
+    if (mac_->keyed == nullptr) {
         throw std::runtime_error("EVP_MAC_CTX_new failed");
+    }
     OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest.data(), 0),
                            OSSL_PARAM_construct_end()};
     if (EVP_MAC_init(mac_->keyed, reinterpret_cast<const unsigned char*>(key_.data()), key_.size(), params) !=
@@ -69,11 +73,13 @@ MessageSigner::MessageSigner(std::string_view scheme, std::string key)
 MessageSigner::~MessageSigner() = default;
 
 std::string MessageSigner::sign(const SignedParts& parts) const {
-    if (!enabled())
+    if (!enabled()) {
         return {};
+    }
     std::unique_ptr<EVP_MAC_CTX, MacCtxDeleter> ctx(EVP_MAC_CTX_dup(mac_->keyed));
-    if (!ctx)
+    if (!ctx) {
         throw std::runtime_error("EVP_MAC_CTX_dup failed");
+    }
     for (const auto part : parts) {
         if (EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(part.data()), part.size()) !=
             1) {
@@ -82,14 +88,16 @@ std::string MessageSigner::sign(const SignedParts& parts) const {
     }
     unsigned char digest[EVP_MAX_MD_SIZE];
     std::size_t length = 0;
-    if (EVP_MAC_final(ctx.get(), digest, &length, sizeof(digest)) != 1)
+    if (EVP_MAC_final(ctx.get(), digest, &length, sizeof(digest)) != 1) {
         throw std::runtime_error("EVP_MAC_final failed");
+    }
     return to_hex(digest, length);
 }
 
 bool MessageSigner::verify(std::string_view signature, const SignedParts& parts) const {
-    if (!enabled())
+    if (!enabled()) {
         return true;
+    }
     const std::string expected = sign(parts);
     // Exact length first (rejects a valid signature with junk appended), then a constant-time compare.
     return signature.size() == expected.size() &&
@@ -98,8 +106,9 @@ bool MessageSigner::verify(std::string_view signature, const SignedParts& parts)
 
 bool ReplayFilter::first_time(std::string_view signature) {
     std::string key(signature);
-    if (seen_.contains(key))
+    if (seen_.contains(key)) {
         return false;
+    }
     seen_.insert(key);
     order_.push_back(std::move(key));
     if (order_.size() > capacity_) {

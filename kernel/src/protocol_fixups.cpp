@@ -13,18 +13,21 @@ Fixup fix_outbound(WireChannel channel, std::string_view msg_type, nlohmann::jso
     if (channel == WireChannel::iopub) {
         return msg_type == "interrupt" ? Fixup::drop : Fixup::unchanged;
     }
-    if (!content.is_object())
+    if (!content.is_object()) {
         return Fixup::unchanged;
+    }
     if (channel == WireChannel::stdin_channel && msg_type == "input_request") {
-        if (!content.contains("pwd"))
+        if (!content.contains("pwd")) {
             return Fixup::unchanged;
+        }
         content["password"] = content["pwd"].is_boolean() && content["pwd"].get<bool>();
         content.erase("pwd");
         return Fixup::modified;
     }
     if (msg_type == "interrupt_reply") {
-        if (content.contains("status"))
+        if (content.contains("status")) {
             return Fixup::unchanged;
+        }
         content["status"] = "ok";
         return Fixup::modified;
     }

@@ -54,8 +54,9 @@ class InputWatchdog {
             stopped_ = true;
         }
         changed_.notify_all();
-        if (thread_.joinable())
+        if (thread_.joinable()) {
             thread_.join();
+        }
         return fired_;
     }
 
@@ -107,13 +108,15 @@ PythonInterpreter::PythonInterpreter(WorkerSupervisor& supervisor, HistoryManage
 }
 
 void PythonInterpreter::publish_text(const std::string& name, const std::string& text, Exchange& exchange) {
-    if (!exchange.publish || text.empty() || exchange.truncated)
+    if (!exchange.publish || text.empty() || exchange.truncated) {
         return;
+    }
     if (exchange.output_cap != 0 && exchange.published_bytes + text.size() > exchange.output_cap) {
         const auto room = static_cast<std::size_t>(exchange.output_cap - exchange.published_bytes);
         const auto part = utf8_prefix(text, room);
-        if (!part.empty())
+        if (!part.empty()) {
             publish_stream(name, std::string(part));
+        }
         note_truncation(exchange);
         return;
     }
@@ -121,11 +124,13 @@ void PythonInterpreter::publish_text(const std::string& name, const std::string&
     publish_stream(name, text);
 }
 
-void PythonInterpreter::queue_text(const std::string& name, std::string text, Exchange& exchange) {
-    if (text.empty())
+void PythonInterpreter::queue_text(const std::string& name, const std::string& text, Exchange& exchange) {
+    if (text.empty()) {
         return;
-    if (!exchange.pending_text.empty() && exchange.pending_name != name)
+    }
+    if (!exchange.pending_text.empty() && exchange.pending_name != name) {
         flush_text(exchange);
+    }
     exchange.pending_name = name;
     exchange.pending_text += text;
     if (exchange.pending_text.size() >= read_chunk_bytes) {
@@ -137,16 +142,18 @@ void PythonInterpreter::queue_text(const std::string& name, std::string text, Ex
 
 void PythonInterpreter::flush_text(Exchange& exchange) {
     exchange.flush_at = Clock::time_point::max();
-    if (exchange.pending_text.empty())
+    if (exchange.pending_text.empty()) {
         return;
+    }
     const std::string text = std::move(exchange.pending_text);
     exchange.pending_text.clear();
     publish_text(exchange.pending_name, text, exchange);
 }
 
 void PythonInterpreter::note_truncation(Exchange& exchange) {
-    if (exchange.truncated)
+    if (exchange.truncated) {
         return;
+    }
     exchange.truncated = true;
     exchange.published_bytes = exchange.output_cap;
     publish_stream("stderr", "\n[cellblock] Output truncated: this cell produced more than " +
@@ -155,10 +162,12 @@ void PythonInterpreter::note_truncation(Exchange& exchange) {
 }
 
 bool PythonInterpreter::admit_rich_output(const nl::json& data, Exchange& exchange) {
-    if (!exchange.publish || exchange.truncated)
+    if (!exchange.publish || exchange.truncated) {
         return false;
-    if (exchange.output_cap == 0)
+    }
+    if (exchange.output_cap == 0) {
         return true;
+    }
     const std::size_t size = data.dump(-1, ' ', false, nl::json::error_handler_t::replace).size();
     if (exchange.published_bytes + size > exchange.output_cap) {
         note_truncation(exchange);
@@ -190,8 +199,9 @@ void PythonInterpreter::drain_streams(LiveWorker& worker, Exchange& exchange) {
     for (int round = 0; round < 4096; ++round) {
         std::array<pollfd, 2> fds = {{{exchange.stdout_open ? worker.stdout_fd() : -1, POLLIN, 0},
                                       {exchange.stderr_open ? worker.stderr_fd() : -1, POLLIN, 0}}};
-        if (::poll(fds.data(), fds.size(), 0) <= 0)
+        if (::poll(fds.data(), fds.size(), 0) <= 0) {
             break;
+        }
         bool any = false;
         if (fds[0].revents & (POLLIN | POLLHUP)) {
             read_stream(worker, false, exchange);
@@ -201,8 +211,9 @@ void PythonInterpreter::drain_streams(LiveWorker& worker, Exchange& exchange) {
             read_stream(worker, true, exchange);
             any = true;
         }
-        if (!any)
+        if (!any) {
             break;
+        }
     }
     flush_text(exchange);
 }
@@ -240,12 +251,14 @@ void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json&
 
 bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& message, Exchange& exchange) {
     const std::string type = message["type"].get<std::string>();
-    if (type == "reply")
+    if (type == "reply") {
         return true;
+    }
     if (type == "display_data" || type == "update_display_data") {
         nl::json data = message.value("data", nl::json::object());
-        if (!admit_rich_output(data, exchange))
+        if (!admit_rich_output(data, exchange)) {
             return false;
+        }
         nl::json metadata = message.value("metadata", nl::json::object());
         nl::json transient = message.value("transient", nl::json::object());
         if (type == "display_data") {
@@ -254,20 +267,23 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
             update_display_data(std::move(data), std::move(metadata), std::move(transient));
         }
     } else if (type == "clear_output") {
-        if (exchange.publish)
+        if (exchange.publish) {
             clear_output(message.value("wait", false));
+        }
     } else if (type == "execute_result") {
         nl::json data = message.value("data", nl::json::object());
         if (data.contains("text/plain") && data["text/plain"].is_string()) {
             exchange.result_text = data["text/plain"].get<std::string>();
         }
-        if (!admit_rich_output(data, exchange))
+        if (!admit_rich_output(data, exchange)) {
             return false;
+        }
         publish_execution_result(exchange.execution_count, std::move(data),
                                  message.value("metadata", nl::json::object()));
     } else if (type == "error") {
-        if (!exchange.publish)
+        if (!exchange.publish) {
             return false;
+        }
         std::string ename = message.value("ename", std::string("Error"));
         std::string evalue = message.value("evalue", std::string());
         if (exchange.timed_out) {
@@ -290,8 +306,9 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
 PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exchange) {
     std::string error;
     auto worker = supervisor_.acquire(settings_.worker_start_timeout, error);
-    if (!worker)
+    if (!worker) {
         return {Ending::Kind::unavailable, nullptr, error};
+    }
 
     const std::uint64_t id = ++next_request_id_;
     request["id"] = id;
@@ -319,8 +336,9 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
             worker->kill();
         }
         auto next_event = exchange.timed_out ? exchange.kill_at : exchange.deadline;
-        if (exchange.killed_for_timeout)
+        if (exchange.killed_for_timeout) {
             next_event = never;
+        }
         next_event = std::min(next_event, exchange.flush_at);
         int wait_ms = -1;
         if (next_event != never) {
@@ -333,8 +351,9 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
                                       {worker->pidfd(), POLLIN, 0}}};
         const int ready = ::poll(fds.data(), fds.size(), wait_ms);
         if (ready < 0) {
-            if (errno == EINTR)
+            if (errno == EINTR) {
                 continue;
+            }
             log_event(LogLevel::error, "poll_failed", {{"errno", errno}});
             worker->kill();
         }
@@ -369,17 +388,21 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
                 // The worker closed its end: it is exiting. Make sure it does, then report why.
                 channel_open = false;
                 if (fds[3].revents == 0) {
-                    if (!worker->wait_for(std::chrono::milliseconds(500)))
+                    if (!worker->wait_for(std::chrono::milliseconds(500))) {
                         worker->kill();
+                    }
                 }
             }
         }
-        if (fds[1].revents & (POLLIN | POLLHUP))
+        if (fds[1].revents & (POLLIN | POLLHUP)) {
             read_stream(*worker, false, exchange);
-        if (fds[2].revents & (POLLIN | POLLHUP))
+        }
+        if (fds[2].revents & (POLLIN | POLLHUP)) {
             read_stream(*worker, true, exchange);
-        if (Clock::now() >= exchange.flush_at)
+        }
+        if (Clock::now() >= exchange.flush_at) {
             flush_text(exchange);
+        }
         if (fds[3].revents != 0) {
             drain_streams(*worker, exchange);
             const auto outcome = supervisor_.retire(worker);
@@ -423,8 +446,9 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
         {"execution_count", execution_counter}};
     const Ending ending = run(std::move(request), exchange);
 
-    if (store_history && !silent)
+    if (store_history && !silent) {
         history_.record(execution_counter, code, exchange.result_text);
+    }
 
     if (ending.kind != Ending::Kind::reply) {
         const std::string ename =
@@ -433,8 +457,9 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
                                        ? ending.reason + "; the next execution starts a fresh Python worker"
                                        : ending.reason;
         const std::vector<std::string> traceback = {ename + ": " + evalue};
-        if (!silent)
+        if (!silent) {
             publish_execution_error(ename, evalue, traceback);
+        }
         return make_error_reply(ename, evalue, traceback);
     }
     const nl::json& content = ending.content;
@@ -450,8 +475,9 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
         evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) +
                  " s and was interrupted";
     }
-    if (!exchange.error_published && !silent)
+    if (!exchange.error_published && !silent) {
         publish_execution_error(ename, evalue, traceback_lines(traceback));
+    }
     return make_error_reply(ename, evalue, traceback);
 } catch (const std::exception& failure) {
     // xeus swallows exceptions from handlers and then sends no reply at all; answer with an error instead.
@@ -506,8 +532,9 @@ nl::json PythonInterpreter::is_complete_request_impl(const std::string& code) tr
 
 nl::json PythonInterpreter::kernel_info_request_impl() {
     KernelIdentity identity = settings_.identity;
-    if (auto version = supervisor_.worker_python_version())
+    if (auto version = supervisor_.worker_python_version()) {
         identity.python_version = *version;
+    }
     return make_kernel_info_reply(identity);
 }
 

@@ -50,7 +50,7 @@ class PythonInterpreter final : public xeus::xinterpreter {
     Ending run(nl::json request, Exchange& exchange);
     void read_stream(LiveWorker& worker, bool is_stderr, Exchange& exchange);
     void drain_streams(LiveWorker& worker, Exchange& exchange);
-    void queue_text(const std::string& name, std::string text, Exchange& exchange);
+    void queue_text(const std::string& name, const std::string& text, Exchange& exchange);
     void flush_text(Exchange& exchange);
     void publish_text(const std::string& name, const std::string& text, Exchange& exchange);
     bool admit_rich_output(const nl::json& data, Exchange& exchange);

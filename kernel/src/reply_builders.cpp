@@ -17,10 +17,12 @@ nlohmann::json make_execute_ok_reply(nlohmann::json payload, nlohmann::json user
 
 std::vector<std::string> traceback_lines(const nlohmann::json& traceback) {
     std::vector<std::string> lines;
-    if (!traceback.is_array())
+    if (!traceback.is_array()) {
         return lines;
-    for (const auto& line : traceback)
+    }
+    for (const auto& line : traceback) {
         lines.push_back(line.is_string() ? line.get<std::string>() : line.dump());
+    }
     return lines;
 }
 

@@ -27,8 +27,9 @@ PrivateDirectory::~PrivateDirectory() {
 }
 
 void PrivateDirectory::remove() noexcept {
-    if (path_.empty())
+    if (path_.empty()) {
         return;
+    }
     std::error_code ignored;
     std::filesystem::remove_all(path_, ignored);
     path_.clear();
@@ -73,24 +74,30 @@ void sweep_abandoned_kernel_dirs(const std::filesystem::path& parent, const std:
     std::error_code error;
     for (const auto& entry : std::filesystem::directory_iterator(parent, error)) {
         const auto& path = entry.path();
-        if (path == keep || path.filename().string().rfind(prefix, 0) != 0)
+        if (path == keep || path.filename().string().rfind(prefix, 0) != 0) {
             continue;
+        }
         struct stat info {};
         // Ours only: a directory (not a symlink) owned by this uid.
-        if (::lstat(path.c_str(), &info) != 0 || !S_ISDIR(info.st_mode) || info.st_uid != ::geteuid())
+        if (::lstat(path.c_str(), &info) != 0 || !S_ISDIR(info.st_mode) || info.st_uid != ::geteuid()) {
             continue;
+        }
         std::ifstream input(path / owner_file);
-        if (!input)
+        if (!input) {
             continue;
+        }
         const auto marker = nlohmann::json::parse(input, nullptr, false);
-        if (!marker.is_object() || !marker.contains("pid") || !marker["pid"].is_number_integer())
+        if (!marker.is_object() || !marker.contains("pid") || !marker["pid"].is_number_integer()) {
             continue;
-        if (!process_gone(marker["pid"].get<pid_t>()))
+        }
+        if (!process_gone(marker["pid"].get<pid_t>())) {
             continue;
+        }
         const std::filesystem::path workspace = marker.value("workspace", std::string());
         std::error_code ignored;
-        if (!workspace.empty() && is_private_workspace_name(workspace))
+        if (!workspace.empty() && is_private_workspace_name(workspace)) {
             std::filesystem::remove_all(workspace, ignored);
+        }
         std::filesystem::remove_all(path, ignored);
         log_event(LogLevel::info, "swept_abandoned_kernel_dir",
                   {{"path", path.string()}, {"workspace", workspace.string()}});

@@ -33,19 +33,23 @@ SignalRouter::SignalRouter(std::function<void()> on_interrupt, std::function<voi
         const sigset_t set = kernel_signals();
         while (true) {
             int signo = 0;
-            if (sigwait(&set, &signo) != 0)
+            if (sigwait(&set, &signo) != 0) {
                 continue;
-            if (signo == SIGUSR2)
+            }
+            if (signo == SIGUSR2) {
                 return;
+            }
             if (signo == SIGINT) {
                 log_event(LogLevel::debug, "signal", {{"signal", "SIGINT"}});
-                if (on_interrupt_)
+                if (on_interrupt_) {
                     on_interrupt_();
+                }
                 continue;
             }
             log_event(LogLevel::info, "signal", {{"signal", signo}});
-            if (on_terminate_)
+            if (on_terminate_) {
                 on_terminate_(signo);
+            }
         }
     });
 }

@@ -13,8 +13,9 @@ class UniqueFd {
     explicit UniqueFd(int fd) noexcept : fd_(fd) {}
     UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
     UniqueFd& operator=(UniqueFd&& other) noexcept {
-        if (this != &other)
+        if (this != &other) {
             reset(std::exchange(other.fd_, -1));
+        }
         return *this;
     }
     UniqueFd(const UniqueFd&) = delete;
@@ -24,8 +25,9 @@ class UniqueFd {
     int get() const noexcept { return fd_; }
     explicit operator bool() const noexcept { return fd_ >= 0; }
     void reset(int fd = -1) noexcept {
-        if (fd_ >= 0)
+        if (fd_ >= 0) {
             ::close(fd_);
+        }
         fd_ = fd;
     }
 

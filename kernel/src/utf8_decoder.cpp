@@ -11,14 +11,18 @@ bool is_continuation(unsigned char byte) noexcept {
 
 // Expected length of a sequence starting with `lead`, 0 if `lead` cannot start one.
 std::size_t sequence_length(unsigned char lead) noexcept {
-    if (lead < 0x80)
+    if (lead < 0x80) {
         return 1;
-    if (lead >= 0xC2 && lead <= 0xDF)
+    }
+    if (lead >= 0xC2 && lead <= 0xDF) {
         return 2;
-    if (lead >= 0xE0 && lead <= 0xEF)
+    }
+    if (lead >= 0xE0 && lead <= 0xEF) {
         return 3;
-    if (lead >= 0xF0 && lead <= 0xF4)
+    }
+    if (lead >= 0xF0 && lead <= 0xF4) {
         return 4;
+    }
     return 0;  // continuation byte, overlong lead (C0, C1) or beyond U+10FFFF (F5..FF)
 }
 
@@ -57,8 +61,9 @@ std::string Utf8StreamDecoder::feed(std::string_view bytes) {
         if (lead < 0x80) {
             // Fast path for ASCII runs.
             std::size_t end = i + 1;
-            while (end < data.size() && static_cast<unsigned char>(data[end]) < 0x80)
+            while (end < data.size() && static_cast<unsigned char>(data[end]) < 0x80) {
                 ++end;
+            }
             output.append(data.substr(i, end - i));
             i = end;
             continue;
@@ -74,8 +79,9 @@ std::string Utf8StreamDecoder::feed(std::string_view bytes) {
         while (valid < length && i + valid < data.size()) {
             const auto byte = static_cast<unsigned char>(data[i + valid]);
             const bool ok = valid == 1 ? second_byte_ok(lead, byte) : is_continuation(byte);
-            if (!ok)
+            if (!ok) {
                 break;
+            }
             ++valid;
         }
         if (valid == length) {
@@ -94,18 +100,21 @@ std::string Utf8StreamDecoder::feed(std::string_view bytes) {
 }
 
 std::string Utf8StreamDecoder::finish() {
-    if (pending_.empty())
+    if (pending_.empty()) {
         return {};
+    }
     pending_.clear();
     return std::string(replacement);
 }
 
 std::string_view utf8_prefix(std::string_view text, std::size_t max_bytes) noexcept {
-    if (text.size() <= max_bytes)
+    if (text.size() <= max_bytes) {
         return text;
+    }
     std::size_t end = max_bytes;
-    while (end > 0 && is_continuation(static_cast<unsigned char>(text[end])))
+    while (end > 0 && is_continuation(static_cast<unsigned char>(text[end]))) {
         --end;
+    }
     return text.substr(0, end);
 }
 

@@ -28,8 +28,9 @@ std::string_view view(const zmq::message_t& frame) {
 
 std::optional<std::size_t> find_delimiter(const std::vector<std::string_view>& frames) {
     for (std::size_t i = 0; i < frames.size(); ++i) {
-        if (frames[i] == delimiter_frame)
+        if (frames[i] == delimiter_frame) {
             return i;
+        }
     }
     return std::nullopt;
 }
@@ -37,8 +38,9 @@ std::optional<std::size_t> find_delimiter(const std::vector<std::string_view>& f
 std::vector<std::string_view> views(const std::vector<zmq::message_t>& frames) {
     std::vector<std::string_view> result;
     result.reserve(frames.size());
-    for (const auto& frame : frames)
+    for (const auto& frame : frames) {
         result.push_back(view(frame));
+    }
     return result;
 }
 
@@ -57,12 +59,15 @@ std::string utc_now_iso8601() {
 }
 
 bool might_need_fixup(WireChannel channel, std::string_view msg_type, std::string_view content) {
-    if (channel == WireChannel::iopub)
+    if (channel == WireChannel::iopub) {
         return false;  // only msg_type matters there
-    if (channel == WireChannel::stdin_channel)
+    }
+    if (channel == WireChannel::stdin_channel) {
         return msg_type == "input_request";
-    if (msg_type == "interrupt_reply")
+    }
+    if (msg_type == "interrupt_reply") {
         return true;
+    }
     // Cheap pre-filter so large replies are not parsed: only error replies without ename are rewritten.
     return content.find("\"error\"") != std::string_view::npos &&
            content.find("\"ename\"") == std::string_view::npos;
@@ -141,12 +146,15 @@ struct WireGuard::Sockets {
     bool open = true;
 
     void close_all() {
-        if (!open)
+        if (!open) {
             return;
-        for (auto& socket : routers)
+        }
+        for (auto& socket : routers) {
             socket.close();
-        for (auto& socket : dealers)
+        }
+        for (auto& socket : dealers) {
             socket.close();
+        }
         publisher.close();
         heartbeat.close();
         subscriber.close();
@@ -192,8 +200,9 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
 
 WireGuard::~WireGuard() {
     if (thread_.joinable()) {
-        if (sockets_->open)
+        if (sockets_->open) {
             sockets_->stop_sender.send(zmq::str_buffer("stop"), zmq::send_flags::dontwait);
+        }
         thread_.join();
     }
     std::lock_guard lock(wake_mutex_);
@@ -206,13 +215,15 @@ void WireGuard::start() {
 
 void WireGuard::interrupt_pending_input() {
     std::lock_guard lock(wake_mutex_);
-    if (sockets_->open)
+    if (sockets_->open) {
         sockets_->wake_sender.send(zmq::str_buffer("interrupt"), zmq::send_flags::dontwait);
+    }
 }
 
 void WireGuard::release_pending_input() {
-    if (!pending_input_)
+    if (!pending_input_) {
         return;
+    }
     const nlohmann::json header = {{"msg_id", std::string(xeus::new_xguid().c_str())},
                                    {"username", "cellblock"},
                                    {"session", session_id_},
@@ -220,8 +231,9 @@ void WireGuard::release_pending_input() {
                                    {"msg_type", "input_reply"},
                                    {"version", "5.3"}};
     std::vector<zmq::message_t> message;
-    for (const auto& identity : pending_input_->identities)
+    for (const auto& identity : pending_input_->identities) {
         message.emplace_back(identity.data(), identity.size());
+    }
     const std::string header_text = header.dump();
     const std::string content = R"({"value":""})";
     message.emplace_back(delimiter_frame.data(), delimiter_frame.size());
@@ -252,29 +264,40 @@ void WireGuard::run() noexcept {
     while (s.open) {
         try {
             zmq::poll(items.data(), items.size(), std::chrono::milliseconds(-1));
-            if (items[8].revents & ZMQ_POLLIN)
+            if (items[8].revents & ZMQ_POLLIN) {
                 return;
+            }
             // Control first: an interrupt or shutdown must not queue behind shell traffic.
-            if (items[1].revents & ZMQ_POLLIN)
+            if (items[1].revents & ZMQ_POLLIN) {
                 relay_inbound(control);
-            if (!s.open)
+            }
+            if (!s.open) {
                 return;
-            if (items[4].revents & ZMQ_POLLIN)
+            }
+            if (items[4].revents & ZMQ_POLLIN) {
                 relay_outbound(control);
-            if (items[0].revents & ZMQ_POLLIN)
+            }
+            if (items[0].revents & ZMQ_POLLIN) {
                 relay_inbound(shell);
-            if (!s.open)
+            }
+            if (!s.open) {
                 return;
-            if (items[2].revents & ZMQ_POLLIN)
+            }
+            if (items[2].revents & ZMQ_POLLIN) {
                 relay_inbound(stdin_channel);
-            if (items[3].revents & ZMQ_POLLIN)
+            }
+            if (items[3].revents & ZMQ_POLLIN) {
                 relay_outbound(shell);
-            if (items[5].revents & ZMQ_POLLIN)
+            }
+            if (items[5].revents & ZMQ_POLLIN) {
                 relay_outbound(stdin_channel);
-            if (items[6].revents & ZMQ_POLLIN)
+            }
+            if (items[6].revents & ZMQ_POLLIN) {
                 relay_outbound(iopub);
-            if (items[7].revents & ZMQ_POLLIN)
+            }
+            if (items[7].revents & ZMQ_POLLIN) {
                 echo_heartbeat();
+            }
             if (items[9].revents & ZMQ_POLLIN) {
                 zmq::message_t wake;
                 while (s.wake_receiver.recv(wake, zmq::recv_flags::dontwait)) {
@@ -282,10 +305,12 @@ void WireGuard::run() noexcept {
                 release_pending_input();
             }
         } catch (const zmq::error_t& error) {
-            if (error.num() == EINTR)
+            if (error.num() == EINTR) {
                 continue;
-            if (error.num() == ETERM)
+            }
+            if (error.num() == ETERM) {
                 return;
+            }
             log_event(LogLevel::error, "wire_guard_error", {{"error", error.what()}});
         } catch (const std::exception& error) {
             // A single bad message must never stop the proxy.
@@ -305,8 +330,10 @@ void WireGuard::note_refusal(const InboundVerdict& verdict, const char* channel)
 void WireGuard::relay_inbound(int channel_index) {
     auto& s = *sockets_;
     std::vector<zmq::message_t> frames;
-    if (!zmq::recv_multipart(s.routers[channel_index], std::back_inserter(frames), zmq::recv_flags::dontwait))
+    if (!zmq::recv_multipart(s.routers[channel_index], std::back_inserter(frames),
+                             zmq::recv_flags::dontwait)) {
         return;
+    }
     const auto verdict = verifier_.check(views(frames));
     if (verdict.kind != InboundVerdict::Kind::accepted) {
         note_refusal(verdict, channel_names[channel_index]);
@@ -326,8 +353,9 @@ void WireGuard::relay_inbound(int channel_index) {
         pending_input_.reset();
     }
     if (verdict.msg_type == "interrupt_request") {
-        if (actions_.interrupt)
+        if (actions_.interrupt) {
             actions_.interrupt();
+        }
         release_pending_input();
     }
     zmq::send_multipart(s.dealers[channel_index], frames);
@@ -337,8 +365,9 @@ void WireGuard::relay_outbound(int channel_index) {
     auto& s = *sockets_;
     std::vector<zmq::message_t> frames;
     zmq::socket_t& from = channel_index == iopub ? s.subscriber : s.dealers[channel_index];
-    if (!zmq::recv_multipart(from, std::back_inserter(frames), zmq::recv_flags::dontwait))
+    if (!zmq::recv_multipart(from, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
         return;
+    }
     const auto frame_views = views(frames);
     const auto delimiter = find_delimiter(frame_views);
     if (!delimiter || frames.size() < *delimiter + 6) {
@@ -349,8 +378,9 @@ void WireGuard::relay_outbound(int channel_index) {
     const auto header = nlohmann::json::parse(frame_views[d + 2], nullptr, false);
     const std::string msg_type = header.is_object() ? header.value("msg_type", std::string()) : std::string();
     const WireChannel channel = wire_channels[channel_index];
-    if (msg_type == "interrupt" && channel == WireChannel::iopub)
+    if (msg_type == "interrupt" && channel == WireChannel::iopub) {
         return;  // xeus-only message
+    }
     bool aborted = false;
     if (might_need_fixup(channel, msg_type, frame_views[d + 5])) {
         auto content = nlohmann::json::parse(frame_views[d + 5], nullptr, false);
@@ -370,22 +400,26 @@ void WireGuard::relay_outbound(int channel_index) {
     const std::string parent_header(view(frames[d + 3]));
     if (channel == WireChannel::stdin_channel && msg_type == "input_request") {
         PendingInput pending;
-        for (std::size_t i = 0; i < d; ++i)
+        for (std::size_t i = 0; i < d; ++i) {
             pending.identities.emplace_back(view(frames[i]));
+        }
         pending.header = std::string(view(frames[d + 2]));
         pending_input_ = std::move(pending);
     }
-    if (aborted)
+    if (aborted) {
         publish_status(parent_header, "busy");
+    }
     zmq::send_multipart(to, frames);
-    if (aborted)
+    if (aborted) {
         publish_status(parent_header, "idle");
+    }
 }
 
 void WireGuard::echo_heartbeat() {
     std::vector<zmq::message_t> frames;
-    if (!zmq::recv_multipart(sockets_->heartbeat, std::back_inserter(frames), zmq::recv_flags::dontwait))
+    if (!zmq::recv_multipart(sockets_->heartbeat, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
         return;
+    }
     zmq::send_multipart(sockets_->heartbeat, frames, zmq::send_flags::dontwait);
 }
 
@@ -407,8 +441,9 @@ std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::mess
     if (identities.empty()) {
         message.emplace_back(msg_type.data(), msg_type.size());  // IOPub topic
     } else {
-        for (const auto& identity : identities)
+        for (const auto& identity : identities) {
             message.emplace_back(identity.data(), identity.size());
+        }
     }
     message.emplace_back(delimiter_frame.data(), delimiter_frame.size());
     message.emplace_back(signature.data(), signature.size());
@@ -432,8 +467,9 @@ void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::
     log_event(LogLevel::info, "shutdown_request", {{"restart", restart}});
     const std::string_view request_header = view(frames[delimiter + 2]);
     std::vector<zmq::message_t> identities;
-    for (std::size_t i = 0; i < delimiter; ++i)
+    for (std::size_t i = 0; i < delimiter; ++i) {
         identities.emplace_back(frames[i].data(), frames[i].size());
+    }
     publish_status(request_header, "busy");
     zmq::send_multipart(s.routers[channel_index], build_message(identities, request_header, "shutdown_reply",
                                                                 {{"status", "ok"}, {"restart", restart}}));
@@ -442,8 +478,9 @@ void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::
         std::lock_guard lock(wake_mutex_);  // the signal thread may be using wake_sender
         s.close_all();
     }
-    if (actions_.shutdown)
+    if (actions_.shutdown) {
         actions_.shutdown();
+    }
 }
 
 }  // namespace cellblock::kernel

@@ -26,14 +26,16 @@ std::runtime_error system_error(const std::string& what) {
 
 void set_nonblocking(int fd) {
     const int flags = ::fcntl(fd, F_GETFL);
-    if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
+    if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
         throw system_error("fcntl(O_NONBLOCK)");
+    }
 }
 
 void keep_tail(std::string& tail, const char* data, std::size_t size) {
     tail.append(data, size);
-    if (tail.size() > startup_tail_bytes)
+    if (tail.size() > startup_tail_bytes) {
         tail.erase(0, tail.size() - startup_tail_bytes);
+    }
 }
 
 }  // namespace
@@ -55,14 +57,16 @@ LiveWorker::~LiveWorker() {
 
 void LiveWorker::signal(int signo) {
     std::lock_guard lock(mutex_);
-    if (process_)
+    if (process_) {
         process_->signal(signo);
+    }
 }
 
 void LiveWorker::kill() {
     std::lock_guard lock(mutex_);
-    if (process_)
+    if (process_) {
         process_->kill();
+    }
 }
 
 void LiveWorker::terminate() {
@@ -72,22 +76,25 @@ void LiveWorker::terminate() {
 
 std::optional<sandbox::Outcome> LiveWorker::wait_for(std::chrono::milliseconds timeout) {
     std::lock_guard lock(mutex_);
-    if (!process_)
+    if (!process_) {
         return std::nullopt;
+    }
     return process_->wait_for(timeout);
 }
 
 WorkerSupervisor::WorkerSupervisor(WorkerLaunchSpec spec) : spec_(std::move(spec)) {}
 
 void WorkerSupervisor::start() {
-    if (!launcher_thread_.joinable())
+    if (!launcher_thread_.joinable()) {
         launcher_thread_ = std::thread([this] { launcher_loop(); });
+    }
 }
 
 WorkerSupervisor::~WorkerSupervisor() {
     shutdown();
-    if (launcher_thread_.joinable())
+    if (launcher_thread_.joinable()) {
         launcher_thread_.join();
+    }
 }
 
 void WorkerSupervisor::launcher_loop() {
@@ -95,8 +102,9 @@ void WorkerSupervisor::launcher_loop() {
     std::unique_lock lock(mutex_);
     while (true) {
         changed_.wait(lock, [this] { return launch_requested_ || state_ == State::stopped; });
-        if (state_ == State::stopped)
+        if (state_ == State::stopped) {
             break;
+        }
         launch_requested_ = false;
         state_ = State::starting;
         lock.unlock();
@@ -147,15 +155,18 @@ void WorkerSupervisor::launcher_loop() {
 
 std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& launcher) {
     std::array<int, 2> pair{};
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair.data()) != 0)
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair.data()) != 0) {
         throw system_error("socketpair");
+    }
     UniqueFd kernel_end(pair[0]), worker_end(pair[1]);
     std::array<int, 2> out{}, err{};
-    if (::pipe2(out.data(), O_CLOEXEC) != 0)
+    if (::pipe2(out.data(), O_CLOEXEC) != 0) {
         throw system_error("pipe2 (worker stdout)");
+    }
     UniqueFd out_read(out[0]), out_write(out[1]);
-    if (::pipe2(err.data(), O_CLOEXEC) != 0)
+    if (::pipe2(err.data(), O_CLOEXEC) != 0) {
         throw system_error("pipe2 (worker stderr)");
+    }
     UniqueFd err_read(err[0]), err_write(err[1]);
 
     sandbox::LaunchRequest request;
@@ -207,15 +218,17 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
         const int ready =
             ::poll(fds.data(), fds.size(), static_cast<int>(std::min<long long>(left.count(), 100)));
         if (ready < 0) {
-            if (errno == EINTR)
+            if (errno == EINTR) {
                 continue;
+            }
             throw system_error("poll (worker start-up)");
         }
         for (std::size_t i = 1; i <= 2; ++i) {
             if (fds[i].revents & (POLLIN | POLLHUP)) {
                 const ssize_t got = ::read(fds[i].fd, buffer.data(), buffer.size());
-                if (got > 0)
+                if (got > 0) {
                     keep_tail(tail, buffer.data(), static_cast<std::size_t>(got));
+                }
             }
         }
         if (fds[0].revents & (POLLIN | POLLHUP)) {
@@ -246,8 +259,9 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
 
 std::shared_ptr<LiveWorker> WorkerSupervisor::acquire(std::chrono::milliseconds timeout, std::string& error) {
     std::unique_lock lock(mutex_);
-    if (state_ == State::ready && current_)
+    if (state_ == State::ready && current_) {
         return current_;
+    }
     if (state_ == State::stopped) {
         error = "the kernel is shutting down";
         return nullptr;
@@ -260,8 +274,9 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::acquire(std::chrono::milliseconds 
     const bool settled = changed_.wait_for(lock, timeout, [this] {
         return (state_ == State::ready && current_) || state_ == State::failed || state_ == State::stopped;
     });
-    if (settled && state_ == State::ready)
+    if (settled && state_ == State::ready) {
         return current_;
+    }
     if (!settled) {
         error = "the Python worker did not start within " + std::to_string(timeout.count() / 1000) + " s";
     } else if (state_ == State::failed) {
@@ -313,14 +328,16 @@ void WorkerSupervisor::shutdown() {
     {
         std::lock_guard lock(mutex_);
         stopping_ = true;
-        if (state_ == State::stopped && !current_)
+        if (state_ == State::stopped && !current_) {
             return;
+        }
         state_ = State::stopped;
         worker = std::move(current_);
         changed_.notify_all();
     }
-    if (worker)
+    if (worker) {
         worker->terminate();
+    }
 }
 
 std::optional<std::string> WorkerSupervisor::take_lost_state_note() {
