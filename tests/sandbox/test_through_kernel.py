@@ -111,16 +111,23 @@ class LiveKernel:
         # that pattern would find it if it were reachable.
         runtime = workspace.parent / "jupyter-runtime"
         runtime.mkdir(parents=True, exist_ok=True)
-        self.manager.connection_file = str(runtime / f"kernel-{uuid.uuid4()}.json")
+        kernel_id = uuid.uuid4()
+        self.manager.connection_file = str(runtime / f"kernel-{kernel_id}.json")
         environment = dict(os.environ, CELLBLOCK_WORKSPACE=str(workspace))
         environment.update({name: str(value) for name, value in env.items()})
         # The kernel's structured log (stderr): a witness of what reached its public sockets.
-        self.log_path = runtime / "kernel.log"
+        self.log_path = runtime / f"kernel-{kernel_id}.log"
         self.log = open(self.log_path, "ab")
-        self.manager.start_kernel(env=environment, stderr=self.log)
-        self.client = self.manager.blocking_client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=START_TIMEOUT)
+        try:
+            self.manager.start_kernel(env=environment, stderr=self.log)
+            self.client = self.manager.blocking_client()
+            self.client.start_channels()
+            self.client.wait_for_ready(timeout=START_TIMEOUT)
+        except Exception as error:
+            if self.manager.has_kernel:
+                self.manager.shutdown_kernel(now=True)
+            self.log.close()
+            raise AssertionError(f"kernel did not start: {error}\n{self.log_path.read_text()[-3000:]}") from error
         self.pid = self.manager.provisioner.process.pid
 
     def execute(self, code, timeout=90):
@@ -400,6 +407,24 @@ def test_hmac_key_is_in_no_proc_file_environment_or_output(kernel):
     for part in ("environ", "cmdline"):
         assert key.encode() not in Path(f"/proc/{worker}/{part}").read_bytes()
     assert connection_file.encode() not in Path(f"/proc/{worker}/cmdline").read_bytes()
+    # ... nor anywhere in its memory (read from the host, which may: it is root).
+    scanned, control_found = 0, False
+    with open(f"/proc/{worker}/maps") as maps, open(f"/proc/{worker}/mem", "rb", buffering=0) as memory:
+        for line in maps:
+            addresses, permissions = line.split()[:2]
+            if not permissions.startswith("r") or line.rstrip().endswith(("[vvar]", "[vsyscall]")):
+                continue
+            start, end = (int(part, 16) for part in addresses.split("-"))
+            try:
+                memory.seek(start)
+                region = memory.read(end - start)
+            except OSError:
+                continue
+            scanned += len(region)
+            control_found = control_found or kernel.survivor.encode() in region
+            assert key.encode() not in region, f"the HMAC key is in the worker's memory at {addresses}"
+    # Control: a string the worker does hold (a variable set by an earlier cell) is found by the same scan.
+    assert control_found and scanned > 10 << 20, f"the scan of {scanned} bytes missed the worker's own data"
 
 
 def test_connection_file_cannot_be_found_or_opened(kernel):
