@@ -998,6 +998,10 @@ def test_background_processes_do_not_outlive_the_kernel(own_kernel):
     assert cell.result()["sleeper"] > 1
     uid = k.session_uid()
     heartbeat = k.workspace / "heartbeat"
+    deadline = time.monotonic() + 30
+    while not heartbeat.exists():
+        assert time.monotonic() < deadline, "the daemon never wrote its heartbeat"
+        time.sleep(0.1)
     assert heartbeat.stat().st_uid == uid, "the daemon's files belong to the session uid"
     names = [name for _, name in session_processes(uid)]
     assert any("sleep" in name for name in names) and len(names) >= 3, f"the attack should be running: {names}"
