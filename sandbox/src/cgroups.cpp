@@ -269,7 +269,20 @@ CgroupSession::~CgroupSession() {
     remove();
 }
 
+std::vector<fs::path> CgroupSession::self_join_files() const {
+    std::vector<fs::path> files;
+    if (version_ == CgroupHost::Version::v1) {
+        for (const auto& dir : dirs_) {
+            files.push_back(dir / "tasks");
+        }
+    }
+    return files;
+}
+
 void CgroupSession::add_process(pid_t pid) const {
+    if (version_ == CgroupHost::Version::v1) {
+        return;  // the child joined by itself
+    }
     for (const auto& dir : dirs_) {
         write_existing_file(dir / "cgroup.procs", std::to_string(pid));
     }

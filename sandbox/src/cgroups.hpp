@@ -39,6 +39,9 @@ class CgroupSession {
     static CgroupSession create(const CgroupHost& host, const std::string& name,
                                 const ResourceLimits& limits);
 
+    // v1: the "tasks" files the child writes itself into (see CgroupJoin); v2: empty, and the parent
+    // calls add_process.
+    std::vector<std::filesystem::path> self_join_files() const;
     void add_process(pid_t pid) const;
     bool memory_limit_hit() const;   // the OOM killer fired inside the session
     void kill_all() const noexcept;  // SIGKILL every process in the session's cgroups

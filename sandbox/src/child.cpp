@@ -2,6 +2,7 @@
 // allocate, lock or touch stdio: only system calls on data the parent prepared.
 #include "child.hpp"
 
+#include <fcntl.h>
 #include <linux/seccomp.h>
 #include <poll.h>
 #include <sched.h>
@@ -86,6 +87,17 @@ void run_child(const ChildPlan& plan) noexcept {
     }
     ::close(plan.sync_write_fd);
     ::close(plan.error_read_fd);
+
+    for (const auto& join : plan.cgroup_joins) {
+        const int fd = ::open(join.tasks_file.c_str(), O_WRONLY | O_CLOEXEC);
+        if (fd < 0) {
+            fail(join.step, errno);
+        }
+        if (::write(fd, "0", 1) != 1) {
+            fail(join.step, errno);
+        }
+        ::close(fd);
+    }
 
     // The mounts need no uid map (we hold every capability in our new user namespace from the start
     // and reach host files as the host uid we were cloned with), so they run while the parent writes

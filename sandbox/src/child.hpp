@@ -64,12 +64,21 @@ struct FdPlan {
     int step_close = 0;
 };
 
+// The child moves itself into a cgroup by writing "0" to its v1 "tasks" file: migrating only the
+// calling thread skips the global threadgroup lock (an RCU grace period, several ms on a busy host)
+// that a write of a pid to cgroup.procs takes.
+struct CgroupJoin {
+    std::string tasks_file;
+    int step = 0;
+};
+
 struct ChildPlan {
     int sync_read_fd = -1;    // the parent writes one byte when ids are mapped and cgroups joined
     int sync_write_fd = -1;   // the parent's end, closed in the child
     int error_write_fd = -1;  // CLOEXEC; ChildFailure goes here
     int error_read_fd = -1;   // the parent's end, closed in the child
 
+    std::vector<CgroupJoin> cgroup_joins;  // done first, while the host's cgroupfs is visible
     bool new_cgroup_namespace = true;
     int step_sync = 0, step_cgroupns = 0, step_setgroups = 0, step_hostname = 0, step_setsid = 0;
     int step_pdeathsig = 0, step_chdir = 0, step_execve = 0, step_sigmask = 0;

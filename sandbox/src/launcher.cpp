@@ -211,7 +211,7 @@ Process Launcher::launch(const LaunchRequest& request) {
     detail::StepNames steps;
     detail::ChildPlan plan;
     plan.step_pdeathsig = steps.add("prctl PR_SET_PDEATHSIG");
-    plan.step_sync = steps.add("wait for the launcher (id maps, cgroups)");
+    plan.step_sync = steps.add("wait for the launcher (id maps, v2 cgroups)");
     plan.step_cgroupns = steps.add("unshare the cgroup namespace");
     plan.step_hostname = steps.add("sethostname " + policy.hostname);
     plan.step_loopback = steps.add("bring up the loopback interface");
@@ -227,6 +227,10 @@ Process Launcher::launch(const LaunchRequest& request) {
     const std::string name = std::to_string(host_uid);  // unique while we hold the uid's lease
     impl->skeleton = detail::RootSkeleton::prepare(policy, name, request.workspace, steps, plan);
     impl->cgroups = detail::CgroupSession::create(state.cgroups, name, limits);
+    for (const auto& tasks_file : impl->cgroups.self_join_files()) {
+        plan.cgroup_joins.push_back(
+            {tasks_file.string(), steps.add("join cgroup " + tasks_file.parent_path().string())});
+    }
     detail::plan_rlimits(limits, steps, plan);
     detail::plan_credentials(state.user_namespaces ? policy.inside_uid : host_uid, steps, plan);
     if (!state.user_namespaces) {
