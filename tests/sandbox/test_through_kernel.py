@@ -10,6 +10,7 @@ another test suite leasing the same uid right after ours.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import json
 import os
@@ -666,6 +667,42 @@ def test_network_egress_reaches_no_host_listener(kernel, listeners):
     time.sleep(0.5)  # let a datagram in flight arrive
     for listener in (tcp_loopback, tcp_external, udp_loopback):
         assert listener.events == [], f"host listener {listener.address} saw {listener.events}"
+
+
+def test_host_unix_sockets_and_ipc_objects_are_unreachable(kernel, listeners, tmp_path):
+    token = secrets.token_hex(6)
+    abstract = listeners(socket.AF_UNIX, socket.SOCK_STREAM, f"\0cellblock-host-{token}")
+    pathname = listeners(socket.AF_UNIX, socket.SOCK_STREAM, str(tmp_path / "host.sock"))
+    os.chmod(tmp_path / "host.sock", 0o777)
+    # A SysV shared memory segment on the host, holding a secret.
+    libc = ctypes.CDLL(None, use_errno=True)
+    ipc_key = 0x0CE11000 + secrets.randbelow(0xFFF)
+    segment = libc.shmget(ipc_key, 4096, 0o1000 | 0o666)   # IPC_CREAT
+    assert segment >= 0, f"host shmget failed: errno {ctypes.get_errno()}"
+    try:
+        cell = kernel.attack(f"""
+            outcomes = {{}}
+            for name, address in [("abstract", "\\0cellblock-host-{token}"), ("pathname", {str(tmp_path / "host.sock")!r}),
+                                  ("docker", "/var/run/docker.sock"), ("dbus", "/run/dbus/system_bus_socket")]:
+                try:
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                        s.connect(address)
+                    outcomes[name] = "connected"
+                except OSError as error:
+                    outcomes[name] = errno.errorcode.get(error.errno)
+            libc.shmget.restype = ctypes.c_int
+            outcomes["shmget"] = "found" if libc.shmget({ipc_key}, 0, 0) >= 0 else errno.errorcode.get(ctypes.get_errno())
+            outcomes["shm_listing"] = open("/proc/sysvipc/shm").read().count("\\n")
+            report(**outcomes)
+        """)
+    finally:
+        libc.shmctl(segment, 0, None)   # IPC_RMID
+    result = cell.result()
+    assert result["abstract"] == "ECONNREFUSED", result   # another network namespace: not the host's name
+    assert result["pathname"] == result["docker"] == result["dbus"] == "ENOENT", result
+    assert result["shmget"] == "ENOENT" and result["shm_listing"] == 1, result   # header line only
+    time.sleep(0.3)
+    assert abstract.events == [] and pathname.events == []
 
 
 def test_dns_lookup_fails(kernel):
