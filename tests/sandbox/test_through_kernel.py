@@ -15,7 +15,6 @@ import glob
 import json
 import os
 import secrets
-import signal
 import socket
 import stat
 import subprocess
@@ -682,7 +681,8 @@ def test_host_unix_sockets_and_ipc_objects_are_unreachable(kernel, listeners, tm
     try:
         cell = kernel.attack(f"""
             outcomes = {{}}
-            for name, address in [("abstract", "\\0cellblock-host-{token}"), ("pathname", {str(tmp_path / "host.sock")!r}),
+            for name, address in [("abstract", "\\0cellblock-host-{token}"),
+                                  ("pathname", {str(tmp_path / "host.sock")!r}),
                                   ("docker", "/var/run/docker.sock"), ("dbus", "/run/dbus/system_bus_socket")]:
                 try:
                     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -691,7 +691,8 @@ def test_host_unix_sockets_and_ipc_objects_are_unreachable(kernel, listeners, tm
                 except OSError as error:
                     outcomes[name] = errno.errorcode.get(error.errno)
             libc.shmget.restype = ctypes.c_int
-            outcomes["shmget"] = "found" if libc.shmget({ipc_key}, 0, 0) >= 0 else errno.errorcode.get(ctypes.get_errno())
+            found = libc.shmget({ipc_key}, 0, 0) >= 0
+            outcomes["shmget"] = "found" if found else errno.errorcode.get(ctypes.get_errno())
             outcomes["shm_listing"] = open("/proc/sysvipc/shm").read().count("\\n")
             report(**outcomes)
         """)
