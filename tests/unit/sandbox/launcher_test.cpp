@@ -234,9 +234,11 @@ TEST_F(LauncherTest, CpuTimeLimitIsReportedAsSuch) {
                       "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"});
     sb::ResourceLimits limits = policy_.limits;
     limits.cpu_seconds = 1;
+    limits.cpu_cores = 0;  // no quota: only the CPU-time limit
     r.limits = limits;
     auto process = launcher.launch(r);
-    const auto outcome = process.wait_for(30s);
+    // Two CPU-seconds (soft limit ignored, hard limit one second later): generous for a loaded host.
+    const auto outcome = process.wait_for(100s);
     ASSERT_TRUE(outcome.has_value());
     EXPECT_EQ(outcome->reason, sb::Outcome::Reason::cpu_limit) << outcome->describe();
 }
