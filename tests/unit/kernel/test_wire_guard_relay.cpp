@@ -1,0 +1,210 @@
+// The wire guard between a client and a stand-in for xeus (plain zmq sockets on the private endpoints):
+// forwarding, re-signing, the xeus 2.4.1 fixups, stdin gating and shutdown, without a kernel or worker.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <zmq_addon.hpp>
+
+#include "message_signer.hpp"
+#include "wire_guard.hpp"
+
+namespace cellblock::kernel {
+namespace {
+
+using nlohmann::json;
+using Frames = std::vector<std::string>;
+
+Frames receive(zmq::socket_t& socket, int timeout_ms = 3000) {
+    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, std::chrono::milliseconds(timeout_ms)) <= 0) {
+        return {};
+    }
+    std::vector<zmq::message_t> messages;
+    (void)zmq::recv_multipart(socket, std::back_inserter(messages));
+    Frames frames;
+    for (const auto& message : messages) {
+        frames.emplace_back(message.to_string());
+    }
+    return frames;
+}
+
+void send(zmq::socket_t& socket, const Frames& frames) {
+    std::vector<zmq::message_t> messages;
+    for (const auto& frame : frames) {
+        messages.emplace_back(frame.data(), frame.size());
+    }
+    zmq::send_multipart(socket, messages);
+}
+
+std::size_t delimiter_of(const Frames& frames) {
+    return static_cast<std::size_t>(std::find(frames.begin(), frames.end(), "<IDS|MSG>") - frames.begin());
+}
+
+class WireGuardRelay : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        dir = std::filesystem::temp_directory_path() / ("cbk-relay-" + std::to_string(::getpid()));
+        std::filesystem::create_directories(dir);
+        const std::string base = "ipc://" + (dir / "x").string();
+        xeus_shell.bind(base + "-shell");
+        xeus_control.bind(base + "-control");
+        xeus_stdin.bind(base + "-stdin");
+        xeus_iopub.bind(base + "-iopub");
+        for (auto* socket : {&xeus_shell, &xeus_control, &xeus_stdin, &xeus_iopub}) {
+            socket->set(zmq::sockopt::linger, 0);
+        }
+        connection.transport = "ipc";
+        connection.ip = (dir / "public").string();
+        connection.shell_port = 1;
+        connection.control_port = 2;
+        connection.stdin_port = 3;
+        connection.iopub_port = 4;
+        connection.hb_port = 5;
+        connection.key = "relay-key";
+        guard = std::make_unique<WireGuard>(
+            connection,
+            PrivateEndpoints{base + "-shell", base + "-control", base + "-stdin", base + "-iopub"},
+            GuardActions{[this] { ++interrupts; }, [this] { ++shutdowns; }});
+        guard->start();
+        for (auto* socket : {&client_shell, &client_control, &client_stdin}) {
+            socket->set(zmq::sockopt::routing_id, "client-1");
+            socket->set(zmq::sockopt::linger, 0);
+        }
+        client_shell.connect(connection.endpoint(1));
+        client_control.connect(connection.endpoint(2));
+        client_stdin.connect(connection.endpoint(3));
+        client_iopub.set(zmq::sockopt::subscribe, "");
+        client_iopub.set(zmq::sockopt::linger, 0);
+        client_iopub.connect(connection.endpoint(4));
+    }
+    void TearDown() override {
+        guard.reset();
+        std::filesystem::remove_all(dir);
+    }
+
+    Frames signed_message(const std::string& msg_type, const json& content, const std::string& msg_id) {
+        const std::string header =
+            json{{"msg_id", msg_id}, {"msg_type", msg_type}, {"session", "s"},
+                 {"username", "u"},  {"version", "5.3"},     {"date", "2026-01-01T00:00:00Z"}}
+                .dump();
+        const std::string body = content.dump();
+        return {"<IDS|MSG>", signer.sign({header, "{}", "{}", body}), header, "{}", "{}", body};
+    }
+    // What xeus would send back for `request` (as the fake xeus ROUTER received it: identities first).
+    Frames xeus_reply(const Frames& request, const std::string& msg_type, const json& content) {
+        const std::size_t d = delimiter_of(request);
+        Frames reply(request.begin(), request.begin() + static_cast<std::ptrdiff_t>(d));
+        const std::string header = json{{"msg_id", "r"}, {"msg_type", msg_type}, {"session", "x"}}.dump();
+        reply.insert(reply.end(), {"<IDS|MSG>", "", header, request[d + 2], "{}", content.dump()});
+        return reply;
+    }
+    bool signature_valid(const Frames& frames) {
+        const std::size_t d = delimiter_of(frames);
+        return signer.verify(frames[d + 1], {frames[d + 2], frames[d + 3], frames[d + 4], frames[d + 5]});
+    }
+
+    std::filesystem::path dir;
+    zmq::context_t context{1};
+    zmq::socket_t xeus_shell{context, zmq::socket_type::router},
+        xeus_control{context, zmq::socket_type::router}, xeus_stdin{context, zmq::socket_type::router},
+        xeus_iopub{context, zmq::socket_type::pub};
+    zmq::socket_t client_shell{context, zmq::socket_type::dealer},
+        client_control{context, zmq::socket_type::dealer}, client_stdin{context, zmq::socket_type::dealer},
+        client_iopub{context, zmq::socket_type::sub};
+    ConnectionInfo connection;
+    MessageSigner signer{"hmac-sha256", "relay-key"};
+    std::unique_ptr<WireGuard> guard;
+    std::atomic<int> interrupts{0}, shutdowns{0};
+};
+
+TEST_F(WireGuardRelay, ForwardsVerifiedRequestsAndResignsAbortReplies) {
+    send(client_shell, signed_message("execute_request", {{"code", "1"}}, "m1"));
+    const Frames at_xeus = receive(xeus_shell);
+    ASSERT_FALSE(at_xeus.empty());
+    EXPECT_EQ(at_xeus[0], "cellblock-wire-guard");  // the guard's dealer
+    EXPECT_EQ(at_xeus[1], "client-1");              // the client's identity, for routing the reply
+    send(xeus_shell, xeus_reply(at_xeus, "execute_reply", {{"status", "error"}}));
+    // An abort reply (xeus: {"status":"error"} without ename) arrives as "aborted", signed with the key.
+    const Frames reply = receive(client_shell);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_TRUE(signature_valid(reply));
+    EXPECT_EQ(json::parse(reply[delimiter_of(reply) + 5]), (json{{"status", "aborted"}}));
+    // ...wrapped in busy/idle for the aborted request, as clients expect for every request.
+    std::vector<std::string> states;
+    for (Frames status = receive(client_iopub); !status.empty(); status = receive(client_iopub, 300)) {
+        const std::size_t d = delimiter_of(status);
+        EXPECT_TRUE(signature_valid(status));
+        EXPECT_EQ(json::parse(status[d + 3])["msg_id"], "m1");
+        states.push_back(json::parse(status[d + 5])["execution_state"]);
+    }
+    EXPECT_EQ(states, (std::vector<std::string>{"busy", "idle"}));
+}
+
+TEST_F(WireGuardRelay, RefusedMessagesNeverReachXeus) {
+    auto junk = signed_message("execute_request", {{"code", "1"}}, "j");
+    junk[1] += "00";
+    send(client_shell, junk);
+    const auto replayed = signed_message("kernel_info_request", json::object(), "r");
+    send(client_shell, replayed);
+    EXPECT_FALSE(receive(xeus_shell).empty());  // the first copy of `replayed`
+    send(client_shell, replayed);
+    EXPECT_TRUE(receive(xeus_shell, 300).empty());
+}
+
+TEST_F(WireGuardRelay, InputRequestGetsPasswordAndOnlyPendingRepliesPass) {
+    // No prompt pending: a stray input_reply is dropped.
+    send(client_stdin, signed_message("input_reply", {{"value", "stray"}}, "s1"));
+    EXPECT_TRUE(receive(xeus_stdin, 300).empty());
+
+    send(client_shell, signed_message("execute_request", {{"code", "input()"}}, "m2"));
+    const Frames at_xeus = receive(xeus_shell);
+    ASSERT_FALSE(at_xeus.empty());
+    // xeus routes input_request with the shell request's identities (guard dealer id, then client id).
+    send(xeus_stdin, xeus_reply(at_xeus, "input_request", {{"prompt", "Password: "}, {"pwd", true}}));
+    const Frames prompt = receive(client_stdin);
+    ASSERT_FALSE(prompt.empty());
+    EXPECT_TRUE(signature_valid(prompt));
+    EXPECT_EQ(json::parse(prompt[delimiter_of(prompt) + 5]),
+              (json{{"prompt", "Password: "}, {"password", true}}));
+
+    // An interrupt answers the pending prompt with "" so the shell thread is released.
+    guard->interrupt_pending_input();
+    const Frames released = receive(xeus_stdin);
+    ASSERT_FALSE(released.empty());
+    EXPECT_EQ(json::parse(released[delimiter_of(released) + 5]), (json{{"value", ""}}));
+    // ...and the client's late answer goes nowhere.
+    send(client_stdin, signed_message("input_reply", {{"value", "late"}}, "s2"));
+    EXPECT_TRUE(receive(xeus_stdin, 300).empty());
+}
+
+TEST_F(WireGuardRelay, InterruptRequestIsActedOnAndReplyGetsStatus) {
+    send(client_control, signed_message("interrupt_request", json::object(), "i1"));
+    const Frames at_xeus = receive(xeus_control);
+    ASSERT_FALSE(at_xeus.empty());
+    EXPECT_EQ(interrupts.load(), 1);
+    send(xeus_control, xeus_reply(at_xeus, "interrupt_reply", json::object()));
+    const Frames reply = receive(client_control);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_EQ(json::parse(reply[delimiter_of(reply) + 5])["status"], "ok");
+}
+
+TEST_F(WireGuardRelay, ShutdownIsAnsweredByTheGuard) {
+    send(client_control, signed_message("shutdown_request", {{"restart", true}}, "x1"));
+    const Frames reply = receive(client_control);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_TRUE(signature_valid(reply));
+    const std::size_t d = delimiter_of(reply);
+    EXPECT_EQ(json::parse(reply[d + 2])["msg_type"], "shutdown_reply");
+    EXPECT_EQ(json::parse(reply[d + 3])["msg_id"], "x1");
+    EXPECT_EQ(json::parse(reply[d + 5]), (json{{"status", "ok"}, {"restart", true}}));
+    for (int i = 0; i < 100 && shutdowns.load() == 0; ++i) {
+        ::usleep(10000);
+    }
+    EXPECT_EQ(shutdowns.load(), 1);
+    EXPECT_TRUE(receive(xeus_control, 200).empty()) << "xeus never sees the shutdown";
+}
+
+}  // namespace
+}  // namespace cellblock::kernel
