@@ -306,8 +306,26 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
 PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exchange) {
     std::string error;
     auto worker = supervisor_.acquire(settings_.worker_start_timeout, error);
+    // A worker that died while idle (a background thread hit the memory limit, say) is replaced before
+    // this request, which is not to blame.
+    for (int attempt = 0; worker && attempt < 2; ++attempt) {
+        pollfd ended = {worker->pidfd(), POLLIN, 0};
+        if (::poll(&ended, 1, 0) == 0) {
+            break;
+        }
+        log_event(LogLevel::warning, "worker_died_while_idle",
+                  {{"reason", supervisor_.retire(worker).describe()}});
+        worker = supervisor_.acquire(settings_.worker_start_timeout, error);
+    }
     if (!worker) {
         return {Ending::Kind::unavailable, nullptr, error};
+    }
+    if (exchange.publish) {
+        if (auto note = supervisor_.take_lost_state_note()) {
+            publish_stream("stderr",
+                           "[cellblock] The Python worker was restarted (the previous one was " + *note +
+                               "); variables, imports and other state from earlier cells are gone.\n");
+        }
     }
 
     const std::uint64_t id = ++next_request_id_;
@@ -318,8 +336,7 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
     const auto never = Clock::time_point::max();
     exchange.deadline = exchange.timeout_s > 0 ? started + to_duration(exchange.timeout_s) : never;
     if (!channel_open) {
-        worker->kill();
-        killed_for_protocol = true;
+        worker->kill();  // it is gone or going; the pidfd tells why
     }
     std::array<char, read_chunk_bytes> buffer{};
 
@@ -429,12 +446,6 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
     exchange.execution_count = execution_counter;
     exchange.timeout_s = settings_.limits.timeout_s;
     exchange.output_cap = settings_.limits.output_bytes;
-
-    if (auto note = supervisor_.take_lost_state_note(); note && !silent) {
-        publish_stream("stderr", "[cellblock] The Python worker was restarted (the previous one was " +
-                                     *note +
-                                     "); variables, imports and other state from earlier cells are gone.\n");
-    }
 
     nl::json request = {
         {"type", "execute"},

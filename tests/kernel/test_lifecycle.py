@@ -195,3 +195,15 @@ def test_private_workspace_is_removed_at_exit(fresh_kernel):
     assert len(candidates) == 1, candidates
     k.shutdown()
     assert not os.path.exists(os.path.dirname(candidates[0])), "the private workspace was left behind"
+
+
+def test_worker_dying_while_idle_does_not_fail_the_next_cell(fresh_kernel):
+    k = fresh_kernel()
+    run = k.execute("import os, threading, time\n"
+                    "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(7)), daemon=True).start()")
+    assert run.content["status"] == "ok"
+    time.sleep(2)
+    after = k.execute("1 + 1")
+    assert after.content["status"] == "ok", after.content
+    assert _result(after) == "2"
+    assert "exited with status 7" in after.stream_text("stderr")
