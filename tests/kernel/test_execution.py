@@ -195,3 +195,31 @@ def test_streams_and_displays_keep_their_order(kernel):
             sequence.append(("display", msg["content"]["data"]["text/plain"]))
     assert sequence == [("stdout", "before\n"), ("display", "'shown'"), ("stdout", "after\n"),
                         ("display", "'again'"), ("stdout", "end\n")]
+
+
+def test_ipython_conveniences_agents_rely_on(kernel):
+    first = kernel.execute("21 * 2")
+    count = first.content["execution_count"]
+    assert kernel.execute("_ + 1").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "43"
+    assert kernel.execute(f"Out[{count}]").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "42"
+    assert "hello from a shell" in kernel.execute("!echo hello from a shell").stream_text()
+    run = kernel.execute("%cd /tmp")
+    assert run.content["status"] == "ok"
+    assert kernel.execute("import os; os.getcwd()").of_type("execute_result")[0]["content"]["data"][
+        "text/plain"] == "'/tmp'"
+    kernel.execute("%cd /workspace")
+    assert "loop" in kernel.execute("%timeit -n1 -r1 sum(range(10))").stream_text()
+    run = kernel.execute("%colors nocolor\n1/0")
+    assert "\x1b[" not in "".join(run.content["traceback"])
+
+
+def test_inspect_detail_levels(kernel):
+    kc = kernel.client
+    for level in (0, 1):
+        msg_id = kc.inspect("len", cursor_pos=3, detail_level=level)
+        reply = kc.get_shell_msg(timeout=20)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = kc.get_shell_msg(timeout=20)
+        assert reply["content"]["status"] == "ok"
+        assert reply["content"]["found"] is True
+        assert "text/plain" in reply["content"]["data"]
