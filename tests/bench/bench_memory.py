@@ -34,14 +34,14 @@ FIXED_BUDGET_GIB = 8
 CREATE_TIMEOUT_S = 120.0
 
 
-def idle_session_memory(label: str, kernel_name: str, count: int) -> dict:
+def idle_session_memory(label: str, kernel_name: str, count: int, settle_s: float) -> dict:
     progress(f"{label}: starting {count} kernels for the idle-memory measurement")
     kernels, failures = benchlib.start_kernels(kernel_name, count)
     result: dict = {"failures": failures}
     try:
         for kernel in kernels:
             benchlib.execute_round_trip(kernel.client, "1+1")
-        time.sleep(3.0)  # let lazily started threads, the first execute's garbage and page faults settle
+        time.sleep(settle_s)  # let lazily started threads, the first execute's garbage and page faults settle
         trees = [kernel.tree() for kernel in kernels]
         result["pss_mib"] = [sum(benchlib.pss_kib(pid) for pid in tree) / 1024.0 for tree in trees]
         result["rss_mib"] = [sum(benchlib.rss_kib(pid) for pid in tree) / 1024.0 for tree in trees]
@@ -101,26 +101,32 @@ def close_all(server: benchlib.KernelServer, opened: list) -> None:
     opened.clear()
 
 
-def server_under_load(label: str, start_server, kernel_name: str, creates: int, extra_to: int) -> dict:
+def server_under_load(label: str, start_server, kernel_name: str, creates: int, extra_to: int,
+                      settle_s: float) -> dict:
     """Concurrent creates, then the server's RSS with them open (and after topping up to `extra_to` sessions)."""
     progress(f"{label}: {creates} concurrent creates")
     server = start_server()
     opened: list = []
     result: dict = {}
     try:
-        time.sleep(1.0)  # the gateway's warm pool (default size) fills as it would before traffic arrives
+        time.sleep(settle_s)  # the gateway's warm pool (default size) fills as it would before traffic arrives
         result["rss0_mib"] = benchlib.rss_kib(server.server.pid) / 1024.0
         result.update(concurrent_creates(server, kernel_name, creates, opened))
-        time.sleep(1.0)
-        result["rss_at"] = {len(opened): benchlib.rss_kib(server.server.pid) / 1024.0}
+        time.sleep(settle_s)
+        # Keyed by the sessions asked for; "sessions" says how many are really open (failed creates are not).
+        result["rss_at"] = {creates: benchlib.rss_kib(server.server.pid) / 1024.0}
         if extra_to > len(opened):
             progress(f"{label}: topping up to {extra_to} sessions")
             more = concurrent_creates(server, kernel_name, extra_to - len(opened), opened)
             result["top_up_failures"] = more["failures"]
-            time.sleep(1.0)
-            result["rss_at"][len(opened)] = benchlib.rss_kib(server.server.pid) / 1024.0
+            # kernel_info can come before the worker is up; one `1+1` per session makes every session complete.
+            for _, socket in opened:
+                socket.execute("1+1", timeout=CREATE_TIMEOUT_S)
+            time.sleep(settle_s)
+            result["rss_at"][extra_to] = benchlib.rss_kib(server.server.pid) / 1024.0
             kernel_pids = [pid for pid in benchlib.descendants(server.server.pid) if pid != server.server.pid]
             result["kernels_pss_mib"] = sum(benchlib.pss_kib(pid) for pid in kernel_pids) / 1024.0
+            result["kernels_running"] = len(benchlib.children(server.server.pid))
         result["sessions"] = len(opened)
     except Exception as error:  # noqa: BLE001 - reported in the table
         result["error"] = f"{type(error).__name__}: {str(error)[:160]}"
@@ -139,12 +145,13 @@ def main() -> int:
     benchlib.use_installed_kernelspecs()
     idle_count = 2 if args.quick else args.idle_sessions
     creates, gateway_sessions = (2, 3) if args.quick else (50, 100)
+    settle = 0.3 if args.quick else 2.0
     mem_available_mib = benchlib.mem_available_kib() / 1024.0
 
     idle = {}
     for label, kernel_name in KINDS:
         if benchlib.kernelspec_available(kernel_name):
-            idle[label] = idle_session_memory(label, kernel_name, idle_count)
+            idle[label] = idle_session_memory(label, kernel_name, idle_count, 0.5 if args.quick else 3.0)
         else:
             progress(f"{label}: kernelspec {kernel_name} not installed, skipped")
     ours = idle.get("cellblock", {"error": "cellblock-python not installed"})
@@ -186,16 +193,18 @@ def main() -> int:
             (workdir / "gateway").mkdir()
             servers["cellblock-gateway"] = server_under_load(
                 "cellblock-gateway", lambda: benchlib.start_gateway(workdir / "gateway"), "cellblock-python",
-                creates, gateway_sessions)
+                creates, gateway_sessions, settle)
         else:
             print(f"_cellblock-gateway not installed at {benchlib.gateway_binary()}: REST part not measured._\n")
-        for label, kernel_name in [("Jupyter Server + ipykernel", "python3"), ("Jupyter Server + xpython", "xpython")]:
+        peers = [("Jupyter Server + ipykernel", "python3")] + ([] if args.quick else [("Jupyter Server + xpython",
+                                                                                         "xpython")])
+        for label, kernel_name in peers:
             if not benchlib.kernelspec_available(kernel_name):
                 continue
             directory = workdir / label.replace(" ", "").replace("+", "-")
             directory.mkdir()
             servers[label] = server_under_load(label, lambda d=directory: benchlib.start_jupyter_server(d, True),
-                                               kernel_name, creates, 0)
+                                               kernel_name, creates, 0, settle)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -215,7 +224,8 @@ def main() -> int:
         def per_session(result: dict):
             if not result.get("rss_at"):
                 return None
-            sessions, value = max(result["rss_at"].items())
+            _, value = max(result["rss_at"].items())
+            sessions = result.get("sessions", 0)
             return Stats([(value - result["rss0_mib"]) / sessions * 1024.0]) if sessions else None
 
         rows = [Row(f"{creates} concurrent creates → all kernel_info_reply", seconds(gateway, "all_ready_s"),
@@ -234,9 +244,10 @@ def main() -> int:
                     {p: per_session(r) for p, r in server_peers.items()}, unit="KiB")]
         print(markdown_table("Sessions through the REST API (server = cellblock-gateway or Jupyter Server 1.23)", rows))
         if gateway.get("kernels_pss_mib"):
-            print(f"With {gateway.get('sessions')} sessions open through cellblock-gateway their kernels' PSS sums to "
-                  f"{gateway['kernels_pss_mib']:.0f} MiB ({gateway['kernels_pss_mib'] / gateway['sessions']:.1f} "
-                  f"MiB per session, warm pool included).\n")
+            running = max(1, gateway.get("kernels_running", 0))
+            print(f"With {gateway.get('sessions')} sessions open through cellblock-gateway ({running} kernels running "
+                  f"including the warm pool; each session has run `1+1`) the kernels' PSS sums to "
+                  f"{gateway['kernels_pss_mib']:.0f} MiB ({gateway['kernels_pss_mib'] / running:.1f} MiB per kernel).\n")
         if "cellblock-gateway" in servers:
             ok = ok and "error" not in gateway and gateway.get("failures", creates) < creates
     return 0 if ok else 1

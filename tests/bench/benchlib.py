@@ -122,6 +122,24 @@ def pss_kib(pid: int) -> int:
     return 0
 
 
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return children
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of pid."""
+    return _children_map().get(pid, [])
+
+
 def descendants(pid: int) -> list[int]:
     """pid and every process below it (via /proc/*/stat ppid links)."""
     children: dict[int, list[int]] = {}
@@ -178,6 +196,7 @@ def cellblock_prefix() -> Path:
 
 def use_installed_kernelspecs() -> None:
     """Makes jupyter_client (in this process and its children) see cellblock-python next to Debian's kernelspecs."""
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # ipykernel's debugger warning on every start
     wanted = f"{cellblock_prefix() / 'share' / 'jupyter'}:/usr/share/jupyter"
     current = os.environ.get("JUPYTER_PATH", "")
     if str(cellblock_prefix() / "share" / "jupyter") not in current.split(":"):
@@ -269,7 +288,9 @@ class RunningKernel:
         from jupyter_client import KernelManager
         self.kernel_name = kernel_name
         self.manager = KernelManager(kernel_name=kernel_name)
-        self.manager.start_kernel(env=dict(os.environ, **(env or {})))
+        # stdout to /dev/null: a kernel's prints must never end up in a benchmark's markdown (stdout) or keep a
+        # caller's pipe open; stderr stays, so crash reports (xpython's segfault trace) remain visible.
+        self.manager.start_kernel(env=dict(os.environ, **(env or {})), stdout=subprocess.DEVNULL)
         self.client = self.manager.client()
         self.client.start_channels()
         try:
@@ -289,9 +310,10 @@ class RunningKernel:
 
     def stop(self) -> None:
         """Polite shutdown_request first (cellblock then removes its workspace and runtime dir), then kill."""
-        pid = None
+        pid, process = None, None
         try:
             pid = self.pid
+            process = getattr(getattr(self.manager, "provisioner", None), "process", None)
         except Exception:
             pass
         try:
@@ -306,6 +328,10 @@ class RunningKernel:
                 self.manager.shutdown_kernel(now=True)
             except Exception:
                 pass
+        if process is not None and process.poll() is not None and process.returncode < 0 \
+                and -process.returncode not in (signal.SIGKILL, signal.SIGTERM):
+            # xpython 0.14.3 is known to crash while exiting; worth a line, never a failed benchmark.
+            progress(f"{self.kernel_name} (pid {pid}) died from signal {-process.returncode} while shutting down")
         if pid is not None:
             try:
                 os.killpg(pid, signal.SIGKILL)  # anything the kernel left in its process group
@@ -404,8 +430,19 @@ class ServerProcess:
             time.sleep(0.1)
         raise RuntimeError(f"{self.name}: {url} not answering within {timeout} s:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 30.0) -> None:
-        stop_process(self.process, timeout)
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM to the server alone first, so that it shuts its kernels down itself; then the whole group."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                progress(f"{self.name} (pid {self.pid}) still running {timeout:g} s after SIGTERM; killing its group")
+        stop_process(self.process, 2.0)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # kernels it may have left in its process group
+        except (ProcessLookupError, PermissionError):
+            pass
         self._log.close()
 
 
@@ -453,8 +490,11 @@ class WebSocketKernel:
         import uuid
         import websocket
         self.session_id = uuid.uuid4().hex
+        # websocket-client validates UTF-8 in pure Python (~0.7 s per MiB of text) unless told not to: that would
+        # measure the client, not the server. json.loads still rejects anything malformed.
         self.ws = websocket.create_connection(f"{url}?session_id={self.session_id}",
-                                              header=[f"Authorization: token {token}"], timeout=timeout)
+                                              header=[f"Authorization: token {token}"], timeout=timeout,
+                                              skip_utf8_validation=True)
 
     def send(self, msg_type: str, content: dict, channel: str = "shell") -> str:
         import datetime
@@ -534,6 +574,7 @@ def start_jupyter_server(workdir: Path, nodelay: bool, extra_env: Optional[dict]
                          timeout: float = 90.0) -> KernelServer:
     """Jupyter Server 1.23 on a free port with a private config/runtime dir under `workdir` (caller removes it)."""
     import secrets
+    workdir.mkdir(parents=True, exist_ok=True)
     config_dir = workdir / "config"
     config_dir.mkdir(parents=True, exist_ok=True)
     (config_dir / "jupyter_server_config.py").write_text(_JUPYTER_SERVER_NODELAY_CONFIG if nodelay else "")
@@ -561,6 +602,7 @@ def start_gateway(workdir: Path, extra_args: Optional[list[str]] = None, extra_e
                   timeout: float = 90.0) -> KernelServer:
     """The installed cellblock-gateway on a free port, runtime and workspaces under `workdir` (caller removes it)."""
     import secrets
+    workdir.mkdir(parents=True, exist_ok=True)
     port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ, **(extra_env or {}))
     argv = [str(gateway_binary()), "--ip", "127.0.0.1", "--port", str(port), "--token", token,

@@ -37,8 +37,9 @@ def main() -> int:
         "# cellblock benchmarks",
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
-        f"{platform.platform()}, mode: {'quick' if args.quick else 'full'}. Times in ms, median (p99); "
-        "ratio = peer / cellblock for times, cellblock / peer for rates.",
+        f"{platform.platform()}, mode: {'quick' if args.quick else 'full'}, load average at the start "
+        f"{os.getloadavg()[0]:.1f} (the machine is shared: read ratios, not absolutes). Times in ms, median (p99); "
+        "ratio = peer / cellblock for times and CPU, cellblock / peer for rates and counts.",
         "",
     ]
     failed = []
@@ -52,6 +53,8 @@ def main() -> int:
         print(f"[bench] {name}: {'ok' if result.returncode == 0 else 'FAILED'} in {elapsed:.0f} s",
               file=sys.stderr, flush=True)
         sections.append(f"## {name}\n")
+        sections.append(f"_{script.name}: {elapsed:.0f} s, load average afterwards {os.getloadavg()[0]:.1f}"
+                        f"{'' if result.returncode == 0 else ', exit status ' + str(result.returncode)}_\n")
         sections.append(result.stdout.strip() + "\n" if result.stdout.strip() else "_no output_\n")
         if result.returncode != 0:
             failed.append(name)
