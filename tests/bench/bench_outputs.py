@@ -65,8 +65,10 @@ def check_output(code: str, messages: list[dict]) -> None:
 class Target:
     """One thing that runs code: a kernel over ZMQ or a kernel over a server's WebSocket."""
 
-    def __init__(self, label: str, execute, cpu_pids):
+    def __init__(self, label: str, execute, cpu_pids, main_pid: int | None = None):
         self.label = label
+        self.main_pid = main_pid  # the server process alone (WebSocket targets), for its share of the CPU
+        self.main_cpu_ms: dict[str, float] = {}
         self.execute = execute  # code -> (ms, iopub messages)
         self.cpu_pids = cpu_pids  # () -> pids whose CPU time counts for this target
         self.samples: dict[str, list[float]] = {}
@@ -79,6 +81,7 @@ class Target:
             return
         try:
             before = benchlib.cpu_seconds(self.cpu_pids())
+            main_before = benchlib.cpu_seconds([self.main_pid]) if self.main_pid else 0.0
             client_before = os.times()
             for _ in range(repeat):
                 elapsed, messages = self.execute(code)
@@ -88,6 +91,9 @@ class Target:
             client_after = os.times()
             client = (client_after.user - client_before.user + client_after.system - client_before.system) * 1000.0
             self.cpu_ms[code] = self.cpu_ms.get(code, 0.0) + spent
+            if self.main_pid:
+                main = (benchlib.cpu_seconds([self.main_pid]) - main_before) * 1000.0
+                self.main_cpu_ms[code] = self.main_cpu_ms.get(code, 0.0) + main
             self.client_cpu_ms[code] = self.client_cpu_ms.get(code, 0.0) + client
         except Exception as error:  # noqa: BLE001 - reported in the table, the run goes on
             self.failure = f"{type(error).__name__}: {str(error)[:160]}"
@@ -97,9 +103,11 @@ class Target:
         samples = self.samples.get(code)
         return Stats(samples) if samples else None
 
-    def cpu_per_execute(self, code: str, client: bool = False):
+    def cpu_per_execute(self, code: str, client: bool = False, main: bool = False):
         samples = self.samples.get(code)
-        spent = self.client_cpu_ms if client else self.cpu_ms
+        spent = self.client_cpu_ms if client else self.main_cpu_ms if main else self.cpu_ms
+        if code not in spent:
+            return None
         return Stats([spent[code] / len(samples)]) if samples else None
 
 
@@ -110,6 +118,7 @@ def measure_all(targets: list[Target], quick: bool) -> None:
         target.samples.clear()
         target.cpu_ms.clear()
         target.client_cpu_ms.clear()
+        target.main_cpu_ms.clear()
     passes = 1 if quick else PASSES
     for label, code, full, short in PAYLOADS:
         repeat = short if quick else full
@@ -127,6 +136,10 @@ def table(title: str, transport: str, ours: Target, peers: list[Target], cpu_lab
     for label, code, _, _ in PAYLOADS:
         rows.append(Row(f"{cpu_label} CPU per {label}", ours.cpu_per_execute(code),
                         {p.label: p.cpu_per_execute(code) for p in peers}, unit="ms CPU"))
+    if ours.main_pid:
+        for label, code, _, _ in PAYLOADS:
+            rows.append(Row(f"… of which the server process itself, per {label}", ours.cpu_per_execute(code, main=True),
+                            {p.label: p.cpu_per_execute(code, main=True) for p in peers}, unit="ms CPU"))
     for label, code, _, _ in PAYLOADS:
         rows.append(Row(f"client (benchmark process) CPU per {label}", ours.cpu_per_execute(code, True),
                         {p.label: p.cpu_per_execute(code, True) for p in peers}, unit="ms CPU"))
@@ -187,7 +200,8 @@ def websocket_section(quick: bool, workdir: Path) -> tuple[str, bool]:
             sockets.append(socket)
             socket.kernel_info()
             # Gateway/server process and the kernel tree below it: what one round trip costs the machine.
-            targets.append(Target(label, socket.execute, lambda s=server: benchlib.descendants(s.server.pid)))
+            targets.append(Target(label, socket.execute, lambda s=server: benchlib.descendants(s.server.pid),
+                                  server.server.pid))
         measure_all(targets, quick)
         ours, peer_targets = targets[0], targets[1:]
         text = table("Execute round trip over the WebSocket (websocket-client; server + ipykernel / cellblock kernel)",

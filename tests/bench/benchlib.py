@@ -73,7 +73,7 @@ def _fmt(stats: Optional[Stats], unit: str) -> str:
     if unit == "ms":
         return f"{stats.median:.2f} ({stats.p99:.2f})"
     digits = 2 if abs(stats.median) < 10 else 1  # sub-millisecond CPU figures need the second decimal
-    if all(float(sample).is_integer() for sample in stats.samples):
+    if unit in ("sessions", "failed", "processes") and all(float(x).is_integer() for x in stats.samples):
         digits = 0  # counts (sessions, failures) read best without decimals
     if stats.n == 1:
         return f"{stats.median:.{digits}f} {unit}"
