@@ -138,7 +138,7 @@ void WorkerSupervisor::launcher_loop() {
             break;
         }
         if (worker) {
-            log_event(LogLevel::info, "worker_ready", {{"pid", worker->pid()}, {"ms", elapsed_ms}});
+            log_event(LogLevel::info, "worker_ready", {{"worker_pid", worker->pid()}, {"ms", elapsed_ms}});
             if (worker->ready_info.contains("python") && worker->ready_info["python"].is_string()) {
                 python_version_ = worker->ready_info["python"].get<std::string>();
             }
@@ -318,7 +318,7 @@ void WorkerSupervisor::interrupt() {
         worker = current_;
     }
     if (worker) {
-        log_event(LogLevel::debug, "worker_interrupt", {{"pid", worker->pid()}});
+        log_event(LogLevel::debug, "worker_interrupt", {{"worker_pid", worker->pid()}});
         worker->signal(SIGINT);
     }
 }
