@@ -12,6 +12,10 @@ if [[ -f tests/gateway/clients/package-lock.json ]]; then
   echo "[deps] npm ci in tests/gateway/clients"
   (cd tests/gateway/clients && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 fi
+if [[ -f tests/agent/mcp_client/package-lock.json ]]; then
+  echo "[deps] npm ci in tests/agent/mcp_client"
+  (cd tests/agent/mcp_client && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+fi
 bash share/scripts/build.sh "$build" "$build/stage" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
      -DCELLBLOCK_TEST_PREFIX="$build/stage"
 

@@ -1,0 +1,96 @@
+"""The agent API's two client surfaces besides raw HTTP: the `cellblock` CLI and the MCP endpoint driven by the
+official TypeScript SDK client (@modelcontextprotocol/sdk, StreamableHTTPClientTransport)."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import CLI_BINARY
+
+MCP_CLIENT_DIR = Path(__file__).resolve().parent / "mcp_client"
+
+
+def cli(gateway, *arguments, stdin=None, url=None):
+    env = dict(os.environ, CELLBLOCK_URL=url or gateway.url, CELLBLOCK_TOKEN=gateway.token)
+    return subprocess.run([str(CLI_BINARY), *arguments], input=stdin, capture_output=True, text=True, env=env,
+                          timeout=180)
+
+
+def test_cli_exec_upload_notebook(gateway, tmp_path):
+    data = tmp_path / "sales.csv"
+    data.write_text("product,units\napple,3\npear,5\napple,4\n")
+    upload = cli(gateway, "upload", "--session", "cli", str(data), "input/sales.csv")
+    assert upload.returncode == 0, upload.stderr
+    assert "input/sales.csv" in upload.stderr
+    run = cli(gateway, "exec", "--session", "cli",
+              "import pandas as pd\nprint(pd.read_csv('input/sales.csv').groupby('product').units.sum().to_dict())\n6*7")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "{'apple': 7, 'pear': 5}\n42\n"
+    from_stdin = cli(gateway, "exec", "--session", "cli", "-", stdin="print('from stdin')")
+    assert from_stdin.returncode == 0 and from_stdin.stdout == "from stdin\n"
+    failed = cli(gateway, "exec", "--session", "cli", "1/0")
+    assert failed.returncode == 1
+    assert "ZeroDivisionError" in failed.stderr and "\x1b" not in failed.stderr
+    timed_out = cli(gateway, "exec", "--session", "cli", "--timeout", "1", "import time; time.sleep(60)")
+    assert timed_out.returncode == 1 and "timed out" in timed_out.stderr
+    notebook = cli(gateway, "notebook", "--session", "cli")
+    assert notebook.returncode == 0, notebook.stderr
+    parsed = nbformat.reads(notebook.stdout, as_version=4)
+    nbformat.validate(parsed)
+    assert any("6*7" in cell.source for cell in parsed.cells)
+
+
+def test_cli_errors_are_readable(gateway):
+    wrong_token = subprocess.run([str(CLI_BINARY), "--url", gateway.url, "--token", "wrong", "exec", "--session", "x",
+                                  "1"], capture_output=True, text=True, timeout=60)
+    assert wrong_token.returncode == 2
+    assert "token" in wrong_token.stderr and "401" in wrong_token.stderr
+    unreachable = cli(gateway, "exec", "--session", "x", "1", url="http://127.0.0.1:1")
+    assert unreachable.returncode == 2
+    assert "cannot connect" in unreachable.stderr and "CELLBLOCK_URL" in unreachable.stderr
+    missing = cli(gateway, "notebook", "--session", "never-created")
+    assert missing.returncode == 2 and "never-created" in missing.stderr
+
+
+@pytest.fixture(scope="module")
+def mcp_client():
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        pytest.fail("node and npm are required (share/scripts/install-deps.sh --with-test-tools installs them)")
+    if not (MCP_CLIENT_DIR / "node_modules" / "@modelcontextprotocol" / "sdk").is_dir():
+        result = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=MCP_CLIENT_DIR,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"npm ci failed:\n{result.stdout}\n{result.stderr}"
+    return node
+
+
+def tool_text(result):
+    return "".join(block["text"] for block in result["content"] if block["type"] == "text")
+
+
+def test_mcp_sdk_client_runs_python_and_uses_files(gateway, mcp_client):
+    env = dict(os.environ, GATEWAY_URL=gateway.url, GATEWAY_TOKEN=gateway.token, MCP_SESSION="mcp-analysis")
+    result = subprocess.run([mcp_client, "mcp_session.mjs"], cwd=MCP_CLIENT_DIR, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, f"{result.stderr}\n--- gateway ---\n{gateway.log_tail()}"
+    report = json.loads(result.stdout)
+    assert report["server"]["name"] == "cellblock"
+    assert {"run_python", "list_files", "upload_file", "read_file", "reset_session"} <= set(report["tools"])
+    assert report["upload"]["isError"] is False
+    assert "data/sales.csv" in tool_text(report["list"])
+    run = report["run"]
+    assert run["isError"] is False
+    assert "apple,7" in tool_text(run) and "pear,5" in tool_text(run) and "42" in tool_text(run)
+    assert run["structuredContent"]["result"]["text/plain"] == "42"
+    assert report["state"]["structuredContent"]["result"]["text/plain"] == "5"  # state persists between calls
+    assert report["error"]["isError"] is True and "ZeroDivisionError" in tool_text(report["error"])
+    assert tool_text(report["read"]).startswith("product,units")
+    assert report["escape"]["isError"] is True and "root:" not in tool_text(report["escape"])
+    assert report["reset"]["isError"] is False
+    assert report["after_reset"]["structuredContent"]["result"]["text/plain"] == "False"
+    # The MCP session is an ordinary agent session, visible over HTTP.
+    assert gateway.request("GET", "/agent/v1/sessions/mcp-analysis").status_code == 200
