@@ -39,7 +39,7 @@ def main() -> int:
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
         f"{platform.platform()}, mode: {'quick' if args.quick else 'full'}, load average at the start "
         f"{os.getloadavg()[0]:.1f} (the machine is shared: read ratios, not absolutes). Times in ms, median (p99); "
-        "ratio = peer / cellblock for times and CPU, cellblock / peer for rates and counts.",
+        "ratio = peer / cellblock for times, CPU and memory; cellblock / peer for rates and sessions that fit.",
         "",
     ]
     failed = []
