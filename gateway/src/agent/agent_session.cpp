@@ -501,9 +501,10 @@ void AgentSession::finish_execute() {
 
     json displays_digest = json::array();
     for (const json& display : collected.displays()) {
-        const std::string data = display.value("data", json::object()).dump(-1, ' ', false, json::error_handler_t::replace);
+        const json bundle = display.value("data", json::object());
+        const std::string data = bundle.dump(-1, ' ', false, json::error_handler_t::replace);
         json mimes = json::array();
-        for (const auto& [mime, value] : display.value("data", json::object()).items()) mimes.push_back(mime);
+        for (const auto& [mime, value] : bundle.items()) mimes.push_back(mime);
         displays_digest.push_back({{"mime_types", mimes}, {"bytes", data.size()}, {"sha256", sha256_hex(data)}});
     }
     const std::string result_text =
@@ -548,13 +549,22 @@ json AgentSession::notebook(bool only_ok) const {
         }
         cells.push_back(cell);
     }
-    std::string spec = kernel_ ? kernel_->spec_name() : std::string("cellblock-python");
+    // The kernelspec's directory name, not an alias such as "python3": on another Jupyter installation the notebook
+    // must re-run on the confined kernel, not on whatever "python3" means there.
+    std::string spec = "cellblock-python";
+    std::string display_name = "Python 3 (cellblock)";
+    if (kernel_) {
+        if (auto found = services_.kernels.registry().find(kernel_->spec_name())) {
+            spec = found->directory.filename().string();
+            display_name = found->spec.value("display_name", display_name);
+        }
+    }
     json language_info = {{"name", "python"}, {"file_extension", ".py"}, {"mimetype", "text/x-python"}};
     if (kernel_info_.is_object() && kernel_info_.contains("language_info") && kernel_info_["language_info"].is_object())
         language_info = kernel_info_["language_info"];
     return {{"cells", cells},
             {"metadata",
-             {{"kernelspec", {{"name", spec}, {"display_name", "Python 3 (cellblock)"}, {"language", "python"}}},
+             {{"kernelspec", {{"name", spec}, {"display_name", display_name}, {"language", "python"}}},
               {"language_info", language_info},
               {"cellblock", {{"session", record_.id}, {"name", record_.name}, {"limits", record_.limits.to_json()}}}}},
             {"nbformat", 4},
