@@ -29,7 +29,10 @@ std::string strip_ansi(std::string_view text) {
                 ++j;
             i = (j < text.size() && text[j] == escape) ? j + 1 : j;
         } else {
-            i += 1;  // a two-byte escape such as ESC ( B
+            // nF escapes (ESC, intermediates 0x20-0x2F, one final byte, e.g. ESC ( B) and two-byte ones (ESC 7).
+            std::size_t j = i + 1;
+            while (j < text.size() && text[j] >= 0x20 && text[j] <= 0x2F) ++j;
+            i = j;
         }
     }
     return out;

@@ -1,0 +1,89 @@
+#include "cellblock/gateway/agent/execution.hpp"
+
+#include <gtest/gtest.h>
+
+using namespace cellblock::gateway;
+using namespace cellblock::gateway::agent;
+using nlohmann::json;
+
+namespace {
+JupyterMessage reply_to(const std::string& parent_id, Channel channel, const std::string& type, const json& content) {
+    JupyterMessage message = make_message(channel, type, content, "kernel-session", json{{"msg_id", parent_id}});
+    return message;
+}
+
+struct Recorder {
+    std::vector<json> events;
+    ExecutionCollector collector{"req-1", [this](const json& event) { events.push_back(event); }};
+    bool feed(Channel channel, const std::string& type, const json& content, const std::string& parent = "req-1") {
+        return collector.consume(reply_to(parent, channel, type, content));
+    }
+};
+}  // namespace
+
+TEST(AgentExecutionCollector, CollectsOutputsInOrderAndCompletesOnReplyAndIdle) {
+    Recorder run;
+    EXPECT_TRUE(run.feed(Channel::iopub, "status", {{"execution_state", "busy"}}));
+    EXPECT_TRUE(run.feed(Channel::iopub, "execute_input", {{"code", "x"}, {"execution_count", 7}}));
+    run.feed(Channel::iopub, "stream", {{"name", "stdout"}, {"text", "a\n"}});
+    run.feed(Channel::iopub, "stream", {{"name", "stdout"}, {"text", "b\n"}});
+    run.feed(Channel::iopub, "stream", {{"name", "stderr"}, {"text", "warn\n"}});
+    run.feed(Channel::iopub, "display_data", {{"data", {{"image/png", "iVBOR"}, {"text/plain", "<Figure>"}}}, {"metadata", json::object()}});
+    run.feed(Channel::iopub, "execute_result", {{"data", {{"text/plain", "42"}}}, {"metadata", json::object()}, {"execution_count", 7}});
+    EXPECT_FALSE(run.collector.complete());
+    run.feed(Channel::shell, "execute_reply", {{"status", "ok"}, {"execution_count", 7}});
+    EXPECT_FALSE(run.collector.complete()) << "IOPub idle has not arrived yet";
+    run.feed(Channel::iopub, "status", {{"execution_state", "idle"}});
+    EXPECT_TRUE(run.collector.complete());
+
+    EXPECT_EQ(run.collector.stdout_text(), "a\nb\n");
+    EXPECT_EQ(run.collector.stderr_text(), "warn\n");
+    EXPECT_EQ(run.collector.result()["text/plain"], "42");
+    EXPECT_EQ(run.collector.displays().size(), 1u);
+    EXPECT_EQ(run.collector.execution_count(), 7);
+    EXPECT_EQ(run.collector.reply_status(), "ok");
+    std::vector<std::string> types;
+    for (const json& event : run.events) types.push_back(event["type"]);
+    EXPECT_EQ(types, (std::vector<std::string>{"stdout", "stdout", "stderr", "display", "result"}));
+
+    const json outputs = run.collector.notebook_outputs(std::nullopt, std::nullopt);
+    ASSERT_EQ(outputs.size(), 4u);
+    EXPECT_EQ(outputs[0], json({{"output_type", "stream"}, {"name", "stdout"}, {"text", "a\nb\n"}}));
+    EXPECT_EQ(outputs[1]["name"], "stderr");
+    EXPECT_EQ(outputs[2]["output_type"], "display_data");
+    EXPECT_EQ(outputs[3]["output_type"], "execute_result");
+    EXPECT_EQ(outputs[3]["execution_count"], 7);
+}
+
+TEST(AgentExecutionCollector, IgnoresOtherRequestsOfTheSameKernel) {
+    Recorder run;
+    EXPECT_FALSE(run.feed(Channel::iopub, "stream", {{"name", "stdout"}, {"text", "someone else\n"}}, "req-2"));
+    EXPECT_FALSE(run.feed(Channel::iopub, "status", {{"execution_state", "idle"}}, "req-10"));  // prefix of no id
+    EXPECT_EQ(run.collector.stdout_text(), "");
+    EXPECT_TRUE(run.events.empty());
+}
+
+TEST(AgentExecutionCollector, ErrorsAndKernelTruncationAreReported) {
+    Recorder run;
+    run.feed(Channel::iopub, "stream", {{"name", "stderr"}, {"text", "\n[cellblock] Output truncated: this cell produced more than 10 bytes"}});
+    run.feed(Channel::iopub, "error", {{"ename", "ZeroDivisionError"}, {"evalue", "division by zero"},
+                                      {"traceback", {"\x1b[31mTraceback\x1b[0m", "ZeroDivisionError"}}});
+    run.feed(Channel::shell, "execute_reply", {{"status", "error"}, {"execution_count", 3}});
+    run.feed(Channel::iopub, "status", {{"execution_state", "idle"}});
+    EXPECT_TRUE(run.collector.complete());
+    EXPECT_TRUE(run.collector.kernel_truncated());
+    EXPECT_EQ(run.collector.reply_status(), "error");
+    EXPECT_EQ(run.collector.error()["ename"], "ZeroDivisionError");
+    EXPECT_EQ(run.events.back()["type"], "error");
+}
+
+TEST(AgentExecutionCollector, AShieldedStreamAppearsOnceWithItsReplacement) {
+    Recorder run;
+    run.feed(Channel::iopub, "stream", {{"name", "stdout"}, {"text", "part 1\n"}});
+    run.feed(Channel::iopub, "display_data", {{"data", {{"text/plain", "shown"}}}, {"metadata", json::object()}});
+    run.feed(Channel::iopub, "stream", {{"name", "stdout"}, {"text", "part 2\n"}});
+    const json outputs = run.collector.notebook_outputs(std::string("head…tail"), std::nullopt);
+    ASSERT_EQ(outputs.size(), 2u);
+    EXPECT_EQ(outputs[0]["text"], "head…tail");
+    EXPECT_EQ(outputs[1]["output_type"], "display_data");
+}
