@@ -294,20 +294,25 @@ void Kernel::finish_readiness(std::optional<std::string> error) {
 }
 
 void Kernel::handle_iopub(JupyterMessage&& message) {
-    last_activity_ = std::chrono::system_clock::now();
-    if (message.msg_type == "status") {
-        json content = json::parse(message.content, nullptr, false);
-        const std::string execution_state = content.is_object() ? content.value("execution_state", "") : "";
-        if (execution_state == "busy") state_ = KernelState::busy;
-        else if (execution_state == "idle") state_ = KernelState::idle;
-        else if (execution_state == "starting" && !ready_) state_ = KernelState::starting;
-    }
     if (!iopub_seen_) {
         iopub_seen_ = true;
         if (kernel_info_answered_ && !ready_) finish_readiness(std::nullopt);
     }
-    // The probe's own traffic (kernel_info during startup) is not shown to clients.
+    // The gateway's own probe traffic (kernel_info during startup) is neither shown to clients nor counted as
+    // activity or execution state.
     if (message.parent_header.find(probe_session_) != std::string::npos) return;
+    last_activity_ = std::chrono::system_clock::now();
+    if (message.msg_type == "status") {
+        json content = json::parse(message.content, nullptr, false);
+        const std::string execution_state = content.is_object() ? content.value("execution_state", "") : "";
+        // While a restart is pending the old process's last status messages must not hide "restarting".
+        if (restart_requested_ || state_ == KernelState::dead) {
+        } else if (execution_state == "busy") {
+            state_ = KernelState::busy;
+        } else if (execution_state == "idle") {
+            state_ = KernelState::idle;
+        }
+    }
     broadcast(message);
 }
 
@@ -327,16 +332,11 @@ void Kernel::on_process_exit(ProcessExit exit) {
     }
     const bool was_ready = ready_;
     ready_ = false;
-    if (!ready_handlers_.empty() && state_ != KernelState::restarting) {
-        // Died before it ever became ready, or during a requested restart.
-        logger_.warn("kernel_died_during_start", {{"kernel_id", id()}, {"exit", exit.describe()}});
-        state_ = KernelState::dead;
-        broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
-        finish_readiness("kernel " + exit.describe() + " before it answered kernel_info_request");
-        return;
-    }
-    if (state_ == KernelState::restarting && !ready_handlers_.empty()) {
-        // A REST restart: the old process is gone, start the new one.
+    if (restart_requested_) {
+        // A REST restart: the old process is gone, start the new one. The kill timer armed for the old
+        // process must not fire on its replacement.
+        shutdown_timer_.cancel();
+        restart_requested_ = false;
         try {
             spawn();
             probe_readiness();
@@ -346,6 +346,14 @@ void Kernel::on_process_exit(ProcessExit exit) {
         }
         return;
     }
+    if (!ready_handlers_.empty()) {
+        // Died before it ever became ready, or during a requested restart.
+        logger_.warn("kernel_died_during_start", {{"kernel_id", id()}, {"exit", exit.describe()}});
+        state_ = KernelState::dead;
+        broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
+        finish_readiness("kernel " + exit.describe() + " before it answered kernel_info_request");
+        return;
+    }
     logger_.warn("kernel_died", {{"kernel_id", id()}, {"exit", exit.describe()}, {"was_ready", was_ready}});
     if (config_.autorestart && restarts_ < config_.restart_limit) {
         ++restarts_;
@@ -353,7 +361,12 @@ void Kernel::on_process_exit(ProcessExit exit) {
         broadcast(make_message(Channel::iopub, "status", {{"execution_state", "restarting"}}, probe_session_));
         ready_handlers_.push_back([weak = weak_from_this()](std::optional<std::string> error) {
             auto self = weak.lock();
-            if (!self || !error) return;
+            if (!self) return;
+            if (!error) {
+                // The probe's own status traffic is hidden, so say explicitly that the revived kernel is usable.
+                self->broadcast(make_message(Channel::iopub, "status", {{"execution_state", "idle"}}, self->probe_session_));
+                return;
+            }
             self->state_ = KernelState::dead;
             self->broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, self->probe_session_));
         });
@@ -396,6 +409,7 @@ void Kernel::restart(ReadyHandler on_ready) {
         }
         return;
     }
+    restart_requested_ = true;
     probe_control_->send(encode_wire(
         make_message(Channel::control, "shutdown_request", {{"restart", true}}, probe_session_), signer_));
     // A kernel that ignores the request is killed; the exit handler then spawns the replacement.

@@ -199,13 +199,23 @@ class KernelSocket:
     def recv(self, timeout=START_TIMEOUT):
         if self.pending:
             return self.pending.pop(0)
-        self.ws.settimeout(timeout)
-        opcode, data = self.ws.recv_data()
+        # Control frames are returned too, so the gateway's keepalive pings cannot stretch the deadline.
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no message within the deadline")
+            self.ws.settimeout(left)
+            opcode, data = self.ws.recv_data(control_frame=True)
+            if opcode not in (websocket.ABNF.OPCODE_PING, websocket.ABNF.OPCODE_PONG):
+                break
         if opcode == websocket.ABNF.OPCODE_TEXT:
             assert not self.v1, "v1 connections must only get binary frames"
             return json.loads(data.decode("utf-8"))
         if opcode == websocket.ABNF.OPCODE_BINARY:
             return decode_v1(data) if self.v1 else decode_legacy_binary(data)
+        if opcode == websocket.ABNF.OPCODE_CLOSE:
+            raise ConnectionError("the gateway closed the WebSocket")
         raise ConnectionError(f"unexpected opcode {opcode}")
 
     def replies_to(self, msg_id, done, timeout=START_TIMEOUT):

@@ -160,6 +160,7 @@ private:
     bool kernel_info_answered_ = false;
     bool iopub_seen_ = false;
     bool shutting_down_ = false;
+    bool restart_requested_ = false;  // a REST restart is waiting for the old process to exit
     int restarts_ = 0;
     int connections_ = 0;
     std::chrono::system_clock::time_point last_activity_ = std::chrono::system_clock::now();
