@@ -241,11 +241,19 @@ private:
     void with_session(const std::string& name, const std::string& client,
                       std::function<void(std::shared_ptr<AgentSession>)> use, std::function<void(json)> done) {
         if (auto session = service_.sessions().find(name)) return use(session);
-        service_.sessions().create(name, service_.config().default_limits, client,
-                                   [use, done](std::shared_ptr<AgentSession> session, std::optional<HttpError> error) {
-                                       if (error) return done(tool_text(std::string("cannot create the session: ") + error->what(), true));
-                                       use(session);
-                                   });
+        service_.sessions().create(
+            name, service_.config().default_limits, client,
+            [this, name, use, done](std::shared_ptr<AgentSession> session, std::optional<HttpError> error) {
+                // Two calls for a new name at once: the second finds the session the first is creating.
+                if (error && error->status() == http::status::conflict) session = service_.sessions().find(name);
+                if (!session) {
+                    return done(tool_text(std::string("cannot create the session: ") + (error ? error->what() : "gone"), true));
+                }
+                session->ensure_kernel([session, use, done](std::optional<std::string> failure) {
+                    if (failure) return done(tool_text("the session has no kernel: " + *failure, true));
+                    use(session);
+                });
+            });
     }
 
     void with_files(const std::string& name, const std::string& client, std::function<json(sandbox::Workspace&)> action,
