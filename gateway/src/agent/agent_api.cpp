@@ -258,6 +258,10 @@ public:
     void post(RequestContext& context, Responder respond) override {
         auto target = session(context);
         const json body = request_body(context);
+        if (target->queued() >= AgentSession::max_queued)
+            throw HttpError(http::status::too_many_requests,
+                            std::to_string(target->queued()) + " executes are already waiting in this session",
+                            "session_busy");
         if (!body.contains("code"))
             throw HttpError(http::status::bad_request, "missing \"code\": the Python source to run", "missing_code");
         if (!body["code"].is_string()) throw HttpError(http::status::bad_request, "\"code\" must be a string", "bad_type");

@@ -83,6 +83,9 @@ public:
     std::optional<std::filesystem::path> workspace() const;
     std::shared_ptr<Kernel> kernel() const { return kernel_; }
     bool busy() const { return running_ != nullptr || !queue_.empty(); }
+    std::size_t queued() const { return queue_.size(); }
+    // More executes than this waiting behind the running one are refused (429) instead of piling up.
+    static constexpr std::size_t max_queued = 64;
     bool closed() const { return closed_; }
     std::chrono::steady_clock::time_point last_used() const;
     void touch() { last_used_ = std::chrono::steady_clock::now(); }
