@@ -491,7 +491,7 @@ void AgentSession::finish_execute() {
     const ExecutionCollector& collected = *running->collector;
 
     json cell = {{"cell_type", "code"},
-                 {"id", random_hex(4)},
+                 {"id", random_hex(8)},  // nbformat 4.5 cell ids must be unique within the notebook
                  {"metadata", {{"cellblock", {{"status", answer["status"]}, {"duration_ms", answer["duration_ms"]}}}}},
                  {"source", running->pending.request.code},
                  {"execution_count", answer["execution_count"]},
