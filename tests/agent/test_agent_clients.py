@@ -94,3 +94,43 @@ def test_mcp_sdk_client_runs_python_and_uses_files(gateway, mcp_client):
     assert report["after_reset"]["structuredContent"]["result"]["text/plain"] == "False"
     # The MCP session is an ordinary agent session, visible over HTTP.
     assert gateway.request("GET", "/agent/v1/sessions/mcp-analysis").status_code == 200
+
+
+def test_mcp_json_rpc_edges_over_plain_http(gateway):
+    def rpc(payload, **kwargs):
+        return gateway.request("POST", "/mcp", json=payload,
+                               headers={"Accept": "application/json, text/event-stream"}, **kwargs)
+
+    init = rpc({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                "params": {"protocolVersion": "2025-03-26", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}})
+    assert init.status_code == 200 and init.headers["Content-Type"] == "application/json"
+    assert init.json()["result"]["protocolVersion"] == "2025-03-26"
+    assert init.json()["result"]["capabilities"]["tools"] is not None
+    assert rpc({"jsonrpc": "2.0", "method": "notifications/initialized"}).status_code == 202
+    unknown = rpc({"jsonrpc": "2.0", "id": "x", "method": "resources/list"}).json()
+    assert unknown["id"] == "x" and unknown["error"]["code"] == -32601
+    missing_code = rpc({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                        "params": {"name": "run_python", "arguments": {"session": "rpc"}}}).json()
+    assert missing_code["error"]["code"] == -32602 and "code" in missing_code["error"]["message"]
+    parse = gateway.request("POST", "/mcp", data=b"{oops")
+    assert parse.status_code == 400 and parse.json()["error"]["code"] == -32700
+    batch = rpc([{"jsonrpc": "2.0", "id": 3, "method": "ping"},
+                 {"jsonrpc": "2.0", "method": "notifications/initialized"},
+                 {"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+                  "params": {"name": "run_python", "arguments": {"session": "rpc", "code": "print('batched')"}}}]).json()
+    assert [reply["id"] for reply in batch] == [3, 4]
+    assert batch[1]["result"]["isError"] is False and "batched" in batch[1]["result"]["content"][0]["text"]
+    assert gateway.request("GET", "/mcp").status_code == 405
+
+
+def test_rest_reset_clears_state_and_history_but_keeps_files(gateway):
+    gateway.create_session("resettable")
+    gateway.request("PUT", "/agent/v1/sessions/resettable/files/keep.txt", data=b"kept")
+    gateway.execute("resettable", "value = 1")
+    reset = gateway.request("POST", "/agent/v1/sessions/resettable/reset")
+    assert reset.status_code == 200, reset.text
+    assert reset.json()["cells"] == 0
+    after = gateway.execute("resettable", "('value' in globals(), open('keep.txt').read())")
+    assert after["result"]["text/plain"] == "(False, 'kept')"
+    events = [e["event"] for e in gateway.request("GET", "/agent/v1/sessions/resettable/audit").json()["entries"]]
+    assert "reset" in events
