@@ -463,6 +463,10 @@ std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& 
                                    try {
                                        JupyterMessage message = decode_wire(channel, std::move(frames), self->signer_);
                                        self->last_activity_ = std::chrono::system_clock::now();
+                                       // The kernel publishes outputs before it replies, but they travel on
+                                       // another socket: hand out IOPub that already arrived first, so clients
+                                       // that stop at execute_reply (OpenHands) do not lose the tail.
+                                       if (self->iopub_) self->iopub_->flush_received();
                                        target->deliver_or_buffer(message);
                                    } catch (const MessageError& error) {
                                        self->logger_.warn("kernel_message_rejected",

@@ -287,11 +287,21 @@ def test_rest_restart_keeps_websocket_attached(gateway, kernel):
 
 
 def test_kernel_environment(gateway):
+    """The kernel process gets KERNEL_* from the request, KERNEL_GATEWAY=1 and its own CELLBLOCK_WORKSPACE, and
+    neither the gateway's token nor variables outside the whitelist (Kernel Gateway's rules)."""
     model = gateway.start_kernel(env={"KERNEL_FOO": "bar", "NOT_KERNEL": "dropped", "KERNEL_GATEWAY": "0"})
-    client = gateway.connect(model["id"])
-    text = outputs(client.execute(
-        "import os\nprint(os.environ.get('KERNEL_FOO'), os.environ.get('NOT_KERNEL'), "
-        "os.environ.get('KERNEL_GATEWAY'), 'KG_AUTH_TOKEN' in os.environ, bool(os.environ.get('CELLBLOCK_WORKSPACE')))"))
-    assert "bar None 1 False True" in text, text
-    client.close()
-    gateway.delete(f"/api/kernels/{model['id']}")
+    pids = kernel_pids(model["id"])
+    assert pids
+    kernel_environment = dict(item.split("=", 1) for item in
+                              open(f"/proc/{min(pids)}/environ", "rb").read().decode().split("\0") if "=" in item)
+    assert kernel_environment["KERNEL_FOO"] == "bar"
+    assert kernel_environment["KERNEL_GATEWAY"] == "1"
+    assert kernel_environment["KERNEL_ID"] == model["id"]
+    assert "NOT_KERNEL" not in kernel_environment and "KG_AUTH_TOKEN" not in kernel_environment
+    workspace = kernel_environment["CELLBLOCK_WORKSPACE"]
+    assert os.path.isdir(workspace) and model["id"] in workspace
+    assert gateway.delete(f"/api/kernels/{model['id']}").status_code == 204
+    deadline = time.monotonic() + 10
+    while os.path.exists(workspace) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(workspace), "the workspace goes with the kernel"

@@ -30,6 +30,8 @@ public:
     // Non-blocking; returns false when the message could not be queued (high-water mark) or the channel is closed.
     bool send(const std::vector<std::string>& frames);
     void close();
+    // Delivers whatever libzmq has already received, now (used to keep IOPub ahead of the reply it precedes).
+    void flush_received() { drain(); }
 
     ZmqChannel(boost::asio::io_context& io, zmq::socket_t socket, FrameHandler on_frames);
 
