@@ -209,6 +209,14 @@ void Kernel::begin_termination() {
     if (process_) process_->signal_group(SIGTERM);
 }
 
+void Kernel::close_sockets() {
+    for (auto& [session_id, session] : sessions_)
+        for (auto* channel : {&session->shell_, &session->control_, &session->stdin_})
+            if (*channel) (*channel)->close();
+    for (auto* channel : {&iopub_, &probe_shell_, &probe_control_})
+        if (*channel) (*channel)->close();
+}
+
 void Kernel::finish_termination(std::chrono::milliseconds grace) {
     if (process_) process_->wait_for_exit(grace);
     process_.reset();

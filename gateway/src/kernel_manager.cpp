@@ -99,7 +99,10 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
     launch.environment = kernel_environment(spec, request_env, launch.id, launch.workspace_dir);
     for (const auto& [name, value] : trusted_env) launch.environment[name] = value;
-    return std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
+    auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
+    std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
+    every_kernel_.push_back(kernel);
+    return kernel;
 }
 
 bool KernelManager::pool_can_serve(const KernelSpec& spec, const std::map<std::string, std::string>& request_env) const {
@@ -244,20 +247,20 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
 }
 
 void KernelManager::shutdown_all() {
-    if (stopping_ && kernels_.empty() && pool_.empty()) return;
     stopping_ = true;
-    boost::system::error_code ignored;
     cull_timer_.cancel();
     pool_retry_timer_.cancel();
-    std::vector<std::shared_ptr<Kernel>> all(pool_.begin(), pool_.end());
-    for (const auto& [id, kernel] : kernels_) all.push_back(kernel);
     pool_.clear();
     kernels_.clear();
+    std::vector<std::shared_ptr<Kernel>> all;
+    for (const auto& known : every_kernel_)
+        if (auto kernel = known.lock()) all.push_back(kernel);
     for (const auto& kernel : all) kernel->begin_termination();
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
     for (const auto& kernel : all) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
         kernel->finish_termination(std::max(left, std::chrono::milliseconds(0)));
+        kernel->close_sockets();
     }
 }
 

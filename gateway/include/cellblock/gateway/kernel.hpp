@@ -97,6 +97,8 @@ public:
     // Gateway exit: SIGTERM now; `finish_termination` waits up to `grace` and then SIGKILLs.
     void begin_termination();
     void finish_termination(std::chrono::milliseconds grace);
+    // Closes every ZMQ socket of this kernel and its sessions (the ZMQ context cannot terminate while one is open).
+    void close_sockets();
     void interrupt();
     // Restarts the process in place (same id, endpoints and key, so connected clients stay connected).
     void restart(ReadyHandler on_ready);

@@ -79,6 +79,9 @@ private:
     bool owns_runtime_dir_ = false;
     std::map<std::string, std::shared_ptr<Kernel>> kernels_;  // handed out (or starting for a request)
     std::deque<std::shared_ptr<Kernel>> pool_;                // warm, not yet handed out
+    // Every kernel ever created, including ones being shut down that only their timers keep alive: at exit their
+    // processes are stopped and their sockets closed before the ZMQ context goes.
+    std::vector<std::weak_ptr<Kernel>> every_kernel_;
     int reserved_ = 0;                                        // starts in flight, counted against max_kernels
     int pool_failures_ = 0;
     boost::asio::steady_timer cull_timer_;
