@@ -212,7 +212,7 @@ def main() -> int:
         gateway = servers.get("cellblock-gateway", {})
         server_peers = {label: r for label, r in servers.items() if label != "cellblock-gateway"}
 
-        def seconds(result: dict, key: str):
+        def single(result: dict, key: str):
             if key == "each_s":
                 return Stats([s * 1000.0 for s in result["each_s"]]) if result.get("each_s") else None
             return Stats([result[key]]) if key in result else None
@@ -228,15 +228,15 @@ def main() -> int:
             sessions = result.get("sessions", 0)
             return Stats([(value - result["rss0_mib"]) / sessions * 1024.0]) if sessions else None
 
-        rows = [Row(f"{creates} concurrent creates → all kernel_info_reply", seconds(gateway, "all_ready_s"),
-                    {p: seconds(r, "all_ready_s") for p, r in server_peers.items()}, unit="s",
+        rows = [Row(f"{creates} concurrent creates → all kernel_info_reply", single(gateway, "all_ready_s"),
+                    {p: single(r, "all_ready_s") for p, r in server_peers.items()}, unit="s",
                     note=gateway.get("error", "")),
-                Row("one create → kernel_info_reply, under that load", seconds(gateway, "each_s"),
-                    {p: seconds(r, "each_s") for p, r in server_peers.items()}),
-                Row(f"failed creates (of {creates})", seconds(gateway, "failures"),
-                    {p: seconds(r, "failures") for p, r in server_peers.items()}, unit="failed"),
-                Row("server RSS, no session", seconds(gateway, "rss0_mib"),
-                    {p: seconds(r, "rss0_mib") for p, r in server_peers.items()}, unit="MiB"),
+                Row("one create → kernel_info_reply, under that load", single(gateway, "each_s"),
+                    {p: single(r, "each_s") for p, r in server_peers.items()}),
+                Row(f"failed creates (of {creates})", single(gateway, "failures"),
+                    {p: single(r, "failures") for p, r in server_peers.items()}, unit="failed"),
+                Row("server RSS, no session", single(gateway, "rss0_mib"),
+                    {p: single(r, "rss0_mib") for p, r in server_peers.items()}, unit="MiB"),
                 Row(f"server RSS, {creates} sessions", rss(gateway, creates),
                     {p: rss(r, creates) for p, r in server_peers.items()}, unit="MiB"),
                 Row(f"server RSS, {gateway_sessions} sessions", rss(gateway, gateway_sessions), {}, unit="MiB"),

@@ -202,7 +202,7 @@ def main() -> int:
     ours = measured.get("cellblock", {"error": "kernelspec cellblock-python not installed"})
     peers = {label: result for label, result in measured.items() if label != "cellblock"}
 
-    def pick(result: dict, level: int, index: int, unit: str):
+    def pick(result: dict, level: int, index: int):
         value = result.get(level)
         if value is None:
             return None
@@ -211,20 +211,20 @@ def main() -> int:
     rows = []
     for level in levels:
         target = "≥ 2,000" if level == 16 else ""
-        rows.append(Row(f"`1+1` exec/s, {level} session{'s' if level > 1 else ''}", pick(ours, level, 0, "exec/s"),
-                        {p: pick(r, level, 0, "exec/s") for p, r in peers.items()}, unit="exec/s", target=target))
+        rows.append(Row(f"`1+1` exec/s, {level} session{'s' if level > 1 else ''}", pick(ours, level, 0),
+                        {p: pick(r, level, 0) for p, r in peers.items()}, unit="exec/s", target=target))
     for level in levels:
-        rows.append(Row(f"round trip at {level} in flight", pick(ours, level, 1, "ms"),
-                        {p: pick(r, level, 1, "ms") for p, r in peers.items()}))
+        rows.append(Row(f"round trip at {level} in flight", pick(ours, level, 1),
+                        {p: pick(r, level, 1) for p, r in peers.items()}))
     for level in levels:
-        rows.append(Row(f"kernel (+ worker) CPU per execute, {level}", pick(ours, level, 2, "ms CPU"),
-                        {p: pick(r, level, 2, "ms CPU") for p, r in peers.items()}, unit="ms CPU"))
+        rows.append(Row(f"kernel (+ worker) CPU per execute, {level}", pick(ours, level, 2),
+                        {p: pick(r, level, 2) for p, r in peers.items()}, unit="ms CPU"))
     for level in levels:
-        rows.append(Row(f"… of which the kernel process itself, {level}", pick(ours, level, 4, "ms CPU"),
-                        {p: pick(r, level, 4, "ms CPU") for p, r in peers.items()}, unit="ms CPU"))
+        rows.append(Row(f"… of which the kernel process itself, {level}", pick(ours, level, 4),
+                        {p: pick(r, level, 4) for p, r in peers.items()}, unit="ms CPU"))
     for level in levels:
-        rows.append(Row(f"client CPU per execute, {level}", pick(ours, level, 3, "ms CPU"),
-                        {p: pick(r, level, 3, "ms CPU") for p, r in peers.items()}, unit="ms CPU"))
+        rows.append(Row(f"client CPU per execute, {level}", pick(ours, level, 3),
+                        {p: pick(r, level, 3) for p, r in peers.items()}, unit="ms CPU"))
     print(f"One lean pyzmq client thread drives all sessions, one request in flight per session, {seconds:g} s per "
           f"level after a warm-up; exec/s = completed execute_replies / window. {os.cpu_count()} cores: the CPU rows "
           "bound what the machine can do (cores × 1000 / (kernel + client CPU ms per execute)).\n")

@@ -183,6 +183,8 @@ def progress(message: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Installed tree, processes and /proc accounting shared by bench_outputs/bench_throughput/bench_memory (additive).
+# jupyter_client, requests and websocket-client are imported inside the functions that need them, so that scripts
+# which never start a kernel or a server do not pay for those imports.
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
