@@ -381,3 +381,15 @@ def test_concurrent_executes_on_one_session_run_one_at_a_time(gateway):
     log = eval(gateway.execute("queued", "log")["result"]["text/plain"])
     for position in range(0, len(log), 2):  # never interleaved: each start is followed by its own end
         assert log[position][0] == "start" and log[position + 1] == ("end", log[position][1])
+
+
+def test_kernel_deleted_through_the_kg_api_is_replaced_and_the_answer_says_so(gateway):
+    session = gateway.create_session("replaced")
+    gateway.execute("replaced", "value = 1")
+    assert gateway.request("DELETE", f"/api/kernels/{session['kernel_id']}").status_code == 204
+    answer = gateway.execute("replaced", "'value' in globals()")
+    assert answer["status"] == "ok" and answer["result"]["text/plain"] == "False"
+    assert answer["state_lost"] is True and "new kernel" in answer["notice"]
+    now = gateway.request("GET", "/agent/v1/sessions/replaced").json()
+    assert now["kernel_id"] and now["kernel_id"] != session["kernel_id"]
+    assert gateway.execute("replaced", "1 + 1")["state_lost"] is False

@@ -433,7 +433,9 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
     }
     bool state_lost = std::exchange(state_lost_notice_, false);
     std::string notice;
-    if (state_lost) notice = "a new kernel serves this session: variables and imports from earlier executes are gone";
+    if (state_lost)
+        notice = "a new kernel serves this session (the previous one was shut down, or the gateway restarted): "
+                 "variables, imports and workspace files from earlier executes are gone";
     const std::string ename = error.is_object() ? error.value("ename", "") : "";
     if (ename == "TimeoutError") status = "timeout";
     if (ename == "WorkerDied") {
