@@ -177,10 +177,15 @@ def test_delete_file(gateway):
 
 
 def outputs_text(cell):
+    """(kind, text) per output; consecutive pieces of one stream are joined, as frontends display them (the
+    kernel may publish one print in several stream messages, depending on timing)."""
     pieces = []
     for output in cell["outputs"]:
         if output["output_type"] == "stream":
-            pieces.append((output["name"], output["text"]))
+            if pieces and pieces[-1][0] == output["name"]:
+                pieces[-1] = (output["name"], pieces[-1][1] + output["text"])
+            else:
+                pieces.append((output["name"], output["text"]))
         elif output["output_type"] in ("execute_result", "display_data"):
             pieces.append((output["output_type"], output["data"].get("text/plain")))
         elif output["output_type"] == "error":
