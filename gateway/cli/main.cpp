@@ -35,14 +35,21 @@ int run_exec(AgentClient& client, const std::string& session, const std::string&
     json body = {{"code", code}};
     if (timeout_s) body["timeout_s"] = *timeout_s;
     json end;
-    auto on_line = [&end](const std::string& line) {
+    bool stdout_cut = false, stderr_cut = false;  // the gateway stopped streaming a long output
+    auto on_line = [&](const std::string& line) {
         const json event = json::parse(line, nullptr, false);
         if (!event.is_object()) return;
         const std::string type = event.value("type", "");
         if (type == "stdout") std::cout << event.value("text", "") << std::flush;
         else if (type == "stderr") std::cerr << event.value("text", "") << std::flush;
-        else if (type == "notice") std::cerr << "cellblock: " << event.value("text", "") << "\n";
+        else if (type == "notice") (event.value("text", "").find("stdout") != std::string::npos ? stdout_cut : stderr_cut) = true;
         else if (type == "end") end = event;
+    };
+    // The final answer holds head + "[cellblock: N bytes omitted ...]" + tail: print from the marker on.
+    auto print_rest = [&end](const char* field, std::ostream& out) {
+        const std::string text = end.value(field, "");
+        const auto marker = text.find("\n[cellblock: ");
+        if (marker != std::string::npos) out << text.substr(marker) << (text.ends_with('\n') ? "" : "\n");
     };
     std::string error_body;
     int status = client.stream_lines(session_path(session) + "/execute", body, on_line, error_body);
@@ -56,6 +63,8 @@ int run_exec(AgentClient& client, const std::string& session, const std::string&
     }
     AgentClient::check({status, error_body, ""}, "exec in session '" + session + "' failed");
     if (!end.is_object()) throw ClientError("the gateway ended the stream without a final answer");
+    if (stdout_cut) print_rest("stdout", std::cout);
+    if (stderr_cut) print_rest("stderr", std::cerr);
     if (end.contains("result") && end["result"].is_object()) {
         std::string text = end["result"].value("text/plain", "");
         std::cout << text << (text.ends_with('\n') ? "" : "\n");
