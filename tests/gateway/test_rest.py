@@ -4,6 +4,7 @@ import re
 import socket
 import time
 
+import pytest
 import requests
 
 from gateway_harness import TOKEN, Gateway
@@ -280,3 +281,33 @@ def test_generated_token_is_printed(make_gateway):
     assert requests.get(gateway.url + f"/api?token={token}", timeout=30).status_code == 200
     open_gateway = make_gateway(token="", warm_pool=0)
     assert requests.get(open_gateway.url + "/api", timeout=30).status_code == 200
+
+
+def test_tls_serves_https_and_wss(make_gateway, tmp_path):
+    import ssl
+    import subprocess
+
+    import websocket
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    gateway = make_gateway("--certfile", str(cert), "--keyfile", str(key), warm_pool=0)
+    assert gateway.url.startswith("https://")
+    response = requests.get(gateway.url + "/api", headers={"Authorization": f"token {TOKEN}"}, verify=str(cert),
+                            timeout=30)
+    assert response.status_code == 200
+    kernel_id = requests.post(gateway.url + "/api/kernels", headers={"Authorization": f"token {TOKEN}"},
+                              verify=str(cert), timeout=90).json()["id"]
+    ws = websocket.create_connection(f"wss://{gateway.url.split('//')[1]}/api/kernels/{kernel_id}/channels",
+                                     header=[f"Authorization: token {TOKEN}"], timeout=60,
+                                     sslopt={"ca_certs": str(cert), "cert_reqs": ssl.CERT_REQUIRED,
+                                             "check_hostname": False})
+    ws.send('{"header": {"msg_type": "kernel_info_request", "msg_id": "tls-1"}, "channel": "shell"}')
+    while True:
+        message = __import__("json").loads(ws.recv())
+        if message["msg_type"] == "kernel_info_reply":
+            assert message["parent_header"]["msg_id"] == "tls-1"
+            break
+    ws.close()
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get(gateway.url.replace("https", "http") + "/api", timeout=10)
