@@ -45,6 +45,9 @@ void KernelChannelsConnection::deliver(const JupyterMessage& message) {
         disconnect("client is not reading its messages fast enough");
         return;
     }
+    if (logger_.enabled(LogLevel::debug))
+        logger_.debug("kernel_message", {{"kernel_id", kernel_->id()}, {"msg_type", message.msg_type},
+                                         {"channel", channel_name(message.channel)}, {"queued", transport_->queued_bytes()}});
     WebSocketFrame frame = v1_ ? encode_v1(message) : encode_legacy(message);
     transport_->send(std::move(frame.payload), frame.binary);
 }
@@ -69,6 +72,9 @@ void KernelChannelsConnection::on_client_message(std::string&& payload, bool bin
         JupyterMessage message = v1_      ? decode_v1(payload)
                                  : binary ? decode_legacy_binary(payload)
                                           : decode_legacy_text(payload);
+        if (logger_.enabled(LogLevel::debug))
+            logger_.debug("client_message", {{"kernel_id", kernel_->id()}, {"msg_type", message.msg_type},
+                                             {"channel", channel_name(message.channel)}});
         session_->send(std::move(message));
     } catch (const MessageError& error) {
         reject(error.what(), "");

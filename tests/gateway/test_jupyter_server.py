@@ -73,6 +73,23 @@ def test_jupyter_server_gateway_mode_creates_and_executes(gateway, jupyter_serve
     ws = websocket.create_connection(
         f"{jupyter_server.replace('http', 'ws')}/api/kernels/{kernel_id}/channels?session_id={uuid.uuid4().hex}",
         header=[f"Authorization: token {SERVER_TOKEN}"], timeout=90)
+    # Jupyter Server 1.23 drops what the browser sends before its own gateway connection is up: handshake first,
+    # resending kernel_info_request as JupyterLab effectively does.
+    ready, deadline = False, time.monotonic() + 90
+    while not ready and time.monotonic() < deadline:
+        probe = uuid.uuid4().hex
+        ws.send(json.dumps({"header": {"msg_id": probe, "msg_type": "kernel_info_request", "username": "lab",
+                                       "session": uuid.uuid4().hex, "version": "5.3"}, "parent_header": {},
+                            "metadata": {}, "channel": "shell", "buffers": [], "content": {}}))
+        ws.settimeout(2)
+        try:
+            while not ready:
+                message = json.loads(ws.recv())
+                ready = message["msg_type"] == "kernel_info_reply" and message["parent_header"]["msg_id"] == probe
+        except websocket.WebSocketTimeoutException:
+            continue
+    assert ready, "no kernel_info_reply through Jupyter Server"
+    ws.settimeout(90)
     msg_id = uuid.uuid4().hex
     ws.send(json.dumps({"header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "lab",
                                    "session": uuid.uuid4().hex, "version": "5.3"},
