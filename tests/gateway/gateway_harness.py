@@ -26,6 +26,12 @@ START_TIMEOUT = 60  # seconds; kernels on a loaded 2-core CI machine can be slow
 V1 = "v1.kernel.websocket.jupyter.org"
 
 
+def _die_with_parent():
+    """PR_SET_PDEATHSIG: a gateway must not outlive a test run that was killed (e.g. by a ctest timeout)."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
 def gateway_binary():
     binary = PREFIX / "bin" / "cellblock-gateway"
     if not binary.exists():
@@ -59,7 +65,7 @@ class Gateway:
         self.lines = queue.Queue()
         self.output = []
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=environment, start_new_session=True)
+                                        env=environment, start_new_session=True, preexec_fn=_die_with_parent)
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + 30
         self.url = None

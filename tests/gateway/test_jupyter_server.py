@@ -89,7 +89,7 @@ def test_jupyter_server_gateway_mode_creates_and_executes(gateway, jupyter_serve
         except websocket.WebSocketTimeoutException:
             continue
     assert ready, "no kernel_info_reply through Jupyter Server"
-    ws.settimeout(90)
+    ws.settimeout(20)  # shorter than Jupyter Server's 30 s pings, so a lost message fails instead of hanging
     msg_id = uuid.uuid4().hex
     ws.send(json.dumps({"header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "lab",
                                    "session": uuid.uuid4().hex, "version": "5.3"},
