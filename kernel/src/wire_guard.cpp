@@ -1,5 +1,6 @@
 #include "wire_guard.hpp"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <ctime>
@@ -16,6 +17,8 @@ namespace {
 constexpr std::string_view delimiter_frame = "<IDS|MSG>";
 constexpr std::size_t replay_capacity = 16384;
 constexpr int linger_ms = 1000;
+// How long a shell reply may wait for its request's idle status before it is sent anyway.
+constexpr std::chrono::milliseconds reply_hold_limit{200};
 
 enum ChannelIndex { shell = 0, control = 1, stdin_channel = 2, iopub = 3 };
 constexpr std::array<const char*, 4> channel_names = {"shell", "control", "stdin", "iopub"};
@@ -33,6 +36,11 @@ std::optional<std::size_t> find_delimiter(const std::vector<std::string_view>& f
         }
     }
     return std::nullopt;
+}
+
+std::string parent_msg_id(std::string_view parent_header) {
+    const auto parent = nlohmann::json::parse(parent_header, nullptr, false);
+    return parent.is_object() ? parent.value("msg_id", std::string()) : std::string();
 }
 
 std::vector<std::string_view> views(const std::vector<zmq::message_t>& frames) {
@@ -263,7 +271,8 @@ void WireGuard::run() noexcept {
     }};
     while (s.open) {
         try {
-            zmq::poll(items.data(), items.size(), std::chrono::milliseconds(-1));
+            zmq::poll(items.data(), items.size(), std::chrono::milliseconds(poll_timeout_ms()));
+            release_expired_replies();
             if (items[8].revents & ZMQ_POLLIN) {
                 return;
             }
@@ -406,6 +415,19 @@ void WireGuard::relay_outbound(int channel_index) {
         pending.header = std::string(view(frames[d + 2]));
         pending_input_ = std::move(pending);
     }
+    if (channel == WireChannel::shell && !aborted) {
+        // xeus sends a reply straight from its shell thread but the request's outputs through a publisher
+        // thread, so the reply can overtake them, and a client that stops reading at execute_reply
+        // (OpenHands does) loses output. Hold the reply until the request's idle status, which xeus
+        // publishes after every output, has reached us; then send it just before that idle.
+        held_replies_.push_back({parent_msg_id(parent_header), std::move(frames),
+                                 std::chrono::steady_clock::now() + reply_hold_limit});
+        return;
+    }
+    if (channel == WireChannel::iopub && msg_type == "status" && !held_replies_.empty() &&
+        frame_views[d + 5].find("\"idle\"") != std::string_view::npos) {
+        release_held_replies(parent_msg_id(parent_header));
+    }
     if (aborted) {
         publish_status(parent_header, "busy");
     }
@@ -413,6 +435,46 @@ void WireGuard::relay_outbound(int channel_index) {
     if (aborted) {
         publish_status(parent_header, "idle");
     }
+}
+
+void WireGuard::release_held_replies(std::string_view parent_msg_id) {
+    auto& router = sockets_->routers[shell];
+    std::erase_if(held_replies_, [&](HeldReply& held) {
+        if (held.parent_msg_id != parent_msg_id) {
+            return false;
+        }
+        zmq::send_multipart(router, held.frames);
+        return true;
+    });
+}
+
+void WireGuard::release_expired_replies() {
+    if (held_replies_.empty()) {
+        return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    auto& router = sockets_->routers[shell];
+    std::erase_if(held_replies_, [&](HeldReply& held) {
+        if (held.deadline > now) {
+            return false;
+        }
+        // The idle never came (it should not happen): a late reply beats none.
+        log_event(LogLevel::debug, "reply_released_without_idle", {});
+        zmq::send_multipart(router, held.frames);
+        return true;
+    });
+}
+
+int WireGuard::poll_timeout_ms() const {
+    if (held_replies_.empty()) {
+        return -1;
+    }
+    auto earliest = held_replies_.front().deadline;
+    for (const auto& held : held_replies_) {
+        earliest = std::min(earliest, held.deadline);
+    }
+    const auto wait = std::chrono::ceil<std::chrono::milliseconds>(earliest - std::chrono::steady_clock::now());
+    return static_cast<int>(std::max<std::chrono::milliseconds::rep>(0, wait.count()));
 }
 
 void WireGuard::echo_heartbeat() {

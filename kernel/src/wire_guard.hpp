@@ -8,6 +8,7 @@
 // here, so shutdown never waits for a busy shell thread.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -87,6 +88,18 @@ class WireGuard {
                                               std::string_view parent_header, std::string_view msg_type,
                                               const nlohmann::json& content) const;
     void note_refusal(const InboundVerdict& verdict, const char* channel);
+    // Sends the held shell replies to the request `parent_msg_id`, or those held past their deadline.
+    void release_held_replies(std::string_view parent_msg_id);
+    void release_expired_replies();
+    int poll_timeout_ms() const;
+
+    // A shell reply waiting for its request's IOPub idle (see relay_outbound).
+    struct HeldReply {
+        std::string parent_msg_id;
+        std::vector<zmq::message_t> frames;
+        std::chrono::steady_clock::time_point deadline;
+    };
+    std::vector<HeldReply> held_replies_;
 
     MessageSigner signer_;
     InboundVerifier verifier_;
