@@ -249,6 +249,16 @@ void Kernel::spawn() {
     });
 }
 
+void Kernel::respawn(const char* what) {
+    try {
+        spawn();
+        probe_readiness();
+    } catch (const std::exception& error) {
+        state_ = KernelState::dead;
+        finish_readiness(std::string(what) + ": " + error.what());
+    }
+}
+
 void Kernel::probe_readiness() {
     if (ready_ || shutting_down_) return;
     if (std::chrono::steady_clock::now() > launch_deadline_) {
@@ -345,13 +355,7 @@ void Kernel::on_process_exit(ProcessExit exit) {
         // process must not fire on its replacement.
         shutdown_timer_.cancel();
         restart_requested_ = false;
-        try {
-            spawn();
-            probe_readiness();
-        } catch (const std::exception& error) {
-            state_ = KernelState::dead;
-            finish_readiness(std::string("restart failed: ") + error.what());
-        }
+        respawn("restart failed");
         return;
     }
     if (!ready_handlers_.empty()) {
@@ -378,13 +382,7 @@ void Kernel::on_process_exit(ProcessExit exit) {
             self->state_ = KernelState::dead;
             self->broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, self->probe_session_));
         });
-        try {
-            spawn();
-            probe_readiness();
-        } catch (const std::exception& error) {
-            state_ = KernelState::dead;
-            finish_readiness(std::string("automatic restart failed: ") + error.what());
-        }
+        respawn("automatic restart failed");
         return;
     }
     state_ = KernelState::dead;
@@ -408,13 +406,7 @@ void Kernel::restart(ReadyHandler on_ready) {
     state_ = KernelState::restarting;
     ready_ = false;
     if (!process_ || !process_->running()) {
-        try {
-            spawn();
-            probe_readiness();
-        } catch (const std::exception& error) {
-            state_ = KernelState::dead;
-            finish_readiness(std::string("restart failed: ") + error.what());
-        }
+        respawn("restart failed");
         return;
     }
     restart_requested_ = true;

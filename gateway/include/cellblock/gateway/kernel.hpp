@@ -135,6 +135,8 @@ public:
 
 private:
     void write_connection_file();
+    // spawn() + probe_readiness(); a failure marks the kernel dead and fails the waiting readiness handlers.
+    void respawn(const char* what);
     void spawn();
     void on_process_exit(ProcessExit exit);
     void probe_readiness();
