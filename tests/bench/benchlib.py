@@ -110,16 +110,21 @@ def markdown_table(title: str, rows: Iterable[Row], higher_is_better: bool = Fal
     return "\n".join(lines) + "\n"
 
 
-def pss_kib(pid: int) -> int:
-    """Proportional set size of one process in KiB (smaps_rollup), 0 if it is gone."""
+def _proc_kib(path: str, key: str) -> int:
+    """The KiB figure on the `key:` line of a /proc file, 0 if the process is gone."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(key):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def pss_kib(pid: int) -> int:
+    """Proportional set size of one process in KiB (smaps_rollup), 0 if it is gone."""
+    return _proc_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -235,14 +240,7 @@ def cpu_seconds(pids: Iterable[int]) -> float:
 
 
 def rss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return _proc_kib(f"/proc/{pid}/status", "VmRSS:")
 
 
 def mem_available_kib() -> int:
