@@ -9,6 +9,9 @@
 #include "cellblock/gateway/rest_handlers.hpp"
 #include "cellblock/gateway/router.hpp"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <boost/asio/signal_set.hpp>
 
@@ -20,6 +23,12 @@
 using namespace cellblock::gateway;
 
 namespace {
+
+bool same_file(int first_fd, int second_fd) {
+    struct stat first {}, second {};
+    return ::fstat(first_fd, &first) == 0 && ::fstat(second_fd, &second) == 0 && first.st_dev == second.st_dev &&
+           first.st_ino == second.st_ino;
+}
 
 struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
@@ -170,11 +179,12 @@ int main(int argc, char** argv) {
         std::string url = scheme + "://" + (config.ip.find(':') != std::string::npos ? "[" + config.ip + "]" : config.ip) +
                           ":" + std::to_string(port) + config.base_url;
         if (url.ends_with('/')) url.pop_back();
-        // AutoGen waits for "is available at" on stderr, OpenHands reads stdout: say it on both.
+        // AutoGen waits for "is available at" on stderr, OpenHands reads stdout: say it on both (once on a
+        // terminal, where both are the same file).
         std::string ready_line = "[cellblock-gateway] cellblock-gateway " CELLBLOCK_GATEWAY_VERSION " is available at " + url;
         if (generated_token) ready_line += "\n[cellblock-gateway] token: " + *config.token + "\n    " + url + "/api?token=" + *config.token;
         std::cout << ready_line << std::endl;
-        std::cerr << ready_line << std::endl;
+        if (!same_file(STDOUT_FILENO, STDERR_FILENO)) std::cerr << ready_line << std::endl;
 
         io.run();
         kernels.shutdown_all();
