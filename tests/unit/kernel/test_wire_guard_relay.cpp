@@ -78,6 +78,18 @@ class WireGuardRelay : public ::testing::Test {
         client_iopub.set(zmq::sockopt::subscribe, "");
         client_iopub.set(zmq::sockopt::linger, 0);
         client_iopub.connect(connection.endpoint(4));
+        wait_for_iopub_path();
+    }
+    // PUB/SUB drops what is published before a subscription arrives, on both hops (fake xeus -> guard ->
+    // client); publish probes until one comes through, so no test depends on how loaded the machine is.
+    void wait_for_iopub_path() {
+        const std::string header = json{{"msg_id", "probe"}, {"msg_type", "status"}, {"session", "x"}}.dump();
+        const Frames probe = {"status", "<IDS|MSG>", "", header, "{}", "{}", R"({"execution_state":"starting"})"};
+        for (int attempt = 0; attempt < 100 && receive(client_iopub, 50).empty(); ++attempt) {
+            send(xeus_iopub, probe);
+        }
+        while (!receive(client_iopub, 100).empty()) {
+        }
     }
     void TearDown() override {
         guard.reset();
