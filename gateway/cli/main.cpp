@@ -1,55 +1,68 @@
 // cellblock: run code in an agent session of a cellblock-gateway from the shell.
-//   cellblock exec --session S 'print(1)'     (stdout/stderr stream as they happen; exit status 1 on error/timeout)
-//   cellblock upload --session S FILE [DEST]  (into the session's workspace, the code's cwd)
+//   cellblock exec --session S 'print(1)'     (stdout/stderr stream as they happen; exit status 1 on
+//   error/timeout) cellblock upload --session S FILE [DEST]  (into the session's workspace, the code's cwd)
 //   cellblock notebook --session S > s.ipynb  (the session's history as a notebook)
-// Sessions are named; `exec` and `upload` create a missing one. --url/--token or CELLBLOCK_URL/CELLBLOCK_TOKEN.
-#include "agent_client.hpp"
-
+// Sessions are named; `exec` and `upload` create a missing one. --url/--token or
+// CELLBLOCK_URL/CELLBLOCK_TOKEN.
 #include <CLI/CLI.hpp>
-
 #include <fstream>
 #include <iostream>
 #include <iterator>
 #include <sstream>
+
+#include "agent_client.hpp"
 
 using namespace cellblock::cli;
 using nlohmann::json;
 
 namespace {
 
-std::string session_path(const std::string& session) { return "/agent/v1/sessions/" + encode_path_segment(session); }
+std::string session_path(const std::string& session) {
+    return "/agent/v1/sessions/" + encode_path_segment(session);
+}
 
 void create_session(AgentClient& client, const std::string& name) {
-    const auto response = client.request(http::verb::post, "/agent/v1/sessions", json({{"name", name}}).dump());
-    if (response.status == 409) return;  // created meanwhile by someone else
+    const auto response =
+        client.request(http::verb::post, "/agent/v1/sessions", json({{"name", name}}).dump());
+    if (response.status == 409)
+        return;  // created meanwhile by someone else
     AgentClient::check(response, "cannot create session '" + name + "'");
     std::cerr << "cellblock: created session '" << name << "'\n";
 }
 
 std::string read_code(const std::string& argument) {
-    if (argument != "-") return argument;
+    if (argument != "-")
+        return argument;
     return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
 }
 
-int run_exec(AgentClient& client, const std::string& session, const std::string& code, std::optional<double> timeout_s) {
+int run_exec(AgentClient& client, const std::string& session, const std::string& code,
+             std::optional<double> timeout_s) {
     json body = {{"code", code}};
-    if (timeout_s) body["timeout_s"] = *timeout_s;
+    if (timeout_s)
+        body["timeout_s"] = *timeout_s;
     json end;
     bool stdout_cut = false, stderr_cut = false;  // the gateway stopped streaming a long output
     auto on_line = [&](const std::string& line) {
         const json event = json::parse(line, nullptr, false);
-        if (!event.is_object()) return;
+        if (!event.is_object())
+            return;
         const std::string type = event.value("type", "");
-        if (type == "stdout") std::cout << event.value("text", "") << std::flush;
-        else if (type == "stderr") std::cerr << event.value("text", "") << std::flush;
-        else if (type == "notice") (event.value("text", "").find("stdout") != std::string::npos ? stdout_cut : stderr_cut) = true;
-        else if (type == "end") end = event;
+        if (type == "stdout")
+            std::cout << event.value("text", "") << std::flush;
+        else if (type == "stderr")
+            std::cerr << event.value("text", "") << std::flush;
+        else if (type == "notice")
+            (event.value("text", "").find("stdout") != std::string::npos ? stdout_cut : stderr_cut) = true;
+        else if (type == "end")
+            end = event;
     };
     // The final answer holds head + "[cellblock: N bytes omitted ...]" + tail: print from the marker on.
     auto print_rest = [&end](const char* field, std::ostream& out) {
         const std::string text = end.value(field, "");
         const auto marker = text.find("\n[cellblock: ");
-        if (marker != std::string::npos) out << text.substr(marker) << (text.ends_with('\n') ? "" : "\n");
+        if (marker != std::string::npos)
+            out << text.substr(marker) << (text.ends_with('\n') ? "" : "\n");
     };
     std::string error_body;
     int status = client.stream_lines(session_path(session) + "/execute", body, on_line, error_body);
@@ -62,33 +75,45 @@ int run_exec(AgentClient& client, const std::string& session, const std::string&
         }
     }
     AgentClient::check({status, error_body, ""}, "exec in session '" + session + "' failed");
-    if (!end.is_object()) throw ClientError("the gateway ended the stream without a final answer");
-    if (stdout_cut) print_rest("stdout", std::cout);
-    if (stderr_cut) print_rest("stderr", std::cerr);
+    if (!end.is_object())
+        throw ClientError("the gateway ended the stream without a final answer");
+    if (stdout_cut)
+        print_rest("stdout", std::cout);
+    if (stderr_cut)
+        print_rest("stderr", std::cerr);
     if (end.contains("result") && end["result"].is_object()) {
         std::string text = end["result"].value("text/plain", "");
         std::cout << text << (text.ends_with('\n') ? "" : "\n");
     }
     const int displays = static_cast<int>(end.value("displays", json::array()).size());
-    if (displays > 0) std::cerr << "cellblock: " << displays << " display output(s) (e.g. plots) not shown; "
-                                << "see `cellblock notebook`\n";
-    if (end.contains("error") && end["error"].is_object()) std::cerr << end["error"].value("traceback", "") << "\n";
-    if (end.contains("saved")) std::cerr << "cellblock: full output saved in the workspace: " << end["saved"].dump() << "\n";
-    if (end.contains("notice")) std::cerr << "cellblock: " << end["notice"].get<std::string>() << "\n";
+    if (displays > 0)
+        std::cerr << "cellblock: " << displays << " display output(s) (e.g. plots) not shown; "
+                  << "see `cellblock notebook`\n";
+    if (end.contains("error") && end["error"].is_object())
+        std::cerr << end["error"].value("traceback", "") << "\n";
+    if (end.contains("saved"))
+        std::cerr << "cellblock: full output saved in the workspace: " << end["saved"].dump() << "\n";
+    if (end.contains("notice"))
+        std::cerr << "cellblock: " << end["notice"].get<std::string>() << "\n";
     const std::string outcome = end.value("status", "error");
-    if (outcome == "timeout") std::cerr << "cellblock: timed out\n";
+    if (outcome == "timeout")
+        std::cerr << "cellblock: timed out\n";
     return outcome == "ok" ? 0 : 1;
 }
 
-int run_upload(AgentClient& client, const std::string& session, const std::string& file, std::string destination) {
+int run_upload(AgentClient& client, const std::string& session, const std::string& file,
+               std::string destination) {
     std::ifstream input(file, std::ios::binary);
-    if (!input) throw ClientError("cannot read " + file + ": " + std::strerror(errno));
+    if (!input)
+        throw ClientError("cannot read " + file + ": " + std::strerror(errno));
     const std::string bytes((std::istreambuf_iterator<char>(input)), std::istreambuf_iterator<char>());
-    if (destination.empty()) destination = std::filesystem::path(file).filename().string();
+    if (destination.empty())
+        destination = std::filesystem::path(file).filename().string();
     std::string encoded;
     std::stringstream parts(destination);
     for (std::string part; std::getline(parts, part, '/');) {
-        if (part.empty()) continue;
+        if (part.empty())
+            continue;
         encoded += "/" + encode_path_segment(part);
     }
     const std::string path = session_path(session) + "/files" + encoded;
@@ -98,12 +123,14 @@ int run_upload(AgentClient& client, const std::string& session, const std::strin
         response = client.request(http::verb::put, path, bytes, "application/octet-stream");
     }
     AgentClient::check(response, "upload of " + file + " failed");
-    std::cerr << "cellblock: uploaded " << file << " to " << destination << " (" << bytes.size() << " bytes)\n";
+    std::cerr << "cellblock: uploaded " << file << " to " << destination << " (" << bytes.size()
+              << " bytes)\n";
     return 0;
 }
 
 int run_notebook(AgentClient& client, const std::string& session, bool skip_errors) {
-    const auto response = client.request(http::verb::get, session_path(session) + "/notebook" + (skip_errors ? "?errors=skip" : ""));
+    const auto response = client.request(
+        http::verb::get, session_path(session) + "/notebook" + (skip_errors ? "?errors=skip" : ""));
     AgentClient::check(response, "cannot export session '" + session + "'");
     std::cout << response.body << "\n";
     return 0;
@@ -114,8 +141,8 @@ int run_sessions(AgentClient& client) {
     AgentClient::check(response, "cannot list sessions");
     const json parsed = json::parse(response.body, nullptr, false);
     for (const json& session : parsed.value("sessions", json::array()))
-        std::cout << session.value("name", "") << "\t" << session.value("id", "") << "\t" << session.value("state", "")
-                  << "\t" << session.value("cells", 0) << " cells\n";
+        std::cout << session.value("name", "") << "\t" << session.value("id", "") << "\t"
+                  << session.value("state", "") << "\t" << session.value("cells", 0) << " cells\n";
     return 0;
 }
 
@@ -138,7 +165,8 @@ int main(int argc, char** argv) {
     std::string session, code, file, destination;
     std::optional<double> timeout_s;
     bool skip_errors = false;
-    auto* exec = app.add_subcommand("exec", "run code in a session (created if missing) and print what it produced");
+    auto* exec =
+        app.add_subcommand("exec", "run code in a session (created if missing) and print what it produced");
     exec->add_option("--session,-s", session, "session name or id")->required();
     exec->add_option("--timeout", timeout_s, "interrupt after this many seconds")->check(CLI::PositiveNumber);
     exec->add_option("code", code, "Python source, or - to read it from stdin")->required();
@@ -154,10 +182,14 @@ int main(int argc, char** argv) {
 
     try {
         AgentClient client(GatewayAddress::parse(url), token);
-        if (*exec) return run_exec(client, session, read_code(code), timeout_s);
-        if (*upload) return run_upload(client, session, file, destination);
-        if (*notebook) return run_notebook(client, session, skip_errors);
-        if (*sessions) return run_sessions(client);
+        if (*exec)
+            return run_exec(client, session, read_code(code), timeout_s);
+        if (*upload)
+            return run_upload(client, session, file, destination);
+        if (*notebook)
+            return run_notebook(client, session, skip_errors);
+        if (*sessions)
+            return run_sessions(client);
     } catch (const ClientError& error) {
         std::cerr << "cellblock: " << error.what() << "\n";
         return 2;

@@ -1,33 +1,39 @@
 #include "cellblock/gateway/auth.hpp"
 
-#include "cellblock/gateway/crypto.hpp"
-
 #include <algorithm>
 #include <cctype>
+
+#include "cellblock/gateway/crypto.hpp"
 
 namespace cellblock::gateway {
 
 namespace {
 bool starts_with_ignoring_case(std::string_view text, std::string_view prefix) {
-    if (text.size() < prefix.size()) return false;
+    if (text.size() < prefix.size())
+        return false;
     return std::equal(prefix.begin(), prefix.end(), text.begin(), [](char a, char b) {
         return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
     });
 }
 
 std::string_view trim(std::string_view text) {
-    while (!text.empty() && (text.front() == ' ' || text.front() == '\t')) text.remove_prefix(1);
-    while (!text.empty() && (text.back() == ' ' || text.back() == '\t')) text.remove_suffix(1);
+    while (!text.empty() && (text.front() == ' ' || text.front() == '\t'))
+        text.remove_prefix(1);
+    while (!text.empty() && (text.back() == ' ' || text.back() == '\t'))
+        text.remove_suffix(1);
     return text;
 }
 }  // namespace
 
-bool TokenAuthenticator::authorized(const HttpRequest& request, const std::map<std::string, std::string>& query) const {
-    if (!enabled()) return true;
+bool TokenAuthenticator::authorized(const HttpRequest& request,
+                                    const std::map<std::string, std::string>& query) const {
+    if (!enabled())
+        return true;
     if (auto token = query.find("token"); token != query.end() && constant_time_equals(token->second, token_))
         return true;
     auto header = request.find(http::field::authorization);
-    if (header == request.end()) return false;
+    if (header == request.end())
+        return false;
     std::string_view value = trim(header->value());
     for (std::string_view scheme : {"token ", "bearer "}) {
         if (starts_with_ignoring_case(value, scheme))
@@ -45,23 +51,33 @@ CorsPolicy::CorsPolicy(const GatewayConfig& config)
       max_age_(config.max_age) {}
 
 void CorsPolicy::apply(HttpResponse& response) const {
-    if (!allow_origin_.empty()) response.set(http::field::access_control_allow_origin, allow_origin_);
-    if (!allow_credentials_.empty()) response.set(http::field::access_control_allow_credentials, allow_credentials_);
-    if (!allow_headers_.empty()) response.set(http::field::access_control_allow_headers, allow_headers_);
-    if (!allow_methods_.empty()) response.set(http::field::access_control_allow_methods, allow_methods_);
-    if (!expose_headers_.empty()) response.set(http::field::access_control_expose_headers, expose_headers_);
-    if (!max_age_.empty()) response.set(http::field::access_control_max_age, max_age_);
+    if (!allow_origin_.empty())
+        response.set(http::field::access_control_allow_origin, allow_origin_);
+    if (!allow_credentials_.empty())
+        response.set(http::field::access_control_allow_credentials, allow_credentials_);
+    if (!allow_headers_.empty())
+        response.set(http::field::access_control_allow_headers, allow_headers_);
+    if (!allow_methods_.empty())
+        response.set(http::field::access_control_allow_methods, allow_methods_);
+    if (!expose_headers_.empty())
+        response.set(http::field::access_control_expose_headers, expose_headers_);
+    if (!max_age_.empty())
+        response.set(http::field::access_control_max_age, max_age_);
 }
 
 bool CorsPolicy::origin_allowed(const HttpRequest& request) const {
     auto origin = request.find(http::field::origin);
-    if (origin == request.end()) return true;
-    if (allow_origin_ == "*") return true;
+    if (origin == request.end())
+        return true;
+    if (allow_origin_ == "*")
+        return true;
     const std::string_view origin_value = origin->value();
-    if (!allow_origin_.empty() && origin_value == allow_origin_) return true;
+    if (!allow_origin_.empty() && origin_value == allow_origin_)
+        return true;
     // Same host: the origin's authority equals the Host header.
     auto scheme_end = origin_value.find("://");
-    std::string_view authority = scheme_end == std::string_view::npos ? origin_value : origin_value.substr(scheme_end + 3);
+    std::string_view authority =
+        scheme_end == std::string_view::npos ? origin_value : origin_value.substr(scheme_end + 3);
     auto host = request.find(http::field::host);
     return host != request.end() && authority == host->value();
 }

@@ -12,7 +12,8 @@ namespace {
 template <typename T>
 void take(const json& source, const char* key, T& field) {
     auto found = source.find(key);
-    if (found == source.end() || found->is_null()) return;
+    if (found == source.end() || found->is_null())
+        return;
     try {
         field = found->get<T>();
     } catch (const json::exception& error) {
@@ -21,8 +22,10 @@ void take(const json& source, const char* key, T& field) {
 }
 
 bool parse_bool(const std::string& name, const std::string& text) {
-    if (text == "1" || text == "true" || text == "True" || text == "yes") return true;
-    if (text == "0" || text == "false" || text == "False" || text == "no" || text.empty()) return false;
+    if (text == "1" || text == "true" || text == "True" || text == "yes")
+        return true;
+    if (text == "0" || text == "false" || text == "False" || text == "no" || text.empty())
+        return false;
     throw std::invalid_argument(name + ": expected true/false, got '" + text + "'");
 }
 
@@ -30,7 +33,8 @@ double parse_number(const std::string& name, const std::string& text) {
     try {
         std::size_t used = 0;
         double value = std::stod(text, &used);
-        if (used != text.size()) throw std::invalid_argument("trailing characters");
+        if (used != text.size())
+            throw std::invalid_argument("trailing characters");
         return value;
     } catch (const std::exception&) {
         throw std::invalid_argument(name + ": expected a number, got '" + text + "'");
@@ -42,36 +46,73 @@ std::vector<std::string> parse_list(const std::string& text) {
     std::string current;
     for (char c : text) {
         if (c == ',' || c == ':') {
-            if (!current.empty()) items.push_back(current);
+            if (!current.empty())
+                items.push_back(current);
             current.clear();
         } else if (c != ' ') {
             current += c;
         }
     }
-    if (!current.empty()) items.push_back(current);
+    if (!current.empty())
+        items.push_back(current);
     return items;
 }
 }  // namespace
 
 void GatewayConfig::merge_json(const json& j) {
-    if (!j.is_object()) throw std::invalid_argument("the gateway config must be a JSON object");
-    static const std::vector<std::string> known = {
-        "ip", "port", "base_url", "token", "certfile", "keyfile", "client_ca", "allow_origin", "allow_credentials",
-        "allow_headers", "allow_methods", "expose_headers", "max_age", "kernelspec_dirs", "default_kernel_name",
-        "force_kernel_name", "kernel_aliases", "list_kernels", "max_kernels", "warm_pool", "pool_ignored_env",
-        "kernel_launch_timeout", "autorestart", "restart_limit", "cull_idle_timeout", "cull_interval",
-        "cull_connected", "cull_busy", "env_whitelist", "env_process_whitelist", "ws_ping_interval",
-        "max_message_bytes", "max_body_bytes", "offline_buffer_messages", "offline_buffer_bytes",
-        "offline_session_ttl", "max_pending_send_bytes", "runtime_dir", "workspace_root", "log_level"};
+    if (!j.is_object())
+        throw std::invalid_argument("the gateway config must be a JSON object");
+    static const std::vector<std::string> known = {"ip",
+                                                   "port",
+                                                   "base_url",
+                                                   "token",
+                                                   "certfile",
+                                                   "keyfile",
+                                                   "client_ca",
+                                                   "allow_origin",
+                                                   "allow_credentials",
+                                                   "allow_headers",
+                                                   "allow_methods",
+                                                   "expose_headers",
+                                                   "max_age",
+                                                   "kernelspec_dirs",
+                                                   "default_kernel_name",
+                                                   "force_kernel_name",
+                                                   "kernel_aliases",
+                                                   "list_kernels",
+                                                   "max_kernels",
+                                                   "warm_pool",
+                                                   "pool_ignored_env",
+                                                   "kernel_launch_timeout",
+                                                   "autorestart",
+                                                   "restart_limit",
+                                                   "cull_idle_timeout",
+                                                   "cull_interval",
+                                                   "cull_connected",
+                                                   "cull_busy",
+                                                   "env_whitelist",
+                                                   "env_process_whitelist",
+                                                   "ws_ping_interval",
+                                                   "max_message_bytes",
+                                                   "max_body_bytes",
+                                                   "offline_buffer_messages",
+                                                   "offline_buffer_bytes",
+                                                   "offline_session_ttl",
+                                                   "max_pending_send_bytes",
+                                                   "runtime_dir",
+                                                   "workspace_root",
+                                                   "log_level"};
     for (const auto& [key, value] : j.items()) {
-        if (key.starts_with("_")) continue;  // comments
+        if (key.starts_with("_"))
+            continue;  // comments
         if (std::find(known.begin(), known.end(), key) == known.end())
             throw std::invalid_argument("unknown gateway config key '" + key + "'");
     }
     take(j, "ip", ip);
     take(j, "port", port);
     take(j, "base_url", base_url);
-    if (j.contains("token") && j["token"].is_string()) token = j["token"].get<std::string>();
+    if (j.contains("token") && j["token"].is_string())
+        token = j["token"].get<std::string>();
     take(j, "certfile", certfile);
     take(j, "keyfile", keyfile);
     take(j, "client_ca", client_ca);
@@ -112,30 +153,37 @@ void GatewayConfig::merge_json(const json& j) {
 
 void GatewayConfig::merge_file(const std::string& path) {
     std::ifstream input(path);
-    if (!input) throw std::invalid_argument("cannot read config file " + path);
+    if (!input)
+        throw std::invalid_argument("cannot read config file " + path);
     json parsed = json::parse(input, nullptr, false);
-    if (parsed.is_discarded()) throw std::invalid_argument("config file " + path + " is not valid JSON");
+    if (parsed.is_discarded())
+        throw std::invalid_argument("config file " + path + " is not valid JSON");
     merge_json(parsed);
 }
 
-void GatewayConfig::merge_environment(const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+void GatewayConfig::merge_environment(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup) {
     auto text = [&](const char* name, std::string& field) {
-        if (auto value = lookup(name)) field = *value;
+        if (auto value = lookup(name))
+            field = *value;
     };
     auto number = [&](const char* name, auto& field) {
         if (auto value = lookup(name))
             field = static_cast<std::remove_reference_t<decltype(field)>>(parse_number(name, *value));
     };
     auto boolean = [&](const char* name, bool& field) {
-        if (auto value = lookup(name)) field = parse_bool(name, *value);
+        if (auto value = lookup(name))
+            field = parse_bool(name, *value);
     };
     auto list = [&](const char* name, std::vector<std::string>& field) {
-        if (auto value = lookup(name)) field = parse_list(*value);
+        if (auto value = lookup(name))
+            field = parse_list(*value);
     };
     text("KG_IP", ip);
     number("KG_PORT", port);
     text("KG_BASE_URL", base_url);
-    if (auto value = lookup("KG_AUTH_TOKEN")) token = *value;
+    if (auto value = lookup("KG_AUTH_TOKEN"))
+        token = *value;
     text("KG_CERTFILE", certfile);
     text("KG_KEYFILE", keyfile);
     text("KG_CLIENT_CA", client_ca);
@@ -193,7 +241,8 @@ std::string installed_data_dir() {
 }
 
 std::vector<std::string> GatewayConfig::effective_kernelspec_dirs() const {
-    if (!kernelspec_dirs.empty()) return kernelspec_dirs;
+    if (!kernelspec_dirs.empty())
+        return kernelspec_dirs;
     return {installed_data_dir() + "/jupyter/kernels"};
 }
 

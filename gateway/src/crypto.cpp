@@ -32,12 +32,15 @@ struct HmacContextDeleter {
 HmacSigner::HmacSigner(std::string key) : key_(std::move(key)) {}
 
 std::string HmacSigner::sign(std::span<const std::string_view> parts) const {
-    if (key_.empty()) return {};
-    // HMAC_CTX is deprecated in OpenSSL 3 but remains the cheapest incremental API; EVP_MAC would allocate more.
+    if (key_.empty())
+        return {};
+        // HMAC_CTX is deprecated in OpenSSL 3 but remains the cheapest incremental API; EVP_MAC would
+        // allocate more.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     std::unique_ptr<HMAC_CTX, HmacContextDeleter> context(HMAC_CTX_new());
-    if (!context || HMAC_Init_ex(context.get(), key_.data(), static_cast<int>(key_.size()), EVP_sha256(), nullptr) != 1)
+    if (!context ||
+        HMAC_Init_ex(context.get(), key_.data(), static_cast<int>(key_.size()), EVP_sha256(), nullptr) != 1)
         throw std::runtime_error("HMAC_Init_ex failed");
     for (std::string_view part : parts) {
         if (HMAC_Update(context.get(), reinterpret_cast<const unsigned char*>(part.data()), part.size()) != 1)
@@ -45,19 +48,22 @@ std::string HmacSigner::sign(std::span<const std::string_view> parts) const {
     }
     std::array<unsigned char, EVP_MAX_MD_SIZE> digest{};
     unsigned int digest_size = 0;
-    if (HMAC_Final(context.get(), digest.data(), &digest_size) != 1) throw std::runtime_error("HMAC_Final failed");
+    if (HMAC_Final(context.get(), digest.data(), &digest_size) != 1)
+        throw std::runtime_error("HMAC_Final failed");
 #pragma GCC diagnostic pop
     return to_hex(digest.data(), digest_size);
 }
 
 bool HmacSigner::verify(std::span<const std::string_view> parts, std::string_view signature) const {
-    if (key_.empty()) return true;
+    if (key_.empty())
+        return true;
     return constant_time_equals(sign(parts), signature);
 }
 
 std::string random_hex(std::size_t byte_count) {
     std::vector<unsigned char> bytes(byte_count);
-    if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1) throw std::runtime_error("RAND_bytes failed");
+    if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1)
+        throw std::runtime_error("RAND_bytes failed");
     return to_hex(bytes.data(), bytes.size());
 }
 
@@ -70,14 +76,16 @@ std::string new_uuid() {
 }
 
 bool constant_time_equals(std::string_view a, std::string_view b) {
-    if (a.size() != b.size()) return false;
+    if (a.size() != b.size())
+        return false;
     return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
 std::string base64_encode(std::string_view bytes) {
     std::string out(4 * ((bytes.size() + 2) / 3) + 1, '\0');
-    int written = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                  reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
+    int written =
+        EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                        reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
     out.resize(static_cast<std::size_t>(written));
     return out;
 }

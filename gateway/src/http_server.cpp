@@ -6,7 +6,6 @@
 #include <boost/beast/ssl.hpp>
 #include <boost/beast/websocket.hpp>
 #include <boost/beast/websocket/ssl.hpp>
-
 #include <deque>
 #include <type_traits>
 
@@ -21,27 +20,33 @@ using nlohmann::json;
 
 namespace {
 
-constexpr auto request_timeout = std::chrono::seconds(60);  // a client that sends nothing for this long is dropped
+constexpr auto request_timeout =
+    std::chrono::seconds(60);  // a client that sends nothing for this long is dropped
 constexpr std::string_view server_name = "cellblock-gateway";
 
 template <class Stream>
 constexpr bool is_tls = !std::is_same_v<Stream, beast::tcp_stream>;
 
 bool is_quiet_disconnect(const beast::error_code& error) {
-    return error == net::error::eof || error == net::error::connection_reset || error == net::error::operation_aborted ||
-           error == beast::error::timeout || error == websocket::error::closed || error == net::ssl::error::stream_truncated ||
+    return error == net::error::eof || error == net::error::connection_reset ||
+           error == net::error::operation_aborted || error == beast::error::timeout ||
+           error == websocket::error::closed || error == net::ssl::error::stream_truncated ||
            error == net::error::broken_pipe;
 }
 
-// ------------------------------------------------------------------------------------------ WebSocket transport
+// ------------------------------------------------------------------------------------------ WebSocket
+// transport
 
 template <class NextLayer>
 class BeastWebSocketTransport : public WebSocketTransport,
                                 public std::enable_shared_from_this<BeastWebSocketTransport<NextLayer>> {
-public:
+  public:
     BeastWebSocketTransport(NextLayer&& stream, HttpRequest request, std::string subprotocol,
                             const HttpServerContext& context)
-        : ws_(std::move(stream)), request_(std::move(request)), subprotocol_(std::move(subprotocol)), context_(context) {}
+        : ws_(std::move(stream)),
+          request_(std::move(request)),
+          subprotocol_(std::move(subprotocol)),
+          context_(context) {}
 
     const HttpRequest& request() const { return request_; }
 
@@ -56,13 +61,14 @@ public:
         timeouts.keep_alive_pings = ping > 0;
         ws_.set_option(timeouts);
         ws_.read_message_max(context_.config.max_message_bytes);
-        ws_.set_option(websocket::stream_base::decorator([protocol = subprotocol_](websocket::response_type& response) {
-            response.set(beast::http::field::server, server_name);
-            if (!protocol.empty()) response.set(beast::http::field::sec_websocket_protocol, protocol);
-        }));
-        ws_.async_accept(request_, [self = this->shared_from_this(), done = std::move(done)](beast::error_code error) {
-            done(error);
-        });
+        ws_.set_option(
+            websocket::stream_base::decorator([protocol = subprotocol_](websocket::response_type& response) {
+                response.set(beast::http::field::server, server_name);
+                if (!protocol.empty())
+                    response.set(beast::http::field::sec_websocket_protocol, protocol);
+            }));
+        ws_.async_accept(request_, [self = this->shared_from_this(),
+                                    done = std::move(done)](beast::error_code error) { done(error); });
     }
 
     void start(Handlers handlers) override {
@@ -71,43 +77,51 @@ public:
     }
 
     void send(std::string payload, bool binary) override {
-        if (closing_ || closed_) return;
+        if (closing_ || closed_)
+            return;
         queued_bytes_ += payload.size();
         queue_.emplace_back(std::move(payload), binary);
-        if (!writing_) write_next();
+        if (!writing_)
+            write_next();
     }
 
     void close(const std::string& reason, bool policy_violation) override {
-        if (closing_ || closed_) return;
+        if (closing_ || closed_)
+            return;
         closing_ = true;
         close_reason_ = reason.substr(0, 120);  // a close frame's reason is limited to 123 bytes
         policy_violation_ = policy_violation;
-        if (!writing_) send_close();
+        if (!writing_)
+            send_close();
     }
 
     std::size_t queued_bytes() const override { return queued_bytes_; }
     const std::string& subprotocol() const override { return subprotocol_; }
 
-private:
+  private:
     void read_next() {
         ws_.async_read(read_buffer_, [self = this->shared_from_this()](beast::error_code error, std::size_t) {
             if (error) {
                 if (!is_quiet_disconnect(error))
                     self->context_.logger.info("websocket_read_failed", {{"error", error.message()}});
-                self->finish(error == websocket::error::closed ? "client closed the connection" : error.message());
+                self->finish(error == websocket::error::closed ? "client closed the connection"
+                                                               : error.message());
                 return;
             }
             std::string payload = beast::buffers_to_string(self->read_buffer_.data());
             self->read_buffer_.consume(self->read_buffer_.size());
-            if (self->handlers_.on_message) self->handlers_.on_message(std::move(payload), self->ws_.got_binary());
-            if (!self->closed_) self->read_next();
+            if (self->handlers_.on_message)
+                self->handlers_.on_message(std::move(payload), self->ws_.got_binary());
+            if (!self->closed_)
+                self->read_next();
         });
     }
 
     void write_next() {
         if (queue_.empty()) {
             writing_ = false;
-            if (closing_) send_close();
+            if (closing_)
+                send_close();
             return;
         }
         writing_ = true;
@@ -128,20 +142,25 @@ private:
     }
 
     void send_close() {
-        if (closed_ || close_sent_) return;
+        if (closed_ || close_sent_)
+            return;
         close_sent_ = true;
-        websocket::close_reason reason(policy_violation_ ? websocket::close_code::policy_error
-                                                         : websocket::close_code::normal,
-                                       close_reason_);
-        ws_.async_close(reason, [self = this->shared_from_this()](beast::error_code) { self->finish(self->close_reason_); });
+        websocket::close_reason reason(
+            policy_violation_ ? websocket::close_code::policy_error : websocket::close_code::normal,
+            close_reason_);
+        ws_.async_close(reason, [self = this->shared_from_this()](beast::error_code) {
+            self->finish(self->close_reason_);
+        });
     }
 
     void finish(const std::string& reason) {
-        if (closed_) return;
+        if (closed_)
+            return;
         closed_ = true;
         auto on_closed = std::move(handlers_.on_closed);
         handlers_ = {};  // breaks the transport ↔ endpoint reference cycle
-        if (on_closed) on_closed(reason);
+        if (on_closed)
+            on_closed(reason);
         if (!close_sent_ && !writing_) {
             beast::error_code ignored;
             beast::get_lowest_layer(ws_).socket().shutdown(tcp::socket::shutdown_both, ignored);
@@ -168,7 +187,7 @@ private:
 
 template <class Stream>
 class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream>> {
-public:
+  public:
     template <class... Args>
     HttpConnection(const HttpServerContext& context, Args&&... stream_arguments)
         : stream_(std::forward<Args>(stream_arguments)...), context_(context) {}
@@ -176,42 +195,49 @@ public:
     void run() {
         if constexpr (is_tls<Stream>) {
             beast::get_lowest_layer(stream_).expires_after(std::chrono::seconds(30));
-            stream_.async_handshake(ssl::stream_base::server, [self = this->shared_from_this()](beast::error_code error) {
-                if (error) {
-                    self->context_.logger.info("tls_handshake_failed", {{"error", error.message()}});
-                    return;
-                }
-                self->read_request();
-            });
+            stream_.async_handshake(
+                ssl::stream_base::server, [self = this->shared_from_this()](beast::error_code error) {
+                    if (error) {
+                        self->context_.logger.info("tls_handshake_failed", {{"error", error.message()}});
+                        return;
+                    }
+                    self->read_request();
+                });
         } else {
             read_request();
         }
     }
 
-private:
+  private:
     void read_request() {
         parser_.emplace();
         parser_->body_limit(context_.config.max_body_bytes);
         parser_->header_limit(64 * 1024);
         beast::get_lowest_layer(stream_).expires_after(request_timeout);
-        http::async_read(stream_, buffer_, *parser_, [self = this->shared_from_this()](beast::error_code error, std::size_t) {
-            self->on_request(error);
-        });
+        http::async_read(stream_, buffer_, *parser_,
+                         [self = this->shared_from_this()](beast::error_code error, std::size_t) {
+                             self->on_request(error);
+                         });
     }
 
     void on_request(beast::error_code error) {
-        if (error == http::error::end_of_stream || is_quiet_disconnect(error)) return close_connection();
+        if (error == http::error::end_of_stream || is_quiet_disconnect(error))
+            return close_connection();
         if (error == http::error::body_limit) {
             return write(json_error(http::status::payload_too_large,
-                                    "Request body exceeds " + std::to_string(context_.config.max_body_bytes) + " bytes"),
+                                    "Request body exceeds " + std::to_string(context_.config.max_body_bytes) +
+                                        " bytes"),
                          false);
         }
         if (error == http::error::header_limit) {
-            return write(json_error(http::status::request_header_fields_too_large, "Request headers too large"), false);
+            return write(
+                json_error(http::status::request_header_fields_too_large, "Request headers too large"),
+                false);
         }
         if (error) {
             context_.logger.info("http_bad_request", {{"error", error.message()}});
-            return write(json_error(http::status::bad_request, "Malformed HTTP request: " + error.message()), false);
+            return write(json_error(http::status::bad_request, "Malformed HTTP request: " + error.message()),
+                         false);
         }
         request_ = parser_->release();
         handle_request();
@@ -222,29 +248,39 @@ private:
         const std::string_view target = request_.target();
         const auto query_start = target.find('?');
         const std::string_view raw_path = target.substr(0, query_start);
-        auto query = parse_query(query_start == std::string_view::npos ? std::string_view{} : target.substr(query_start + 1));
+        auto query = parse_query(query_start == std::string_view::npos ? std::string_view{}
+                                                                       : target.substr(query_start + 1));
 
         const std::string& base_url = context_.config.base_url;
-        const std::string base_prefix = base_url.ends_with('/') ? base_url.substr(0, base_url.size() - 1) : base_url;
+        const std::string base_prefix =
+            base_url.ends_with('/') ? base_url.substr(0, base_url.size() - 1) : base_url;
         if (!raw_path.starts_with(base_prefix) ||
             (raw_path.size() > base_prefix.size() && raw_path[base_prefix.size()] != '/')) {
             return write(json_error(http::status::not_found, "Not Found"), keep_alive);
         }
-        RequestContext request_context{request_, std::string(raw_path.substr(base_prefix.size())), std::move(query), {},
+        RequestContext request_context{request_,
+                                       std::string(raw_path.substr(base_prefix.size())),
+                                       std::move(query),
+                                       {},
                                        base_prefix + "/"};
-        if (request_context.path.empty()) request_context.path = "/";
+        if (request_context.path.empty())
+            request_context.path = "/";
 
         // CORS preflight never needs a token.
-        if (request_.method() == http::verb::options) return write(empty_response(http::status::ok), keep_alive);
+        if (request_.method() == http::verb::options)
+            return write(empty_response(http::status::ok), keep_alive);
         const bool upgrade = websocket::is_upgrade(request_);
         if (!context_.cors.origin_allowed(request_)) {
             // Kernel Gateway answers a foreign Origin with 404 on REST and 403 on the WebSocket.
-            if (upgrade) return write(json_error(http::status::forbidden, "Origin not allowed"), false);
+            if (upgrade)
+                return write(json_error(http::status::forbidden, "Origin not allowed"), false);
             return write(json_error(http::status::not_found, "Not Found"), keep_alive);
         }
         if (!context_.auth.authorized(request_, request_context.query))
-            return write(json_error(http::status::unauthorized, "Missing or invalid token"), upgrade ? false : keep_alive);
-        if (upgrade) return handle_upgrade(request_context);
+            return write(json_error(http::status::unauthorized, "Missing or invalid token"),
+                         upgrade ? false : keep_alive);
+        if (upgrade)
+            return handle_upgrade(request_context);
 
         request_context.client_address = client_address();
         request_context.start_stream = [self = this->shared_from_this(), keep_alive](HttpResponse head) {
@@ -262,21 +298,25 @@ private:
     // ---- Streamed responses (ResponseStream): chunked body pieces written in order; while the body is being
     // produced the socket is read, so a client that goes away is noticed even when nothing is being written.
     class StreamAdapter : public ResponseStream {
-    public:
-        explicit StreamAdapter(std::shared_ptr<HttpConnection> connection) : connection_(std::move(connection)) {}
+      public:
+        explicit StreamAdapter(std::shared_ptr<HttpConnection> connection)
+            : connection_(std::move(connection)) {}
         ~StreamAdapter() override { finish(); }
         void write(std::string data) override {
-            if (connection_) connection_->stream_write(std::move(data));
+            if (connection_)
+                connection_->stream_write(std::move(data));
         }
         void finish() override {
-            if (auto connection = std::exchange(connection_, nullptr)) connection->stream_finish();
+            if (auto connection = std::exchange(connection_, nullptr))
+                connection->stream_finish();
         }
         void on_disconnect(std::function<void()> handler) override {
-            if (connection_) connection_->streaming_.disconnect_handler = std::move(handler);
+            if (connection_)
+                connection_->streaming_.disconnect_handler = std::move(handler);
         }
         bool client_gone() const override { return !connection_ || connection_->streaming_.broken; }
 
-    private:
+      private:
         std::shared_ptr<HttpConnection> connection_;
     };
 
@@ -304,79 +344,96 @@ private:
         context_.cors.apply(source);
         streaming_.head.emplace(source.result(), http10 ? 10 : 11);
         for (const auto& field : source)
-            if (field.name() != http::field::content_length) streaming_.head->insert(field.name_string(), field.value());
+            if (field.name() != http::field::content_length)
+                streaming_.head->insert(field.name_string(), field.value());
         // HTTP/1.0 has no chunked encoding: the body then ends with the connection.
         streaming_.chunked = !http10;
         streaming_.keep_alive = keep_alive && !http10;
         streaming_.head->keep_alive(streaming_.keep_alive);
-        if (streaming_.chunked) streaming_.head->chunked(true);
+        if (streaming_.chunked)
+            streaming_.head->chunked(true);
         streaming_.serializer.emplace(*streaming_.head);
         beast::get_lowest_layer(stream_).expires_never();
         streaming_.writing = true;
         http::async_write_header(stream_, *streaming_.serializer,
                                  [self = this->shared_from_this()](beast::error_code error, std::size_t) {
                                      self->streaming_.writing = false;
-                                     if (error) return self->stream_failed();
+                                     if (error)
+                                         return self->stream_failed();
                                      self->stream_pump();
                                  });
         if constexpr (!is_tls<Stream>) {
-            if (buffer_.size() == 0) watch_for_disconnect();
+            if (buffer_.size() == 0)
+                watch_for_disconnect();
         }
         return std::make_shared<StreamAdapter>(this->shared_from_this());
     }
 
     void watch_for_disconnect() {
         streaming_.watching = true;
-        stream_.async_read_some(buffer_.prepare(4096), [self = this->shared_from_this()](beast::error_code error,
-                                                                                        std::size_t bytes) {
+        stream_.async_read_some(buffer_.prepare(4096), [self = this->shared_from_this()](
+                                                           beast::error_code error, std::size_t bytes) {
             self->streaming_.watching = false;
             if (!error) {
                 // A pipelined next request: keep it for read_request(); stop watching.
                 self->buffer_.commit(bytes);
-                if (self->streaming_.complete) self->after_stream();
+                if (self->streaming_.complete)
+                    self->after_stream();
                 return;
             }
-            if (error == net::error::operation_aborted && self->streaming_.complete) return self->after_stream();
+            if (error == net::error::operation_aborted && self->streaming_.complete)
+                return self->after_stream();
             self->stream_failed();
         });
     }
 
     void stream_write(std::string data) {
-        if (streaming_.broken || streaming_.finishing || data.empty()) return;  // an empty chunk would end the body
+        if (streaming_.broken || streaming_.finishing || data.empty())
+            return;  // an empty chunk would end the body
         streaming_.queue.push_back(std::move(data));
         stream_pump();
     }
 
     void stream_finish() {
-        if (streaming_.finishing) return;
+        if (streaming_.finishing)
+            return;
         streaming_.finishing = true;
         stream_pump();
     }
 
     void stream_pump() {
-        if (streaming_.writing || streaming_.broken) return;
+        if (streaming_.writing || streaming_.broken)
+            return;
         auto on_written = [self = this->shared_from_this()](beast::error_code error, std::size_t) {
             self->streaming_.writing = false;
-            if (!self->streaming_.queue.empty()) self->streaming_.queue.pop_front();
-            if (error) return self->stream_failed();
+            if (!self->streaming_.queue.empty())
+                self->streaming_.queue.pop_front();
+            if (error)
+                return self->stream_failed();
             self->stream_pump();
         };
         if (!streaming_.queue.empty()) {
             streaming_.writing = true;
             const net::const_buffer data = net::buffer(streaming_.queue.front());
-            if (streaming_.chunked) net::async_write(stream_, http::make_chunk(data), std::move(on_written));
-            else net::async_write(stream_, data, std::move(on_written));
+            if (streaming_.chunked)
+                net::async_write(stream_, http::make_chunk(data), std::move(on_written));
+            else
+                net::async_write(stream_, data, std::move(on_written));
             return;
         }
-        if (!streaming_.finishing || streaming_.last_sent) return;
+        if (!streaming_.finishing || streaming_.last_sent)
+            return;
         streaming_.last_sent = true;
-        if (!streaming_.chunked) return stream_complete();
+        if (!streaming_.chunked)
+            return stream_complete();
         streaming_.writing = true;
-        net::async_write(stream_, http::make_chunk_last(), [self = this->shared_from_this()](beast::error_code error, std::size_t) {
-            self->streaming_.writing = false;
-            if (error) return self->stream_failed();
-            self->stream_complete();
-        });
+        net::async_write(stream_, http::make_chunk_last(),
+                         [self = this->shared_from_this()](beast::error_code error, std::size_t) {
+                             self->streaming_.writing = false;
+                             if (error)
+                                 return self->stream_failed();
+                             self->stream_complete();
+                         });
     }
 
     void stream_complete() {
@@ -399,20 +456,23 @@ private:
     }
 
     void stream_failed() {
-        if (streaming_.broken) return;
+        if (streaming_.broken)
+            return;
         streaming_.broken = true;
         streaming_.queue.clear();
         auto handler = std::move(streaming_.disconnect_handler);
         streaming_.disconnect_handler = nullptr;
         beast::error_code ignored;
         beast::get_lowest_layer(stream_).socket().shutdown(tcp::socket::shutdown_both, ignored);
-        if (handler && !streaming_.complete) handler();
+        if (handler && !streaming_.complete)
+            handler();
     }
 
     Responder make_responder(bool keep_alive) {
         auto answered = std::make_shared<bool>(false);
         return [self = this->shared_from_this(), keep_alive, answered](HttpResponse response) {
-            if (*answered) return;  // a handler bug must not write twice
+            if (*answered)
+                return;  // a handler bug must not write twice
             *answered = true;
             self->write(std::move(response), keep_alive);
         };
@@ -421,22 +481,26 @@ private:
     void handle_upgrade(RequestContext& request_context) {
         auto match = context_.router.match(request_context.path);
         if (!match || !match->resource->accepts_websocket())
-            return write(json_error(http::status::not_found, "No WebSocket endpoint at " + request_context.path), false);
+            return write(
+                json_error(http::status::not_found, "No WebSocket endpoint at " + request_context.path),
+                false);
         request_context.params = match->params;
         RestResource* resource = match->resource;
-        if (auto refusal = resource->check_upgrade(request_context)) return write(std::move(*refusal), false);
+        if (auto refusal = resource->check_upgrade(request_context))
+            return write(std::move(*refusal), false);
         const std::string subprotocol = resource->select_subprotocol(request_context);
-        auto transport = std::make_shared<BeastWebSocketTransport<Stream>>(std::move(stream_), std::move(request_),
-                                                                           subprotocol, context_);
-        transport->accept([transport, resource, query = request_context.query, params = request_context.params,
-                           path = request_context.path, base_url = request_context.base_url,
+        auto transport = std::make_shared<BeastWebSocketTransport<Stream>>(
+            std::move(stream_), std::move(request_), subprotocol, context_);
+        transport->accept([transport, resource, query = request_context.query,
+                           params = request_context.params, path = request_context.path,
+                           base_url = request_context.base_url,
                            &logger = context_.logger](beast::error_code error) mutable {
             if (error) {
                 logger.info("websocket_handshake_failed", {{"error", error.message()}});
                 return;
             }
-            RequestContext upgraded{transport->request(), std::move(path), std::move(query), std::move(params),
-                                    std::move(base_url)};
+            RequestContext upgraded{transport->request(), std::move(path), std::move(query),
+                                    std::move(params), std::move(base_url)};
             resource->on_upgraded(upgraded, transport);
         });
     }
@@ -446,14 +510,17 @@ private:
         response.keep_alive(keep_alive);
         response.set(http::field::server, server_name);
         context_.cors.apply(response);
-        if (!response.has_content_length() && response.result() != http::status::no_content) response.prepare_payload();
+        if (!response.has_content_length() && response.result() != http::status::no_content)
+            response.prepare_payload();
         auto shared_response = std::make_shared<HttpResponse>(std::move(response));
         beast::get_lowest_layer(stream_).expires_after(request_timeout);
-        http::async_write(stream_, *shared_response,
-                          [self = this->shared_from_this(), shared_response](beast::error_code error, std::size_t) {
-                              if (error || shared_response->need_eof()) return self->close_connection();
-                              self->read_request();
-                          });
+        http::async_write(
+            stream_, *shared_response,
+            [self = this->shared_from_this(), shared_response](beast::error_code error, std::size_t) {
+                if (error || shared_response->need_eof())
+                    return self->close_connection();
+                self->read_request();
+            });
     }
 
     void close_connection() {
@@ -479,15 +546,16 @@ private:
 
 }  // namespace
 
-HttpServer::HttpServer(net::io_context& io, const Logger& logger, const GatewayConfig& config, const Router& router,
-                       const TokenAuthenticator& auth, const CorsPolicy& cors)
+HttpServer::HttpServer(net::io_context& io, const Logger& logger, const GatewayConfig& config,
+                       const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors)
     : io_(io), context_{logger, config, router, auth, cors}, acceptor_(io), accept_retry_(io) {
     if (!config.certfile.empty()) {
         ssl_context_.emplace(ssl::context::tls_server);
-        ssl_context_->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 | ssl::context::no_sslv3 |
-                                  ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1);
+        ssl_context_->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                                  ssl::context::no_sslv3 | ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1);
         ssl_context_->use_certificate_chain_file(config.certfile);
-        ssl_context_->use_private_key_file(config.keyfile.empty() ? config.certfile : config.keyfile, ssl::context::pem);
+        ssl_context_->use_private_key_file(config.keyfile.empty() ? config.certfile : config.keyfile,
+                                           ssl::context::pem);
         if (!config.client_ca.empty()) {
             ssl_context_->load_verify_file(config.client_ca);
             ssl_context_->set_verify_mode(ssl::verify_peer | ssl::verify_fail_if_no_peer_cert);
@@ -498,12 +566,14 @@ HttpServer::HttpServer(net::io_context& io, const Logger& logger, const GatewayC
 std::uint16_t HttpServer::listen(const std::string& ip, std::uint16_t port) {
     boost::system::error_code error;
     const auto address = net::ip::make_address(ip, error);
-    if (error) throw std::system_error(error, "invalid --ip '" + ip + "'");
+    if (error)
+        throw std::system_error(error, "invalid --ip '" + ip + "'");
     const tcp::endpoint endpoint(address, port);
     acceptor_.open(endpoint.protocol());
     acceptor_.set_option(net::socket_base::reuse_address(true));
     acceptor_.bind(endpoint, error);
-    if (error) throw std::system_error(error, "cannot listen on " + ip + ":" + std::to_string(port));
+    if (error)
+        throw std::system_error(error, "cannot listen on " + ip + ":" + std::to_string(port));
     acceptor_.listen(net::socket_base::max_listen_connections);
     accept_next();
     return acceptor_.local_endpoint().port();
@@ -517,20 +587,23 @@ void HttpServer::stop() {
 
 void HttpServer::accept_next() {
     acceptor_.async_accept([this](boost::system::error_code error, tcp::socket socket) {
-        if (error == net::error::operation_aborted) return;
+        if (error == net::error::operation_aborted)
+            return;
         if (error) {
             // E.g. EMFILE: keep serving the open connections and try again shortly.
             context_.logger.warn("accept_failed", {{"error", error.message()}});
             accept_retry_.expires_after(std::chrono::milliseconds(100));
             accept_retry_.async_wait([this](boost::system::error_code timer_error) {
-                if (!timer_error) accept_next();
+                if (!timer_error)
+                    accept_next();
             });
             return;
         }
         // Nagle + delayed ACK costs a Jupyter round trip 40 ms; every message here is latency-sensitive.
         socket.set_option(tcp::no_delay(true), error);
         if (ssl_context_) {
-            std::make_shared<HttpConnection<beast::ssl_stream<beast::tcp_stream>>>(context_, std::move(socket), *ssl_context_)
+            std::make_shared<HttpConnection<beast::ssl_stream<beast::tcp_stream>>>(
+                context_, std::move(socket), *ssl_context_)
                 ->run();
         } else {
             std::make_shared<HttpConnection<beast::tcp_stream>>(context_, std::move(socket))->run();

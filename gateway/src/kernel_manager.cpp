@@ -1,14 +1,14 @@
 #include "cellblock/gateway/kernel_manager.hpp"
 
-#include "cellblock/gateway/crypto.hpp"
-
-#include <boost/asio/post.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <boost/asio/post.hpp>
 #include <cstdlib>
-#include <sys/stat.h>
 #include <system_error>
-#include <unistd.h>
+
+#include "cellblock/gateway/crypto.hpp"
 
 extern char** environ;
 
@@ -31,26 +31,34 @@ fs::path make_temporary_runtime_dir() {
     std::string base = (xdg && *xdg && fs::is_directory(xdg)) ? xdg : "/tmp";
     // Short: ipc:// socket paths must fit into sun_path (108 bytes).
     std::string pattern = base + "/cbgw-XXXXXX";
-    if (!::mkdtemp(pattern.data())) throw std::system_error(errno, std::generic_category(), "mkdtemp " + pattern);
+    if (!::mkdtemp(pattern.data()))
+        throw std::system_error(errno, std::generic_category(), "mkdtemp " + pattern);
     return pattern;
 }
 
 std::optional<std::string> process_env(const std::string& name) {
     const char* value = std::getenv(name.c_str());
-    if (!value) return std::nullopt;
+    if (!value)
+        return std::nullopt;
     return std::string(value);
 }
 }  // namespace
 
 KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
                              KernelSpecRegistry& registry)
-    : io_(io), logger_(logger), config_(config), registry_(registry), zmq_context_(1), cull_timer_(io),
+    : io_(io),
+      logger_(logger),
+      config_(config),
+      registry_(registry),
+      zmq_context_(1),
+      cull_timer_(io),
       pool_retry_timer_(io) {}
 
 KernelManager::~KernelManager() {
     shutdown_all();
     std::error_code ignored;
-    if (owns_runtime_dir_) fs::remove_all(runtime_dir_, ignored);
+    if (owns_runtime_dir_)
+        fs::remove_all(runtime_dir_, ignored);
 }
 
 void KernelManager::start() {
@@ -60,27 +68,33 @@ void KernelManager::start() {
     } else {
         runtime_dir_ = make_private_directory(config_.runtime_dir);
     }
-    workspace_root_ = config_.workspace_root.empty() ? runtime_dir_ / "workspaces" : fs::path(config_.workspace_root);
+    workspace_root_ =
+        config_.workspace_root.empty() ? runtime_dir_ / "workspaces" : fs::path(config_.workspace_root);
     make_private_directory(workspace_root_);
     refill_pool();
     schedule_cull();
 }
 
 std::map<std::string, std::string> KernelManager::kernel_environment(
-    const KernelSpec& spec, const std::map<std::string, std::string>& request_env, const std::string& kernel_id,
-    const fs::path& workspace) const {
+    const KernelSpec& spec, const std::map<std::string, std::string>& request_env,
+    const std::string& kernel_id, const fs::path& workspace) const {
     std::map<std::string, std::string> environment;
-    if (auto path = process_env("PATH")) environment["PATH"] = *path;
-    else environment["PATH"] = "/usr/local/bin:/usr/bin:/bin";
+    if (auto path = process_env("PATH"))
+        environment["PATH"] = *path;
+    else
+        environment["PATH"] = "/usr/local/bin:/usr/bin:/bin";
     for (const std::string& name : config_.env_process_whitelist)
-        if (auto value = process_env(name)) environment[name] = *value;
+        if (auto value = process_env(name))
+            environment[name] = *value;
     if (spec.spec.contains("env") && spec.spec["env"].is_object())
         for (const auto& [name, value] : spec.spec["env"].items())
-            if (value.is_string()) environment[name] = value.get<std::string>();
+            if (value.is_string())
+                environment[name] = value.get<std::string>();
     for (const auto& [name, value] : request_env) {
-        const bool whitelisted = std::find(config_.env_whitelist.begin(), config_.env_whitelist.end(), name) !=
-                                 config_.env_whitelist.end();
-        if (name.starts_with("KERNEL_") || whitelisted) environment[name] = value;
+        const bool whitelisted = std::find(config_.env_whitelist.begin(), config_.env_whitelist.end(),
+                                           name) != config_.env_whitelist.end();
+        if (name.starts_with("KERNEL_") || whitelisted)
+            environment[name] = value;
     }
     environment["KERNEL_GATEWAY"] = "1";
     environment["KERNEL_ID"] = kernel_id;
@@ -98,22 +112,26 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     launch.runtime_dir = runtime_dir_;
     launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
     launch.environment = kernel_environment(spec, request_env, launch.id, launch.workspace_dir);
-    for (const auto& [name, value] : trusted_env) launch.environment[name] = value;
+    for (const auto& [name, value] : trusted_env)
+        launch.environment[name] = value;
     auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
     std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
     every_kernel_.push_back(kernel);
     return kernel;
 }
 
-bool KernelManager::pool_can_serve(const KernelSpec& spec, const std::map<std::string, std::string>& request_env) const {
+bool KernelManager::pool_can_serve(const KernelSpec& spec,
+                                   const std::map<std::string, std::string>& request_env) const {
     auto pool_spec = registry_.find(registry_.default_name());
-    if (!pool_spec || pool_spec->directory != spec.directory) return false;
+    if (!pool_spec || pool_spec->directory != spec.directory)
+        return false;
     // A warm kernel already has its environment: only requests whose variables would not change it qualify.
     for (const auto& [name, value] : request_env) {
         const bool passed = name.starts_with("KERNEL_") ||
                             std::find(config_.env_whitelist.begin(), config_.env_whitelist.end(), name) !=
                                 config_.env_whitelist.end();
-        if (!passed) continue;
+        if (!passed)
+            continue;
         if (std::find(config_.pool_ignored_env.begin(), config_.pool_ignored_env.end(), name) ==
             config_.pool_ignored_env.end())
             return false;
@@ -131,8 +149,8 @@ void KernelManager::adopt(const std::shared_ptr<Kernel>& kernel) {
 
 void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler on_started) {
     std::string name = !config_.force_kernel_name.empty() ? config_.force_kernel_name
-                       : request.name.empty()              ? registry_.default_name()
-                                                           : request.name;
+                       : request.name.empty()             ? registry_.default_name()
+                                                          : request.name;
     auto spec = registry_.find(name);
     if (!spec) {
         registry_.refresh();
@@ -144,8 +162,9 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
     }
     // Quota is reserved before anything starts, so concurrent requests cannot overshoot max_kernels.
     if (config_.max_kernels > 0 && static_cast<int>(kernels_.size()) + reserved_ >= config_.max_kernels) {
-        on_started(KernelStartError{KernelStartError::Kind::resource_limit,
-                                    "Maximum number of kernels (" + std::to_string(config_.max_kernels) + ") reached"});
+        on_started(KernelStartError{
+            KernelStartError::Kind::resource_limit,
+            "Maximum number of kernels (" + std::to_string(config_.max_kernels) + ") reached"});
         return;
     }
     std::shared_ptr<Kernel> kernel;
@@ -160,7 +179,8 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
     }
     const bool from_pool = kernel != nullptr;
     try {
-        if (!kernel) kernel = create_kernel(*spec, request.env, request.trusted_env);
+        if (!kernel)
+            kernel = create_kernel(*spec, request.env, request.trusted_env);
     } catch (const std::exception& error) {
         on_started(KernelStartError{KernelStartError::Kind::failed, error.what()});
         return;
@@ -186,13 +206,16 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
 }
 
 std::size_t KernelManager::pool_ready_count() const {
-    return static_cast<std::size_t>(std::count_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); }));
+    return static_cast<std::size_t>(
+        std::count_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); }));
 }
 
 void KernelManager::refill_pool() {
-    if (stopping_ || config_.warm_pool <= 0) return;
+    if (stopping_ || config_.warm_pool <= 0)
+        return;
     auto spec = registry_.find(registry_.default_name());
-    if (!spec) return;
+    if (!spec)
+        return;
     while (static_cast<int>(pool_.size()) < config_.warm_pool) {
         std::shared_ptr<Kernel> kernel;
         try {
@@ -212,17 +235,21 @@ void KernelManager::refill_pool() {
             logger_.warn("pool_kernel_failed", {{"error", *error}});
             if (started) {
                 auto position = std::find(pool_.begin(), pool_.end(), started);
-                if (position != pool_.end()) pool_.erase(position);
+                if (position != pool_.end())
+                    pool_.erase(position);
                 started->shutdown("failed");
             }
             // Back off so a broken kernelspec does not turn into a fork loop.
             ++pool_failures_;
-            pool_retry_timer_.expires_after(std::chrono::seconds(std::min(30, 1 << std::min(pool_failures_, 5))));
+            pool_retry_timer_.expires_after(
+                std::chrono::seconds(std::min(30, 1 << std::min(pool_failures_, 5))));
             pool_retry_timer_.async_wait([this](const boost::system::error_code& timer_error) {
-                if (!timer_error) refill_pool();
+                if (!timer_error)
+                    refill_pool();
             });
         });
-        if (pool_failures_ > 0) break;  // one at a time while failing
+        if (pool_failures_ > 0)
+            break;  // one at a time while failing
     }
 }
 
@@ -233,13 +260,15 @@ std::shared_ptr<Kernel> KernelManager::find(const std::string& kernel_id) const 
 
 std::vector<std::shared_ptr<Kernel>> KernelManager::list() const {
     std::vector<std::shared_ptr<Kernel>> all;
-    for (const auto& [id, kernel] : kernels_) all.push_back(kernel);
+    for (const auto& [id, kernel] : kernels_)
+        all.push_back(kernel);
     return all;
 }
 
 bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::string& reason) {
     auto found = kernels_.find(kernel_id);
-    if (found == kernels_.end()) return false;
+    if (found == kernels_.end())
+        return false;
     auto kernel = found->second;
     kernels_.erase(found);
     kernel->shutdown(reason);
@@ -254,21 +283,27 @@ void KernelManager::shutdown_all() {
     kernels_.clear();
     std::vector<std::shared_ptr<Kernel>> all;
     for (const auto& known : every_kernel_)
-        if (auto kernel = known.lock()) all.push_back(kernel);
-    for (const auto& kernel : all) kernel->begin_termination();
+        if (auto kernel = known.lock())
+            all.push_back(kernel);
+    for (const auto& kernel : all)
+        kernel->begin_termination();
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
     for (const auto& kernel : all) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
         kernel->finish_termination(std::max(left, std::chrono::milliseconds(0)));
         kernel->close_sockets();
     }
 }
 
 void KernelManager::schedule_cull() {
-    if (config_.cull_idle_timeout <= 0 || stopping_) return;
-    cull_timer_.expires_after(std::chrono::milliseconds(static_cast<long long>(std::max(0.05, config_.cull_interval) * 1000)));
+    if (config_.cull_idle_timeout <= 0 || stopping_)
+        return;
+    cull_timer_.expires_after(
+        std::chrono::milliseconds(static_cast<long long>(std::max(0.05, config_.cull_interval) * 1000)));
     cull_timer_.async_wait([this](const boost::system::error_code& error) {
-        if (error) return;
+        if (error)
+            return;
         cull();
         schedule_cull();
     });
@@ -276,18 +311,23 @@ void KernelManager::schedule_cull() {
 
 void KernelManager::cull() {
     const auto now = std::chrono::system_clock::now();
-    const auto idle_limit = std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));
+    const auto idle_limit =
+        std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));
     std::vector<std::string> victims;
     for (const auto& [id, kernel] : kernels_) {
         kernel->expire_detached_sessions();
-        if (now - kernel->last_activity() < idle_limit) continue;
-        if (kernel->connections() > 0 && !config_.cull_connected) continue;
-        if (kernel->state() == KernelState::busy && !config_.cull_busy) continue;
+        if (now - kernel->last_activity() < idle_limit)
+            continue;
+        if (kernel->connections() > 0 && !config_.cull_connected)
+            continue;
+        if (kernel->state() == KernelState::busy && !config_.cull_busy)
+            continue;
         victims.push_back(id);
     }
     for (const std::string& id : victims) {
         auto kernel = find(id);
-        const auto idle_seconds = std::chrono::duration_cast<std::chrono::seconds>(now - kernel->last_activity()).count();
+        const auto idle_seconds =
+            std::chrono::duration_cast<std::chrono::seconds>(now - kernel->last_activity()).count();
         logger_.info("kernel_culled", {{"kernel_id", id}, {"idle_seconds", idle_seconds}});
         // Tell connected clients why the kernel is about to disappear (Kernel Gateway culls silently).
         kernel->notify_clients("[cellblock-gateway] kernel " + id + " is being shut down after " +

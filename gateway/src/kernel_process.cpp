@@ -1,15 +1,16 @@
 #include "cellblock/gateway/kernel_process.hpp"
 
-#include <cerrno>
 #include <fcntl.h>
-#include <csignal>
 #include <poll.h>
-#include <cstring>
 #include <spawn.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
-#include <system_error>
 #include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <system_error>
 
 namespace cellblock::gateway {
 
@@ -33,7 +34,8 @@ struct SpawnFileActions {
 }  // namespace
 
 std::string ProcessExit::describe() const {
-    if (signaled) return "killed by signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
+    if (signaled)
+        return "killed by signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
     return "exited with status " + std::to_string(exit_code);
 }
 
@@ -41,38 +43,48 @@ ChildProcess::ChildProcess(boost::asio::io_context& io, const std::vector<std::s
                            const std::map<std::string, std::string>& environment,
                            const std::string& working_directory, const std::string& output_file)
     : pidfd_(io) {
-    if (argv.empty()) throw std::system_error(EINVAL, std::generic_category(), "kernelspec argv is empty");
+    if (argv.empty())
+        throw std::system_error(EINVAL, std::generic_category(), "kernelspec argv is empty");
     std::vector<char*> argument_pointers;
-    for (const std::string& argument : argv) argument_pointers.push_back(const_cast<char*>(argument.c_str()));
+    for (const std::string& argument : argv)
+        argument_pointers.push_back(const_cast<char*>(argument.c_str()));
     argument_pointers.push_back(nullptr);
     std::vector<std::string> environment_lines;
-    for (const auto& [name, value] : environment) environment_lines.push_back(name + "=" + value);
+    for (const auto& [name, value] : environment)
+        environment_lines.push_back(name + "=" + value);
     std::vector<char*> environment_pointers;
-    for (std::string& line : environment_lines) environment_pointers.push_back(line.data());
+    for (std::string& line : environment_lines)
+        environment_pointers.push_back(line.data());
     environment_pointers.push_back(nullptr);
 
     SpawnAttributes attributes;
     SpawnFileActions file_actions;
-    // Own session: interrupts and kills address the process group; the gateway's terminal signals do not reach it.
+    // Own session: interrupts and kills address the process group; the gateway's terminal signals do not
+    // reach it.
     short flags = POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
     sigset_t empty_mask, default_signals;
     sigemptyset(&empty_mask);
     sigemptyset(&default_signals);
-    for (int sig : {SIGINT, SIGTERM, SIGPIPE, SIGCHLD, SIGHUP}) sigaddset(&default_signals, sig);
+    for (int sig : {SIGINT, SIGTERM, SIGPIPE, SIGCHLD, SIGHUP})
+        sigaddset(&default_signals, sig);
     posix_spawnattr_setflags(&attributes.attributes, flags);
     posix_spawnattr_setsigmask(&attributes.attributes, &empty_mask);
     posix_spawnattr_setsigdefault(&attributes.attributes, &default_signals);
     if (!working_directory.empty())
-        if (int rc = posix_spawn_file_actions_addchdir_np(&file_actions.actions, working_directory.c_str()); rc != 0)
+        if (int rc = posix_spawn_file_actions_addchdir_np(&file_actions.actions, working_directory.c_str());
+            rc != 0)
             throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_addchdir_np");
-    if (int rc = posix_spawn_file_actions_addopen(&file_actions.actions, 0, "/dev/null", O_RDONLY, 0); rc != 0)
+    if (int rc = posix_spawn_file_actions_addopen(&file_actions.actions, 0, "/dev/null", O_RDONLY, 0);
+        rc != 0)
         throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_addopen /dev/null");
     if (!output_file.empty()) {
-        // Kernel chatter (banners, warnings, crash traces) goes to a per-kernel log instead of the gateway's output.
+        // Kernel chatter (banners, warnings, crash traces) goes to a per-kernel log instead of the gateway's
+        // output.
         if (int rc = posix_spawn_file_actions_addopen(&file_actions.actions, 1, output_file.c_str(),
                                                       O_WRONLY | O_CREAT | O_APPEND, 0600);
             rc != 0)
-            throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_addopen " + output_file);
+            throw std::system_error(rc, std::generic_category(),
+                                    "posix_spawn_file_actions_addopen " + output_file);
         if (int rc = posix_spawn_file_actions_adddup2(&file_actions.actions, 1, 2); rc != 0)
             throw std::system_error(rc, std::generic_category(), "posix_spawn_file_actions_adddup2");
     }
@@ -93,14 +105,17 @@ ChildProcess::ChildProcess(boost::asio::io_context& io, const std::vector<std::s
         throw std::system_error(saved, std::generic_category(), "pidfd_open");
     }
     pidfd_.assign(pidfd);
-    pidfd_.async_wait(boost::asio::posix::stream_descriptor::wait_read, [this](const boost::system::error_code& error) {
-        if (error) return;  // cancelled: the destructor reaps
-        reap();
-    });
+    pidfd_.async_wait(boost::asio::posix::stream_descriptor::wait_read,
+                      [this](const boost::system::error_code& error) {
+                          if (error)
+                              return;  // cancelled: the destructor reaps
+                          reap();
+                      });
 }
 
 void ChildProcess::reap() {
-    if (exited_) return;
+    if (exited_)
+        return;
     int status = 0;
     pid_t reaped = 0;
     do {
@@ -109,7 +124,8 @@ void ChildProcess::reap() {
     if (reaped == 0) {  // spurious wakeup: keep watching
         pidfd_.async_wait(boost::asio::posix::stream_descriptor::wait_read,
                           [this](const boost::system::error_code& error) {
-                              if (!error) reap();
+                              if (!error)
+                                  reap();
                           });
         return;
     }
@@ -129,20 +145,25 @@ void ChildProcess::reap() {
     }
 }
 
-void ChildProcess::on_exit(std::function<void(ProcessExit)> handler) { exit_handler_ = std::move(handler); }
+void ChildProcess::on_exit(std::function<void(ProcessExit)> handler) {
+    exit_handler_ = std::move(handler);
+}
 
 bool ChildProcess::wait_for_exit(std::chrono::milliseconds timeout) {
-    if (exited_) return true;
+    if (exited_)
+        return true;
     pollfd watch{pidfd_.native_handle(), POLLIN, 0};
     const int ready = ::poll(&watch, 1, static_cast<int>(timeout.count()));
-    if (ready <= 0) return false;
+    if (ready <= 0)
+        return false;
     exit_handler_ = nullptr;
     reap();
     return exited_;
 }
 
 bool ChildProcess::signal_group(int signal_number) const {
-    if (exited_) return false;
+    if (exited_)
+        return false;
     return ::kill(-pid_, signal_number) == 0 || ::kill(pid_, signal_number) == 0;
 }
 

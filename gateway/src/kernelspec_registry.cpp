@@ -11,13 +11,16 @@ std::vector<std::string> KernelSpec::argv() const {
     std::vector<std::string> args;
     if (spec.contains("argv") && spec["argv"].is_array())
         for (const auto& item : spec["argv"])
-            if (item.is_string()) args.push_back(item.get<std::string>());
+            if (item.is_string())
+                args.push_back(item.get<std::string>());
     return args;
 }
 
-KernelSpecRegistry::KernelSpecRegistry(std::vector<std::string> directories, std::map<std::string, std::string> aliases,
-                                       std::string default_name)
-    : directories_(std::move(directories)), aliases_(std::move(aliases)), default_name_(std::move(default_name)) {
+KernelSpecRegistry::KernelSpecRegistry(std::vector<std::string> directories,
+                                       std::map<std::string, std::string> aliases, std::string default_name)
+    : directories_(std::move(directories)),
+      aliases_(std::move(aliases)),
+      default_name_(std::move(default_name)) {
     refresh();
 }
 
@@ -28,11 +31,14 @@ void KernelSpecRegistry::refresh() {
         for (const auto& entry : fs::directory_iterator(directory, error)) {
             const fs::path kernel_json = entry.path() / "kernel.json";
             std::ifstream input(kernel_json);
-            if (!input) continue;
+            if (!input)
+                continue;
             json spec = json::parse(input, nullptr, false);
-            if (!spec.is_object() || !spec.contains("argv")) continue;
+            if (!spec.is_object() || !spec.contains("argv"))
+                continue;
             const std::string name = entry.path().filename().string();
-            if (found.contains(name)) continue;  // earlier directories win, as in jupyter_client
+            if (found.contains(name))
+                continue;  // earlier directories win, as in jupyter_client
             found[name] = KernelSpec{name, entry.path(), std::move(spec)};
         }
     }
@@ -40,29 +46,35 @@ void KernelSpecRegistry::refresh() {
 }
 
 std::optional<std::string> KernelSpecRegistry::resolve(const std::string& name, int depth) const {
-    if (depth > 4) return std::nullopt;  // alias cycles end here
+    if (depth > 4)
+        return std::nullopt;  // alias cycles end here
     if (auto alias = aliases_.find(name); alias != aliases_.end())
-        if (auto target = resolve(alias->second, depth + 1)) return target;
-    if (on_disk_.contains(name)) return name;
+        if (auto target = resolve(alias->second, depth + 1))
+            return target;
+    if (on_disk_.contains(name))
+        return name;
     return std::nullopt;
 }
 
 std::optional<KernelSpec> KernelSpecRegistry::find(const std::string& requested) const {
     auto resolved_name = resolve(requested, 0);
-    if (!resolved_name) return std::nullopt;
+    if (!resolved_name)
+        return std::nullopt;
     const std::string& name = *resolved_name;
     auto spec = on_disk_.find(name);
-    if (spec == on_disk_.end()) return std::nullopt;
+    if (spec == on_disk_.end())
+        return std::nullopt;
     KernelSpec resolved = spec->second;
-    // Clients see the name they asked for when it is the default or a listed alias (python3), the on-disk name
-    // otherwise; "python" reports as "python3" as jupyter_client does.
+    // Clients see the name they asked for when it is the default or a listed alias (python3), the on-disk
+    // name otherwise; "python" reports as "python3" as jupyter_client does.
     resolved.name = (requested == "python") ? std::string("python3") : requested;
     return resolved;
 }
 
 std::vector<std::string> KernelSpecRegistry::listed_names() const {
     std::vector<std::string> names;
-    for (const auto& [name, spec] : on_disk_) names.push_back(name);
+    for (const auto& [name, spec] : on_disk_)
+        names.push_back(name);
     // The default name is always listed when it resolves (AutoGen requires "python3" in the listing).
     if (std::find(names.begin(), names.end(), default_name_) == names.end() && find(default_name_))
         names.push_back(default_name_);
@@ -76,7 +88,8 @@ json KernelSpecRegistry::spec_model(const KernelSpec& spec, const std::string& b
         if (fs::exists(spec.directory / file, error)) {
             std::string key = file;
             key = key.substr(0, key.rfind('.'));
-            if (key == "kernel") key = file;
+            if (key == "kernel")
+                key = file;
             resources[key] = base_url + "kernelspecs/" + spec.name + "/" + file;
         }
     }
@@ -86,18 +99,23 @@ json KernelSpecRegistry::spec_model(const KernelSpec& spec, const std::string& b
 json KernelSpecRegistry::list_model(const std::string& base_url) const {
     json specs = json::object();
     for (const std::string& name : listed_names())
-        if (auto spec = find(name)) specs[name] = spec_model(*spec, base_url);
+        if (auto spec = find(name))
+            specs[name] = spec_model(*spec, base_url);
     std::string default_name = default_name_;
-    if (!find(default_name) && !on_disk_.empty()) default_name = on_disk_.begin()->first;
+    if (!find(default_name) && !on_disk_.empty())
+        default_name = on_disk_.begin()->first;
     return {{"default", default_name}, {"kernelspecs", specs}};
 }
 
-std::optional<fs::path> KernelSpecRegistry::resource_path(const std::string& name, const std::string& file) const {
+std::optional<fs::path> KernelSpecRegistry::resource_path(const std::string& name,
+                                                          const std::string& file) const {
     auto spec = find(name);
-    if (!spec || file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") return std::nullopt;
+    if (!spec || file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
+        return std::nullopt;
     fs::path candidate = spec->directory / file;
     std::error_code error;
-    if (!fs::is_regular_file(candidate, error)) return std::nullopt;
+    if (!fs::is_regular_file(candidate, error))
+        return std::nullopt;
     return candidate;
 }
 

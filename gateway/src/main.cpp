@@ -1,4 +1,14 @@
 // cellblock-gateway: command line, configuration precedence, signal handling and the readiness line.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
 #include "cellblock/gateway/agent/agent_api.hpp"
 #include "cellblock/gateway/auth.hpp"
 #include "cellblock/gateway/config.hpp"
@@ -9,25 +19,15 @@
 #include "cellblock/gateway/rest_handlers.hpp"
 #include "cellblock/gateway/router.hpp"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <CLI/CLI.hpp>
-#include <boost/asio/signal_set.hpp>
-
-#include <csignal>
-#include <cstdio>
-#include <cstdlib>
-#include <iostream>
-
 using namespace cellblock::gateway;
 
 namespace {
 
 bool same_file(int first_fd, int second_fd) {
-    struct stat first {}, second {};
-    return ::fstat(first_fd, &first) == 0 && ::fstat(second_fd, &second) == 0 && first.st_dev == second.st_dev &&
-           first.st_ino == second.st_ino;
+    struct stat first {
+    }, second{};
+    return ::fstat(first_fd, &first) == 0 && ::fstat(second_fd, &second) == 0 &&
+           first.st_dev == second.st_dev && first.st_ino == second.st_ino;
 }
 
 struct CommandLine {
@@ -42,11 +42,14 @@ struct CommandLine {
 
 void apply(const CommandLine& cli, GatewayConfig& config) {
     auto set = [](const auto& source, auto& target) {
-        if (source) target = *source;
+        if (source)
+            target = *source;
     };
     set(cli.ip, config.ip);
-    if (cli.port) config.port = static_cast<std::uint16_t>(*cli.port);
-    if (cli.token) config.token = *cli.token;
+    if (cli.port)
+        config.port = static_cast<std::uint16_t>(*cli.port);
+    if (cli.token)
+        config.token = *cli.token;
     set(cli.base_url, config.base_url);
     set(cli.certfile, config.certfile);
     set(cli.keyfile, config.keyfile);
@@ -64,12 +67,15 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.cull_connected, config.cull_connected);
     set(cli.cull_busy, config.cull_busy);
     set(cli.list_kernels, config.list_kernels);
-    if (!cli.kernelspec_dirs.empty()) config.kernelspec_dirs = cli.kernelspec_dirs;
+    if (!cli.kernelspec_dirs.empty())
+        config.kernelspec_dirs = cli.kernelspec_dirs;
 }
 
 std::string normalized_base_url(std::string base) {
-    if (base.empty() || base.front() != '/') base.insert(base.begin(), '/');
-    if (base.back() != '/') base.push_back('/');
+    if (base.empty() || base.front() != '/')
+        base.insert(base.begin(), '/');
+    if (base.back() != '/')
+        base.push_back('/');
     return base;
 }
 
@@ -78,28 +84,40 @@ std::string normalized_base_url(std::string base) {
 int main(int argc, char** argv) {
     CLI::App app{"cellblock-gateway: Jupyter Kernel Gateway API (REST + WebSocket) for cellblock kernels"};
     CommandLine cli;
-    app.add_option("--config", cli.config_file, "JSON config file (keys as in share/cellblock/gateway-config.json)");
+    app.add_option("--config", cli.config_file,
+                   "JSON config file (keys as in share/cellblock/gateway-config.json)");
     app.add_option("--ip", cli.ip, "address to bind (KG_IP; default 127.0.0.1)");
-    app.add_option("--port", cli.port, "port to bind, 0 = any free port (KG_PORT; default 8888)")->check(CLI::Range(0, 65535));
+    app.add_option("--port", cli.port, "port to bind, 0 = any free port (KG_PORT; default 8888)")
+        ->check(CLI::Range(0, 65535));
     app.add_option("--token", cli.token, "auth token, empty = no auth (KG_AUTH_TOKEN; default: generated)");
     app.add_option("--base-url", cli.base_url, "URL prefix of every route (KG_BASE_URL)");
-    app.add_option("--certfile", cli.certfile, "TLS certificate chain (PEM); enables HTTPS/WSS (KG_CERTFILE)");
+    app.add_option("--certfile", cli.certfile,
+                   "TLS certificate chain (PEM); enables HTTPS/WSS (KG_CERTFILE)");
     app.add_option("--keyfile", cli.keyfile, "TLS private key (PEM) (KG_KEYFILE)");
-    app.add_option("--client-ca", cli.client_ca, "CA file; client certificates become mandatory (KG_CLIENT_CA)");
+    app.add_option("--client-ca", cli.client_ca,
+                   "CA file; client certificates become mandatory (KG_CLIENT_CA)");
     app.add_option("--allow-origin", cli.allow_origin, "Access-Control-Allow-Origin (KG_ALLOW_ORIGIN)");
-    app.add_option("--kernelspec-dir", cli.kernelspec_dirs, "directory holding <name>/kernel.json (repeatable)");
-    app.add_option("--default-kernel-name", cli.default_kernel_name, "kernelspec used when none is requested");
-    app.add_option("--warm-pool", cli.warm_pool, "pre-started kernels handed out by POST /api/kernels (KG_PRESPAWN_COUNT)")
+    app.add_option("--kernelspec-dir", cli.kernelspec_dirs,
+                   "directory holding <name>/kernel.json (repeatable)");
+    app.add_option("--default-kernel-name", cli.default_kernel_name,
+                   "kernelspec used when none is requested");
+    app.add_option("--warm-pool", cli.warm_pool,
+                   "pre-started kernels handed out by POST /api/kernels (KG_PRESPAWN_COUNT)")
         ->check(CLI::Range(0, 1000));
-    app.add_option("--max-kernels", cli.max_kernels, "0 = unlimited (KG_MAX_KERNELS)")->check(CLI::Range(0, 100000));
-    app.add_option("--cull-idle-timeout", cli.cull_idle_timeout, "seconds of inactivity before a kernel is culled, 0 = never");
+    app.add_option("--max-kernels", cli.max_kernels, "0 = unlimited (KG_MAX_KERNELS)")
+        ->check(CLI::Range(0, 100000));
+    app.add_option("--cull-idle-timeout", cli.cull_idle_timeout,
+                   "seconds of inactivity before a kernel is culled, 0 = never");
     app.add_option("--cull-interval", cli.cull_interval, "seconds between cull checks");
     app.add_option("--cull-connected", cli.cull_connected, "cull kernels that have open WebSockets");
     app.add_option("--cull-busy", cli.cull_busy, "cull busy kernels");
-    app.add_option("--list-kernels", cli.list_kernels, "allow GET /api/kernels and /api/sessions (KG_LIST_KERNELS)");
+    app.add_option("--list-kernels", cli.list_kernels,
+                   "allow GET /api/kernels and /api/sessions (KG_LIST_KERNELS)");
     app.add_option("--ws-ping-interval", cli.ws_ping_interval, "seconds between WebSocket pings, 0 = off");
-    app.add_option("--runtime-dir", cli.runtime_dir, "private directory for connection files and ipc sockets");
-    app.add_option("--workspace-root", cli.workspace_root, "where per-kernel CELLBLOCK_WORKSPACE directories are made");
+    app.add_option("--runtime-dir", cli.runtime_dir,
+                   "private directory for connection files and ipc sockets");
+    app.add_option("--workspace-root", cli.workspace_root,
+                   "where per-kernel CELLBLOCK_WORKSPACE directories are made");
     app.add_option("--log-level", cli.log_level, "debug, info, warning (default), error");
     app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
     cellblock::gateway::agent::AgentConfig agent_config;
@@ -111,7 +129,8 @@ int main(int argc, char** argv) {
     GatewayConfig config;
     try {
         const std::string default_file = installed_data_dir() + "/cellblock/gateway-config.json";
-        if (cli.config_file) config.merge_file(*cli.config_file);
+        if (cli.config_file)
+            config.merge_file(*cli.config_file);
         else if (std::FILE* probe = std::fopen(default_file.c_str(), "r")) {
             std::fclose(probe);
             config.merge_file(default_file);
@@ -140,7 +159,8 @@ int main(int argc, char** argv) {
     }
     const Logger logger(level);
     const bool generated_token = !config.token.has_value();
-    if (generated_token) config.token = random_hex(24);
+    if (generated_token)
+        config.token = random_hex(24);
 
     // Writing to a vanished client must be an error code, not a process-killing signal.
     std::signal(SIGPIPE, SIG_IGN);
@@ -168,7 +188,8 @@ int main(int argc, char** argv) {
 
         boost::asio::signal_set stop_signals(io, SIGINT, SIGTERM);
         stop_signals.async_wait([&](const boost::system::error_code& error, int signal_number) {
-            if (error) return;
+            if (error)
+                return;
             logger.info("stopping", {{"signal", signal_number}});
             server.stop();
             kernels.shutdown_all();
@@ -176,15 +197,21 @@ int main(int argc, char** argv) {
         });
 
         const std::string scheme = server.tls() ? "https" : "http";
-        std::string url = scheme + "://" + (config.ip.find(':') != std::string::npos ? "[" + config.ip + "]" : config.ip) +
+        std::string url = scheme + "://" +
+                          (config.ip.find(':') != std::string::npos ? "[" + config.ip + "]" : config.ip) +
                           ":" + std::to_string(port) + config.base_url;
-        if (url.ends_with('/')) url.pop_back();
+        if (url.ends_with('/'))
+            url.pop_back();
         // AutoGen waits for "is available at" on stderr, OpenHands reads stdout: say it on both (once on a
         // terminal, where both are the same file).
-        std::string ready_line = "[cellblock-gateway] cellblock-gateway " CELLBLOCK_GATEWAY_VERSION " is available at " + url;
-        if (generated_token) ready_line += "\n[cellblock-gateway] token: " + *config.token + "\n    " + url + "/api?token=" + *config.token;
+        std::string ready_line =
+            "[cellblock-gateway] cellblock-gateway " CELLBLOCK_GATEWAY_VERSION " is available at " + url;
+        if (generated_token)
+            ready_line += "\n[cellblock-gateway] token: " + *config.token + "\n    " + url +
+                          "/api?token=" + *config.token;
         std::cout << ready_line << std::endl;
-        if (!same_file(STDOUT_FILENO, STDERR_FILENO)) std::cerr << ready_line << std::endl;
+        if (!same_file(STDOUT_FILENO, STDERR_FILENO))
+            std::cerr << ready_line << std::endl;
 
         io.run();
         kernels.shutdown_all();

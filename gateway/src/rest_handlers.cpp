@@ -1,10 +1,10 @@
 #include "cellblock/gateway/rest_handlers.hpp"
 
-#include "cellblock/gateway/time_format.hpp"
-#include "cellblock/gateway/websocket_channel.hpp"
-
 #include <fstream>
 #include <sstream>
+
+#include "cellblock/gateway/time_format.hpp"
+#include "cellblock/gateway/websocket_channel.hpp"
 
 namespace cellblock::gateway {
 
@@ -15,7 +15,8 @@ bool looks_like_kernel_id(std::string_view id) {
     bool word_before = false;
     for (char c : id) {
         if (c == '-') {
-            if (!word_before) return false;
+            if (!word_before)
+                return false;
             ++dashes;
             word_before = false;
         } else if (std::isalnum(static_cast<unsigned char>(c)) || c == '_') {
@@ -34,7 +35,8 @@ HttpResponse kernel_not_found(const std::string& id) {
 }
 
 std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string& id) {
-    if (!looks_like_kernel_id(id)) return nullptr;
+    if (!looks_like_kernel_id(id))
+        return nullptr;
     return services.kernels.find(id);
 }
 
@@ -51,7 +53,8 @@ HttpResponse start_error_response(const KernelStartError& error) {
             return json_error(http::status::forbidden, "Resource Limit: " + error.message);
         case KernelStartError::Kind::no_such_kernel:
             return json_error(http::status::internal_server_error, "NoSuchKernel: " + error.message);
-        case KernelStartError::Kind::failed: break;
+        case KernelStartError::Kind::failed:
+            break;
     }
     return json_error(http::status::internal_server_error, "Kernel failed to start: " + error.message);
 }
@@ -60,10 +63,13 @@ HttpResponse start_error_response(const KernelStartError& error) {
 std::map<std::string, std::string> request_env(const json& body) {
     std::map<std::string, std::string> env;
     auto found = body.find("env");
-    if (found == body.end() || found->is_null()) return env;
-    if (!found->is_object()) throw HttpError(http::status::bad_request, "env must be a JSON object of strings");
+    if (found == body.end() || found->is_null())
+        return env;
+    if (!found->is_object())
+        throw HttpError(http::status::bad_request, "env must be a JSON object of strings");
     for (const auto& [name, value] : found->items()) {
-        if (!value.is_string()) throw HttpError(http::status::bad_request, "env value of " + name + " must be a string");
+        if (!value.is_string())
+            throw HttpError(http::status::bad_request, "env value of " + name + " must be a string");
         if (name.empty() || name.find('=') != std::string::npos || name.find('\0') != std::string::npos ||
             value.get_ref<const std::string&>().find('\0') != std::string::npos)
             throw HttpError(http::status::bad_request, "invalid env variable " + name);
@@ -74,13 +80,15 @@ std::map<std::string, std::string> request_env(const json& body) {
 
 std::string optional_string(const json& body, const char* key) {
     auto found = body.find(key);
-    if (found == body.end() || found->is_null()) return {};
-    if (!found->is_string()) throw HttpError(http::status::bad_request, std::string(key) + " must be a string");
+    if (found == body.end() || found->is_null())
+        return {};
+    if (!found->is_string())
+        throw HttpError(http::status::bad_request, std::string(key) + " must be a string");
     return found->get<std::string>();
 }
 
 class ApiRootResource : public RestResource {
-public:
+  public:
     void get(RequestContext&, Responder respond) override {
         respond(json_response(http::status::ok, {{"version", CELLBLOCK_GATEWAY_VERSION},
                                                  {"gateway_version", CELLBLOCK_GATEWAY_VERSION},
@@ -89,7 +97,7 @@ public:
 };
 
 class StatusResource : public RestResource {
-public:
+  public:
     explicit StatusResource(GatewayServices& services)
         : services_(services), started_(std::chrono::system_clock::now()) {}
     void get(RequestContext&, Responder respond) override {
@@ -107,25 +115,25 @@ public:
                                                  {"warm_pool_ready", services_.kernels.pool_ready_count()}}));
     }
 
-private:
+  private:
     GatewayServices& services_;
     std::chrono::system_clock::time_point started_;
 };
 
 class KernelSpecsResource : public RestResource {
-public:
+  public:
     explicit KernelSpecsResource(GatewayServices& services) : services_(services) {}
     void get(RequestContext& context, Responder respond) override {
         services_.kernelspecs.refresh();
         respond(json_response(http::status::ok, services_.kernelspecs.list_model(context.base_url)));
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class KernelSpecResource : public RestResource {
-public:
+  public:
     explicit KernelSpecResource(GatewayServices& services) : services_(services) {}
     void get(RequestContext& context, Responder respond) override {
         const std::string& name = context.param("name");
@@ -137,12 +145,12 @@ public:
         respond(json_response(http::status::ok, services_.kernelspecs.spec_model(*spec, context.base_url)));
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class KernelSpecFileResource : public RestResource {
-public:
+  public:
     explicit KernelSpecFileResource(GatewayServices& services) : services_(services) {}
     void get(RequestContext& context, Responder respond) override {
         auto path = services_.kernelspecs.resource_path(context.param("name"), context.param("file"));
@@ -155,25 +163,26 @@ public:
         content << input.rdbuf();
         HttpResponse response{http::status::ok, context.request.version()};
         const std::string extension = path->extension().string();
-        const char* type = extension == ".png"   ? "image/png"
-                           : extension == ".svg" ? "image/svg+xml"
-                           : extension == ".js"  ? "application/javascript"
-                           : extension == ".css" ? "text/css"
+        const char* type = extension == ".png"    ? "image/png"
+                           : extension == ".svg"  ? "image/svg+xml"
+                           : extension == ".js"   ? "application/javascript"
+                           : extension == ".css"  ? "text/css"
                            : extension == ".json" ? "application/json"
                                                   : "application/octet-stream";
         response.set(http::field::content_type, type);
-        if (extension == ".png") response.set(http::field::cache_control, "max-age=2592000");
+        if (extension == ".png")
+            response.set(http::field::cache_control, "max-age=2592000");
         response.body() = content.str();
         response.prepare_payload();
         respond(std::move(response));
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class KernelsResource : public RestResource {
-public:
+  public:
     explicit KernelsResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
     void get(RequestContext&, Responder respond) override {
@@ -182,7 +191,8 @@ public:
             return;
         }
         json models = json::array();
-        for (const auto& kernel : services_.kernels.list()) models.push_back(kernel->model());
+        for (const auto& kernel : services_.kernels.list())
+            models.push_back(kernel->model());
         respond(json_response(http::status::ok, models));
     }
     void post(RequestContext& context, Responder respond) override {
@@ -199,88 +209,99 @@ public:
         });
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class KernelResource : public RestResource {
-public:
+  public:
     explicit KernelResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, DELETE, OPTIONS"; }
     void get(RequestContext& context, Responder respond) override {
         auto kernel = find_kernel(services_, context.param("kernel_id"));
-        if (!kernel) return respond(kernel_not_found(context.param("kernel_id")));
+        if (!kernel)
+            return respond(kernel_not_found(context.param("kernel_id")));
         respond(json_response(http::status::ok, kernel->model()));
     }
     void delete_(RequestContext& context, Responder respond) override {
         const std::string& id = context.param("kernel_id");
-        if (!looks_like_kernel_id(id) || !services_.kernels.shutdown_kernel(id)) return respond(kernel_not_found(id));
+        if (!looks_like_kernel_id(id) || !services_.kernels.shutdown_kernel(id))
+            return respond(kernel_not_found(id));
         respond(empty_response(http::status::no_content));
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class KernelInterruptResource : public RestResource {
-public:
+  public:
     explicit KernelInterruptResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
     void post(RequestContext& context, Responder respond) override {
         auto kernel = find_kernel(services_, context.param("kernel_id"));
-        if (!kernel) return respond(kernel_not_found(context.param("kernel_id")));
+        if (!kernel)
+            return respond(kernel_not_found(context.param("kernel_id")));
         kernel->interrupt();  // the body (none, {} or {"kernel_id": ...}) is ignored, as in Kernel Gateway
         respond(empty_response(http::status::no_content));
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class KernelRestartResource : public RestResource {
-public:
+  public:
     explicit KernelRestartResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
     void post(RequestContext& context, Responder respond) override {
         auto kernel = find_kernel(services_, context.param("kernel_id"));
-        if (!kernel) return respond(kernel_not_found(context.param("kernel_id")));
+        if (!kernel)
+            return respond(kernel_not_found(context.param("kernel_id")));
         // Answers once the restarted kernel replied to kernel_info_request, as Jupyter does.
         kernel->restart([respond, kernel](std::optional<std::string> error) {
             if (error) {
-                respond(json_error(http::status::internal_server_error, "Exception restarting kernel: " + *error));
+                respond(json_error(http::status::internal_server_error,
+                                   "Exception restarting kernel: " + *error));
                 return;
             }
             respond(json_response(http::status::ok, kernel->model()));
         });
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class KernelChannelsResource : public RestResource {
-public:
+  public:
     explicit KernelChannelsResource(GatewayServices& services) : services_(services) {}
     bool accepts_websocket() const override { return true; }
     void get(RequestContext&, Responder respond) override {
         respond(json_error(http::status::bad_request, "This endpoint only accepts WebSocket upgrades"));
     }
     std::optional<HttpResponse> check_upgrade(RequestContext& context) override {
-        if (!find_kernel(services_, context.param("kernel_id"))) return kernel_not_found(context.param("kernel_id"));
+        if (!find_kernel(services_, context.param("kernel_id")))
+            return kernel_not_found(context.param("kernel_id"));
         return std::nullopt;
     }
     std::string select_subprotocol(const RequestContext& context) const override {
         auto offered = context.request.find(http::field::sec_websocket_protocol);
-        if (offered == context.request.end()) return {};
+        if (offered == context.request.end())
+            return {};
         std::string_view protocols = offered->value();
         std::size_t at = 0;
         while (at <= protocols.size()) {
             std::size_t next = protocols.find(',', at);
-            if (next == std::string_view::npos) next = protocols.size();
+            if (next == std::string_view::npos)
+                next = protocols.size();
             std::string_view item = protocols.substr(at, next - at);
-            while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
-            while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
-            if (item == "v1.kernel.websocket.jupyter.org") return std::string(item);
+            while (!item.empty() && item.front() == ' ')
+                item.remove_prefix(1);
+            while (!item.empty() && item.back() == ' ')
+                item.remove_suffix(1);
+            if (item == "v1.kernel.websocket.jupyter.org")
+                return std::string(item);
             at = next + 1;
         }
         return {};
@@ -291,13 +312,13 @@ public:
             transport->close("kernel does not exist");
             return;
         }
-        auto connection = std::make_shared<KernelChannelsConnection>(kernel, std::move(transport), services_.logger,
-                                                                     services_.config.max_pending_send_bytes);
+        auto connection = std::make_shared<KernelChannelsConnection>(
+            kernel, std::move(transport), services_.logger, services_.config.max_pending_send_bytes);
         auto session_id = context.query.find("session_id");
         connection->open(session_id == context.query.end() ? std::string() : session_id->second);
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
@@ -306,27 +327,27 @@ private:
 json session_model(GatewayServices& services, const SessionRecord& record) {
     auto kernel = services.kernels.find(record.kernel_id);
     json kernel_model = kernel ? kernel->model() : json{{"id", record.kernel_id}};
-    return {{"id", record.id},
-            {"path", record.path},
-            {"name", record.name},
-            {"type", record.type},
-            {"kernel", kernel_model},
-            {"notebook", {{"path", record.path}, {"name", record.name}}}};
+    return {{"id", record.id},        {"path", record.path},
+            {"name", record.name},    {"type", record.type},
+            {"kernel", kernel_model}, {"notebook", {{"path", record.path}, {"name", record.name}}}};
 }
 
 void prune_sessions(GatewayServices& services) {
-    services.sessions.prune([&services](const std::string& id) { return services.kernels.find(id) != nullptr; });
+    services.sessions.prune(
+        [&services](const std::string& id) { return services.kernels.find(id) != nullptr; });
 }
 
 class SessionsResource : public RestResource {
-public:
+  public:
     explicit SessionsResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
     void get(RequestContext&, Responder respond) override {
-        if (!services_.config.list_kernels) return respond(json_error(http::status::forbidden, "Forbidden"));
+        if (!services_.config.list_kernels)
+            return respond(json_error(http::status::forbidden, "Forbidden"));
         prune_sessions(services_);
         json models = json::array();
-        for (const auto& [id, record] : services_.sessions.all()) models.push_back(session_model(services_, record));
+        for (const auto& [id, record] : services_.sessions.all())
+            models.push_back(session_model(services_, record));
         respond(json_response(http::status::ok, models));
     }
     void post(RequestContext& context, Responder respond) override {
@@ -336,17 +357,21 @@ public:
         std::string type = optional_string(body, "type");
         if (path.empty() && body.contains("notebook") && body["notebook"].is_object()) {  // legacy shape
             path = optional_string(body["notebook"], "path");
-            if (type.empty()) type = "notebook";
+            if (type.empty())
+                type = "notebook";
         }
-        if (path.empty()) throw HttpError(http::status::bad_request, "Missing field in JSON data: path");
-        if (type.empty()) throw HttpError(http::status::bad_request, "Missing field in JSON data: type");
+        if (path.empty())
+            throw HttpError(http::status::bad_request, "Missing field in JSON data: path");
+        if (type.empty())
+            throw HttpError(http::status::bad_request, "Missing field in JSON data: type");
         std::string name = optional_string(body, "name");
         const std::string location_base = context.base_url + "api/sessions/";
         if (SessionRecord* existing = services_.sessions.find_by_path(path)) {
             respond(created(session_model(services_, *existing), location_base + existing->id));
             return;
         }
-        json kernel_request = body.contains("kernel") && body["kernel"].is_object() ? body["kernel"] : json::object();
+        json kernel_request =
+            body.contains("kernel") && body["kernel"].is_object() ? body["kernel"] : json::object();
         const std::string kernel_id = optional_string(kernel_request, "id");
         if (!kernel_id.empty()) {
             if (!find_kernel(services_, kernel_id))
@@ -361,8 +386,9 @@ public:
                                                  kernel_name = request.name](auto result) {
             if (auto* error = std::get_if<KernelStartError>(&result)) {
                 if (error->kind == KernelStartError::Kind::no_such_kernel) {
-                    respond(json_response(http::status::not_implemented,
-                                          {{"message", error->message}, {"short_message", kernel_name + " not found"}}));
+                    respond(json_response(
+                        http::status::not_implemented,
+                        {{"message", error->message}, {"short_message", kernel_name + " not found"}}));
                 } else {
                     respond(start_error_response(*error));
                 }
@@ -374,29 +400,35 @@ public:
         });
     }
 
-private:
+  private:
     GatewayServices& services_;
 };
 
 class SessionResource : public RestResource {
-public:
+  public:
     explicit SessionResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, PATCH, DELETE, OPTIONS"; }
     void get(RequestContext& context, Responder respond) override {
         prune_sessions(services_);
         SessionRecord* record = services_.sessions.find(context.param("session_id"));
-        if (!record) return respond(session_not_found(context));
+        if (!record)
+            return respond(session_not_found(context));
         respond(json_response(http::status::ok, session_model(services_, *record)));
     }
     void patch(RequestContext& context, Responder respond) override {
         const json body = context.json_body();
         prune_sessions(services_);
         SessionRecord* record = services_.sessions.find(context.param("session_id"));
-        if (!record) return respond(session_not_found(context));
-        if (body.contains("path")) record->path = optional_string(body, "path");
-        if (body.contains("name")) record->name = optional_string(body, "name");
-        if (body.contains("type")) record->type = optional_string(body, "type");
-        const json kernel_request = body.contains("kernel") && body["kernel"].is_object() ? body["kernel"] : json::object();
+        if (!record)
+            return respond(session_not_found(context));
+        if (body.contains("path"))
+            record->path = optional_string(body, "path");
+        if (body.contains("name"))
+            record->name = optional_string(body, "name");
+        if (body.contains("type"))
+            record->type = optional_string(body, "type");
+        const json kernel_request =
+            body.contains("kernel") && body["kernel"].is_object() ? body["kernel"] : json::object();
         const std::string kernel_id = optional_string(kernel_request, "id");
         const std::string kernel_name = optional_string(kernel_request, "name");
         if (!kernel_id.empty()) {
@@ -407,34 +439,36 @@ public:
             // A new kernel of another spec replaces the old one, which is shut down once the new one runs.
             GatewayServices& services = services_;
             const std::string session_id = record->id;
-            services_.kernels.start_kernel(
-                KernelStartRequest{kernel_name, {}}, [&services, respond, session_id](auto result) {
-                    if (auto* error = std::get_if<KernelStartError>(&result)) return respond(start_error_response(*error));
-                    SessionRecord* current = services.sessions.find(session_id);
-                    const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
-                    if (!current) {
-                        services.kernels.shutdown_kernel(kernel->id());
-                        return respond(json_error(http::status::not_found, "Session not found: " + session_id));
-                    }
-                    const std::string old_kernel = current->kernel_id;
-                    current->kernel_id = kernel->id();
-                    services.kernels.shutdown_kernel(old_kernel);
-                    respond(json_response(http::status::ok, session_model(services, *current)));
-                });
+            services_.kernels.start_kernel(KernelStartRequest{kernel_name, {}}, [&services, respond,
+                                                                                 session_id](auto result) {
+                if (auto* error = std::get_if<KernelStartError>(&result))
+                    return respond(start_error_response(*error));
+                SessionRecord* current = services.sessions.find(session_id);
+                const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
+                if (!current) {
+                    services.kernels.shutdown_kernel(kernel->id());
+                    return respond(json_error(http::status::not_found, "Session not found: " + session_id));
+                }
+                const std::string old_kernel = current->kernel_id;
+                current->kernel_id = kernel->id();
+                services.kernels.shutdown_kernel(old_kernel);
+                respond(json_response(http::status::ok, session_model(services, *current)));
+            });
             return;
         }
         respond(json_response(http::status::ok, session_model(services_, *record)));
     }
     void delete_(RequestContext& context, Responder respond) override {
         SessionRecord* record = services_.sessions.find(context.param("session_id"));
-        if (!record) return respond(session_not_found(context));
+        if (!record)
+            return respond(session_not_found(context));
         const std::string kernel_id = record->kernel_id;
         services_.sessions.remove(record->id);
         services_.kernels.shutdown_kernel(kernel_id);
         respond(empty_response(http::status::no_content));
     }
 
-private:
+  private:
     static HttpResponse session_not_found(RequestContext& context) {
         return json_error(http::status::not_found, "Session not found: " + context.param("session_id"));
     }

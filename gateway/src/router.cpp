@@ -6,11 +6,15 @@ using nlohmann::json;
 
 json RequestContext::json_body() const {
     const std::string& body = request.body();
-    if (body.find_first_not_of(" \t\r\n") == std::string::npos) return json::object();
+    if (body.find_first_not_of(" \t\r\n") == std::string::npos)
+        return json::object();
     json parsed = json::parse(body, nullptr, false);
-    if (parsed.is_discarded()) throw HttpError(http::status::bad_request, "Request body is not valid JSON (or not UTF-8)");
-    if (parsed.is_null()) return json::object();
-    if (!parsed.is_object()) throw HttpError(http::status::bad_request, "Request body must be a JSON object");
+    if (parsed.is_discarded())
+        throw HttpError(http::status::bad_request, "Request body is not valid JSON (or not UTF-8)");
+    if (parsed.is_null())
+        return json::object();
+    if (!parsed.is_object())
+        throw HttpError(http::status::bad_request, "Request body must be a JSON object");
     return parsed;
 }
 
@@ -22,7 +26,8 @@ HttpResponse json_response(http::status status, const json& body, unsigned versi
     return response;
 }
 
-HttpResponse json_error(http::status status, std::string_view message, std::string_view reason, unsigned version) {
+HttpResponse json_error(http::status status, std::string_view message, std::string_view reason,
+                        unsigned version) {
     std::string phrase = reason.empty() ? std::string(http::obsolete_reason(status)) : std::string(reason);
     return json_response(status, {{"reason", phrase}, {"message", message}}, version);
 }
@@ -41,11 +46,21 @@ void method_not_allowed(RestResource& resource, Responder& respond) {
 }
 }  // namespace
 
-void RestResource::get(RequestContext&, Responder respond) { method_not_allowed(*this, respond); }
-void RestResource::post(RequestContext&, Responder respond) { method_not_allowed(*this, respond); }
-void RestResource::put(RequestContext&, Responder respond) { method_not_allowed(*this, respond); }
-void RestResource::patch(RequestContext&, Responder respond) { method_not_allowed(*this, respond); }
-void RestResource::delete_(RequestContext&, Responder respond) { method_not_allowed(*this, respond); }
+void RestResource::get(RequestContext&, Responder respond) {
+    method_not_allowed(*this, respond);
+}
+void RestResource::post(RequestContext&, Responder respond) {
+    method_not_allowed(*this, respond);
+}
+void RestResource::put(RequestContext&, Responder respond) {
+    method_not_allowed(*this, respond);
+}
+void RestResource::patch(RequestContext&, Responder respond) {
+    method_not_allowed(*this, respond);
+}
+void RestResource::delete_(RequestContext&, Responder respond) {
+    method_not_allowed(*this, respond);
+}
 void RestResource::head(RequestContext& context, Responder respond) {
     get(context, [respond](HttpResponse response) {
         const auto length = response.body().size();
@@ -60,8 +75,10 @@ std::vector<std::string> split_path(std::string_view path) {
     std::size_t at = 0;
     while (at <= path.size()) {
         std::size_t next = path.find('/', at);
-        if (next == std::string_view::npos) next = path.size();
-        if (next > at) segments.emplace_back(path.substr(at, next - at));
+        if (next == std::string_view::npos)
+            next = path.size();
+        if (next > at)
+            segments.emplace_back(path.substr(at, next - at));
         at = next + 1;
     }
     return segments;
@@ -86,7 +103,8 @@ std::optional<Router::Match> Router::match(std::string_view path) const {
                     break;
                 }
                 std::string rest;
-                for (std::size_t j = i; j < segments.size(); ++j) rest += (j > i ? "/" : "") + segments[j];
+                for (std::size_t j = i; j < segments.size(); ++j)
+                    rest += (j > i ? "/" : "") + segments[j];
                 match.params[pattern.substr(1, pattern.size() - 5)] = rest;
                 i = segments.size();
                 break;
@@ -96,13 +114,15 @@ std::optional<Router::Match> Router::match(std::string_view path) const {
                 break;
             }
             if (placeholder) {
-                match.params[pattern.substr(1, pattern.size() - 2)] = url_decode(segments[i], false).value_or(segments[i]);
+                match.params[pattern.substr(1, pattern.size() - 2)] =
+                    url_decode(segments[i], false).value_or(segments[i]);
             } else if (pattern != segments[i]) {
                 matched = false;
                 break;
             }
         }
-        if (matched && i == segments.size()) return match;
+        if (matched && i == segments.size())
+            return match;
     }
     return std::nullopt;
 }
@@ -117,13 +137,27 @@ void Router::dispatch(RequestContext& context, Responder respond) const {
     RestResource& resource = *found->resource;
     try {
         switch (context.request.method()) {
-            case http::verb::get: resource.get(context, respond); break;
-            case http::verb::head: resource.head(context, respond); break;
-            case http::verb::post: resource.post(context, respond); break;
-            case http::verb::put: resource.put(context, respond); break;
-            case http::verb::patch: resource.patch(context, respond); break;
-            case http::verb::delete_: resource.delete_(context, respond); break;
-            default: method_not_allowed(resource, respond); break;
+            case http::verb::get:
+                resource.get(context, respond);
+                break;
+            case http::verb::head:
+                resource.head(context, respond);
+                break;
+            case http::verb::post:
+                resource.post(context, respond);
+                break;
+            case http::verb::put:
+                resource.put(context, respond);
+                break;
+            case http::verb::patch:
+                resource.patch(context, respond);
+                break;
+            case http::verb::delete_:
+                resource.delete_(context, respond);
+                break;
+            default:
+                method_not_allowed(resource, respond);
+                break;
         }
     } catch (const HttpError& error) {
         respond(json_error(error.status(), error.what(), error.reason()));
@@ -139,14 +173,19 @@ std::optional<std::string> url_decode(std::string_view text, bool plus_is_space)
         char c = text[i];
         if (c == '%') {
             auto hex = [](char h) -> int {
-                if (h >= '0' && h <= '9') return h - '0';
-                if (h >= 'a' && h <= 'f') return h - 'a' + 10;
-                if (h >= 'A' && h <= 'F') return h - 'A' + 10;
+                if (h >= '0' && h <= '9')
+                    return h - '0';
+                if (h >= 'a' && h <= 'f')
+                    return h - 'a' + 10;
+                if (h >= 'A' && h <= 'F')
+                    return h - 'A' + 10;
                 return -1;
             };
-            if (i + 2 >= text.size()) return std::nullopt;
+            if (i + 2 >= text.size())
+                return std::nullopt;
             int high = hex(text[i + 1]), low = hex(text[i + 2]);
-            if (high < 0 || low < 0) return std::nullopt;
+            if (high < 0 || low < 0)
+                return std::nullopt;
             out.push_back(static_cast<char>(high * 16 + low));
             i += 2;
         } else if (c == '+' && plus_is_space) {
@@ -163,12 +202,15 @@ std::map<std::string, std::string> parse_query(std::string_view query) {
     std::size_t at = 0;
     while (at < query.size()) {
         std::size_t next = query.find('&', at);
-        if (next == std::string_view::npos) next = query.size();
+        if (next == std::string_view::npos)
+            next = query.size();
         std::string_view pair = query.substr(at, next - at);
         std::size_t equals = pair.find('=');
         auto key = url_decode(pair.substr(0, equals), true);
-        auto value = url_decode(equals == std::string_view::npos ? std::string_view{} : pair.substr(equals + 1), true);
-        if (key && value && !key->empty() && !parameters.contains(*key)) parameters[*key] = *value;
+        auto value =
+            url_decode(equals == std::string_view::npos ? std::string_view{} : pair.substr(equals + 1), true);
+        if (key && value && !key->empty() && !parameters.contains(*key))
+            parameters[*key] = *value;
         at = next + 1;
     }
     return parameters;

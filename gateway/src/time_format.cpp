@@ -1,7 +1,7 @@
 #include "cellblock/gateway/time_format.hpp"
 
-#include <ctime>
 #include <cstdio>
+#include <ctime>
 
 namespace cellblock::gateway {
 
@@ -18,8 +18,9 @@ std::string format_iso8601_utc(std::chrono::system_clock::time_point when) {
     std::tm utc{};
     gmtime_r(&as_time_t, &utc);
     char text[96];
-    std::snprintf(text, sizeof text, "%04d-%02d-%02dT%02d:%02d:%02d.%06lldZ", utc.tm_year + 1900, utc.tm_mon + 1,
-                  utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, static_cast<long long>(micros.count()));
+    std::snprintf(text, sizeof text, "%04d-%02d-%02dT%02d:%02d:%02d.%06lldZ", utc.tm_year + 1900,
+                  utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec,
+                  static_cast<long long>(micros.count()));
     return text;
 }
 

@@ -17,8 +17,8 @@ bool usable_session_id(const std::string& id) {
 }  // namespace
 
 KernelChannelsConnection::KernelChannelsConnection(std::shared_ptr<Kernel> kernel,
-                                                   std::shared_ptr<WebSocketTransport> transport, const Logger& logger,
-                                                   std::size_t max_pending_send_bytes)
+                                                   std::shared_ptr<WebSocketTransport> transport,
+                                                   const Logger& logger, std::size_t max_pending_send_bytes)
     : kernel_(std::move(kernel)),
       transport_(std::move(transport)),
       logger_(logger),
@@ -31,7 +31,8 @@ void KernelChannelsConnection::open(const std::string& requested_session_id) {
                                        : std::string(KernelSession::anonymous_prefix) + random_hex(12);
     std::weak_ptr<KernelChannelsConnection> weak = weak_from_this();
     transport_->start({[weak](std::string&& payload, bool binary) {
-                           if (auto self = weak.lock()) self->on_client_message(std::move(payload), binary);
+                           if (auto self = weak.lock())
+                               self->on_client_message(std::move(payload), binary);
                        },
                        [self = shared_from_this()](const std::string& reason) { self->on_closed(reason); }});
     session_ = kernel_->attach(session_id, weak_from_this());
@@ -39,41 +40,49 @@ void KernelChannelsConnection::open(const std::string& requested_session_id) {
 }
 
 void KernelChannelsConnection::deliver(const JupyterMessage& message) {
-    if (closed_) return;
+    if (closed_)
+        return;
     if (transport_->queued_bytes() > max_pending_send_bytes_) {
         logger_.warn("websocket_client_too_slow", {{"kernel_id", kernel_->id()}});
         disconnect("client is not reading its messages fast enough");
         return;
     }
     if (logger_.enabled(LogLevel::debug))
-        logger_.debug("kernel_message", {{"kernel_id", kernel_->id()}, {"msg_type", message.msg_type},
-                                         {"channel", channel_name(message.channel)}, {"queued", transport_->queued_bytes()}});
+        logger_.debug("kernel_message", {{"kernel_id", kernel_->id()},
+                                         {"msg_type", message.msg_type},
+                                         {"channel", channel_name(message.channel)},
+                                         {"queued", transport_->queued_bytes()}});
     WebSocketFrame frame = v1_ ? encode_v1(message) : encode_legacy(message);
     transport_->send(std::move(frame.payload), frame.binary);
 }
 
 void KernelChannelsConnection::disconnect(const std::string& reason) {
-    if (closed_) return;
+    if (closed_)
+        return;
     transport_->close(reason);
 }
 
 void KernelChannelsConnection::reject(const std::string& reason, const std::string& parent_msg_id) {
     logger_.info("websocket_message_rejected", {{"kernel_id", kernel_->id()}, {"error", reason}});
     json parent = json::object();
-    if (!parent_msg_id.empty()) parent["msg_id"] = parent_msg_id;
-    deliver(make_message(Channel::iopub, "stream",
-                         {{"name", "stderr"}, {"text", "[cellblock-gateway] message rejected: " + reason + "\n"}},
-                         session_ ? session_->session_id() : "", parent));
+    if (!parent_msg_id.empty())
+        parent["msg_id"] = parent_msg_id;
+    deliver(
+        make_message(Channel::iopub, "stream",
+                     {{"name", "stderr"}, {"text", "[cellblock-gateway] message rejected: " + reason + "\n"}},
+                     session_ ? session_->session_id() : "", parent));
 }
 
 void KernelChannelsConnection::on_client_message(std::string&& payload, bool binary) {
-    if (closed_ || !session_) return;
+    if (closed_ || !session_)
+        return;
     try {
         JupyterMessage message = v1_      ? decode_v1(payload)
                                  : binary ? decode_legacy_binary(payload)
                                           : decode_legacy_text(payload);
         if (logger_.enabled(LogLevel::debug))
-            logger_.debug("client_message", {{"kernel_id", kernel_->id()}, {"msg_type", message.msg_type},
+            logger_.debug("client_message", {{"kernel_id", kernel_->id()},
+                                             {"msg_type", message.msg_type},
                                              {"channel", channel_name(message.channel)}});
         session_->send(std::move(message));
     } catch (const MessageError& error) {
@@ -84,7 +93,8 @@ void KernelChannelsConnection::on_client_message(std::string&& payload, bool bin
 }
 
 void KernelChannelsConnection::on_closed(const std::string& reason) {
-    if (closed_) return;
+    if (closed_)
+        return;
     closed_ = true;
     logger_.info("websocket_closed", {{"kernel_id", kernel_->id()}, {"reason", reason}});
     kernel_->detach(session_, this);

@@ -473,7 +473,8 @@ int WireGuard::poll_timeout_ms() const {
     for (const auto& held : held_replies_) {
         earliest = std::min(earliest, held.deadline);
     }
-    const auto wait = std::chrono::ceil<std::chrono::milliseconds>(earliest - std::chrono::steady_clock::now());
+    const auto wait =
+        std::chrono::ceil<std::chrono::milliseconds>(earliest - std::chrono::steady_clock::now());
     return static_cast<int>(std::max<std::chrono::milliseconds::rep>(0, wait.count()));
 }
 

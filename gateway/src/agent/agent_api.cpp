@@ -1,13 +1,11 @@
 #include "cellblock/gateway/agent/agent_api.hpp"
 
-#include "cellblock/gateway/agent/output_shield.hpp"
-
-#include "cellblock/sandbox/sandbox.hpp"
-
 #include <boost/asio/steady_timer.hpp>
-
 #include <fstream>
 #include <sstream>
+
+#include "cellblock/gateway/agent/output_shield.hpp"
+#include "cellblock/sandbox/sandbox.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -23,20 +21,27 @@ std::string workspace_relative_path(const std::string& raw_path) {
         const std::size_t end = std::min(raw_path.find('/', start), raw_path.size());
         const std::string_view raw = std::string_view(raw_path).substr(start, end - start);
         start = end + 1;
-        if (raw.empty()) continue;
+        if (raw.empty())
+            continue;
         const auto decoded = url_decode(raw, false);
-        if (!decoded) throw HttpError(http::status::bad_request, "malformed percent-escape in the file path", "bad_path");
+        if (!decoded)
+            throw HttpError(http::status::bad_request, "malformed percent-escape in the file path",
+                            "bad_path");
         if (*decoded == "." || *decoded == "..")
-            throw HttpError(http::status::bad_request, "file paths must stay inside the workspace ('.' and '..' are refused)",
+            throw HttpError(http::status::bad_request,
+                            "file paths must stay inside the workspace ('.' and '..' are refused)",
                             "bad_path");
         if (decoded->find('/') != std::string::npos || decoded->find('\0') != std::string::npos)
-            throw HttpError(http::status::bad_request,
-                            "file paths must be relative to the workspace (no absolute paths, encoded '/' or NUL bytes)",
-                            "bad_path");
-        if (!relative.empty()) relative.push_back('/');
+            throw HttpError(
+                http::status::bad_request,
+                "file paths must be relative to the workspace (no absolute paths, encoded '/' or NUL bytes)",
+                "bad_path");
+        if (!relative.empty())
+            relative.push_back('/');
         relative += *decoded;
     }
-    if (relative.empty()) throw HttpError(http::status::bad_request, "empty file path", "bad_path");
+    if (relative.empty())
+        throw HttpError(http::status::bad_request, "empty file path", "bad_path");
     return relative;
 }
 
@@ -45,27 +50,35 @@ namespace {
 HttpError workspace_http_error(const sandbox::WorkspaceError& error) {
     using Kind = sandbox::WorkspaceError::Kind;
     switch (error.kind()) {
-        case Kind::not_found: return HttpError(http::status::not_found, error.what(), "file_not_found");
-        case Kind::too_large: return HttpError(http::status::payload_too_large, error.what(), "file_too_large");
-        case Kind::not_regular: return HttpError(http::status::bad_request, error.what(), "not_a_regular_file");
-        case Kind::bad_path: return HttpError(http::status::bad_request, error.what(), "bad_path");
-        case Kind::io: break;
+        case Kind::not_found:
+            return HttpError(http::status::not_found, error.what(), "file_not_found");
+        case Kind::too_large:
+            return HttpError(http::status::payload_too_large, error.what(), "file_too_large");
+        case Kind::not_regular:
+            return HttpError(http::status::bad_request, error.what(), "not_a_regular_file");
+        case Kind::bad_path:
+            return HttpError(http::status::bad_request, error.what(), "bad_path");
+        case Kind::io:
+            break;
     }
     return HttpError(http::status::internal_server_error, error.what(), "workspace_error");
 }
 
-// Runs `action` against the session's workspace once it has a kernel (and so a workspace); errors become JSON.
+// Runs `action` against the session's workspace once it has a kernel (and so a workspace); errors become
+// JSON.
 void with_workspace(const std::shared_ptr<AgentSession>& session, Responder respond,
                     std::function<HttpResponse(sandbox::Workspace&)> action) {
     session->touch();
     session->ensure_kernel([session, respond, action = std::move(action)](std::optional<std::string> error) {
         if (error) {
-            respond(json_error(http::status::service_unavailable, "the session has no kernel: " + *error, "kernel_unavailable"));
+            respond(json_error(http::status::service_unavailable, "the session has no kernel: " + *error,
+                               "kernel_unavailable"));
             return;
         }
         auto root = session->workspace();
         if (!root) {
-            respond(json_error(http::status::service_unavailable, "the session has no workspace", "kernel_unavailable"));
+            respond(json_error(http::status::service_unavailable, "the session has no workspace",
+                               "kernel_unavailable"));
             return;
         }
         try {
@@ -91,10 +104,10 @@ json request_body(RequestContext& context) {
 }
 
 class AgentResource : public RestResource {
-public:
+  public:
     explicit AgentResource(AgentService& service) : service_(service) {}
 
-protected:
+  protected:
     std::shared_ptr<AgentSession> session(RequestContext& context) const {
         return service_.require_session(context.param("session"));
     }
@@ -104,13 +117,14 @@ protected:
 // ------------------------------------------------------------------------------------------------ sessions
 
 class SessionsResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
 
     void get(RequestContext&, Responder respond) override {
         json sessions = json::array();
-        for (const auto& session : service_.sessions().list()) sessions.push_back(session->model());
+        for (const auto& session : service_.sessions().list())
+            sessions.push_back(session->model());
         respond(json_response(http::status::ok, {{"sessions", sessions}}));
     }
 
@@ -118,31 +132,35 @@ public:
         const json body = request_body(context);
         std::string name;
         if (body.contains("name") && !body["name"].is_null()) {
-            if (!body["name"].is_string()) throw HttpError(http::status::bad_request, "name must be a string", "bad_type");
+            if (!body["name"].is_string())
+                throw HttpError(http::status::bad_request, "name must be a string", "bad_type");
             name = body["name"].get<std::string>();
         }
         AgentLimits limits;
         try {
-            limits = parse_limits(body.contains("limits") ? body["limits"] : json(nullptr), service_.config().default_limits,
-                                  service_.config().max_limits);
+            limits = parse_limits(body.contains("limits") ? body["limits"] : json(nullptr),
+                                  service_.config().default_limits, service_.config().max_limits);
         } catch (const LimitError& error) {
-            HttpResponse response = json_response(
-                http::status::bad_request, {{"reason", "bad_limit"}, {"message", error.what()}, {"limit", error.field()}});
+            HttpResponse response =
+                json_response(http::status::bad_request,
+                              {{"reason", "bad_limit"}, {"message", error.what()}, {"limit", error.field()}});
             return respond(std::move(response));
         }
         const std::string base = context.base_url;
-        service_.sessions().create(name, limits, context.client_address,
-                                   [respond, base](std::shared_ptr<AgentSession> session, std::optional<HttpError> error) {
-                                       if (error) return respond(json_error(error->status(), error->what(), error->reason()));
-                                       HttpResponse response = json_response(http::status::created, session->model());
-                                       response.set(http::field::location, base + "agent/v1/sessions/" + session->id());
-                                       respond(std::move(response));
-                                   });
+        service_.sessions().create(
+            name, limits, context.client_address,
+            [respond, base](std::shared_ptr<AgentSession> session, std::optional<HttpError> error) {
+                if (error)
+                    return respond(json_error(error->status(), error->what(), error->reason()));
+                HttpResponse response = json_response(http::status::created, session->model());
+                response.set(http::field::location, base + "agent/v1/sessions/" + session->id());
+                respond(std::move(response));
+            });
     }
 };
 
 class SessionResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "GET, DELETE, OPTIONS"; }
 
@@ -156,13 +174,15 @@ public:
 };
 
 class ResetResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
     void post(RequestContext& context, Responder respond) override {
         auto target = session(context);
         target->reset(context.client_address, [target, respond](std::optional<std::string> error) {
-            if (error) return respond(json_error(http::status::service_unavailable, "reset failed: " + *error, "kernel_unavailable"));
+            if (error)
+                return respond(json_error(http::status::service_unavailable, "reset failed: " + *error,
+                                          "kernel_unavailable"));
             respond(json_response(http::status::ok, target->model()));
         });
     }
@@ -171,10 +191,10 @@ public:
 // ------------------------------------------------------------------------------------------------ execute
 
 // Streams one execute as NDJSON: each event on its own line as it happens, keepalives while nothing happens,
-// the full answer as the final "end" event. Stream text beyond the inline cap is not streamed (the end event has
-// head and tail); a client that disconnects gets its execution interrupted.
+// the full answer as the final "end" event. Stream text beyond the inline cap is not streamed (the end event
+// has head and tail); a client that disconnects gets its execution interrupted.
 class NdjsonExecution : public std::enable_shared_from_this<NdjsonExecution> {
-public:
+  public:
     NdjsonExecution(std::shared_ptr<ResponseStream> stream, boost::asio::io_context& io, double keepalive_s,
                     std::size_t stream_cap)
         : stream_(std::move(stream)), keepalive_(io), keepalive_s_(keepalive_s), stream_cap_(stream_cap) {}
@@ -184,7 +204,8 @@ public:
         std::weak_ptr<NdjsonExecution> weak = weak_from_this();
         ExecuteHandlers handlers;
         handlers.on_event = [weak](const json& event) {
-            if (auto self = weak.lock()) self->on_event(event);
+            if (auto self = weak.lock())
+                self->on_event(event);
         };
         handlers.on_done = [self = shared_from_this()](json answer) {
             json end = {{"type", "end"}};
@@ -197,13 +218,15 @@ public:
         const std::uint64_t ticket = session->execute(std::move(request), std::move(handlers));
         std::weak_ptr<AgentSession> weak_session = session;
         stream_->on_disconnect([weak_session, ticket, weak] {
-            if (auto target = weak_session.lock()) target->abandon(ticket);
-            if (auto self = weak.lock()) self->keepalive_.cancel();
+            if (auto target = weak_session.lock())
+                target->abandon(ticket);
+            if (auto self = weak.lock())
+                self->keepalive_.cancel();
         });
         schedule_keepalive();
     }
 
-private:
+  private:
     void write(const json& event) {
         stream_->write(event.dump(-1, ' ', false, json::error_handler_t::replace) + "\n");
         last_write_ = std::chrono::steady_clock::now();
@@ -214,13 +237,16 @@ private:
         if (type == "stdout" || type == "stderr") {
             std::size_t& sent = type == "stdout" ? stdout_sent_ : stderr_sent_;
             const std::string& text = event["text"].get_ref<const std::string&>();
-            if (sent >= stream_cap_) return;
+            if (sent >= stream_cap_)
+                return;
             if (sent + text.size() > stream_cap_) {
                 const std::string_view part = utf8_head(text, stream_cap_ - sent);
                 sent = stream_cap_;
-                if (!part.empty()) write({{"type", type}, {"text", part}});
+                if (!part.empty())
+                    write({{"type", type}, {"text", part}});
                 write({{"type", "notice"},
-                       {"text", "further " + type + " is not streamed (more than " + std::to_string(stream_cap_) +
+                       {"text", "further " + type + " is not streamed (more than " +
+                                    std::to_string(stream_cap_) +
                                     " bytes); the end event carries its head and tail"}});
                 return;
             }
@@ -233,7 +259,8 @@ private:
         keepalive_.expires_after(std::chrono::milliseconds(static_cast<long long>(keepalive_s_ * 1000)));
         keepalive_.async_wait([weak = weak_from_this()](const boost::system::error_code& error) {
             auto self = weak.lock();
-            if (error || !self || self->finished_ || self->stream_->client_gone()) return;
+            if (error || !self || self->finished_ || self->stream_->client_gone())
+                return;
             if (std::chrono::steady_clock::now() - self->last_write_ >=
                 std::chrono::milliseconds(static_cast<long long>(self->keepalive_s_ * 900)))
                 self->write({{"type", "keepalive"}});
@@ -251,7 +278,7 @@ private:
 };
 
 class ExecuteResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
 
@@ -259,23 +286,28 @@ public:
         auto target = session(context);
         const json body = request_body(context);
         if (target->queued() >= AgentSession::max_queued)
-            throw HttpError(http::status::too_many_requests,
-                            std::to_string(target->queued()) + " executes are already waiting in this session",
-                            "session_busy");
+            throw HttpError(
+                http::status::too_many_requests,
+                std::to_string(target->queued()) + " executes are already waiting in this session",
+                "session_busy");
         if (!body.contains("code"))
-            throw HttpError(http::status::bad_request, "missing \"code\": the Python source to run", "missing_code");
-        if (!body["code"].is_string()) throw HttpError(http::status::bad_request, "\"code\" must be a string", "bad_type");
+            throw HttpError(http::status::bad_request, "missing \"code\": the Python source to run",
+                            "missing_code");
+        if (!body["code"].is_string())
+            throw HttpError(http::status::bad_request, "\"code\" must be a string", "bad_type");
         ExecuteRequest request;
         request.code = body["code"].get<std::string>();
         request.client_address = context.client_address;
         if (body.contains("timeout_s") && !body["timeout_s"].is_null()) {
             const json& timeout = body["timeout_s"];
             if (!timeout.is_number() || timeout.get<double>() <= 0)
-                throw HttpError(http::status::bad_request, "\"timeout_s\" must be a number greater than 0", "bad_type");
+                throw HttpError(http::status::bad_request, "\"timeout_s\" must be a number greater than 0",
+                                "bad_type");
             request.timeout_s = timeout.get<double>();
             if (request.timeout_s > target->record().limits.timeout_s)
                 throw HttpError(http::status::bad_request,
-                                "timeout_s = " + timeout.dump() + " exceeds the session's limits.timeout_s of " +
+                                "timeout_s = " + timeout.dump() +
+                                    " exceeds the session's limits.timeout_s of " +
                                     json(target->record().limits.timeout_s).dump(),
                                 "bad_limit");
         }
@@ -292,9 +324,9 @@ public:
         HttpResponse head{http::status::ok, 11};
         head.set(http::field::content_type, "application/x-ndjson");
         head.set(http::field::cache_control, "no-store");
-        auto execution = std::make_shared<NdjsonExecution>(context.start_stream(std::move(head)), service_.gateway().io,
-                                                           service_.config().keepalive_s,
-                                                           service_.config().inline_output_bytes);
+        auto execution = std::make_shared<NdjsonExecution>(
+            context.start_stream(std::move(head)), service_.gateway().io, service_.config().keepalive_s,
+            service_.config().inline_output_bytes);
         execution->start(target, std::move(request));
     }
 };
@@ -302,13 +334,14 @@ public:
 // ------------------------------------------------------------------------------------------------ files
 
 class FilesResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     void get(RequestContext& context, Responder respond) override {
         with_workspace(session(context), respond, [](sandbox::Workspace& workspace) {
             json files = json::array();
             for (const auto& entry : workspace.list()) {
-                if (entry.is_directory) continue;
+                if (entry.is_directory)
+                    continue;
                 files.push_back({{"path", entry.path}, {"size", entry.size}});
             }
             return json_response(http::status::ok, {{"files", files}});
@@ -317,7 +350,7 @@ public:
 };
 
 class FileResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "GET, PUT, DELETE, OPTIONS"; }
 
@@ -341,7 +374,10 @@ public:
         const std::string client = context.client_address;
         with_workspace(target, respond, [relative, body, cap, target, client](sandbox::Workspace& workspace) {
             workspace.write_file(relative, *body, cap);
-            target->audit({{"event", "file_put"}, {"client", client}, {"path", relative}, {"bytes", body->size()},
+            target->audit({{"event", "file_put"},
+                           {"client", client},
+                           {"path", relative},
+                           {"bytes", body->size()},
                            {"sha256", sha256_hex(*body)}});
             return json_response(http::status::created, {{"path", relative}, {"size", body->size()}});
         });
@@ -359,32 +395,37 @@ public:
     }
 };
 
-// ------------------------------------------------------------------------------------------------ notebook, audit
+// ------------------------------------------------------------------------------------------------ notebook,
+// audit
 
 class NotebookResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     void get(RequestContext& context, Responder respond) override {
         auto target = session(context);
         const auto errors = context.query.find("errors");
-        const bool only_ok = errors != context.query.end() && (errors->second == "skip" || errors->second == "omit");
+        const bool only_ok =
+            errors != context.query.end() && (errors->second == "skip" || errors->second == "omit");
         HttpResponse response = json_response(http::status::ok, target->notebook(only_ok));
-        response.set(http::field::content_disposition, "attachment; filename=\"" + target->name() + ".ipynb\"");
+        response.set(http::field::content_disposition,
+                     "attachment; filename=\"" + target->name() + ".ipynb\"");
         respond(std::move(response));
     }
 };
 
 class AuditResource : public AgentResource {
-public:
+  public:
     using AgentResource::AgentResource;
     void get(RequestContext& context, Responder respond) override {
         auto target = session(context);
-        const bool ndjson = context.request[http::field::accept].find("application/x-ndjson") != std::string_view::npos;
+        const bool ndjson =
+            context.request[http::field::accept].find("application/x-ndjson") != std::string_view::npos;
         // Entries queued for the disk are included: answer once the writer has reached this point.
         service_.services().writer.after_pending([target, respond, ndjson] {
             std::ifstream input(target->audit_file(), std::ios::binary);
             std::stringstream text;
-            if (input) text << input.rdbuf();
+            if (input)
+                text << input.rdbuf();
             if (ndjson) {
                 HttpResponse response{http::status::ok, 11};
                 response.set(http::field::content_type, "application/x-ndjson");
@@ -395,7 +436,8 @@ public:
             json entries = json::array();
             for (std::string line; std::getline(text, line);) {
                 json entry = json::parse(line, nullptr, false);
-                if (!entry.is_discarded()) entries.push_back(std::move(entry));
+                if (!entry.is_discarded())
+                    entries.push_back(std::move(entry));
             }
             respond(json_response(http::status::ok, {{"session", target->id()}, {"entries", entries}}));
         });
@@ -415,12 +457,15 @@ AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
 
 AgentService::~AgentService() = default;
 
-void AgentService::start() { registry_.start(gateway_.kernels.runtime_dir() / "agent-state"); }
+void AgentService::start() {
+    registry_.start(gateway_.kernels.runtime_dir() / "agent-state");
+}
 
 std::shared_ptr<AgentSession> AgentService::require_session(const std::string& id_or_name) const {
     auto session = registry_.find(id_or_name);
     if (!session)
-        throw HttpError(http::status::not_found, "no agent session with id or name '" + id_or_name + "'", "unknown_session");
+        throw HttpError(http::status::not_found, "no agent session with id or name '" + id_or_name + "'",
+                        "unknown_session");
     return session;
 }
 

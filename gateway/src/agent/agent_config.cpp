@@ -1,7 +1,6 @@
 #include "cellblock/gateway/agent/agent_config.hpp"
 
 #include <CLI/CLI.hpp>
-
 #include <cmath>
 #include <fstream>
 
@@ -15,18 +14,23 @@ json AgentLimits::to_json() const {
 
 namespace {
 double positive_number(const json& value, const std::string& field) {
-    if (!value.is_number()) throw LimitError(field, field + " must be a number");
+    if (!value.is_number())
+        throw LimitError(field, field + " must be a number");
     const double number = value.get<double>();
-    if (!std::isfinite(number) || number <= 0) throw LimitError(field, field + " must be greater than 0");
+    if (!std::isfinite(number) || number <= 0)
+        throw LimitError(field, field + " must be greater than 0");
     return number;
 }
 
 std::uint64_t positive_integer(const json& value, const std::string& field) {
-    if (!value.is_number_integer() && !(value.is_number_float() && std::floor(value.get<double>()) == value.get<double>()))
+    if (!value.is_number_integer() &&
+        !(value.is_number_float() && std::floor(value.get<double>()) == value.get<double>()))
         throw LimitError(field, field + " must be an integer");
     const double number = value.get<double>();
-    if (number < 1) throw LimitError(field, field + " must be at least 1");
-    if (number > 1e18) throw LimitError(field, field + " is too large");
+    if (number < 1)
+        throw LimitError(field, field + " must be at least 1");
+    if (number > 1e18)
+        throw LimitError(field, field + " is too large");
     return static_cast<std::uint64_t>(number);
 }
 
@@ -38,25 +42,30 @@ std::string number_text(double value) {
 
 AgentLimits parse_limits(const json& requested, const AgentLimits& defaults, const AgentLimits& maxima) {
     AgentLimits limits = defaults;
-    if (requested.is_null()) return limits;
-    if (!requested.is_object()) throw LimitError("limits", "limits must be a JSON object");
+    if (requested.is_null())
+        return limits;
+    if (!requested.is_object())
+        throw LimitError("limits", "limits must be a JSON object");
     for (const auto& [key, value] : requested.items()) {
         const std::string field = "limits." + key;
         if (key == "timeout_s") {
             limits.timeout_s = positive_number(value, field);
             if (limits.timeout_s > maxima.timeout_s)
-                throw LimitError(field, field + " = " + number_text(limits.timeout_s) + " exceeds the gateway's maximum of " +
+                throw LimitError(field, field + " = " + number_text(limits.timeout_s) +
+                                            " exceeds the gateway's maximum of " +
                                             number_text(maxima.timeout_s));
         } else if (key == "memory_mb") {
             limits.memory_mb = positive_integer(value, field);
             if (limits.memory_mb > maxima.memory_mb)
                 throw LimitError(field, field + " = " + std::to_string(limits.memory_mb) +
-                                            " exceeds the gateway's maximum of " + std::to_string(maxima.memory_mb));
+                                            " exceeds the gateway's maximum of " +
+                                            std::to_string(maxima.memory_mb));
         } else if (key == "output_bytes") {
             limits.output_bytes = positive_integer(value, field);
             if (limits.output_bytes > maxima.output_bytes)
                 throw LimitError(field, field + " = " + std::to_string(limits.output_bytes) +
-                                            " exceeds the gateway's maximum of " + std::to_string(maxima.output_bytes));
+                                            " exceeds the gateway's maximum of " +
+                                            std::to_string(maxima.output_bytes));
         } else {
             throw LimitError(field, "unknown limit " + key + " (known: timeout_s, memory_mb, output_bytes)");
         }
@@ -66,12 +75,15 @@ AgentLimits parse_limits(const json& requested, const AgentLimits& defaults, con
 
 void AgentConfig::load_kernel_defaults(const std::filesystem::path& kernel_config_file) {
     std::ifstream input(kernel_config_file);
-    if (!input) return;
+    if (!input)
+        return;
     const json parsed = json::parse(input, nullptr, false);
-    if (!parsed.is_object() || !parsed.contains("limits") || !parsed["limits"].is_object()) return;
+    if (!parsed.is_object() || !parsed.contains("limits") || !parsed["limits"].is_object())
+        return;
     const json& limits = parsed["limits"];
     // Only values the kernel really uses as its defaults; anything odd keeps the compiled-in default.
-    if (limits.contains("timeout_s") && limits["timeout_s"].is_number() && limits["timeout_s"].get<double>() > 0)
+    if (limits.contains("timeout_s") && limits["timeout_s"].is_number() &&
+        limits["timeout_s"].get<double>() > 0)
         default_limits.timeout_s = limits["timeout_s"].get<double>();
     if (limits.contains("memory_mb") && limits["memory_mb"].is_number_unsigned())
         default_limits.memory_mb = limits["memory_mb"].get<std::uint64_t>();
@@ -101,11 +113,13 @@ void add_agent_options(CLI::App& app, AgentConfig& config) {
                    "session records, cell history and audit trails (default ~/.local/state/cellblock/agent)")
         ->envname("CELLBLOCK_AGENT_STATE_DIR")
         ->group(group);
-    app.add_option("--agent-session-ttl", config.session_ttl_s, "seconds before an idle agent session is deleted, 0 = never")
+    app.add_option("--agent-session-ttl", config.session_ttl_s,
+                   "seconds before an idle agent session is deleted, 0 = never")
         ->envname("CELLBLOCK_AGENT_SESSION_TTL")
         ->check(CLI::NonNegativeNumber)
         ->group(group);
-    app.add_option("--agent-max-timeout", config.max_limits.timeout_s, "largest limits.timeout_s a session may ask for")
+    app.add_option("--agent-max-timeout", config.max_limits.timeout_s,
+                   "largest limits.timeout_s a session may ask for")
         ->check(CLI::PositiveNumber)
         ->group(group);
     app.add_option("--agent-max-memory-mb", config.max_limits.memory_mb, "largest limits.memory_mb")

@@ -1,12 +1,11 @@
 #include "cellblock/gateway/agent/agent_session.hpp"
 
+#include <boost/asio/post.hpp>
+
 #include "cellblock/gateway/agent/output_shield.hpp"
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/time_format.hpp"
-
 #include "cellblock/sandbox/sandbox.hpp"
-
-#include <boost/asio/post.hpp>
 
 namespace cellblock::gateway::agent {
 
@@ -24,22 +23,29 @@ std::chrono::milliseconds seconds_to_ms(double seconds) {
 
 std::string joined_traceback(const json& traceback) {
     std::string text;
-    if (!traceback.is_array()) return text;
+    if (!traceback.is_array())
+        return text;
     for (const json& line : traceback) {
-        if (!line.is_string()) continue;
-        if (!text.empty()) text.push_back('\n');
+        if (!line.is_string())
+            continue;
+        if (!text.empty())
+            text.push_back('\n');
         text += line.get<std::string>();
     }
     return strip_ansi(text);
 }
 
 json digest_of(const std::string& text) {
-    if (text.empty()) return nullptr;
-    return {{"bytes", text.size()}, {"sha256", sha256_hex(text)}, {"head", std::string(utf8_head(text, audit_preview_bytes))}};
+    if (text.empty())
+        return nullptr;
+    return {{"bytes", text.size()},
+            {"sha256", sha256_hex(text)},
+            {"head", std::string(utf8_head(text, audit_preview_bytes))}};
 }
 }  // namespace
 
-AgentSession::AgentSession(SessionServices& services, Record record, fs::path directory, std::vector<json> cells)
+AgentSession::AgentSession(SessionServices& services, Record record, fs::path directory,
+                           std::vector<json> cells)
     : services_(services),
       record_(std::move(record)),
       directory_(std::move(directory)),
@@ -56,28 +62,33 @@ std::chrono::steady_clock::time_point AgentSession::last_used() const {
     if (kernel_) {
         // A person working in a notebook attached to the kernel keeps the session alive too.
         const auto kernel_idle = std::chrono::system_clock::now() - kernel_->last_activity();
-        used = std::max(used, std::chrono::steady_clock::now() -
-                                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(kernel_idle));
+        used =
+            std::max(used, std::chrono::steady_clock::now() -
+                               std::chrono::duration_cast<std::chrono::steady_clock::duration>(kernel_idle));
     }
     return used;
 }
 
 std::map<std::string, std::string> AgentSession::kernel_limit_environment() const {
     // Defaults are what warm-pool kernels already have: no variables, so the pool can serve the session.
-    if (record_.limits == services_.config.default_limits) return {};
+    if (record_.limits == services_.config.default_limits)
+        return {};
     return {{"CELLBLOCK_TIMEOUT_S", json(record_.limits.timeout_s).dump()},
             {"CELLBLOCK_MEMORY_MB", std::to_string(record_.limits.memory_mb)},
             {"CELLBLOCK_OUTPUT_BYTES", std::to_string(record_.limits.output_bytes)}};
 }
 
 std::optional<fs::path> AgentSession::workspace() const {
-    if (!kernel_) return std::nullopt;
+    if (!kernel_)
+        return std::nullopt;
     return kernel_->workspace_dir();
 }
 
 void AgentSession::ensure_kernel(Done done) {
-    if (closed_) return done(std::string("session was deleted"));
-    if (kernel_ && kernel_->state() != KernelState::dead && services_.kernels.find(kernel_->id()) == kernel_) {
+    if (closed_)
+        return done(std::string("session was deleted"));
+    if (kernel_ && kernel_->state() != KernelState::dead &&
+        services_.kernels.find(kernel_->id()) == kernel_) {
         kernel_->when_ready(std::move(done));
         return;
     }
@@ -87,37 +98,44 @@ void AgentSession::ensure_kernel(Done done) {
         link_ = nullptr;
     }
     kernel_waiters_.push_back(std::move(done));
-    if (starting_kernel_) return;
+    if (starting_kernel_)
+        return;
     starting_kernel_ = true;
     KernelStartRequest request;
     request.trusted_env = kernel_limit_environment();
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    services_.kernels.start_kernel(request, [weak, &kernels = services_.kernels](
-                                                std::variant<std::shared_ptr<Kernel>, KernelStartError> result) {
-        auto self = weak.lock();
-        if (!self || self->closed_) {
-            if (auto* kernel = std::get_if<std::shared_ptr<Kernel>>(&result)) kernels.shutdown_kernel((*kernel)->id());
-            return;
-        }
-        self->starting_kernel_ = false;
-        auto waiters = std::move(self->kernel_waiters_);
-        self->kernel_waiters_.clear();
-        if (auto* failure = std::get_if<KernelStartError>(&result)) {
-            for (auto& waiter : waiters) waiter(failure->message);
-            return;
-        }
-        self->attach_kernel(std::get<std::shared_ptr<Kernel>>(result));
-        for (auto& waiter : waiters) waiter(std::nullopt);
-    });
+    services_.kernels.start_kernel(
+        request,
+        [weak, &kernels = services_.kernels](std::variant<std::shared_ptr<Kernel>, KernelStartError> result) {
+            auto self = weak.lock();
+            if (!self || self->closed_) {
+                if (auto* kernel = std::get_if<std::shared_ptr<Kernel>>(&result))
+                    kernels.shutdown_kernel((*kernel)->id());
+                return;
+            }
+            self->starting_kernel_ = false;
+            auto waiters = std::move(self->kernel_waiters_);
+            self->kernel_waiters_.clear();
+            if (auto* failure = std::get_if<KernelStartError>(&result)) {
+                for (auto& waiter : waiters)
+                    waiter(failure->message);
+                return;
+            }
+            self->attach_kernel(std::get<std::shared_ptr<Kernel>>(result));
+            for (auto& waiter : waiters)
+                waiter(std::nullopt);
+        });
 }
 
 void AgentSession::attach_kernel(std::shared_ptr<Kernel> kernel) {
     kernel_ = std::move(kernel);
-    if (had_kernel_) state_lost_notice_ = true;
+    if (had_kernel_)
+        state_lost_notice_ = true;
     had_kernel_ = true;
     link_ = kernel_->attach(link_session_id_, weak_from_this());
     // Runtime versions for the audit trail, answered on our own session's shell socket.
-    JupyterMessage request = make_message(Channel::shell, "kernel_info_request", json::object(), link_session_id_);
+    JupyterMessage request =
+        make_message(Channel::shell, "kernel_info_request", json::object(), link_session_id_);
     kernel_info_msg_id_ = request.msg_id;
     link_->send(std::move(request));
     persist_record();
@@ -126,7 +144,8 @@ void AgentSession::attach_kernel(std::shared_ptr<Kernel> kernel) {
 
 json AgentSession::runtime_info() const {
     json runtime = {{"gateway", CELLBLOCK_GATEWAY_VERSION}};
-    if (kernel_) runtime["kernelspec"] = kernel_->spec_name();
+    if (kernel_)
+        runtime["kernelspec"] = kernel_->spec_name();
     if (kernel_info_.is_object()) {
         runtime["kernel"] = kernel_info_.value("implementation", std::string()) + " " +
                             kernel_info_.value("implementation_version", std::string());
@@ -139,8 +158,10 @@ json AgentSession::runtime_info() const {
 
 json AgentSession::model() const {
     std::string state = "no kernel";
-    if (starting_kernel_) state = "starting";
-    else if (kernel_) state = running_ ? "busy" : std::string(kernel_state_name(kernel_->state()));
+    if (starting_kernel_)
+        state = "starting";
+    else if (kernel_)
+        state = running_ ? "busy" : std::string(kernel_state_name(kernel_->state()));
     return {{"id", record_.id},
             {"name", record_.name},
             {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
@@ -192,14 +213,16 @@ void AgentSession::reset(std::string client_address, Done done) {
     pending.is_reset = true;
     pending.request.client_address = std::move(client_address);
     pending.reset_done = std::move(done);
-    if (closed_) return pending.reset_done(std::string("session was deleted"));
+    if (closed_)
+        return pending.reset_done(std::string("session was deleted"));
     queue_.push_back(std::move(pending));
     run_next();
 }
 
 void AgentSession::abandon(std::uint64_t ticket) {
     for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-        if (it->ticket != ticket) continue;
+        if (it->ticket != ticket)
+            continue;
         Pending pending = std::move(*it);
         queue_.erase(it);
         pending.handlers.on_event = nullptr;
@@ -211,24 +234,35 @@ void AgentSession::abandon(std::uint64_t ticket) {
         running_->interrupted_by_client = true;
         running_->pending.handlers.on_event = nullptr;
         services_.logger.info("agent_execute_abandoned", {{"session", id()}});
-        if (kernel_) kernel_->interrupt();
+        if (kernel_)
+            kernel_->interrupt();
     }
 }
 
 void AgentSession::fail_pending(Pending& pending, const std::string& ename, const std::string& evalue) {
     if (pending.is_reset) {
-        if (pending.reset_done) pending.reset_done(evalue);
+        if (pending.reset_done)
+            pending.reset_done(evalue);
         return;
     }
-    json answer = {{"session", record_.id}, {"status", "error"}, {"execution_count", nullptr}, {"stdout", ""},
-                   {"stderr", ""}, {"result", nullptr}, {"displays", json::array()},
+    json answer = {{"session", record_.id},
+                   {"status", "error"},
+                   {"execution_count", nullptr},
+                   {"stdout", ""},
+                   {"stderr", ""},
+                   {"result", nullptr},
+                   {"displays", json::array()},
                    {"error", {{"ename", ename}, {"evalue", evalue}, {"traceback", ename + ": " + evalue}}},
-                   {"duration_ms", 0}, {"truncated", false}, {"state_lost", false}};
-    if (pending.handlers.on_done) pending.handlers.on_done(std::move(answer));
+                   {"duration_ms", 0},
+                   {"truncated", false},
+                   {"state_lost", false}};
+    if (pending.handlers.on_done)
+        pending.handlers.on_done(std::move(answer));
 }
 
 void AgentSession::run_next() {
-    if (running_ || queue_.empty() || closed_) return;
+    if (running_ || queue_.empty() || closed_)
+        return;
     Pending pending = std::move(queue_.front());
     queue_.pop_front();
     running_ = std::make_unique<Running>();
@@ -237,17 +271,21 @@ void AgentSession::run_next() {
     auto shared_pending = std::make_shared<Pending>(std::move(pending));
     ensure_kernel([weak, shared_pending](std::optional<std::string> error) {
         auto self = weak.lock();
-        if (!self) return;
+        if (!self)
+            return;
         if (error) {
             self->running_.reset();
             self->fail_pending(*shared_pending, "KernelUnavailable", "no kernel for this session: " + *error);
             boost::asio::post(self->services_.io, [weak] {
-                if (auto again = weak.lock()) again->run_next();
+                if (auto again = weak.lock())
+                    again->run_next();
             });
             return;
         }
-        if (shared_pending->is_reset) self->start_reset(std::move(*shared_pending));
-        else self->start_execute(std::move(*shared_pending));
+        if (shared_pending->is_reset)
+            self->start_reset(std::move(*shared_pending));
+        else
+            self->start_execute(std::move(*shared_pending));
     });
 }
 
@@ -256,15 +294,20 @@ void AgentSession::start_reset(Pending pending) {
     std::weak_ptr<AgentSession> weak = weak_from_this();
     kernel_->restart([weak, shared_pending](std::optional<std::string> error) {
         auto self = weak.lock();
-        if (!self) return;
+        if (!self)
+            return;
         self->running_.reset();
         if (!error) {
             self->cells_.clear();
-            self->services_.writer.append_line(self->directory_ / "cells.jsonl", json({{"reset", true}}).dump());
+            self->services_.writer.append_line(self->directory_ / "cells.jsonl",
+                                               json({{"reset", true}}).dump());
         }
-        self->audit({{"event", "reset"}, {"client", shared_pending->request.client_address},
-                     {"status", error ? "error" : "ok"}, {"error", error ? json(*error) : json(nullptr)}});
-        if (shared_pending->reset_done) shared_pending->reset_done(error);
+        self->audit({{"event", "reset"},
+                     {"client", shared_pending->request.client_address},
+                     {"status", error ? "error" : "ok"},
+                     {"error", error ? json(*error) : json(nullptr)}});
+        if (shared_pending->reset_done)
+            shared_pending->reset_done(error);
         self->run_next();
     });
 }
@@ -285,48 +328,61 @@ void AgentSession::start_execute(Pending pending) {
     std::weak_ptr<AgentSession> weak = weak_from_this();
     running.collector = std::make_unique<ExecutionCollector>(request.msg_id, [weak](const json& event) {
         auto self = weak.lock();
-        if (self && self->running_ && self->running_->pending.handlers.on_event) self->running_->pending.handlers.on_event(event);
+        if (self && self->running_ && self->running_->pending.handlers.on_event)
+            self->running_->pending.handlers.on_event(event);
     });
     link_->send(std::move(request));
-    const double timeout_s = running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
+    const double timeout_s =
+        running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
     deadline_timer_.expires_after(seconds_to_ms(timeout_s));
     deadline_timer_.async_wait([weak](const boost::system::error_code& error) {
-        if (error) return;
-        if (auto self = weak.lock()) self->on_deadline();
+        if (error)
+            return;
+        if (auto self = weak.lock())
+            self->on_deadline();
     });
 }
 
 void AgentSession::on_deadline() {
-    if (!running_ || !running_->collector) return;
+    if (!running_ || !running_->collector)
+        return;
     running_->timed_out = true;
     services_.logger.info("agent_execute_timeout", {{"session", id()}});
-    if (kernel_) kernel_->interrupt();
+    if (kernel_)
+        kernel_->interrupt();
     std::weak_ptr<AgentSession> weak = weak_from_this();
     deadline_timer_.expires_after(seconds_to_ms(services_.config.interrupt_grace_s));
     deadline_timer_.async_wait([weak](const boost::system::error_code& error) {
-        if (error) return;
-        if (auto self = weak.lock()) self->on_grace_expired();
+        if (error)
+            return;
+        if (auto self = weak.lock())
+            self->on_grace_expired();
     });
 }
 
 void AgentSession::on_grace_expired() {
-    if (!running_ || !running_->collector) return;
+    if (!running_ || !running_->collector)
+        return;
     // The code ignored the interrupt: the circuit breaker restarts the kernel, which kills the worker.
     services_.logger.warn("agent_execute_kernel_restart", {{"session", id()}});
     running_->kernel_restarted = true;
-    if (kernel_) kernel_->restart([](std::optional<std::string>) {});
+    if (kernel_)
+        kernel_->restart([](std::optional<std::string>) {});
     finish_execute();
 }
 
 void AgentSession::deliver(const JupyterMessage& message) {
-    if (message.channel == Channel::shell && message.msg_type == "kernel_info_reply" && !kernel_info_msg_id_.empty() &&
+    if (message.channel == Channel::shell && message.msg_type == "kernel_info_reply" &&
+        !kernel_info_msg_id_.empty() &&
         message.parent_header.find(kernel_info_msg_id_) != std::string::npos) {
         kernel_info_ = json::parse(message.content, nullptr, false);
         return;
     }
-    if (!running_ || !running_->collector) return;
+    if (!running_ || !running_->collector)
+        return;
     if (running_->collector->consume(message)) {
-        if (running_->collector->complete()) finish_execute();
+        if (running_->collector->complete())
+            finish_execute();
         return;
     }
     // The kernel process died or is being replaced: the reply will never come.
@@ -334,7 +390,8 @@ void AgentSession::deliver(const JupyterMessage& message) {
         const json content = json::parse(message.content, nullptr, false);
         const std::string state = content.is_object() ? content.value("execution_state", "") : "";
         if (state == "restarting" || state == "dead") {
-            running_->kernel_failure = "the kernel process " + std::string(state == "dead" ? "died" : "died and was restarted");
+            running_->kernel_failure =
+                "the kernel process " + std::string(state == "dead" ? "died" : "died and was restarted");
             finish_execute();
         }
     }
@@ -350,7 +407,8 @@ void AgentSession::disconnect(const std::string& reason) {
 }
 
 void AgentSession::close(const std::string& reason) {
-    if (closed_) return;
+    if (closed_)
+        return;
     closed_ = true;
     deadline_timer_.cancel();
     if (running_ && running_->collector) {
@@ -373,14 +431,16 @@ void AgentSession::close(const std::string& reason) {
 
 std::optional<std::string> AgentSession::save_output(const std::string& file_name, const std::string& text) {
     const auto root = workspace();
-    if (!root) return std::nullopt;
+    if (!root)
+        return std::nullopt;
     const std::string relative = std::string(saved_output_dir) + "/" + file_name;
     try {
         sandbox::Workspace workspace_files(*root);
         workspace_files.write_file(relative, text, text.size() + 1);
         return relative;
     } catch (const std::exception& error) {
-        services_.logger.warn("agent_output_save_failed", {{"session", id()}, {"path", relative}, {"error", error.what()}});
+        services_.logger.warn("agent_output_save_failed",
+                              {{"session", id()}, {"path", relative}, {"error", error.what()}});
         return std::nullopt;
     }
 }
@@ -395,9 +455,11 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
     json saved = json::object();
 
     auto shield = [&](const std::string& text, const std::string& label) -> std::optional<std::string> {
-        if (text.size() <= cap) return std::nullopt;
+        if (text.size() <= cap)
+            return std::nullopt;
         auto path = save_output(stem + "-" + label + ".txt", text);
-        if (path) saved[label] = *path;
+        if (path)
+            saved[label] = *path;
         truncated = true;
         return shield_text(text, cap, path).text;
     };
@@ -406,9 +468,11 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
 
     json result = collected.result();
     if (result.is_object()) {
-        if (!result.contains("text/plain")) result["text/plain"] = "";
+        if (!result.contains("text/plain"))
+            result["text/plain"] = "";
         if (result["text/plain"].is_string()) {
-            if (auto shielded = shield(result["text/plain"].get<std::string>(), "result")) result["text/plain"] = *shielded;
+            if (auto shielded = shield(result["text/plain"].get<std::string>(), "result"))
+                result["text/plain"] = *shielded;
         }
         // Large rich text (e.g. a DataFrame's HTML) stays out of the answer; text/plain says the same.
         for (auto it = result.begin(); it != result.end();) {
@@ -422,7 +486,8 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
         }
     }
     json displays = json::array();
-    for (const json& display : collected.displays()) displays.push_back(display.value("data", json::object()));
+    for (const json& display : collected.displays())
+        displays.push_back(display.value("data", json::object()));
 
     std::string status = collected.reply_status() == "ok" ? "ok" : "error";
     json error = nullptr;
@@ -434,22 +499,27 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
     bool state_lost = std::exchange(state_lost_notice_, false);
     std::string notice;
     if (state_lost)
-        notice = "a new kernel serves this session (the previous one was shut down, or the gateway restarted): "
-                 "variables, imports and workspace files from earlier executes are gone";
+        notice =
+            "a new kernel serves this session (the previous one was shut down, or the gateway restarted): "
+            "variables, imports and workspace files from earlier executes are gone";
     const std::string ename = error.is_object() ? error.value("ename", "") : "";
-    if (ename == "TimeoutError") status = "timeout";
+    if (ename == "TimeoutError")
+        status = "timeout";
     if (ename == "WorkerDied") {
         state_lost = true;
-        if (error.value("evalue", "").find("time limit") != std::string::npos) status = "timeout";
+        if (error.value("evalue", "").find("time limit") != std::string::npos)
+            status = "timeout";
     }
     if (running.timed_out) {
         status = "timeout";
-        const double timeout_s = running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
+        const double timeout_s = running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s
+                                                                       : record_.limits.timeout_s;
         if (running.kernel_restarted) {
             state_lost = true;
-            const std::string text = "the code ran longer than " + json(timeout_s).dump() +
-                                     " s and ignored the interrupt for " + json(services_.config.interrupt_grace_s).dump() +
-                                     " s; the kernel was restarted, so all state (variables, imports) was lost";
+            const std::string text =
+                "the code ran longer than " + json(timeout_s).dump() + " s and ignored the interrupt for " +
+                json(services_.config.interrupt_grace_s).dump() +
+                " s; the kernel was restarted, so all state (variables, imports) was lost";
             error = {{"ename", "TimeoutError"}, {"evalue", text}, {"traceback", "TimeoutError: " + text}};
         } else if (!error.is_object() || ename == "KeyboardInterrupt") {
             const std::string text = "the code ran longer than " + json(timeout_s).dump() +
@@ -464,8 +534,10 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
                  {"evalue", running.kernel_failure},
                  {"traceback", "KernelDied: " + running.kernel_failure}};
     }
-    if (running.interrupted_by_client && status != "ok") notice = "interrupted because the client disconnected";
-    if (state_lost && notice.empty()) notice = "the kernel was restarted: variables and imports from earlier executes are gone";
+    if (running.interrupted_by_client && status != "ok")
+        notice = "interrupted because the client disconnected";
+    if (state_lost && notice.empty())
+        notice = "the kernel was restarted: variables and imports from earlier executes are gone";
 
     cell_outputs = collected.notebook_outputs(stdout_shielded, stderr_shielded);
     json answer = {{"session", record_.id},
@@ -479,26 +551,31 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
                    {"duration_ms", std::chrono::duration<double, std::milli>(duration).count()},
                    {"truncated", truncated},
                    {"state_lost", state_lost}};
-    if (!saved.empty()) answer["saved"] = saved;
-    if (!notice.empty()) answer["notice"] = notice;
+    if (!saved.empty())
+        answer["saved"] = saved;
+    if (!notice.empty())
+        answer["notice"] = notice;
     return answer;
 }
 
 void AgentSession::finish_execute() {
-    if (!running_ || !running_->collector) return;
+    if (!running_ || !running_->collector)
+        return;
     deadline_timer_.cancel();
     std::unique_ptr<Running> running = std::move(running_);
     json cell_outputs;
     json answer = build_answer(*running, cell_outputs);
     const ExecutionCollector& collected = *running->collector;
 
-    json cell = {{"cell_type", "code"},
-                 {"id", random_hex(8)},  // nbformat 4.5 cell ids must be unique within the notebook
-                 {"metadata", {{"cellblock", {{"status", answer["status"]}, {"duration_ms", answer["duration_ms"]}}}}},
-                 {"source", running->pending.request.code},
-                 {"execution_count", answer["execution_count"]},
-                 {"outputs", cell_outputs}};
-    services_.writer.append_line(directory_ / "cells.jsonl", cell.dump(-1, ' ', false, json::error_handler_t::replace));
+    json cell = {
+        {"cell_type", "code"},
+        {"id", random_hex(8)},  // nbformat 4.5 cell ids must be unique within the notebook
+        {"metadata", {{"cellblock", {{"status", answer["status"]}, {"duration_ms", answer["duration_ms"]}}}}},
+        {"source", running->pending.request.code},
+        {"execution_count", answer["execution_count"]},
+        {"outputs", cell_outputs}};
+    services_.writer.append_line(directory_ / "cells.jsonl",
+                                 cell.dump(-1, ' ', false, json::error_handler_t::replace));
     cells_.push_back(std::move(cell));
 
     json displays_digest = json::array();
@@ -506,11 +583,15 @@ void AgentSession::finish_execute() {
         const json bundle = display.value("data", json::object());
         const std::string data = bundle.dump(-1, ' ', false, json::error_handler_t::replace);
         json mimes = json::array();
-        for (const auto& [mime, value] : bundle.items()) mimes.push_back(mime);
-        displays_digest.push_back({{"mime_types", mimes}, {"bytes", data.size()}, {"sha256", sha256_hex(data)}});
+        for (const auto& [mime, value] : bundle.items())
+            mimes.push_back(mime);
+        displays_digest.push_back(
+            {{"mime_types", mimes}, {"bytes", data.size()}, {"sha256", sha256_hex(data)}});
     }
     const std::string result_text =
-        collected.result().is_object() ? collected.result().dump(-1, ' ', false, json::error_handler_t::replace) : "";
+        collected.result().is_object()
+            ? collected.result().dump(-1, ' ', false, json::error_handler_t::replace)
+            : "";
     audit({{"event", "execute"},
            {"client", running->pending.request.client_address},
            {"via", running->pending.request.client_kind},
@@ -520,13 +601,15 @@ void AgentSession::finish_execute() {
            {"status", answer["status"]},
            {"execution_count", answer["execution_count"]},
            {"duration_ms", answer["duration_ms"]},
-           {"timeout_s", running->pending.request.timeout_s > 0 ? running->pending.request.timeout_s : record_.limits.timeout_s},
+           {"timeout_s", running->pending.request.timeout_s > 0 ? running->pending.request.timeout_s
+                                                                : record_.limits.timeout_s},
            {"outputs",
             {{"stdout", digest_of(collected.stdout_text())},
              {"stderr", digest_of(collected.stderr_text())},
              {"result", digest_of(result_text)},
              {"displays", displays_digest},
-             {"error", answer["error"].is_object() ? json({{"ename", answer["error"]["ename"]}, {"evalue", answer["error"]["evalue"]}})
+             {"error", answer["error"].is_object() ? json({{"ename", answer["error"]["ename"]},
+                                                           {"evalue", answer["error"]["evalue"]}})
                                                    : json(nullptr)}}},
            {"truncated", answer["truncated"]},
            {"state_lost", answer["state_lost"]},
@@ -535,10 +618,12 @@ void AgentSession::finish_execute() {
            {"runtime", runtime_info()}});
 
     touch();
-    if (running->pending.handlers.on_done) running->pending.handlers.on_done(std::move(answer));
+    if (running->pending.handlers.on_done)
+        running->pending.handlers.on_done(std::move(answer));
     std::weak_ptr<AgentSession> weak = weak_from_this();
     boost::asio::post(services_.io, [weak] {
-        if (auto self = weak.lock()) self->run_next();
+        if (auto self = weak.lock())
+            self->run_next();
     });
 }
 
@@ -547,12 +632,13 @@ json AgentSession::notebook(bool only_ok) const {
     for (const json& cell : cells_) {
         if (only_ok) {
             const json& meta = cell.value("metadata", json::object());
-            if (meta.contains("cellblock") && meta["cellblock"].value("status", "ok") != "ok") continue;
+            if (meta.contains("cellblock") && meta["cellblock"].value("status", "ok") != "ok")
+                continue;
         }
         cells.push_back(cell);
     }
-    // The kernelspec's directory name, not an alias such as "python3": on another Jupyter installation the notebook
-    // must re-run on the confined kernel, not on whatever "python3" means there.
+    // The kernelspec's directory name, not an alias such as "python3": on another Jupyter installation the
+    // notebook must re-run on the confined kernel, not on whatever "python3" means there.
     std::string spec = "cellblock-python";
     std::string display_name = "Python 3 (cellblock)";
     if (kernel_) {
@@ -562,13 +648,15 @@ json AgentSession::notebook(bool only_ok) const {
         }
     }
     json language_info = {{"name", "python"}, {"file_extension", ".py"}, {"mimetype", "text/x-python"}};
-    if (kernel_info_.is_object() && kernel_info_.contains("language_info") && kernel_info_["language_info"].is_object())
+    if (kernel_info_.is_object() && kernel_info_.contains("language_info") &&
+        kernel_info_["language_info"].is_object())
         language_info = kernel_info_["language_info"];
     return {{"cells", cells},
             {"metadata",
              {{"kernelspec", {{"name", spec}, {"display_name", display_name}, {"language", "python"}}},
               {"language_info", language_info},
-              {"cellblock", {{"session", record_.id}, {"name", record_.name}, {"limits", record_.limits.to_json()}}}}},
+              {"cellblock",
+               {{"session", record_.id}, {"name", record_.name}, {"limits", record_.limits.to_json()}}}}},
             {"nbformat", 4},
             {"nbformat_minor", 5}};
 }

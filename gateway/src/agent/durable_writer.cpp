@@ -1,30 +1,31 @@
 #include "cellblock/gateway/agent/durable_writer.hpp"
 
-#include "cellblock/gateway/log.hpp"
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <boost/asio/post.hpp>
-
 #include <cerrno>
 #include <cstring>
-#include <fcntl.h>
 #include <system_error>
-#include <unistd.h>
+
+#include "cellblock/gateway/log.hpp"
 
 namespace cellblock::gateway::agent {
 
 namespace {
 // Owns one file descriptor (RAII).
 class FileDescriptor {
-public:
+  public:
     explicit FileDescriptor(int fd) : fd_(fd) {}
     ~FileDescriptor() {
-        if (fd_ >= 0) ::close(fd_);
+        if (fd_ >= 0)
+            ::close(fd_);
     }
     FileDescriptor(const FileDescriptor&) = delete;
     FileDescriptor& operator=(const FileDescriptor&) = delete;
     int get() const { return fd_; }
 
-private:
+  private:
     int fd_;
 };
 
@@ -36,7 +37,8 @@ void write_all(int fd, std::string_view data, const std::filesystem::path& file)
     while (!data.empty()) {
         const ssize_t written = ::write(fd, data.data(), data.size());
         if (written < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR)
+                continue;
             fail("write", file);
         }
         data.remove_prefix(static_cast<std::size_t>(written));
@@ -53,7 +55,8 @@ DurableWriter::~DurableWriter() {
         stopping_ = true;
     }
     wake_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    if (thread_.joinable())
+        thread_.join();
 }
 
 void DurableWriter::append_line(std::filesystem::path file, std::string line) {
@@ -87,7 +90,8 @@ void DurableWriter::run() {
     while (true) {
         wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) {
-            if (stopping_) return;
+            if (stopping_)
+                return;
             continue;
         }
         Task task = std::move(queue_.front());
@@ -97,7 +101,8 @@ void DurableWriter::run() {
         perform(task);
         lock.lock();
         busy_ = false;
-        if (queue_.empty()) idle_.notify_all();
+        if (queue_.empty())
+            idle_.notify_all();
     }
 }
 
@@ -109,23 +114,32 @@ void DurableWriter::perform(const Task& task) {
                 return;
             case Task::Kind::append: {
                 FileDescriptor fd(::open(task.file.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600));
-                if (fd.get() < 0) fail("open", task.file);
+                if (fd.get() < 0)
+                    fail("open", task.file);
                 write_all(fd.get(), task.data, task.file);
-                if (::fdatasync(fd.get()) != 0) fail("fdatasync", task.file);
+                if (::fdatasync(fd.get()) != 0)
+                    fail("fdatasync", task.file);
                 return;
             }
             case Task::Kind::replace: {
                 const std::filesystem::path temporary = task.file.string() + ".tmp";
                 {
-                    FileDescriptor fd(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-                    if (fd.get() < 0) fail("open", temporary);
+                    FileDescriptor fd(
+                        ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+                    if (fd.get() < 0)
+                        fail("open", temporary);
                     write_all(fd.get(), task.data, temporary);
-                    if (::fsync(fd.get()) != 0) fail("fsync", temporary);
+                    if (::fsync(fd.get()) != 0)
+                        fail("fsync", temporary);
                 }
-                if (::rename(temporary.c_str(), task.file.c_str()) != 0) fail("rename to", task.file);
-                FileDescriptor directory(::open(task.file.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-                if (directory.get() < 0) fail("open directory of", task.file);
-                if (::fsync(directory.get()) != 0) fail("fsync directory of", task.file);
+                if (::rename(temporary.c_str(), task.file.c_str()) != 0)
+                    fail("rename to", task.file);
+                FileDescriptor directory(
+                    ::open(task.file.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+                if (directory.get() < 0)
+                    fail("open directory of", task.file);
+                if (::fsync(directory.get()) != 0)
+                    fail("fsync directory of", task.file);
                 return;
             }
         }

@@ -21,24 +21,30 @@ void ExecutionCollector::on_stream(bool is_stderr, const std::string& text) {
     std::string& target = is_stderr ? stderr_ : stdout_;
     const std::size_t begin = target.size();
     target += text;
-    if (is_stderr && text.find(kernel_truncation_note) != std::string::npos) kernel_truncated_ = true;
-    if (!items_.empty() && items_.back().kind == OutputItem::Kind::stream && items_.back().is_stderr == is_stderr) {
+    if (is_stderr && text.find(kernel_truncation_note) != std::string::npos)
+        kernel_truncated_ = true;
+    if (!items_.empty() && items_.back().kind == OutputItem::Kind::stream &&
+        items_.back().is_stderr == is_stderr) {
         items_.back().end = target.size();
     } else {
         items_.push_back({OutputItem::Kind::stream, is_stderr, begin, target.size(), nullptr});
     }
-    if (sink_) sink_({{"type", is_stderr ? "stderr" : "stdout"}, {"text", text}});
+    if (sink_)
+        sink_({{"type", is_stderr ? "stderr" : "stdout"}, {"text", text}});
 }
 
 bool ExecutionCollector::consume(const JupyterMessage& message) {
     // Cheap filter first: every message of this request carries our msg_id in its parent header.
-    if (message.parent_header.find(msg_id_) == std::string::npos) return false;
+    if (message.parent_header.find(msg_id_) == std::string::npos)
+        return false;
     const json parent = parse_object(message.parent_header);
-    if (parent.value("msg_id", std::string()) != msg_id_) return false;
+    if (parent.value("msg_id", std::string()) != msg_id_)
+        return false;
     const std::string& type = message.msg_type;
 
     if (message.channel == Channel::shell) {
-        if (type != "execute_reply") return true;
+        if (type != "execute_reply")
+            return true;
         const json content = parse_object(message.content);
         reply_seen_ = true;
         reply_status_ = content.value("status", std::string("error"));
@@ -52,19 +58,23 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
         }
         return true;
     }
-    if (message.channel != Channel::iopub) return true;
+    if (message.channel != Channel::iopub)
+        return true;
 
     if (type == "status") {
         const std::string state = parse_object(message.content).value("execution_state", std::string());
-        if (state == "busy") busy_seen_ = true;
-        if (state == "idle") idle_seen_ = true;
+        if (state == "busy")
+            busy_seen_ = true;
+        if (state == "idle")
+            idle_seen_ = true;
         return true;
     }
     const json content = parse_object(message.content);
     if (type == "stream") {
         const std::string name = content.value("name", std::string("stdout"));
         const json& text = content.contains("text") ? content["text"] : json();
-        if (text.is_string()) on_stream(name == "stderr", text.get<std::string>());
+        if (text.is_string())
+            on_stream(name == "stderr", text.get<std::string>());
     } else if (type == "execute_input") {
         if (content.contains("execution_count") && content["execution_count"].is_number_integer())
             execution_count_ = content["execution_count"].get<int>();
@@ -72,28 +82,45 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
         result_ = content.value("data", json::object());
         if (content.contains("execution_count") && content["execution_count"].is_number_integer())
             execution_count_ = content["execution_count"].get<int>();
-        items_.push_back({OutputItem::Kind::result, false, 0, 0,
+        items_.push_back({OutputItem::Kind::result,
+                          false,
+                          0,
+                          0,
                           {{"output_type", "execute_result"},
                            {"execution_count", execution_count_ ? json(*execution_count_) : json(nullptr)},
                            {"data", result_},
                            {"metadata", content.value("metadata", json::object())}}});
-        if (sink_) sink_({{"type", "result"}, {"data", result_}, {"execution_count", items_.back().output["execution_count"]}});
+        if (sink_)
+            sink_({{"type", "result"},
+                   {"data", result_},
+                   {"execution_count", items_.back().output["execution_count"]}});
     } else if (type == "display_data") {
-        json display = {{"data", content.value("data", json::object())}, {"metadata", content.value("metadata", json::object())}};
+        json display = {{"data", content.value("data", json::object())},
+                        {"metadata", content.value("metadata", json::object())}};
         displays_.push_back(display);
-        items_.push_back({OutputItem::Kind::display, false, 0, 0,
-                          {{"output_type", "display_data"}, {"data", display["data"]}, {"metadata", display["metadata"]}}});
-        if (sink_) sink_({{"type", "display"}, {"data", display["data"]}});
+        items_.push_back({OutputItem::Kind::display,
+                          false,
+                          0,
+                          0,
+                          {{"output_type", "display_data"},
+                           {"data", display["data"]},
+                           {"metadata", display["metadata"]}}});
+        if (sink_)
+            sink_({{"type", "display"}, {"data", display["data"]}});
     } else if (type == "error") {
         error_ = {{"ename", content.value("ename", std::string("Error"))},
                   {"evalue", content.value("evalue", std::string())},
                   {"traceback", content.value("traceback", json::array())}};
-        items_.push_back({OutputItem::Kind::error, false, 0, 0,
+        items_.push_back({OutputItem::Kind::error,
+                          false,
+                          0,
+                          0,
                           {{"output_type", "error"},
                            {"ename", error_["ename"]},
                            {"evalue", error_["evalue"]},
                            {"traceback", error_["traceback"]}}});
-        if (sink_) sink_({{"type", "error"}, {"ename", error_["ename"]}, {"evalue", error_["evalue"]}});
+        if (sink_)
+            sink_({{"type", "error"}, {"ename", error_["ename"]}, {"evalue", error_["evalue"]}});
     }
     return true;
 }
@@ -111,7 +138,8 @@ json ExecutionCollector::notebook_outputs(const std::optional<std::string>& stdo
         bool& placed = item.is_stderr ? stderr_placed : stdout_placed;
         std::string text;
         if (replacement) {
-            if (placed) continue;
+            if (placed)
+                continue;
             placed = true;
             text = *replacement;
         } else {
@@ -119,7 +147,8 @@ json ExecutionCollector::notebook_outputs(const std::optional<std::string>& stdo
             text = source.substr(item.begin, item.end - item.begin);
         }
         const char* name = item.is_stderr ? "stderr" : "stdout";
-        if (!outputs.empty() && outputs.back().value("output_type", "") == "stream" && outputs.back().value("name", "") == name) {
+        if (!outputs.empty() && outputs.back().value("output_type", "") == "stream" &&
+            outputs.back().value("name", "") == name) {
             outputs.back()["text"] = outputs.back()["text"].get<std::string>() + text;
         } else {
             outputs.push_back({{"output_type", "stream"}, {"name", name}, {"text", text}});

@@ -1,12 +1,11 @@
 #pragma once
-// Every setting of the gateway, with the defaults compiled in. Precedence (lowest first): these defaults, the JSON
-// config file, environment variables (KG_* where Kernel Gateway has the same meaning, else CELLBLOCK_GATEWAY_*),
-// then the command line.
-#include <nlohmann/json.hpp>
-
+// Every setting of the gateway, with the defaults compiled in. Precedence (lowest first): these defaults, the
+// JSON config file, environment variables (KG_* where Kernel Gateway has the same meaning, else
+// CELLBLOCK_GATEWAY_*), then the command line.
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,15 +27,18 @@ struct GatewayConfig {
     std::vector<std::string> kernelspec_dirs;
     std::string default_kernel_name = "python3";
     std::string force_kernel_name;
-    // Extra names accepted for a kernelspec. A target that does not exist is ignored, so "python3" falls back to
-    // a kernelspec directory really called python3 (Debian's ipykernel) when cellblock-python is not installed.
-    std::map<std::string, std::string> kernel_aliases = {{"python3", "cellblock-python"}, {"python", "python3"}};
+    // Extra names accepted for a kernelspec. A target that does not exist is ignored, so "python3" falls back
+    // to a kernelspec directory really called python3 (Debian's ipykernel) when cellblock-python is not
+    // installed.
+    std::map<std::string, std::string> kernel_aliases = {{"python3", "cellblock-python"},
+                                                         {"python", "python3"}};
 
     // Kernel lifecycle.
     bool list_kernels = true;
-    int max_kernels = 0;                // 0 = unlimited; counts kernels handed out or starting for a request
-    int warm_pool = 1;                  // pre-started kernels of the default spec (not listed, not counted)
-    std::vector<std::string> pool_ignored_env = {"KERNEL_LAUNCH_TIMEOUT", "KERNEL_USERNAME", "KERNEL_WORKING_DIR"};
+    int max_kernels = 0;  // 0 = unlimited; counts kernels handed out or starting for a request
+    int warm_pool = 1;    // pre-started kernels of the default spec (not listed, not counted)
+    std::vector<std::string> pool_ignored_env = {"KERNEL_LAUNCH_TIMEOUT", "KERNEL_USERNAME",
+                                                 "KERNEL_WORKING_DIR"};
     double kernel_launch_timeout = 60;  // seconds until a kernel must answer kernel_info
     bool autorestart = true;
     int restart_limit = 5;
@@ -48,12 +50,12 @@ struct GatewayConfig {
     std::vector<std::string> env_process_whitelist;  // gateway env names passed to kernels besides PATH
 
     // WebSocket.
-    double ws_ping_interval = 30;          // 0 disables pings
-    std::size_t max_message_bytes = 64u << 20;  // largest WebSocket message accepted from a client
-    std::size_t max_body_bytes = 8u << 20;      // largest REST body
+    double ws_ping_interval = 30;                // 0 disables pings
+    std::size_t max_message_bytes = 64u << 20;   // largest WebSocket message accepted from a client
+    std::size_t max_body_bytes = 8u << 20;       // largest REST body
     std::size_t offline_buffer_messages = 2000;  // per dropped session_id, replayed on reconnect
     std::size_t offline_buffer_bytes = 32u << 20;
-    double offline_session_ttl = 300;            // seconds a dropped session_id keeps its sockets and buffer
+    double offline_session_ttl = 300;  // seconds a dropped session_id keeps its sockets and buffer
     std::size_t max_pending_send_bytes = 64u << 20;  // a client slower than this is disconnected
 
     // Filesystem; empty = a fresh private directory under $XDG_RUNTIME_DIR or /tmp.

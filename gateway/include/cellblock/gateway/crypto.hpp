@@ -10,13 +10,13 @@ namespace cellblock::gateway {
 // Signs Jupyter messages with HMAC-SHA256 over header, parent_header, metadata and content (in that order),
 // as the Jupyter messaging spec requires. An empty key disables signing (the signature is then "").
 class HmacSigner {
-public:
+  public:
     explicit HmacSigner(std::string key);
     std::string sign(std::span<const std::string_view> parts) const;
     bool verify(std::span<const std::string_view> parts, std::string_view signature) const;
     const std::string& key() const { return key_; }
 
-private:
+  private:
     std::string key_;
 };
 

@@ -1,18 +1,17 @@
 #pragma once
 // The listening socket and the per-connection HTTP/WebSocket state machines (Beast, one class per connection,
 // fully async on one io_context). TLS is used for every connection when a certificate is configured.
-#include "cellblock/gateway/auth.hpp"
-#include "cellblock/gateway/config.hpp"
-#include "cellblock/gateway/log.hpp"
-#include "cellblock/gateway/router.hpp"
-
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ssl/context.hpp>
 #include <boost/asio/steady_timer.hpp>
-
 #include <memory>
 #include <optional>
+
+#include "cellblock/gateway/auth.hpp"
+#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/router.hpp"
 
 namespace cellblock::gateway {
 
@@ -26,15 +25,16 @@ struct HttpServerContext {
 };
 
 class HttpServer {
-public:
-    HttpServer(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config, const Router& router,
-               const TokenAuthenticator& auth, const CorsPolicy& cors);
-    // Binds and starts accepting; throws std::system_error with context. Returns the bound port (useful for 0).
+  public:
+    HttpServer(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
+               const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors);
+    // Binds and starts accepting; throws std::system_error with context. Returns the bound port (useful for
+    // 0).
     std::uint16_t listen(const std::string& ip, std::uint16_t port);
     void stop();
     bool tls() const { return ssl_context_.has_value(); }
 
-private:
+  private:
     void accept_next();
     boost::asio::io_context& io_;
     HttpServerContext context_;

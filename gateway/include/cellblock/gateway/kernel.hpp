@@ -1,18 +1,10 @@
 #pragma once
-// One running kernel: its process, connection file, HMAC key and ZMQ sockets, plus the WebSocket sessions attached
-// to it. Each session_id gets its own shell/control/stdin DEALER sockets whose routing identity is the session_id,
-// so the kernel's ROUTER sends replies and input_request only to the requester; IOPub arrives on one SUB socket and
-// is fanned out to every session. Sessions outlive their WebSocket for a while so a reconnect with the same
-// session_id gets the messages it missed.
-#include "cellblock/gateway/config.hpp"
-#include "cellblock/gateway/jupyter_message.hpp"
-#include "cellblock/gateway/kernel_process.hpp"
-#include "cellblock/gateway/kernelspec_registry.hpp"
-#include "cellblock/gateway/log.hpp"
-#include "cellblock/gateway/zmq_channel.hpp"
-
+// One running kernel: its process, connection file, HMAC key and ZMQ sockets, plus the WebSocket sessions
+// attached to it. Each session_id gets its own shell/control/stdin DEALER sockets whose routing identity is
+// the session_id, so the kernel's ROUTER sends replies and input_request only to the requester; IOPub arrives
+// on one SUB socket and is fanned out to every session. Sessions outlive their WebSocket for a while so a
+// reconnect with the same session_id gets the messages it missed.
 #include <boost/asio/steady_timer.hpp>
-
 #include <chrono>
 #include <deque>
 #include <filesystem>
@@ -22,11 +14,18 @@
 #include <optional>
 #include <string>
 
+#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/jupyter_message.hpp"
+#include "cellblock/gateway/kernel_process.hpp"
+#include "cellblock/gateway/kernelspec_registry.hpp"
+#include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/zmq_channel.hpp"
+
 namespace cellblock::gateway {
 
 // Implemented by whatever carries messages to a client (the /channels WebSocket, the agent API).
 class KernelClient {
-public:
+  public:
     virtual ~KernelClient() = default;
     virtual void deliver(const JupyterMessage& message) = 0;
     // The kernel is going away (shut down, culled) or another connection took over this session_id.
@@ -47,7 +46,7 @@ class Kernel;
 
 // The per-session_id ZMQ sockets and the offline buffer.
 class KernelSession {
-public:
+  public:
     KernelSession(std::string session_id, Kernel& kernel);
     ~KernelSession();
     const std::string& session_id() const { return session_id_; }
@@ -56,7 +55,7 @@ public:
     static constexpr std::string_view anonymous_prefix = "anonymous-";
     void send(JupyterMessage&& message);
 
-private:
+  private:
     friend class Kernel;
     void deliver_or_buffer(const JupyterMessage& message);
     void attach(std::weak_ptr<KernelClient> client);
@@ -64,7 +63,8 @@ private:
     Kernel& kernel_;
     std::shared_ptr<ZmqChannel> shell_, control_, stdin_;
     std::weak_ptr<KernelClient> client_;
-    const KernelClient* attached_client_ = nullptr;  // identity of the attached client, for stale-detach checks
+    const KernelClient* attached_client_ =
+        nullptr;  // identity of the attached client, for stale-detach checks
     std::deque<JupyterMessage> offline_;
     std::size_t offline_bytes_ = 0;
     bool overflowed_ = false;
@@ -75,29 +75,30 @@ struct KernelLaunch {
     std::string id;
     KernelSpec spec;
     std::map<std::string, std::string> environment;  // the full environment of the kernel process
-    std::filesystem::path runtime_dir;                // private 0700 directory for connection file and sockets
-    std::filesystem::path workspace_dir;              // per-kernel CELLBLOCK_WORKSPACE, also the working directory
+    std::filesystem::path runtime_dir;               // private 0700 directory for connection file and sockets
+    std::filesystem::path workspace_dir;  // per-kernel CELLBLOCK_WORKSPACE, also the working directory
 };
 
 class Kernel : public std::enable_shared_from_this<Kernel> {
-public:
+  public:
     using ReadyHandler = std::function<void(std::optional<std::string> error)>;
 
-    Kernel(boost::asio::io_context& io, zmq::context_t& zmq_context, const Logger& logger, const GatewayConfig& config,
-           KernelLaunch launch);
+    Kernel(boost::asio::io_context& io, zmq::context_t& zmq_context, const Logger& logger,
+           const GatewayConfig& config, KernelLaunch launch);
     ~Kernel();
     Kernel(const Kernel&) = delete;
     Kernel& operator=(const Kernel&) = delete;
 
-    // Spawns the process; `on_ready` runs once the kernel answered kernel_info_request and IOPub delivers, or with
-    // an error on failure/timeout.
+    // Spawns the process; `on_ready` runs once the kernel answered kernel_info_request and IOPub delivers, or
+    // with an error on failure/timeout.
     void start(ReadyHandler on_ready);
     // Runs `handler` once the kernel is ready (at once if it already is).
     void when_ready(ReadyHandler handler);
     // Gateway exit: SIGTERM now; `finish_termination` waits up to `grace` and then SIGKILLs.
     void begin_termination();
     void finish_termination(std::chrono::milliseconds grace);
-    // Closes every ZMQ socket of this kernel and its sessions (the ZMQ context cannot terminate while one is open).
+    // Closes every ZMQ socket of this kernel and its sessions (the ZMQ context cannot terminate while one is
+    // open).
     void close_sockets();
     void interrupt();
     // Restarts the process in place (same id, endpoints and key, so connected clients stay connected).
@@ -124,7 +125,9 @@ public:
     nlohmann::json model() const;
 
     // Called when the kernel is permanently gone (died past the restart limit, or shut down).
-    void on_terminated(std::function<void(const std::string& id)> handler) { terminated_handler_ = std::move(handler); }
+    void on_terminated(std::function<void(const std::string& id)> handler) {
+        terminated_handler_ = std::move(handler);
+    }
 
     // Used by KernelSession.
     std::shared_ptr<ZmqChannel> connect_dealer(int port, const std::string& identity, Channel channel,
@@ -133,7 +136,7 @@ public:
     const GatewayConfig& config() const { return config_; }
     const Logger& logger() const { return logger_; }
 
-private:
+  private:
     void write_connection_file();
     // spawn() + probe_readiness(); a failure marks the kernel dead and fails the waiting readiness handlers.
     void respawn(const char* what);

@@ -1,13 +1,7 @@
 #pragma once
 // Owns every kernel: starts them (from the warm pool when possible), enforces max_kernels at request time,
 // restarts, interrupts, shuts down and culls them. All methods run on the io_context thread.
-#include "cellblock/gateway/config.hpp"
-#include "cellblock/gateway/kernel.hpp"
-#include "cellblock/gateway/kernelspec_registry.hpp"
-#include "cellblock/gateway/log.hpp"
-
 #include <boost/asio/steady_timer.hpp>
-
 #include <deque>
 #include <functional>
 #include <map>
@@ -16,13 +10,18 @@
 #include <string>
 #include <variant>
 
+#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/kernel.hpp"
+#include "cellblock/gateway/kernelspec_registry.hpp"
+#include "cellblock/gateway/log.hpp"
+
 namespace cellblock::gateway {
 
 struct KernelStartRequest {
-    std::string name;                             // empty = default kernelspec
-    std::map<std::string, std::string> env;       // as sent by the client; filtered by the manager
-    // Set by gateway code itself (e.g. the agent API's CELLBLOCK_TIMEOUT_S limits): passed to the kernel unfiltered.
-    // A non-empty map means the warm pool cannot serve the request.
+    std::string name;                        // empty = default kernelspec
+    std::map<std::string, std::string> env;  // as sent by the client; filtered by the manager
+    // Set by gateway code itself (e.g. the agent API's CELLBLOCK_TIMEOUT_S limits): passed to the kernel
+    // unfiltered. A non-empty map means the warm pool cannot serve the request.
     std::map<std::string, std::string> trusted_env = {};
 };
 
@@ -32,7 +31,7 @@ struct KernelStartError {
 };
 
 class KernelManager {
-public:
+  public:
     using StartHandler = std::function<void(std::variant<std::shared_ptr<Kernel>, KernelStartError>)>;
 
     KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
@@ -52,16 +51,16 @@ public:
     std::size_t pool_ready_count() const;
     const std::filesystem::path& runtime_dir() const { return runtime_dir_; }
 
-    // Builds the kernel environment as Kernel Gateway does: PATH and whitelisted gateway variables, the spec's
-    // env, the request's KERNEL_* (and whitelisted) variables; KERNEL_GATEWAY=1 and CELLBLOCK_WORKSPACE are
-    // always set. Exposed for tests.
-    std::map<std::string, std::string> kernel_environment(const KernelSpec& spec,
-                                                          const std::map<std::string, std::string>& request_env,
-                                                          const std::string& kernel_id,
-                                                          const std::filesystem::path& workspace) const;
+    // Builds the kernel environment as Kernel Gateway does: PATH and whitelisted gateway variables, the
+    // spec's env, the request's KERNEL_* (and whitelisted) variables; KERNEL_GATEWAY=1 and
+    // CELLBLOCK_WORKSPACE are always set. Exposed for tests.
+    std::map<std::string, std::string> kernel_environment(
+        const KernelSpec& spec, const std::map<std::string, std::string>& request_env,
+        const std::string& kernel_id, const std::filesystem::path& workspace) const;
 
-private:
-    std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec, const std::map<std::string, std::string>& request_env,
+  private:
+    std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec,
+                                          const std::map<std::string, std::string>& request_env,
                                           const std::map<std::string, std::string>& trusted_env = {});
     bool pool_can_serve(const KernelSpec& spec, const std::map<std::string, std::string>& request_env) const;
     void refill_pool();
@@ -79,10 +78,10 @@ private:
     bool owns_runtime_dir_ = false;
     std::map<std::string, std::shared_ptr<Kernel>> kernels_;  // handed out (or starting for a request)
     std::deque<std::shared_ptr<Kernel>> pool_;                // warm, not yet handed out
-    // Every kernel ever created, including ones being shut down that only their timers keep alive: at exit their
-    // processes are stopped and their sockets closed before the ZMQ context goes.
+    // Every kernel ever created, including ones being shut down that only their timers keep alive: at exit
+    // their processes are stopped and their sockets closed before the ZMQ context goes.
     std::vector<std::weak_ptr<Kernel>> every_kernel_;
-    int reserved_ = 0;                                        // starts in flight, counted against max_kernels
+    int reserved_ = 0;  // starts in flight, counted against max_kernels
     int pool_failures_ = 0;
     boost::asio::steady_timer cull_timer_;
     boost::asio::steady_timer pool_retry_timer_;

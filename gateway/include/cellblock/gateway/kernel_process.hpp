@@ -1,14 +1,14 @@
 #pragma once
 // A kernel's operating-system process: spawned in its own session (so signals reach its whole process group),
 // watched through a pidfd on the io_context, reaped exactly once, and killed when the owner goes away.
+#include <sys/types.h>
+
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
-
 #include <chrono>
 #include <functional>
 #include <map>
 #include <string>
-#include <sys/types.h>
 #include <vector>
 
 namespace cellblock::gateway {
@@ -21,7 +21,7 @@ struct ProcessExit {
 };
 
 class ChildProcess {
-public:
+  public:
     // Throws std::system_error (with the failing step) when the process cannot be started.
     ChildProcess(boost::asio::io_context& io, const std::vector<std::string>& argv,
                  const std::map<std::string, std::string>& environment, const std::string& working_directory,
@@ -39,7 +39,7 @@ public:
     // Blocks up to `timeout` for the process to exit (used only at gateway shutdown, outside the io_context).
     bool wait_for_exit(std::chrono::milliseconds timeout);
 
-private:
+  private:
     void reap();
     pid_t pid_ = -1;
     bool exited_ = false;

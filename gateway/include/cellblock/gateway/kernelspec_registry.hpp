@@ -1,10 +1,9 @@
 #pragma once
 // Kernelspecs found on disk (<dir>/<name>/kernel.json), the names they are exposed under (aliases such as
 // python3 → cellblock-python) and the KernelSpecModel JSON that Jupyter clients expect.
-#include <nlohmann/json.hpp>
-
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -12,15 +11,15 @@
 namespace cellblock::gateway {
 
 struct KernelSpec {
-    std::string name;                  // the name clients use (after alias resolution, e.g. "python3")
-    std::filesystem::path directory;   // where kernel.json and the logos live
-    nlohmann::json spec;               // kernel.json contents
+    std::string name;                 // the name clients use (after alias resolution, e.g. "python3")
+    std::filesystem::path directory;  // where kernel.json and the logos live
+    nlohmann::json spec;              // kernel.json contents
     std::vector<std::string> argv() const;
     std::string interrupt_mode() const { return spec.value("interrupt_mode", "signal"); }
 };
 
 class KernelSpecRegistry {
-public:
+  public:
     KernelSpecRegistry(std::vector<std::string> directories, std::map<std::string, std::string> aliases,
                        std::string default_name);
 
@@ -33,9 +32,10 @@ public:
     nlohmann::json list_model(const std::string& base_url) const;
     nlohmann::json spec_model(const KernelSpec& spec, const std::string& base_url) const;
     // A file inside the kernelspec directory (logo, kernel.js); nullopt for anything outside it.
-    std::optional<std::filesystem::path> resource_path(const std::string& name, const std::string& file) const;
+    std::optional<std::filesystem::path> resource_path(const std::string& name,
+                                                       const std::string& file) const;
 
-private:
+  private:
     std::vector<std::string> directories_;
     std::map<std::string, std::string> aliases_;
     std::string default_name_;

@@ -1,7 +1,6 @@
 #pragma once
 // Structured logging: one JSON object per line on stderr, quiet (warnings and errors) unless asked otherwise.
 #include <nlohmann/json.hpp>
-
 #include <string_view>
 
 namespace cellblock::gateway {
@@ -9,12 +8,13 @@ namespace cellblock::gateway {
 enum class LogLevel { debug = 0, info = 1, warning = 2, error = 3 };
 
 class Logger {
-public:
+  public:
     explicit Logger(LogLevel threshold = LogLevel::warning) : threshold_(threshold) {}
     static LogLevel parse_level(std::string_view name);  // throws std::invalid_argument
 
     bool enabled(LogLevel level) const { return level >= threshold_; }
-    void log(LogLevel level, std::string_view event, const nlohmann::json& fields = nlohmann::json::object()) const;
+    void log(LogLevel level, std::string_view event,
+             const nlohmann::json& fields = nlohmann::json::object()) const;
     void debug(std::string_view event, const nlohmann::json& fields = nlohmann::json::object()) const {
         log(LogLevel::debug, event, fields);
     }
@@ -28,7 +28,7 @@ public:
         log(LogLevel::error, event, fields);
     }
 
-private:
+  private:
     LogLevel threshold_;
 };
 

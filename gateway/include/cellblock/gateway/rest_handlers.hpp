@@ -1,5 +1,7 @@
 #pragma once
 // The Jupyter Kernel Gateway REST surface and the /channels WebSocket, one RestResource per resource.
+#include <boost/asio/io_context.hpp>
+
 #include "cellblock/gateway/auth.hpp"
 #include "cellblock/gateway/config.hpp"
 #include "cellblock/gateway/kernel_manager.hpp"
@@ -7,8 +9,6 @@
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/router.hpp"
 #include "cellblock/gateway/session_manager.hpp"
-
-#include <boost/asio/io_context.hpp>
 
 namespace cellblock::gateway {
 
@@ -24,8 +24,8 @@ struct GatewayServices {
     const CorsPolicy& cors;
 };
 
-// Registers /api, /api/status, /api/kernelspecs..., /kernelspecs/{name}/{file}, /api/kernels..., /api/sessions...
-// and /api/kernels/{kernel_id}/channels on `router` (paths are relative to base_url).
+// Registers /api, /api/status, /api/kernelspecs..., /kernelspecs/{name}/{file}, /api/kernels...,
+// /api/sessions... and /api/kernels/{kernel_id}/channels on `router` (paths are relative to base_url).
 void register_jupyter_api(Router& router, GatewayServices& services);
 
 // Kernel ids look like UUIDs (Kernel Gateway's route regex \w+-\w+-\w+-\w+-\w+).

@@ -1,19 +1,18 @@
 #pragma once
 // REST plumbing shared by the Jupyter API and the agent API: a request context, one handler object per REST
-// resource (one virtual per HTTP method), a router from path patterns ("/api/kernels/{kernel_id}") to resources,
-// and the JSON error shape {"reason", "message"} that Kernel Gateway clients expect.
-#include "cellblock/gateway/websocket_transport.hpp"
-
+// resource (one virtual per HTTP method), a router from path patterns ("/api/kernels/{kernel_id}") to
+// resources, and the JSON error shape {"reason", "message"} that Kernel Gateway clients expect.
 #include <boost/beast/http.hpp>
-#include <nlohmann/json.hpp>
-
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "cellblock/gateway/websocket_transport.hpp"
 
 namespace cellblock::gateway {
 
@@ -26,7 +25,7 @@ using Responder = std::function<void(HttpResponse)>;
 // A response whose body is sent as it is produced (chunked transfer encoding), e.g. NDJSON execution events.
 // Obtained instead of calling the Responder; everything runs on the io_context thread.
 class ResponseStream {
-public:
+  public:
     virtual ~ResponseStream() = default;
     // Queues one piece of the body; ignored once the client is gone or after finish().
     virtual void write(std::string data) = 0;
@@ -41,13 +40,13 @@ using StreamStarter = std::function<std::shared_ptr<ResponseStream>(HttpResponse
 
 struct RequestContext {
     const HttpRequest& request;
-    std::string path;                                 // decoded, without query and base_url, starts with "/"
-    std::map<std::string, std::string> query;         // decoded query parameters
-    std::map<std::string, std::string> params;        // captured {placeholders}
-    std::string base_url;                             // e.g. "/" or "/gw/"
+    std::string path;                           // decoded, without query and base_url, starts with "/"
+    std::map<std::string, std::string> query;   // decoded query parameters
+    std::map<std::string, std::string> params;  // captured {placeholders}
+    std::string base_url;                       // e.g. "/" or "/gw/"
     // Set by the HTTP server for plain requests: a handler may call it (once) instead of the Responder.
     StreamStarter start_stream = {};
-    std::string client_address = {};                  // peer IP address, for audit trails
+    std::string client_address = {};  // peer IP address, for audit trails
     const std::string& param(const std::string& name) const { return params.at(name); }
     // Parses the body as a JSON object; an empty body gives {}. Throws HttpError(400) otherwise.
     nlohmann::json json_body() const;
@@ -55,13 +54,13 @@ struct RequestContext {
 
 // Thrown by handlers for a clean JSON error response.
 class HttpError : public std::runtime_error {
-public:
+  public:
     HttpError(http::status status, std::string message, std::string reason = {})
         : std::runtime_error(message), status_(status), reason_(std::move(reason)) {}
     http::status status() const { return status_; }
     const std::string& reason() const { return reason_; }
 
-private:
+  private:
     http::status status_;
     std::string reason_;
 };
@@ -73,7 +72,7 @@ HttpResponse json_error(http::status status, std::string_view message, std::stri
 HttpResponse empty_response(http::status status, unsigned version = 11);
 
 class RestResource {
-public:
+  public:
     virtual ~RestResource() = default;
     virtual void get(RequestContext& context, Responder respond);
     virtual void head(RequestContext& context, Responder respond);  // default: GET without the body
@@ -92,19 +91,20 @@ public:
 };
 
 class Router {
-public:
-    // Pattern segments are literals or {name} (one non-empty segment); "{name...}" at the end matches the rest.
+  public:
+    // Pattern segments are literals or {name} (one non-empty segment); "{name...}" at the end matches the
+    // rest.
     void add(std::string pattern, std::shared_ptr<RestResource> resource);
     struct Match {
         RestResource* resource;
         std::map<std::string, std::string> params;
     };
     std::optional<Match> match(std::string_view path) const;
-    // Dispatches to the resource method; unknown paths give a JSON 404, unknown methods 405, and a handler that
-    // throws gets its HttpError (or a 500) as JSON. Never throws.
+    // Dispatches to the resource method; unknown paths give a JSON 404, unknown methods 405, and a handler
+    // that throws gets its HttpError (or a 500) as JSON. Never throws.
     void dispatch(RequestContext& context, Responder respond) const;
 
-private:
+  private:
     struct Route {
         std::vector<std::string> segments;
         std::shared_ptr<RestResource> resource;

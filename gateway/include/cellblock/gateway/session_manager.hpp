@@ -1,8 +1,7 @@
 #pragma once
 // /api/sessions bookkeeping in Jupyter Server's shape: a session names a path and owns a kernel.
-#include <nlohmann/json.hpp>
-
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -13,7 +12,7 @@ struct SessionRecord {
 };
 
 class SessionManager {
-public:
+  public:
     SessionRecord& create(std::string path, std::string name, std::string type, std::string kernel_id);
     SessionRecord* find(const std::string& id);
     SessionRecord* find_by_path(const std::string& path);
@@ -26,7 +25,7 @@ public:
     }
     const std::map<std::string, SessionRecord>& all() const { return sessions_; }
 
-private:
+  private:
     std::map<std::string, SessionRecord> sessions_;
 };
 

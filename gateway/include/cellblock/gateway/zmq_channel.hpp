@@ -1,22 +1,22 @@
 #pragma once
 // A ZMQ socket driven by the io_context: libzmq's ZMQ_FD is watched for readability and the socket is drained
-// (ZMQ_EVENTS) on every wakeup and after every send, because ZMQ_FD is edge-triggered and a send can consume the
-// edge that announced an incoming message. Everything runs on the io_context thread; no extra thread, no polling.
-#include "cellblock/gateway/jupyter_message.hpp"
-
+// (ZMQ_EVENTS) on every wakeup and after every send, because ZMQ_FD is edge-triggered and a send can consume
+// the edge that announced an incoming message. Everything runs on the io_context thread; no extra thread, no
+// polling.
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
-#include <zmq.hpp>
-
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
+#include <zmq.hpp>
+
+#include "cellblock/gateway/jupyter_message.hpp"
 
 namespace cellblock::gateway {
 
 class ZmqChannel : public std::enable_shared_from_this<ZmqChannel> {
-public:
+  public:
     using FrameHandler = std::function<void(std::vector<std::string>&& frames)>;
 
     // `identity` (may be empty) becomes ZMQ_ROUTING_ID, i.e. how the kernel's ROUTER addresses replies.
@@ -27,7 +27,8 @@ public:
     ZmqChannel(const ZmqChannel&) = delete;
     ZmqChannel& operator=(const ZmqChannel&) = delete;
 
-    // Non-blocking; returns false when the message could not be queued (high-water mark) or the channel is closed.
+    // Non-blocking; returns false when the message could not be queued (high-water mark) or the channel is
+    // closed.
     bool send(const std::vector<std::string>& frames);
     void close();
     // Delivers whatever libzmq has already received, now (used to keep IOPub ahead of the reply it precedes).
@@ -35,7 +36,7 @@ public:
 
     ZmqChannel(boost::asio::io_context& io, zmq::socket_t socket, FrameHandler on_frames);
 
-private:
+  private:
     void arm();
     void drain();
     void schedule_drain();

@@ -21,18 +21,18 @@ namespace cellblock::sandbox {
 
 // Thrown for every setup failure, with the step and errno text (e.g. "mount /usr: Permission denied").
 class SandboxError : public std::runtime_error {
-public:
+  public:
     using std::runtime_error::runtime_error;
 };
 
 // Thrown by Workspace; kind lets an HTTP layer pick 404 / 413 / 400 / 409.
 class WorkspaceError : public SandboxError {
-public:
+  public:
     enum class Kind { not_found, too_large, not_regular, bad_path, io };
     WorkspaceError(Kind kind, const std::string& what) : SandboxError(what), kind_(kind) {}
     Kind kind() const noexcept { return kind_; }
 
-private:
+  private:
     Kind kind_;
 };
 
@@ -40,35 +40,36 @@ struct MountSpec {
     // symlink: a symbolic link at target pointing to source (e.g. /bin -> usr/bin).
     enum class Kind { bind, tmpfs, proc, dev, file, symlink };
     Kind kind = Kind::bind;
-    std::string source;             // host path (bind) or link text (symlink); ignored otherwise
-    std::string target;             // path inside the sandbox
-    bool writable = false;          // binds and tmpfs are read-only unless set
-    bool optional = false;          // a missing bind source is skipped instead of failing
-    std::uint64_t size_bytes = 0;   // tmpfs size (0 = kernel default)
-    std::string content;            // kind == file: the file's content, written before the root goes read-only
+    std::string source;            // host path (bind) or link text (symlink); ignored otherwise
+    std::string target;            // path inside the sandbox
+    bool writable = false;         // binds and tmpfs are read-only unless set
+    bool optional = false;         // a missing bind source is skipped instead of failing
+    std::uint64_t size_bytes = 0;  // tmpfs size (0 = kernel default)
+    std::string content;           // kind == file: the file's content, written before the root goes read-only
 };
 
 struct ResourceLimits {
-    std::uint64_t memory_bytes = 0;         // cgroup memory (+swap) limit; 0 = none
-    std::uint64_t pids = 0;                 // cgroup pids.max; 0 = none
-    double cpu_cores = 0;                   // cgroup cpu quota in cores; 0 = none
-    std::uint64_t open_files = 256;         // RLIMIT_NOFILE
-    std::uint64_t processes = 0;            // RLIMIT_NPROC (per session uid); 0 = none
-    std::uint64_t file_size_bytes = 0;      // RLIMIT_FSIZE; 0 = none
-    std::uint64_t cpu_seconds = 0;          // RLIMIT_CPU; 0 = none
-    std::chrono::milliseconds wall_clock{0};// whole-process wall clock, enforced by Process::wait*; 0 = none
-    std::uint64_t output_bytes = 0;         // used by callers that read the output (the CLI); 0 = none
+    std::uint64_t memory_bytes = 0;     // cgroup memory (+swap) limit; 0 = none
+    std::uint64_t pids = 0;             // cgroup pids.max; 0 = none
+    double cpu_cores = 0;               // cgroup cpu quota in cores; 0 = none
+    std::uint64_t open_files = 256;     // RLIMIT_NOFILE
+    std::uint64_t processes = 0;        // RLIMIT_NPROC (per session uid); 0 = none
+    std::uint64_t file_size_bytes = 0;  // RLIMIT_FSIZE; 0 = none
+    std::uint64_t cpu_seconds = 0;      // RLIMIT_CPU; 0 = none
+    std::chrono::milliseconds wall_clock{
+        0};                          // whole-process wall clock, enforced by Process::wait*; 0 = none
+    std::uint64_t output_bytes = 0;  // used by callers that read the output (the CLI); 0 = none
 };
 
 struct Policy {
     // Host uids/gids handed to sessions: [uid_first, uid_first + uid_count). Never 0.
     uid_t uid_first = 200000;
     uid_t uid_count = 10000;
-    uid_t inside_uid = 1000;                // uid/gid the program sees
+    uid_t inside_uid = 1000;  // uid/gid the program sees
     std::string hostname = "cellblock";
     std::string workspace_target = "/workspace";
-    std::vector<MountSpec> mounts;          // applied in order on the new tmpfs root
-    std::vector<std::string> environment;   // "NAME=value": the base environment; nothing is inherited
+    std::vector<MountSpec> mounts;         // applied in order on the new tmpfs root
+    std::vector<std::string> environment;  // "NAME=value": the base environment; nothing is inherited
     ResourceLimits limits;
     bool seccomp = true;
     bool network_loopback = true;           // bring lo up in the empty network namespace
@@ -83,8 +84,8 @@ struct Policy {
 struct Outcome {
     enum class Reason { exited, signaled, memory_limit, time_limit, cpu_limit, output_limit };
     Reason reason = Reason::exited;
-    int exit_code = 0;   // valid when reason == exited
-    int signal = 0;      // the terminating signal otherwise (0 if unknown)
+    int exit_code = 0;  // valid when reason == exited
+    int signal = 0;     // the terminating signal otherwise (0 if unknown)
 
     // A short phrase for people: "exited with status 3", "killed by signal 11 (Segmentation fault)",
     // "killed by the memory limit", "killed by the time limit", ...
@@ -94,19 +95,19 @@ struct Outcome {
 };
 
 struct LaunchRequest {
-    std::vector<std::string> argv;          // argv[0] must be an absolute path inside the sandbox
-    std::vector<std::string> environment;   // added to (and overriding) the policy's environment
-    std::filesystem::path workspace;        // host directory mounted read-write at policy.workspace_target
-    std::string cwd;                        // default: policy.workspace_target
-    int stdin_fd = -1;                      // -1 = /dev/null
-    int stdout_fd = -1;                     // -1 = /dev/null
-    int stderr_fd = -1;                     // -1 = /dev/null
-    std::vector<int> pass_fds;              // become fds 3, 4, ... in the program; everything else is closed
-    std::optional<ResourceLimits> limits;   // overrides policy.limits
+    std::vector<std::string> argv;         // argv[0] must be an absolute path inside the sandbox
+    std::vector<std::string> environment;  // added to (and overriding) the policy's environment
+    std::filesystem::path workspace;       // host directory mounted read-write at policy.workspace_target
+    std::string cwd;                       // default: policy.workspace_target
+    int stdin_fd = -1;                     // -1 = /dev/null
+    int stdout_fd = -1;                    // -1 = /dev/null
+    int stderr_fd = -1;                    // -1 = /dev/null
+    std::vector<int> pass_fds;             // become fds 3, 4, ... in the program; everything else is closed
+    std::optional<ResourceLimits> limits;  // overrides policy.limits
 };
 
 class Process {
-public:
+  public:
     Process(Process&&) noexcept;
     Process& operator=(Process&&) noexcept;
     Process(const Process&) = delete;
@@ -114,21 +115,21 @@ public:
     // Kills every process of the sandbox, reaps, removes the cgroups and releases the uid lease.
     ~Process();
 
-    pid_t pid() const noexcept;         // host pid of the program (pid 1 of its pid namespace)
-    int pidfd() const noexcept;         // pollable; readable when the program has ended
-    uid_t host_uid() const noexcept;    // the session's host uid
+    pid_t pid() const noexcept;       // host pid of the program (pid 1 of its pid namespace)
+    int pidfd() const noexcept;       // pollable; readable when the program has ended
+    uid_t host_uid() const noexcept;  // the session's host uid
 
-    void signal(int signo);             // deliver to the program (e.g. SIGINT); no-op once ended
-    void kill();                        // SIGKILL the whole sandbox
-    void note_output_limit();           // the caller cut the output: report output_limit if it ends by a kill
+    void signal(int signo);    // deliver to the program (e.g. SIGINT); no-op once ended
+    void kill();               // SIGKILL the whole sandbox
+    void note_output_limit();  // the caller cut the output: report output_limit if it ends by a kill
 
     std::optional<Outcome> try_wait();
-    Outcome wait();                                          // honours limits.wall_clock
+    Outcome wait();  // honours limits.wall_clock
     std::optional<Outcome> wait_for(std::chrono::milliseconds timeout);
 
     struct Impl;
 
-private:
+  private:
     friend class Launcher;
     explicit Process(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
@@ -138,7 +139,7 @@ private:
 // that called launch(): launch from a thread that outlives the Process (or the sandbox is killed when
 // that thread exits).
 class Launcher {
-public:
+  public:
     explicit Launcher(Policy policy);
     ~Launcher();
     Launcher(Launcher&&) noexcept;
@@ -151,7 +152,7 @@ public:
     const std::vector<std::string>& weakened() const noexcept;
     const Policy& policy() const noexcept;
 
-private:
+  private:
     struct State;
     std::unique_ptr<State> state_;
 };
@@ -160,14 +161,14 @@ private:
 // openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS), only regular files are read,
 // sizes are capped, and nothing blocks on a planted FIFO.
 class Workspace {
-public:
+  public:
     explicit Workspace(const std::filesystem::path& root);
     Workspace(Workspace&&) noexcept;
     Workspace& operator=(Workspace&&) noexcept;
     ~Workspace();
 
     struct Entry {
-        std::string path;   // relative to the root, '/'-separated
+        std::string path;  // relative to the root, '/'-separated
         std::uint64_t size;
         bool is_directory;
     };
@@ -179,7 +180,7 @@ public:
     std::vector<Entry> list(std::size_t max_entries = 10000) const;
     const std::filesystem::path& root() const noexcept;
 
-private:
+  private:
     std::filesystem::path root_;
     int root_fd_ = -1;
 };

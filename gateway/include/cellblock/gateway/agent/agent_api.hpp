@@ -1,18 +1,18 @@
 #pragma once
-// The agent API: /agent/v1/sessions (create, list, get, delete, execute with optional NDJSON streaming, files,
-// notebook, audit, reset) and the MCP endpoint /mcp, over the same kernels, auth and HTTP server as the Kernel
-// Gateway API.
+// The agent API: /agent/v1/sessions (create, list, get, delete, execute with optional NDJSON streaming,
+// files, notebook, audit, reset) and the MCP endpoint /mcp, over the same kernels, auth and HTTP server as
+// the Kernel Gateway API.
+#include <memory>
+
 #include "cellblock/gateway/agent/agent_config.hpp"
 #include "cellblock/gateway/agent/durable_writer.hpp"
 #include "cellblock/gateway/agent/session_registry.hpp"
 #include "cellblock/gateway/rest_handlers.hpp"
 
-#include <memory>
-
 namespace cellblock::gateway::agent {
 
 class AgentService {
-public:
+  public:
     AgentService(GatewayServices& gateway, const AgentConfig& config);
     ~AgentService();
     // Adds the /agent/v1/... and /mcp routes.
@@ -28,7 +28,7 @@ public:
     // Finds a session by id or name, or throws HttpError 404 {"reason": "unknown_session"}.
     std::shared_ptr<AgentSession> require_session(const std::string& id_or_name) const;
 
-private:
+  private:
     GatewayServices& gateway_;
     const AgentConfig& config_;
     DurableWriter writer_;
@@ -39,7 +39,8 @@ private:
 // Registers POST /mcp (Model Context Protocol, Streamable HTTP transport answering with application/json).
 void register_mcp_endpoint(Router& router, AgentService& service);
 
-// Splits the {path...} capture of a files route into a workspace-relative path; throws HttpError 400 for empty,
+// Splits the {path...} capture of a files route into a workspace-relative path; throws HttpError 400 for
+// empty,
 // ".", ".." or absolute components, encoded slashes and NUL bytes.
 std::string workspace_relative_path(const std::string& raw_path);
 

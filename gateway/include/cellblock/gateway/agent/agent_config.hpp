@@ -1,10 +1,9 @@
 #pragma once
-// Settings of the agent API (/agent/v1 and /mcp): per-session limits with their defaults and maxima, the idle TTL,
-// the context-shielding cap and where session records and audit trails are kept.
-#include <nlohmann/json.hpp>
-
+// Settings of the agent API (/agent/v1 and /mcp): per-session limits with their defaults and maxima, the idle
+// TTL, the context-shielding cap and where session records and audit trails are kept.
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 
@@ -16,41 +15,45 @@ namespace cellblock::gateway::agent {
 
 // What a session's kernel may use. They reach the kernel as CELLBLOCK_TIMEOUT_S / _MEMORY_MB / _OUTPUT_BYTES.
 struct AgentLimits {
-    double timeout_s = 600;                  // wall clock per execute (the kernel interrupts, then kills)
-    std::uint64_t memory_mb = 2048;          // the worker's memory limit
-    std::uint64_t output_bytes = 1u << 20;   // output one execute may publish; the kernel discards the rest
+    double timeout_s = 600;                 // wall clock per execute (the kernel interrupts, then kills)
+    std::uint64_t memory_mb = 2048;         // the worker's memory limit
+    std::uint64_t output_bytes = 1u << 20;  // output one execute may publish; the kernel discards the rest
     nlohmann::json to_json() const;
     bool operator==(const AgentLimits&) const = default;
 };
 
 // A request asked for something not allowed; `field` names the limit (e.g. "limits.memory_mb").
 class LimitError : public std::invalid_argument {
-public:
-    LimitError(std::string field, const std::string& message) : std::invalid_argument(message), field_(std::move(field)) {}
+  public:
+    LimitError(std::string field, const std::string& message)
+        : std::invalid_argument(message), field_(std::move(field)) {}
     const std::string& field() const { return field_; }
 
-private:
+  private:
     std::string field_;
 };
 
-// Reads {"timeout_s", "memory_mb", "output_bytes"} (each optional) over `defaults`; throws LimitError for a wrong
-// type, a non-positive value, an unknown key or a value above `maxima`.
-AgentLimits parse_limits(const nlohmann::json& requested, const AgentLimits& defaults, const AgentLimits& maxima);
+// Reads {"timeout_s", "memory_mb", "output_bytes"} (each optional) over `defaults`; throws LimitError for a
+// wrong type, a non-positive value, an unknown key or a value above `maxima`.
+AgentLimits parse_limits(const nlohmann::json& requested, const AgentLimits& defaults,
+                         const AgentLimits& maxima);
 
 struct AgentConfig {
     // Session records, notebooks' cell history and audit trails. Empty = $XDG_STATE_HOME (or ~/.local/state)
     // /cellblock/agent; if another gateway holds that directory, a private temporary one is used instead.
     std::string state_dir;
-    double session_ttl_s = 3600;       // idle sessions are deleted (kernel shut down) after this; 0 = never
-    AgentLimits default_limits;        // the kernel's own defaults, so warm-pool kernels can serve them
+    double session_ttl_s = 3600;  // idle sessions are deleted (kernel shut down) after this; 0 = never
+    AgentLimits default_limits;   // the kernel's own defaults, so warm-pool kernels can serve them
     AgentLimits max_limits{3600, 16384, 256u << 20};
-    std::size_t inline_output_bytes = 32 * 1024;  // per text field of an answer; beyond: head + tail + saved file
-    double interrupt_grace_s = 5;      // after a timeout's interrupt, the kernel is restarted if still busy
-    double keepalive_s = 10;           // NDJSON keepalive line interval while an execute streams
+    std::size_t inline_output_bytes =
+        32 * 1024;                 // per text field of an answer; beyond: head + tail + saved file
+    double interrupt_grace_s = 5;  // after a timeout's interrupt, the kernel is restarted if still busy
+    double keepalive_s = 10;       // NDJSON keepalive line interval while an execute streams
     std::uint64_t max_file_bytes = 512u << 20;  // largest workspace file GET serves
     std::size_t max_sessions = 1000;
 
-    // Takes the default limits from the kernel's config file (share/cellblock/kernel-config.json) when readable.
+    // Takes the default limits from the kernel's config file (share/cellblock/kernel-config.json) when
+    // readable.
     void load_kernel_defaults(const std::filesystem::path& kernel_config_file);
     nlohmann::json to_json() const;
 };

@@ -1,16 +1,9 @@
 #pragma once
-// One agent session: a kernel from the KernelManager (so it is listed in /api/kernels and a notebook can attach to
-// it and watch), the session's limits, a queue of executes run one at a time, the history that becomes its notebook,
-// and its audit trail. The session talks to its kernel as one more KernelClient with its own session_id.
-#include "cellblock/gateway/agent/agent_config.hpp"
-#include "cellblock/gateway/agent/durable_writer.hpp"
-#include "cellblock/gateway/agent/execution.hpp"
-#include "cellblock/gateway/kernel.hpp"
-#include "cellblock/gateway/kernel_manager.hpp"
-#include "cellblock/gateway/log.hpp"
-
+// One agent session: a kernel from the KernelManager (so it is listed in /api/kernels and a notebook can
+// attach to it and watch), the session's limits, a queue of executes run one at a time, the history that
+// becomes its notebook, and its audit trail. The session talks to its kernel as one more KernelClient with
+// its own session_id.
 #include <boost/asio/steady_timer.hpp>
-
 #include <chrono>
 #include <deque>
 #include <filesystem>
@@ -19,6 +12,13 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "cellblock/gateway/agent/agent_config.hpp"
+#include "cellblock/gateway/agent/durable_writer.hpp"
+#include "cellblock/gateway/agent/execution.hpp"
+#include "cellblock/gateway/kernel.hpp"
+#include "cellblock/gateway/kernel_manager.hpp"
+#include "cellblock/gateway/log.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -39,12 +39,12 @@ struct ExecuteRequest {
 };
 
 struct ExecuteHandlers {
-    ExecutionCollector::EventSink on_event;               // optional, for streaming
-    std::function<void(nlohmann::json answer)> on_done;   // always called exactly once
+    ExecutionCollector::EventSink on_event;              // optional, for streaming
+    std::function<void(nlohmann::json answer)> on_done;  // always called exactly once
 };
 
 class AgentSession : public KernelClient, public std::enable_shared_from_this<AgentSession> {
-public:
+  public:
     struct Record {
         std::string id, name, created;
         AgentLimits limits;
@@ -62,7 +62,8 @@ public:
     std::uint64_t execute(ExecuteRequest request, ExecuteHandlers handlers);
     // The client of `ticket` went away: a queued execute is dropped, a running one interrupted.
     void abandon(std::uint64_t ticket);
-    // Restarts the kernel in place (variables gone, files kept) and clears the history; runs after queued executes.
+    // Restarts the kernel in place (variables gone, files kept) and clears the history; runs after queued
+    // executes.
     void reset(std::string client_address, Done done);
     // Shuts the kernel down and fails whatever is queued. The session is unusable afterwards.
     void close(const std::string& reason);
@@ -94,7 +95,7 @@ public:
     void deliver(const JupyterMessage& message) override;
     void disconnect(const std::string& reason) override;
 
-private:
+  private:
     struct Pending {
         std::uint64_t ticket = 0;
         bool is_reset = false;
@@ -107,10 +108,10 @@ private:
         std::unique_ptr<ExecutionCollector> collector;
         std::chrono::steady_clock::time_point started;
         std::chrono::system_clock::time_point started_wall;
-        bool timed_out = false;          // our deadline passed and the kernel was interrupted
-        bool kernel_restarted = false;   // still running after the grace period: the kernel was restarted
+        bool timed_out = false;         // our deadline passed and the kernel was interrupted
+        bool kernel_restarted = false;  // still running after the grace period: the kernel was restarted
         bool interrupted_by_client = false;
-        std::string kernel_failure;      // the kernel died or went away during the execute
+        std::string kernel_failure;  // the kernel died or went away during the execute
     };
 
     void run_next();
@@ -136,8 +137,8 @@ private:
     nlohmann::json kernel_info_;  // kernel_info_reply content of the current kernel
     std::string kernel_info_msg_id_;
     bool starting_kernel_ = false;
-    bool had_kernel_ = false;          // a kernel served this session before (a new one means lost state)
-    bool state_lost_notice_ = false;   // tell the next answer that a new kernel replaced the old one
+    bool had_kernel_ = false;         // a kernel served this session before (a new one means lost state)
+    bool state_lost_notice_ = false;  // tell the next answer that a new kernel replaced the old one
     std::vector<Done> kernel_waiters_;
     std::deque<Pending> queue_;
     std::unique_ptr<Running> running_;

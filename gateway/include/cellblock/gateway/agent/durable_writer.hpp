@@ -1,9 +1,9 @@
 #pragma once
-// Durable, ordered file writes off the io_context thread: JSONL appends (audit trails, cell history) and atomic
-// replacements (session records), each followed by fdatasync before the next one, on one writer thread. The
-// gateway answers a request without waiting for the disk; `after_pending` lets a reader wait for what was queued.
+// Durable, ordered file writes off the io_context thread: JSONL appends (audit trails, cell history) and
+// atomic replacements (session records), each followed by fdatasync before the next one, on one writer
+// thread. The gateway answers a request without waiting for the disk; `after_pending` lets a reader wait for
+// what was queued.
 #include <boost/asio/io_context.hpp>
-
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -19,7 +19,7 @@ class Logger;
 namespace cellblock::gateway::agent {
 
 class DurableWriter {
-public:
+  public:
     DurableWriter(boost::asio::io_context& io, const Logger& logger);
     ~DurableWriter();  // writes everything still queued, then stops the thread
     DurableWriter(const DurableWriter&) = delete;
@@ -34,7 +34,7 @@ public:
     // Blocks until the queue is empty (used at shutdown).
     void drain();
 
-private:
+  private:
     struct Task {
         enum class Kind { append, replace, notify } kind;
         std::filesystem::path file;

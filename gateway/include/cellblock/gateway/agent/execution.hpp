@@ -1,19 +1,19 @@
 #pragma once
-// Collects everything one execute_request produced: the kernel's IOPub messages and execute_reply for that msg_id,
-// in order, as the pieces an agent answer and a notebook cell are made of. Knows nothing of HTTP or sessions.
-#include "cellblock/gateway/jupyter_message.hpp"
-
-#include <nlohmann/json.hpp>
-
+// Collects everything one execute_request produced: the kernel's IOPub messages and execute_reply for that
+// msg_id, in order, as the pieces an agent answer and a notebook cell are made of. Knows nothing of HTTP or
+// sessions.
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "cellblock/gateway/jupyter_message.hpp"
+
 namespace cellblock::gateway::agent {
 
 class ExecutionCollector {
-public:
+  public:
     // Receives each event as it happens: {"type": "stdout"|"stderr", "text"}, {"type": "result", "data",
     // "execution_count"}, {"type": "display", "data"}, {"type": "error", "ename", "evalue", "traceback"}.
     using EventSink = std::function<void(const nlohmann::json& event)>;
@@ -28,11 +28,15 @@ public:
 
     const std::string& stdout_text() const { return stdout_; }
     const std::string& stderr_text() const { return stderr_; }
-    const nlohmann::json& result() const { return result_; }        // null or a mime bundle
-    const nlohmann::json& displays() const { return displays_; }    // [{"data", "metadata"}]
-    const nlohmann::json& error() const { return error_; }          // null or {"ename", "evalue", "traceback": [lines]}
+    const nlohmann::json& result() const { return result_; }      // null or a mime bundle
+    const nlohmann::json& displays() const { return displays_; }  // [{"data", "metadata"}]
+    const nlohmann::json& error() const {
+        return error_;
+    }  // null or {"ename", "evalue", "traceback": [lines]}
     std::optional<int> execution_count() const { return execution_count_; }
-    const std::string& reply_status() const { return reply_status_; }  // "ok", "error", "aborted" or "" (none yet)
+    const std::string& reply_status() const {
+        return reply_status_;
+    }  // "ok", "error", "aborted" or "" (none yet)
     // The kernel's own output cap cut this execution's output short.
     bool kernel_truncated() const { return kernel_truncated_; }
 
@@ -41,7 +45,7 @@ public:
     nlohmann::json notebook_outputs(const std::optional<std::string>& stdout_replacement,
                                     const std::optional<std::string>& stderr_replacement) const;
 
-private:
+  private:
     struct OutputItem {
         enum class Kind { stream, result, display, error } kind;
         bool is_stderr = false;

@@ -1,6 +1,7 @@
 #pragma once
-// Context shielding: keeps what an agent reads small. Text beyond a cap comes back as its head and tail around a
-// marker that says how much was left out and where the whole text was saved; terminal colour codes are removed.
+// Context shielding: keeps what an agent reads small. Text beyond a cap comes back as its head and tail
+// around a marker that says how much was left out and where the whole text was saved; terminal colour codes
+// are removed.
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -17,13 +18,14 @@ std::string_view utf8_head(std::string_view text, std::size_t max_bytes);
 std::string_view utf8_tail(std::string_view text, std::size_t max_bytes);
 
 struct ShieldedText {
-    std::string text;     // the text itself, or head + marker + tail
+    std::string text;  // the text itself, or head + marker + tail
     bool shortened = false;
     std::size_t original_bytes = 0;
 };
 
 // `saved_path` is named in the marker when given (the workspace-relative path of the full text).
-ShieldedText shield_text(std::string_view text, std::size_t cap, const std::optional<std::string>& saved_path);
+ShieldedText shield_text(std::string_view text, std::size_t cap,
+                         const std::optional<std::string>& saved_path);
 
 // Well-formed UTF-8 (no overlong forms, surrogates or code points above U+10FFFF).
 bool is_valid_utf8(std::string_view text);

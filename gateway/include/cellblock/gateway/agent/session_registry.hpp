@@ -1,16 +1,16 @@
 #pragma once
-// All agent sessions, by id and by name: creation (with limits checked against the maxima), lookup, deletion, the
-// idle TTL, and the state directory that makes session records, histories and audit trails survive a restart.
-#include "cellblock/gateway/agent/agent_session.hpp"
-#include "cellblock/gateway/router.hpp"
-
+// All agent sessions, by id and by name: creation (with limits checked against the maxima), lookup, deletion,
+// the idle TTL, and the state directory that makes session records, histories and audit trails survive a
+// restart.
 #include <boost/asio/steady_timer.hpp>
-
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "cellblock/gateway/agent/agent_session.hpp"
+#include "cellblock/gateway/router.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -18,24 +18,27 @@ namespace cellblock::gateway::agent {
 bool valid_session_name(std::string_view name);
 
 class AgentSessionRegistry {
-public:
+  public:
     explicit AgentSessionRegistry(SessionServices& services);
     ~AgentSessionRegistry();
 
-    // Chooses and locks the state directory (`fallback_dir` when the configured one is taken or unusable), reloads
-    // the sessions recorded there (without kernels: one starts on first use) and starts the TTL timer.
+    // Chooses and locks the state directory (`fallback_dir` when the configured one is taken or unusable),
+    // reloads the sessions recorded there (without kernels: one starts on first use) and starts the TTL
+    // timer.
     void start(const std::filesystem::path& fallback_dir);
     const std::filesystem::path& state_dir() const { return state_dir_; }
 
-    using CreateHandler = std::function<void(std::shared_ptr<AgentSession> session, std::optional<HttpError> error)>;
+    using CreateHandler =
+        std::function<void(std::shared_ptr<AgentSession> session, std::optional<HttpError> error)>;
     // Empty `name` = generated. Responds once the session's kernel is ready.
     void create(std::string name, AgentLimits limits, const std::string& client_address, CreateHandler done);
     // By id, then by name.
     std::shared_ptr<AgentSession> find(const std::string& id_or_name) const;
     std::vector<std::shared_ptr<AgentSession>> list() const;
-    void remove(const std::shared_ptr<AgentSession>& session, const std::string& reason, const std::string& client);
+    void remove(const std::shared_ptr<AgentSession>& session, const std::string& reason,
+                const std::string& client);
 
-private:
+  private:
     void load_sessions();
     void schedule_expiry();
     void expire_idle();
