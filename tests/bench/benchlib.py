@@ -147,15 +147,7 @@ def children(pid: int) -> list[int]:
 
 def descendants(pid: int) -> list[int]:
     """pid and every process below it (via /proc/*/stat ppid links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
+    children = _children_map()
     found, todo = [], [pid]
     while todo:
         current = todo.pop()
