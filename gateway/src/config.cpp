@@ -101,6 +101,9 @@ void GatewayConfig::merge_json(const json& j) {
                                                    "max_pending_send_bytes",
                                                    "runtime_dir",
                                                    "workspace_root",
+                                                   "state_dir",
+                                                   "orphan_timeout",
+                                                   "shutdown_kernels_on_exit",
                                                    "log_level"};
     for (const auto& [key, value] : j.items()) {
         if (key.starts_with("_"))
@@ -148,6 +151,9 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "max_pending_send_bytes", max_pending_send_bytes);
     take(j, "runtime_dir", runtime_dir);
     take(j, "workspace_root", workspace_root);
+    take(j, "state_dir", state_dir);
+    take(j, "orphan_timeout", orphan_timeout);
+    take(j, "shutdown_kernels_on_exit", shutdown_kernels_on_exit);
     take(j, "log_level", log_level);
 }
 
@@ -206,6 +212,9 @@ void GatewayConfig::merge_environment(
     number("CELLBLOCK_GATEWAY_CULL_INTERVAL", cull_interval);
     text("CELLBLOCK_GATEWAY_RUNTIME_DIR", runtime_dir);
     text("CELLBLOCK_GATEWAY_WORKSPACE_ROOT", workspace_root);
+    text("CELLBLOCK_GATEWAY_STATE_DIR", state_dir);
+    number("CELLBLOCK_GATEWAY_ORPHAN_TIMEOUT", orphan_timeout);
+    boolean("CELLBLOCK_GATEWAY_SHUTDOWN_KERNELS_ON_EXIT", shutdown_kernels_on_exit);
     text("CELLBLOCK_GATEWAY_LOG_LEVEL", log_level);
 }
 
@@ -224,6 +233,9 @@ json GatewayConfig::to_json() const {
               {"cull_connected", cull_connected},
               {"cull_busy", cull_busy},
               {"ws_ping_interval", ws_ping_interval},
+              {"state_dir", state_dir},
+              {"orphan_timeout", orphan_timeout},
+              {"shutdown_kernels_on_exit", shutdown_kernels_on_exit},
               {"tls", !certfile.empty()}};
     return j;
 }

@@ -6,6 +6,7 @@
 #include <csignal>
 #include <fstream>
 
+#include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/time_format.hpp"
 
 namespace cellblock::gateway {
@@ -17,6 +18,29 @@ namespace {
 constexpr std::size_t max_detached_sessions = 32;
 constexpr auto kernel_info_retry = std::chrono::milliseconds(1000);
 constexpr auto subscription_retry = std::chrono::milliseconds(20);
+// How long a re-adopted kernel gets to send its record before it is served without one (a kernel that is not
+// cellblock-kernel never answers cellblock_replay_request).
+constexpr auto replay_answer_timeout = std::chrono::seconds(5);
+constexpr std::size_t max_live_during_adoption = 10000;
+// Sessions of the gateway's own probes: their traffic is never shown to clients, also when replayed.
+constexpr std::string_view probe_session_prefix = "cellblock-gateway-";
+
+std::string parent_field(const JupyterMessage& message, const char* field) {
+    const json parent = json::parse(message.parent_header, nullptr, false);
+    return parent.is_object() ? parent.value(field, std::string()) : std::string();
+}
+
+std::optional<Channel> channel_named(std::string_view name) {
+    if (name == "iopub")
+        return Channel::iopub;
+    if (name == "shell")
+        return Channel::shell;
+    if (name == "stdin")
+        return Channel::stdin_;
+    if (name == "control")
+        return Channel::control;
+    return std::nullopt;
+}
 }  // namespace
 
 std::string_view kernel_state_name(KernelState state) {
@@ -106,14 +130,21 @@ Kernel::Kernel(boost::asio::io_context& io, zmq::context_t& zmq_context, const L
       logger_(logger),
       config_(config),
       launch_(std::move(launch)),
-      signer_(random_hex(32)),  // 256-bit key, fresh per kernel
+      signer_(launch_.key.empty() ? random_hex(32) : launch_.key),  // 256-bit key, fresh per kernel
       probe_timer_(io),
       shutdown_timer_(io) {
-    endpoints_.base = (launch_.runtime_dir / ("k-" + launch_.id.substr(0, 8) + random_hex(4))).string();
+    endpoints_.base = launch_.endpoint_base.empty()
+                          ? (launch_.runtime_dir / ("k-" + launch_.id.substr(0, 8) + random_hex(4))).string()
+                          : launch_.endpoint_base;
     connection_file_ = launch_.runtime_dir / ("kernel-" + launch_.id + ".json");
+    if (launch_.created.empty())
+        launch_.created = format_iso8601_utc(std::chrono::system_clock::now());
+    last_iopub_id_ = launch_.last_iopub_id;
 }
 
 Kernel::~Kernel() {
+    if (released_)
+        return;  // the process and its files belong to the next gateway
     for (auto& [id, session] : sessions_)
         if (auto client = session->client_.lock())
             client->disconnect("kernel removed");
@@ -275,6 +306,13 @@ void Kernel::spawn() {
                                               output_file);
     logger_.info("kernel_spawned",
                  {{"kernel_id", id()}, {"pid", process_->pid()}, {"spec", launch_.spec.name}});
+    process_identity_ = ProcessIdentity::of(process_->pid());
+    watch_process();
+    if (spawned_handler_)
+        spawned_handler_(*this);
+}
+
+void Kernel::watch_process() {
     std::weak_ptr<Kernel> weak = weak_from_this();
     process_->on_exit([weak, this_io = &io_](ProcessExit exit) {
         // Deferred: the ChildProcess that reports the exit may be replaced by the handler.
@@ -283,6 +321,204 @@ void Kernel::spawn() {
                 self->on_process_exit(exit);
         });
     });
+}
+
+void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
+    ready_handlers_.push_back(std::move(on_ready));
+    try {
+        connect_gateway_sockets();
+        process_ = std::make_unique<ChildProcess>(io_, ChildProcess::Adopt{}, process.pid);
+        // The pidfd now pins the process; a pid reused since the identity was read is caught here.
+        if (!process.alive())
+            throw std::runtime_error("process " + std::to_string(process.pid) + " is no longer the kernel");
+    } catch (const std::exception& error) {
+        if (process_)
+            process_->release();  // not ours to kill: it may be a stranger that reused the pid
+        process_.reset();
+        state_ = KernelState::dead;
+        finish_readiness(std::string("cannot re-adopt the kernel: ") + error.what());
+        return;
+    }
+    process_identity_ = process;
+    watch_process();
+    replay_phase_ = ReplayPhase::pending;
+    kernel_info_answered_ = false;
+    iopub_seen_ = false;
+    ready_ = false;
+    launch_deadline_ =
+        std::chrono::steady_clock::now() +
+        std::chrono::milliseconds(static_cast<long long>(config_.kernel_launch_timeout * 1000));
+    logger_.info("kernel_adopting", {{"kernel_id", id()}, {"pid", process.pid}});
+    probe_readiness();
+}
+
+void Kernel::release() {
+    released_ = true;
+    terminated_handler_ = nullptr;
+    spawned_handler_ = nullptr;
+    probe_timer_.cancel();
+    shutdown_timer_.cancel();
+    if (process_)
+        process_->release();
+    // Clients are not told: their connections end with the gateway, and an agent's running execute must stay
+    // in flight for the next gateway to complete.
+    close_sockets();
+}
+
+void Kernel::renew_lease() {
+    if (shutting_down_ || released_ || !probe_control_ || !process_ || !process_->running())
+        return;
+    probe_control_->send(encode_wire(
+        make_message(Channel::control, "cellblock_lease_request", json::object(), probe_session_), signer_));
+}
+
+KernelRecord Kernel::record(bool pooled) const {
+    KernelRecord record;
+    record.id = id();
+    record.spec_name = launch_.spec.name;
+    record.key = signer_.key();
+    record.endpoint_base = endpoints_.base;
+    record.connection_file = connection_file_.string();
+    record.workspace_dir = launch_.workspace_dir.string();
+    record.log_file = (launch_.runtime_dir / ("kernel-" + id() + ".log")).string();
+    record.environment = launch_.environment;
+    if (process_identity_)
+        record.process = *process_identity_;
+    record.pooled = pooled;
+    record.last_iopub_id = last_iopub_id_;
+    record.created = launch_.created;
+    return record;
+}
+
+std::optional<std::string> Kernel::take_progress() {
+    if (!progress_changed_)
+        return std::nullopt;
+    progress_changed_ = false;
+    return last_iopub_id_;
+}
+
+std::vector<JupyterMessage> Kernel::replayed_for(const std::string& parent_msg_id) const {
+    std::vector<JupyterMessage> answers;
+    for (const JupyterMessage& message : replayed_)
+        if (parent_field(message, "msg_id") == parent_msg_id)
+            answers.push_back(message);
+    return answers;
+}
+
+void Kernel::on_probe_complete() {
+    if (replay_phase_ == ReplayPhase::pending) {
+        request_replay();
+        return;
+    }
+    if (replay_phase_ == ReplayPhase::awaiting)
+        return;
+    finish_readiness(std::nullopt);
+}
+
+void Kernel::request_replay() {
+    replay_phase_ = ReplayPhase::awaiting;
+    probe_timer_.cancel();
+    JupyterMessage request =
+        make_message(Channel::control, "cellblock_replay_request", {{"after", nullptr}}, probe_session_);
+    replay_request_id_ = request.msg_id;
+    probe_control_->send(encode_wire(request, signer_));
+    probe_timer_.expires_after(replay_answer_timeout);
+    probe_timer_.async_wait([weak = weak_from_this()](const boost::system::error_code& error) {
+        if (error)
+            return;
+        auto self = weak.lock();
+        if (!self || self->replay_phase_ != ReplayPhase::awaiting)
+            return;
+        self->logger_.warn("kernel_keeps_no_record",
+                           {{"kernel_id", self->id()},
+                            {"note",
+                             "no answer to cellblock_replay_request: output sent while no gateway "
+                             "listened is lost"}});
+        self->handle_replay_reply({{"messages", json::array()}, {"found", false}});
+    });
+}
+
+void Kernel::handle_replay_reply(const json& content) {
+    if (replay_phase_ != ReplayPhase::awaiting)
+        return;
+    std::set<std::string> live_ids;
+    for (const JupyterMessage& message : live_during_adoption_)
+        live_ids.insert(message.msg_id);
+    std::vector<JupyterMessage> recorded;
+    std::optional<std::size_t> resume_at;  // index in `recorded` of the first message clients missed
+    if (last_iopub_id_.empty())
+        resume_at = 0;
+    const json& messages =
+        content.contains("messages") && content["messages"].is_array() ? content["messages"] : json::array();
+    for (const json& entry : messages) {
+        if (!entry.is_object())
+            continue;
+        auto channel = channel_named(entry.value("channel", std::string()));
+        if (!channel || !entry.contains("header") || !entry["header"].is_object())
+            continue;
+        JupyterMessage message;
+        message.channel = *channel;
+        message.header = entry["header"].dump();
+        message.parent_header = entry.value("parent_header", json::object()).dump();
+        message.metadata = entry.value("metadata", json::object()).dump();
+        message.content = entry.value("content", json::object()).dump();
+        message.msg_id = entry["header"].value("msg_id", std::string());
+        message.msg_type = entry["header"].value("msg_type", std::string());
+        if (entry.contains("buffers") && entry["buffers"].is_array())
+            for (const json& buffer : entry["buffers"])
+                if (buffer.is_string())
+                    message.buffers.push_back(base64_decode(buffer.get<std::string>()).value_or(""));
+        const bool seen_before = message.msg_id == last_iopub_id_;
+        if (!parent_field(message, "session").starts_with(probe_session_prefix) &&
+            !live_ids.contains(message.msg_id))
+            recorded.push_back(std::move(message));
+        if (seen_before)
+            resume_at = recorded.size();
+    }
+    backlog_lossy_ = !resume_at.has_value();
+    const std::size_t first_missed = resume_at.value_or(0);
+    replayed_ = recorded;
+    replayed_.insert(replayed_.end(), live_during_adoption_.begin(), live_during_adoption_.end());
+    backlog_.assign(recorded.begin() + static_cast<std::ptrdiff_t>(std::min(first_missed, recorded.size())),
+                    recorded.end());
+    backlog_until_ = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(static_cast<long long>(config_.offline_session_ttl * 1000));
+    replay_phase_ = ReplayPhase::done;
+    logger_.info("kernel_adopted", {{"kernel_id", id()},
+                                    {"recorded", recorded.size()},
+                                    {"missed", backlog_.size()},
+                                    {"lossy", backlog_lossy_},
+                                    {"dropped_by_kernel", content.value("dropped", 0)}});
+    // Sessions that attached while the record was on its way got the live messages already.
+    for (auto& [session_id, session] : sessions_)
+        hand_backlog(*session, true);
+    finish_readiness(std::nullopt);
+}
+
+void Kernel::hand_backlog(KernelSession& session, bool attached_during_adoption) {
+    if (replay_phase_ != ReplayPhase::done || backlog_served_.contains(session.session_id()) ||
+        std::chrono::steady_clock::now() > backlog_until_)
+        return;
+    backlog_served_.insert(session.session_id());
+    if (backlog_lossy_)
+        session.deliver_or_buffer(make_message(
+            Channel::iopub, "stream",
+            {{"name", "stderr"},
+             {"text",
+              "[cellblock-gateway] the gateway restarted and the kernel's record no longer reaches "
+              "back to where it stopped: some output sent while no gateway listened is lost\n"}},
+            probe_session_));
+    auto hand = [&](const JupyterMessage& message) {
+        // Replies and input requests go only to the session that asked, as the kernel addressed them.
+        if (message.channel != Channel::iopub && parent_field(message, "session") != session.session_id())
+            return;
+        session.deliver_or_buffer(message);
+    };
+    for (const JupyterMessage& message : backlog_)
+        hand(message);
+    if (!attached_during_adoption)
+        for (const JupyterMessage& message : live_during_adoption_)
+            hand(message);
 }
 
 void Kernel::respawn(const char* what) {
@@ -323,6 +559,12 @@ void Kernel::probe_readiness() {
 }
 
 void Kernel::handle_probe_reply(JupyterMessage&& message) {
+    if (message.msg_type == "cellblock_replay_reply" &&
+        message.parent_header.find(replay_request_id_) != std::string::npos && !replay_request_id_.empty()) {
+        const json content = json::parse(message.content, nullptr, false);
+        handle_replay_reply(content.is_object() ? content : json::object());
+        return;
+    }
     if (message.msg_type != "kernel_info_reply" || ready_)
         return;
     if (!kernel_info_answered_) {
@@ -339,7 +581,7 @@ void Kernel::handle_probe_reply(JupyterMessage&& message) {
         }
     }
     if (iopub_seen_)
-        finish_readiness(std::nullopt);
+        on_probe_complete();
 }
 
 void Kernel::finish_readiness(std::optional<std::string> error) {
@@ -358,16 +600,22 @@ void Kernel::finish_readiness(std::optional<std::string> error) {
 }
 
 void Kernel::handle_iopub(JupyterMessage&& message) {
+    last_iopub_id_ = message.msg_id;
+    progress_changed_ = true;
     if (!iopub_seen_) {
         iopub_seen_ = true;
         if (kernel_info_answered_ && !ready_)
-            finish_readiness(std::nullopt);
+            on_probe_complete();
     }
     // The gateway's own probe traffic (kernel_info during startup) is neither shown to clients nor counted as
     // activity or execution state.
     if (message.parent_header.find(probe_session_) != std::string::npos)
         return;
     last_activity_ = std::chrono::system_clock::now();
+    if (replay_phase_ == ReplayPhase::pending || replay_phase_ == ReplayPhase::awaiting) {
+        if (live_during_adoption_.size() < max_live_during_adoption)
+            live_during_adoption_.push_back(message);
+    }
     if (message.msg_type == "status") {
         json content = json::parse(message.content, nullptr, false);
         const std::string execution_state = content.is_object() ? content.value("execution_state", "") : "";
@@ -550,6 +798,8 @@ std::shared_ptr<KernelSession> Kernel::attach(const std::string& session_id,
         slot->control_ = connect_dealer(KernelEndpoints::control, session_id, Channel::control, slot);
         slot->stdin_ = connect_dealer(KernelEndpoints::stdin_, session_id, Channel::stdin_, slot);
     }
+    // Buffered before the client is attached, so it gets what it missed first, then the live stream.
+    hand_backlog(*slot, false);
     std::shared_ptr<KernelClient> previous = slot->attached_client_ ? slot->client_.lock() : nullptr;
     if (!slot->attached_client_)
         ++connections_;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <boost/asio/post.hpp>
 #include <cstdlib>
+#include <fstream>
 #include <system_error>
 
 #include "cellblock/gateway/crypto.hpp"
@@ -45,14 +46,16 @@ std::optional<std::string> process_env(const std::string& name) {
 }  // namespace
 
 KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
-                             KernelSpecRegistry& registry)
+                             KernelSpecRegistry& registry, StoreWriter& writer)
     : io_(io),
       logger_(logger),
       config_(config),
       registry_(registry),
+      writer_(writer),
       zmq_context_(1),
       cull_timer_(io),
-      pool_retry_timer_(io) {}
+      pool_retry_timer_(io),
+      housekeeping_timer_(io) {}
 
 KernelManager::~KernelManager() {
     shutdown_all();
@@ -71,8 +74,135 @@ void KernelManager::start() {
     workspace_root_ =
         config_.workspace_root.empty() ? runtime_dir_ / "workspaces" : fs::path(config_.workspace_root);
     make_private_directory(workspace_root_);
+    readopt_recorded_kernels();
     refill_pool();
     schedule_cull();
+    schedule_housekeeping();
+}
+
+void KernelManager::readopt_recorded_kernels() {
+    for (const KernelRecord& record : writer_.store().kernels()) {
+        auto spec = registry_.find(record.spec_name);
+        if (!spec) {
+            forget_lost_kernel(record, "its kernelspec " + record.spec_name + " is no longer installed");
+            continue;
+        }
+        if (!record.process.alive()) {
+            std::string cause = record.process.boot_id != ProcessIdentity::of(::getpid())->boot_id
+                                    ? "the machine restarted since the kernel was started"
+                                    : "the kernel process ended while no gateway was running";
+            std::ifstream log(record.log_file);
+            for (std::string line; std::getline(log, line);)
+                if (line.find("\"lease_expired\"") != std::string::npos)
+                    cause = "the kernel stopped itself after no gateway renewed its lease for " +
+                            json(config_.orphan_timeout).dump() + " s (orphan_timeout)";
+            forget_lost_kernel(record, cause);
+            continue;
+        }
+        KernelLaunch launch;
+        launch.id = record.id;
+        launch.spec = *spec;
+        launch.runtime_dir = runtime_dir_;
+        launch.workspace_dir = record.workspace_dir;
+        for (const auto& [name, value] : record.environment.items())
+            if (value.is_string())
+                launch.environment[name] = value.get<std::string>();
+        launch.key = record.key;
+        launch.endpoint_base = record.endpoint_base;
+        launch.created = record.created;
+        launch.last_iopub_id = record.last_iopub_id;
+        auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
+        every_kernel_.push_back(kernel);
+        kernel->on_spawned([this](const Kernel& respawned) { persist(respawned); });
+        if (record.pooled)
+            pool_.push_back(kernel);
+        else
+            adopt(kernel);
+        std::weak_ptr<Kernel> weak = kernel;
+        kernel->adopt(record.process, [this, weak, record](std::optional<std::string> error) {
+            if (!error)
+                return;
+            auto failed = weak.lock();
+            logger_.warn("kernel_readoption_failed", {{"kernel_id", record.id}, {"error", *error}});
+            lost_causes_[record.id] = *error;
+            if (!failed)
+                return;
+            std::erase(pool_, failed);
+            kernels_.erase(record.id);
+            failed->shutdown("the kernel could not be re-adopted");
+            forget(record.id);
+        });
+    }
+    if (!every_kernel_.empty())
+        logger_.info("kernels_readopting", {{"count", every_kernel_.size()}});
+}
+
+void KernelManager::forget_lost_kernel(const KernelRecord& record, const std::string& cause) {
+    logger_.warn("kernel_lost", {{"kernel_id", record.id}, {"cause", cause}});
+    lost_causes_[record.id] = cause;
+    std::error_code ignored;
+    if (!record.workspace_dir.empty())
+        fs::remove_all(record.workspace_dir, ignored);
+    fs::remove(record.connection_file, ignored);
+    fs::remove(record.log_file, ignored);
+    for (int port = 1; port <= 5; ++port)
+        fs::remove(record.endpoint_base + "-" + std::to_string(port), ignored);
+    forget(record.id);
+}
+
+std::optional<std::string> KernelManager::lost_cause(const std::string& kernel_id) const {
+    auto found = lost_causes_.find(kernel_id);
+    if (found == lost_causes_.end())
+        return std::nullopt;
+    return found->second;
+}
+
+void KernelManager::persist(const Kernel& kernel) {
+    const bool pooled = std::any_of(pool_.begin(), pool_.end(), [&kernel](const auto& pooled_kernel) {
+        return pooled_kernel.get() == &kernel;
+    });
+    writer_.submit([record = kernel.record(pooled)](SessionStore& store) { store.put_kernel(record); });
+}
+
+void KernelManager::forget(const std::string& kernel_id) {
+    writer_.submit([kernel_id](SessionStore& store) { store.remove_kernel(kernel_id); });
+}
+
+std::vector<std::shared_ptr<Kernel>> KernelManager::live_kernels() const {
+    std::vector<std::shared_ptr<Kernel>> all;
+    for (const auto& known : every_kernel_)
+        if (auto kernel = known.lock())
+            all.push_back(kernel);
+    return all;
+}
+
+void KernelManager::flush_progress() {
+    for (const auto& kernel : live_kernels())
+        if (auto progress = kernel->take_progress())
+            writer_.submit([id = kernel->id(), last = *progress](SessionStore& store) {
+                store.set_kernel_progress(id, last);
+            });
+}
+
+void KernelManager::schedule_housekeeping() {
+    if (stopping_)
+        return;
+    // Progress is written often so that a crash replays little twice; leases are renewed well within their
+    // term.
+    housekeeping_timer_.expires_after(std::chrono::milliseconds(200));
+    housekeeping_timer_.async_wait([this](const boost::system::error_code& error) {
+        if (error)
+            return;
+        flush_progress();
+        const auto now = std::chrono::steady_clock::now();
+        if (config_.orphan_timeout > 0 && now >= next_lease_renewal_) {
+            for (const auto& kernel : live_kernels())
+                kernel->renew_lease();
+            next_lease_renewal_ = now + std::chrono::milliseconds(static_cast<long long>(
+                                            std::clamp(config_.orphan_timeout / 4, 0.2, 30.0) * 1000));
+        }
+        schedule_housekeeping();
+    });
 }
 
 std::map<std::string, std::string> KernelManager::kernel_environment(
@@ -99,6 +229,11 @@ std::map<std::string, std::string> KernelManager::kernel_environment(
     environment["KERNEL_GATEWAY"] = "1";
     environment["KERNEL_ID"] = kernel_id;
     environment["CELLBLOCK_WORKSPACE"] = workspace.string();
+    if (config_.orphan_timeout > 0) {
+        // The kernel stops itself (and removes its workspace) when no gateway renews this lease.
+        environment["CELLBLOCK_LEASE_S"] = json(config_.orphan_timeout).dump();
+        environment["CELLBLOCK_LEASE_CLEANUP_DIR"] = workspace.string();
+    }
     environment.erase("KG_AUTH_TOKEN");
     return environment;
 }
@@ -117,6 +252,7 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
     std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
     every_kernel_.push_back(kernel);
+    kernel->on_spawned([this](const Kernel& spawned) { persist(spawned); });
     return kernel;
 }
 
@@ -190,10 +326,12 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
         --reserved_;
         if (error) {
             kernel->shutdown("kernel failed to start");
+            forget(kernel->id());
             on_started(KernelStartError{KernelStartError::Kind::failed, *error});
             return;
         }
         adopt(kernel);
+        persist(*kernel);  // no longer pooled
         on_started(kernel);
     };
     if (from_pool) {
@@ -238,6 +376,7 @@ void KernelManager::refill_pool() {
                 if (position != pool_.end())
                     pool_.erase(position);
                 started->shutdown("failed");
+                forget(started->id());
             }
             // Back off so a broken kernelspec does not turn into a fork loop.
             ++pool_failures_;
@@ -272,21 +411,51 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
     auto kernel = found->second;
     kernels_.erase(found);
     kernel->shutdown(reason);
+    forget(kernel_id);
     return true;
+}
+
+void KernelManager::detach_all() {
+    stopping_ = true;
+    cull_timer_.cancel();
+    pool_retry_timer_.cancel();
+    housekeeping_timer_.cancel();
+    // Kernels handed out or pooled are kept; ones already being shut down finish stopping.
+    std::vector<std::shared_ptr<Kernel>> kept, stopping;
+    for (const auto& kernel : live_kernels()) {
+        const bool listed = kernels_.contains(kernel->id()) && kernels_.at(kernel->id()) == kernel;
+        const bool pooled = std::find(pool_.begin(), pool_.end(), kernel) != pool_.end();
+        (listed || pooled ? kept : stopping).push_back(kernel);
+    }
+    for (const auto& kernel : kept)
+        persist(*kernel);  // with the last IOPub id and whether it is pooled
+    writer_.drain();
+    for (const auto& kernel : kept)
+        kernel->release();
+    for (const auto& kernel : stopping)
+        kernel->begin_termination();
+    for (const auto& kernel : stopping) {
+        kernel->finish_termination(std::chrono::milliseconds(1000));
+        kernel->close_sockets();
+    }
+    logger_.info("kernels_detached", {{"count", kept.size()}});
+    pool_.clear();
+    kernels_.clear();
+    every_kernel_.clear();
 }
 
 void KernelManager::shutdown_all() {
     stopping_ = true;
     cull_timer_.cancel();
     pool_retry_timer_.cancel();
+    housekeeping_timer_.cancel();
     pool_.clear();
     kernels_.clear();
-    std::vector<std::shared_ptr<Kernel>> all;
-    for (const auto& known : every_kernel_)
-        if (auto kernel = known.lock())
-            all.push_back(kernel);
-    for (const auto& kernel : all)
+    const auto all = live_kernels();
+    for (const auto& kernel : all) {
         kernel->begin_termination();
+        forget(kernel->id());
+    }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
     for (const auto& kernel : all) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -294,6 +463,7 @@ void KernelManager::shutdown_all() {
         kernel->finish_termination(std::max(left, std::chrono::milliseconds(0)));
         kernel->close_sockets();
     }
+    writer_.drain();
 }
 
 void KernelManager::schedule_cull() {

@@ -34,6 +34,8 @@ struct SpawnFileActions {
 }  // namespace
 
 std::string ProcessExit::describe() const {
+    if (status_unknown)
+        return "exited (adopted from an earlier gateway, so its exit status is unknown)";
     if (signaled)
         return "killed by signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
     return "exited with status " + std::to_string(exit_code);
@@ -105,6 +107,19 @@ ChildProcess::ChildProcess(boost::asio::io_context& io, const std::vector<std::s
         throw std::system_error(saved, std::generic_category(), "pidfd_open");
     }
     pidfd_.assign(pidfd);
+    watch();
+}
+
+ChildProcess::ChildProcess(boost::asio::io_context& io, Adopt, pid_t pid)
+    : pid_(pid), adopted_(true), pidfd_(io) {
+    const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0));
+    if (pidfd < 0)
+        throw std::system_error(errno, std::generic_category(), "pidfd_open " + std::to_string(pid));
+    pidfd_.assign(pidfd);
+    watch();
+}
+
+void ChildProcess::watch() {
     pidfd_.async_wait(boost::asio::posix::stream_descriptor::wait_read,
                       [this](const boost::system::error_code& error) {
                           if (error)
@@ -116,17 +131,30 @@ ChildProcess::ChildProcess(boost::asio::io_context& io, const std::vector<std::s
 void ChildProcess::reap() {
     if (exited_)
         return;
+    if (adopted_) {
+        // Not our child: init (or a subreaper) collects the status. A readable pidfd means it has exited.
+        pollfd readable{pidfd_.native_handle(), POLLIN, 0};
+        if (::poll(&readable, 1, 0) <= 0) {
+            watch();
+            return;
+        }
+        exited_ = true;
+        ProcessExit exit;
+        exit.status_unknown = true;
+        ::kill(-pid_, SIGKILL);
+        if (exit_handler_) {
+            auto handler = std::move(exit_handler_);
+            handler(exit);
+        }
+        return;
+    }
     int status = 0;
     pid_t reaped = 0;
     do {
         reaped = ::waitpid(pid_, &status, WNOHANG);
     } while (reaped < 0 && errno == EINTR);
     if (reaped == 0) {  // spurious wakeup: keep watching
-        pidfd_.async_wait(boost::asio::posix::stream_descriptor::wait_read,
-                          [this](const boost::system::error_code& error) {
-                              if (!error)
-                                  reap();
-                          });
+        watch();
         return;
     }
     exited_ = true;
@@ -161,8 +189,15 @@ bool ChildProcess::wait_for_exit(std::chrono::milliseconds timeout) {
     return exited_;
 }
 
+void ChildProcess::release() {
+    released_ = true;
+    exit_handler_ = nullptr;
+    boost::system::error_code ignored;
+    pidfd_.cancel(ignored);
+}
+
 bool ChildProcess::signal_group(int signal_number) const {
-    if (exited_)
+    if (exited_ || released_)
         return false;
     return ::kill(-pid_, signal_number) == 0 || ::kill(pid_, signal_number) == 0;
 }
@@ -171,11 +206,16 @@ ChildProcess::~ChildProcess() {
     exit_handler_ = nullptr;
     boost::system::error_code ignored;
     pidfd_.cancel(ignored);
-    if (!exited_) {
-        ::kill(-pid_, SIGKILL);
-        ::kill(pid_, SIGKILL);
-        while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
-        }
+    if (exited_ || released_)
+        return;
+    ::kill(-pid_, SIGKILL);
+    ::kill(pid_, SIGKILL);
+    if (adopted_) {
+        pollfd readable{pidfd_.native_handle(), POLLIN, 0};
+        ::poll(&readable, 1, 2000);
+        return;
+    }
+    while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
     }
 }
 

@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +19,9 @@
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/rest_handlers.hpp"
 #include "cellblock/gateway/router.hpp"
+#include "cellblock/gateway/state_directory.hpp"
+#include "cellblock/gateway/store.hpp"
+#include "cellblock/gateway/store_writer.hpp"
 
 using namespace cellblock::gateway;
 
@@ -32,10 +36,11 @@ bool same_file(int first_fd, int second_fd) {
 
 struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
-        runtime_dir, workspace_root, log_level, default_kernel_name;
+        runtime_dir, workspace_root, state_dir, log_level, default_kernel_name;
     std::optional<int> port, warm_pool, max_kernels;
-    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval;
+    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout;
     std::optional<bool> cull_connected, cull_busy, list_kernels;
+    bool shutdown_kernels_on_exit = false;
     std::vector<std::string> kernelspec_dirs;
     bool print_config = false;
 };
@@ -57,6 +62,10 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.allow_origin, config.allow_origin);
     set(cli.runtime_dir, config.runtime_dir);
     set(cli.workspace_root, config.workspace_root);
+    set(cli.state_dir, config.state_dir);
+    set(cli.orphan_timeout, config.orphan_timeout);
+    if (cli.shutdown_kernels_on_exit)
+        config.shutdown_kernels_on_exit = true;
     set(cli.log_level, config.log_level);
     set(cli.default_kernel_name, config.default_kernel_name);
     set(cli.warm_pool, config.warm_pool);
@@ -118,6 +127,18 @@ int main(int argc, char** argv) {
                    "private directory for connection files and ipc sockets");
     app.add_option("--workspace-root", cli.workspace_root,
                    "where per-kernel CELLBLOCK_WORKSPACE directories are made");
+    app.add_option(
+        "--state-dir", cli.state_dir,
+        "the store, kernels' sockets and workspaces; kernels survive a gateway restart on the same "
+        "one (default $XDG_STATE_HOME/cellblock or ~/.local/state/cellblock)");
+    app.add_option(
+           "--orphan-timeout", cli.orphan_timeout,
+           "seconds a kernel keeps running without a gateway before it stops itself (default 600; 0 = "
+           "forever)")
+        ->check(CLI::NonNegativeNumber);
+    app.add_flag("--shutdown-kernels-on-exit", cli.shutdown_kernels_on_exit,
+                 "SIGTERM stops the kernels too (by default they keep running for the next gateway; SIGINT "
+                 "always stops them)");
     app.add_option("--log-level", cli.log_level, "debug, info, warning (default), error");
     app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
     cellblock::gateway::agent::AgentConfig agent_config;
@@ -165,18 +186,44 @@ int main(int argc, char** argv) {
     // Writing to a vanished client must be an error code, not a process-killing signal.
     std::signal(SIGPIPE, SIG_IGN);
 
+    // The state directory is locked and the store opened before anything listens: a second gateway on the
+    // same directory, or a store that cannot be read, stops here with the reason and a non-zero status.
+    std::unique_ptr<StateDirectory> state;
+    std::unique_ptr<SessionStore> store;
+    try {
+        state = std::make_unique<StateDirectory>(config.state_dir.empty()
+                                                     ? StateDirectory::default_path()
+                                                     : std::filesystem::path(config.state_dir));
+        config.state_dir = state->path().string();
+        if (config.runtime_dir.empty())
+            config.runtime_dir = state->runtime_dir().string();
+        if (config.workspace_root.empty())
+            config.workspace_root = state->workspaces_dir().string();
+        // ipc:// endpoints are <runtime_dir>/k-<16 hex>-<port>, and a socket path must fit in sun_path.
+        if (config.runtime_dir.size() + 22 > 107)
+            throw std::runtime_error("runtime directory path " + config.runtime_dir +
+                                     " is too long for ipc sockets (at most 85 characters): choose a shorter "
+                                     "--state-dir or --runtime-dir");
+        store = open_sqlite_store(state->store_file());
+    } catch (const std::exception& error) {
+        logger.error("cannot_start", {{"error", error.what()}});
+        std::cerr << "cellblock-gateway: " << error.what() << "\n";
+        return 1;
+    }
+
     try {
         boost::asio::io_context io(1);
+        StoreWriter writer(io, logger, *store);
         KernelSpecRegistry kernelspecs(config.effective_kernelspec_dirs(), config.kernel_aliases,
                                        config.default_kernel_name);
         if (!kernelspecs.find(config.default_kernel_name))
             logger.warn("default_kernelspec_missing", {{"name", config.default_kernel_name},
                                                        {"searched", config.effective_kernelspec_dirs()}});
-        KernelManager kernels(io, logger, config, kernelspecs);
-        SessionManager sessions;
+        KernelManager kernels(io, logger, config, kernelspecs, writer);
+        SessionManager sessions(writer);
         const TokenAuthenticator auth(*config.token);
         const CorsPolicy cors(config);
-        GatewayServices services{io, logger, config, kernelspecs, kernels, sessions, auth, cors};
+        GatewayServices services{io, logger, config, kernelspecs, kernels, sessions, writer, auth, cors};
         Router router;
         register_jupyter_api(router, services);
         cellblock::gateway::agent::AgentService agent_service(services, agent_config);
@@ -184,16 +231,31 @@ int main(int argc, char** argv) {
         HttpServer server(io, logger, config, router, auth, cors);
         const std::uint16_t port = server.listen(config.ip, config.port);
         kernels.start();
+        sessions.load(
+            [&kernels](const std::string& kernel_id) { return kernels.find(kernel_id) != nullptr; });
         agent_service.start();
 
+        // SIGTERM (a service manager's stop or restart, an upgrade) leaves the kernels running for the next
+        // gateway on this state directory; SIGINT (Ctrl-C at a terminal) stops them, as does SIGTERM with
+        // --shutdown-kernels-on-exit. A crash leaves them running; their lease (--orphan-timeout) ends them.
         boost::asio::signal_set stop_signals(io, SIGINT, SIGTERM);
+        boost::asio::steady_timer exit_timer(io);
         stop_signals.async_wait([&](const boost::system::error_code& error, int signal_number) {
             if (error)
                 return;
-            logger.info("stopping", {{"signal", signal_number}});
+            const bool keep_kernels = signal_number == SIGTERM && !config.shutdown_kernels_on_exit;
+            logger.info("stopping",
+                        {{"signal", signal_number},
+                         {"kernels", keep_kernels ? "left running for the next gateway" : "stopped"}});
             server.stop();
-            kernels.shutdown_all();
-            io.stop();
+            if (keep_kernels)
+                kernels.detach_all();
+            else
+                kernels.shutdown_all();
+            // A moment for WebSocket writes already queued: what a client was sent is what the next gateway
+            // does not replay.
+            exit_timer.expires_after(std::chrono::milliseconds(300));
+            exit_timer.async_wait([&io](const boost::system::error_code&) { io.stop(); });
         });
 
         const std::string scheme = server.tls() ? "https" : "http";

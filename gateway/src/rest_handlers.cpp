@@ -435,6 +435,7 @@ class SessionResource : public RestResource {
             if (!find_kernel(services_, kernel_id))
                 throw HttpError(http::status::bad_request, "Kernel does not exist: " + kernel_id);
             record->kernel_id = kernel_id;
+            services_.sessions.save(*record);
         } else if (!kernel_name.empty()) {
             // A new kernel of another spec replaces the old one, which is shut down once the new one runs.
             GatewayServices& services = services_;
@@ -451,11 +452,13 @@ class SessionResource : public RestResource {
                 }
                 const std::string old_kernel = current->kernel_id;
                 current->kernel_id = kernel->id();
+                services.sessions.save(*current);
                 services.kernels.shutdown_kernel(old_kernel);
                 respond(json_response(http::status::ok, session_model(services, *current)));
             });
             return;
         }
+        services_.sessions.save(*record);
         respond(json_response(http::status::ok, session_model(services_, *record)));
     }
     void delete_(RequestContext& context, Responder respond) override {

@@ -9,7 +9,7 @@ want_test_tools=0
 build_packages=(
   build-essential cmake pkg-config git
   xeus-dev libzmq3-dev cppzmq-dev nlohmann-json3-dev libssl-dev uuid-dev xtl-dev
-  libseccomp-dev libboost1.74-dev libcli11-dev
+  libseccomp-dev libboost1.74-dev libcli11-dev libsqlite3-dev
   libgtest-dev googletest
 )
 runtime_packages=(

@@ -9,5 +9,7 @@ prefix=${CELLBLOCK_PREFIX:-/usr/local}
 bash "$repo/share/scripts/install-deps.sh"
 bash "$repo/share/scripts/build.sh" "${CELLBLOCK_BUILD_DIR:-$repo/build/release}" "$prefix" \
      -DCMAKE_BUILD_TYPE=Release -DCELLBLOCK_BUILD_TESTS=OFF
-echo "[start] cellblock-gateway (Ctrl-C stops it and every kernel it started)"
-exec "$prefix/bin/cellblock-gateway" --ip "${CELLBLOCK_IP:-127.0.0.1}" --port "${CELLBLOCK_PORT:-8888}" "$@"
+state_dir=${CELLBLOCK_STATE_DIR:-/var/lib/cellblock}
+echo "[start] cellblock-gateway, state in $state_dir (Ctrl-C stops it and every kernel; SIGTERM keeps kernels for a restart)"
+exec "$prefix/bin/cellblock-gateway" --ip "${CELLBLOCK_IP:-127.0.0.1}" --port "${CELLBLOCK_PORT:-8888}" \
+     --state-dir "$state_dir" "$@"

@@ -45,9 +45,11 @@ def free_port() -> int:
 
 
 class AgentGateway:
-    """One cellblock-gateway process; `state_dir` is the agent state directory (session records, audit trails)."""
+    """One cellblock-gateway process; `state_dir` is its state directory (the store with session records and audit
+    trails, kernels' sockets and workspaces). Its kernels stop with it unless `keep_kernels` (then SIGTERM leaves them
+    running for the next gateway on the same state directory, as in production)."""
 
-    def __init__(self, state_dir: Path, log_path: Path, *extra_arguments: str):
+    def __init__(self, state_dir: Path, log_path: Path, *extra_arguments: str, keep_kernels: bool = False):
         self.port = free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -58,8 +60,8 @@ class AgentGateway:
         self._log = open(log_path, "ab")
         self.process = subprocess.Popen(
             [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", str(self.port), "--token", self.token,
-             "--kernelspec-dir", str(KERNELSPEC.parent.parent), "--agent-state-dir", str(state_dir),
-             *extra_arguments],
+             "--kernelspec-dir", str(KERNELSPEC.parent.parent), "--state-dir", str(state_dir),
+             *([] if keep_kernels else ["--shutdown-kernels-on-exit"]), *extra_arguments],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.http = requests.Session()
         self.http.headers["Authorization"] = f"token {self.token}"
@@ -99,9 +101,9 @@ class AgentGateway:
     def assert_alive(self):
         assert self.process.poll() is None, f"gateway died ({self.process.returncode}):\n{self.log_tail()}"
 
-    def stop(self, grace_s: float = 20) -> int:
+    def stop(self, grace_s: float = 20, sig: int = signal.SIGTERM) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:

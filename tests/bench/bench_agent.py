@@ -45,8 +45,8 @@ class Gateway:
         self.log_path = log_path
         self.process = subprocess.Popen(
             [str(prefix / "bin" / "cellblock-gateway"), "--ip", "127.0.0.1", "--port", str(self.port), "--token",
-             self.token, "--kernelspec-dir", str(prefix / "share" / "jupyter" / "kernels"), "--agent-state-dir",
-             str(state_dir), "--warm-pool", "1"],
+             self.token, "--kernelspec-dir", str(prefix / "share" / "jupyter" / "kernels"), "--state-dir",
+             str(state_dir), "--shutdown-kernels-on-exit", "--warm-pool", "1"],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         deadline = time.monotonic() + 60
         ready = re.compile(rf"is available at http://127\.0\.0\.1:{self.port}\b")

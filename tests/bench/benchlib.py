@@ -598,6 +598,7 @@ def start_gateway(workdir: Path, extra_args: Optional[list[str]] = None, extra_e
     port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ, **(extra_env or {}))
     argv = [str(gateway_binary()), "--ip", "127.0.0.1", "--port", str(port), "--token", token,
+            "--state-dir", str(workdir / "state"), "--shutdown-kernels-on-exit",
             "--runtime-dir", str(workdir / "runtime"), "--workspace-root", str(workdir / "workspaces"),
             *(extra_args or [])]
     server = ServerProcess("cellblock-gateway", argv, env, workdir / f"gateway-{port}.log")

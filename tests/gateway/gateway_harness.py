@@ -9,12 +9,15 @@ import os
 import pathlib
 import queue
 import re
+import shutil
 import signal
 import struct
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import requests
@@ -53,9 +56,16 @@ def kernelspec_arguments():
 class Gateway:
     """One cellblock-gateway process on a free port."""
 
-    def __init__(self, *arguments, token=TOKEN, env=None, warm_pool=1):
-        command = [gateway_binary(), "--ip", "127.0.0.1", "--port", "0", *kernelspec_arguments(),
-                   "--warm-pool", str(warm_pool)]
+    def __init__(self, *arguments, token=TOKEN, env=None, warm_pool=1, state_dir=None, keep_kernels=False, port=0):
+        """`state_dir`: where the gateway keeps its store and kernels (a fresh temporary one by default; pass the
+        same one to a second Gateway to test re-adoption). Kernels are stopped when the gateway stops unless
+        `keep_kernels` (then SIGTERM leaves them running for the next gateway, as in production)."""
+        self.owns_state_dir = state_dir is None and not keep_kernels
+        self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="cbgw-"))
+        command = [gateway_binary(), "--ip", "127.0.0.1", "--port", str(port), *kernelspec_arguments(),
+                   "--warm-pool", str(warm_pool), "--state-dir", str(self.state_dir)]
+        if not keep_kernels:
+            command.append("--shutdown-kernels-on-exit")
         if token is not None:
             command += ["--token", token]
         command += list(arguments)
@@ -127,6 +137,8 @@ class Gateway:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.owns_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         return self.process.returncode
 
 

@@ -131,7 +131,8 @@ def gateway(tmp_path_factory):
     env = dict(os.environ)
     env.setdefault("JUPYTER_PATH", str(PREFIX / "share" / "jupyter"))
     server = ServerProcess("cellblock-gateway",
-                           [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", str(port), "--token", token],
+                           [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", str(port), "--token", token,
+                            "--state-dir", str(log_path.parent / "state"), "--shutdown-kernels-on-exit"],
                            log_path, env)
     ready_line = re.compile(rf"is available at http://127\.0\.0\.1:{port}\b")
     try:

@@ -420,26 +420,28 @@ class AuditResource : public AgentResource {
         auto target = session(context);
         const bool ndjson =
             context.request[http::field::accept].find("application/x-ndjson") != std::string_view::npos;
-        // Entries queued for the disk are included: answer once the writer has reached this point.
-        service_.services().writer.after_pending([target, respond, ndjson] {
-            std::ifstream input(target->audit_file(), std::ios::binary);
-            std::stringstream text;
-            if (input)
-                text << input.rdbuf();
+        AuditQuery query{target->id(), context.query.contains("event") ? context.query.at("event") : "",
+                         context.query.contains("since") ? context.query.at("since") : "",
+                         context.query.contains("until") ? context.query.at("until") : ""};
+        StoreWriter& writer = service_.services().writer;
+        // Entries queued for the store are included: answer once the writer has reached this point.
+        writer.after_pending([&writer, target, respond, ndjson, query] {
+            std::vector<json> entries;
+            try {
+                entries = writer.store().audit(query);
+            } catch (const std::exception& error) {
+                return respond(json_error(http::status::internal_server_error,
+                                          std::string("cannot read the audit trail: ") + error.what()));
+            }
             if (ndjson) {
                 HttpResponse response{http::status::ok, 11};
                 response.set(http::field::content_type, "application/x-ndjson");
-                response.body() = text.str();
+                for (const json& entry : entries)
+                    response.body() += entry.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
                 response.prepare_payload();
                 return respond(std::move(response));
             }
-            json entries = json::array();
-            for (std::string line; std::getline(text, line);) {
-                json entry = json::parse(line, nullptr, false);
-                if (!entry.is_discarded())
-                    entries.push_back(std::move(entry));
-            }
-            respond(json_response(http::status::ok, {{"session", target->id()}, {"entries", entries}}));
+            respond(json_response(http::status::ok, {{"session", target->id()}, {"entries", json(entries)}}));
         });
     }
 };
@@ -451,14 +453,13 @@ class AuditResource : public AgentResource {
 AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
     : gateway_(gateway),
       config_(config),
-      writer_(gateway.io, gateway.logger),
-      session_services_{gateway.io, gateway.logger, gateway.kernels, config_, writer_},
+      session_services_{gateway.io, gateway.logger, gateway.kernels, config_, gateway.writer},
       registry_(session_services_) {}
 
 AgentService::~AgentService() = default;
 
 void AgentService::start() {
-    registry_.start(gateway_.kernels.runtime_dir() / "agent-state");
+    registry_.start();
 }
 
 std::shared_ptr<AgentSession> AgentService::require_session(const std::string& id_or_name) const {

@@ -96,8 +96,7 @@ void AgentConfig::load_kernel_defaults(const std::filesystem::path& kernel_confi
 }
 
 json AgentConfig::to_json() const {
-    return {{"state_dir", state_dir},
-            {"session_ttl_s", session_ttl_s},
+    return {{"session_ttl_s", session_ttl_s},
             {"default_limits", default_limits.to_json()},
             {"max_limits", max_limits.to_json()},
             {"inline_output_bytes", inline_output_bytes},
@@ -109,10 +108,6 @@ json AgentConfig::to_json() const {
 
 void add_agent_options(CLI::App& app, AgentConfig& config) {
     const std::string group = "Agent API";
-    app.add_option("--agent-state-dir", config.state_dir,
-                   "session records, cell history and audit trails (default ~/.local/state/cellblock/agent)")
-        ->envname("CELLBLOCK_AGENT_STATE_DIR")
-        ->group(group);
     app.add_option("--agent-session-ttl", config.session_ttl_s,
                    "seconds before an idle agent session is deleted, 0 = never")
         ->envname("CELLBLOCK_AGENT_SESSION_TTL")

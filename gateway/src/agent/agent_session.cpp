@@ -44,11 +44,9 @@ json digest_of(const std::string& text) {
 }
 }  // namespace
 
-AgentSession::AgentSession(SessionServices& services, Record record, fs::path directory,
-                           std::vector<json> cells)
+AgentSession::AgentSession(SessionServices& services, Record record, std::vector<json> cells)
     : services_(services),
       record_(std::move(record)),
-      directory_(std::move(directory)),
       cells_(std::move(cells)),
       link_session_id_("cellblock-agent-" + record_.id),
       deadline_timer_(services.io) {
@@ -113,18 +111,124 @@ void AgentSession::ensure_kernel(Done done) {
                     kernels.shutdown_kernel((*kernel)->id());
                 return;
             }
+            if (auto* failure = std::get_if<KernelStartError>(&result))
+                return self->settle_kernel_waiters(failure->message);
+            self->attach_kernel(std::get<std::shared_ptr<Kernel>>(result));
+            self->settle_kernel_waiters(std::nullopt);
+        });
+}
+
+void AgentSession::settle_kernel_waiters(std::optional<std::string> error) {
+    starting_kernel_ = false;
+    auto waiters = std::move(kernel_waiters_);
+    kernel_waiters_.clear();
+    for (auto& waiter : waiters)
+        waiter(error);
+}
+
+void AgentSession::resume(std::shared_ptr<Kernel> kernel, const std::string& lost_cause,
+                          std::vector<InflightExecute> inflight) {
+    if (!kernel) {
+        // The next execute starts a fresh kernel and says what was lost, and why.
+        had_kernel_ = true;
+        state_lost_cause_ = lost_cause;
+        audit({{"event", "kernel_lost"}, {"cause", lost_cause}});
+        for (const InflightExecute& execute : inflight) {
+            json cell = {
+                {"cell_type", "code"},
+                {"id", random_hex(8)},
+                {"metadata", {{"cellblock", {{"status", "error"}, {"lost", true}}}}},
+                {"source", execute.request.value("code", std::string())},
+                {"execution_count", nullptr},
+                {"outputs", json::array({{{"output_type", "error"},
+                                          {"ename", "KernelLost"},
+                                          {"evalue", lost_cause},
+                                          {"traceback", json::array({"KernelLost: " + lost_cause})}}})}};
+            services_.writer.submit(
+                [session = id(), cell](SessionStore& store) { store.append_cell(session, cell); });
+            cells_.push_back(std::move(cell));
+            audit({{"event", "execute"},
+                   {"code", execute.request.value("code", std::string())},
+                   {"started", execute.request.value("started", std::string())},
+                   {"status", "error"},
+                   {"error", {{"ename", "KernelLost"}, {"evalue", lost_cause}}}});
+            services_.writer.submit([session = id(), msg_id = execute.msg_id](SessionStore& store) {
+                store.remove_inflight(session, msg_id);
+            });
+        }
+        return;
+    }
+    // Executes wait for the re-adopted kernel as they would for a starting one.
+    starting_kernel_ = true;
+    if (!inflight.empty())
+        running_ = std::make_unique<Running>();  // busy: queued executes run after the resumed one
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    kernel->when_ready([weak, kernel, inflight = std::move(inflight)](std::optional<std::string> error) {
+        auto self = weak.lock();
+        if (!self || self->closed_)
+            return;
+        if (error) {
+            self->running_.reset();
+            self->resume(nullptr, "the kernel could not be re-adopted after the gateway restarted: " + *error,
+                         inflight);
+            // Nothing is attached: whoever waits gets a fresh kernel instead.
             self->starting_kernel_ = false;
             auto waiters = std::move(self->kernel_waiters_);
             self->kernel_waiters_.clear();
-            if (auto* failure = std::get_if<KernelStartError>(&result)) {
-                for (auto& waiter : waiters)
-                    waiter(failure->message);
-                return;
-            }
-            self->attach_kernel(std::get<std::shared_ptr<Kernel>>(result));
             for (auto& waiter : waiters)
-                waiter(std::nullopt);
-        });
+                self->ensure_kernel(std::move(waiter));
+            self->run_next();
+            return;
+        }
+        self->had_kernel_ = false;  // the same kernel: nothing was lost
+        self->attach_kernel(kernel);
+        self->audit({{"event", "kernel_readopted"}, {"kernel_id", kernel->id()}});
+        self->settle_kernel_waiters(std::nullopt);
+        if (!inflight.empty())
+            self->resume_execute(inflight.front());
+        else
+            self->run_next();
+    });
+}
+
+void AgentSession::resume_execute(const InflightExecute& inflight) {
+    if (!running_)
+        running_ = std::make_unique<Running>();
+    auto& running = *running_;
+    running.msg_id = inflight.msg_id;
+    running.pending.request.code = inflight.request.value("code", std::string());
+    running.pending.request.client_address = inflight.request.value("client", std::string());
+    running.pending.request.client_kind = inflight.request.value("via", std::string());
+    running.pending.request.timeout_s = inflight.request.value("timeout_s", 0.0);
+    running.started_wall = parse_iso8601_utc(inflight.request.value("started", std::string()))
+                               .value_or(std::chrono::system_clock::now());
+    running.started =
+        std::chrono::steady_clock::now() - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                               std::chrono::system_clock::now() - running.started_wall);
+    running.collector = std::make_unique<ExecutionCollector>(inflight.msg_id, nullptr);
+    services_.logger.info("agent_execute_resumed", {{"session", id()}, {"msg_id", inflight.msg_id}});
+    for (const JupyterMessage& message : kernel_->replayed_for(inflight.msg_id)) {
+        if (!running_ || !running_->collector)
+            return;
+        deliver(message);
+    }
+    if (!running_ || !running_->collector)
+        return;  // answered from the record
+    // Still running in the kernel: the breaker gets what is left of its time.
+    const double timeout_s =
+        running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
+    const auto elapsed = std::chrono::steady_clock::now() - running.started;
+    const auto left =
+        std::max(std::chrono::milliseconds(0),
+                 seconds_to_ms(timeout_s) - std::chrono::duration_cast<std::chrono::milliseconds>(elapsed));
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    deadline_timer_.expires_after(left);
+    deadline_timer_.async_wait([weak](const boost::system::error_code& error) {
+        if (error)
+            return;
+        if (auto self = weak.lock())
+            self->on_deadline();
+    });
 }
 
 void AgentSession::attach_kernel(std::shared_ptr<Kernel> kernel) {
@@ -179,13 +283,13 @@ void AgentSession::persist_record() {
                    {"limits", record_.limits.to_json()},
                    {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
                    {"deleted", closed_}};
-    services_.writer.replace_file(directory_ / "session.json", record.dump(2));
+    services_.writer.submit([record](SessionStore& store) { store.put_agent_session(record); });
 }
 
 void AgentSession::audit(json entry) {
     json line = {{"time", format_iso8601_utc(std::chrono::system_clock::now())}, {"session", record_.id}};
     line.update(entry);
-    services_.writer.append_line(audit_file(), line.dump(-1, ' ', false, json::error_handler_t::replace));
+    services_.writer.submit([line](SessionStore& store) { store.append_audit(line); });
 }
 
 // ------------------------------------------------------------------------------------------------ the queue
@@ -299,8 +403,8 @@ void AgentSession::start_reset(Pending pending) {
         self->running_.reset();
         if (!error) {
             self->cells_.clear();
-            self->services_.writer.append_line(self->directory_ / "cells.jsonl",
-                                               json({{"reset", true}}).dump());
+            self->services_.writer.submit(
+                [session = self->id()](SessionStore& store) { store.clear_cells(session); });
         }
         self->audit({{"event", "reset"},
                      {"client", shared_pending->request.client_address},
@@ -331,6 +435,17 @@ void AgentSession::start_execute(Pending pending) {
         if (self && self->running_ && self->running_->pending.handlers.on_event)
             self->running_->pending.handlers.on_event(event);
     });
+    running.msg_id = request.msg_id;
+    // Recorded before it is sent: if the gateway dies now, the next one completes this cell from the kernel.
+    services_.writer.submit(
+        [inflight = InflightExecute{id(),
+                                    request.msg_id,
+                                    {{"code", running.pending.request.code},
+                                     {"client", running.pending.request.client_address},
+                                     {"via", running.pending.request.client_kind},
+                                     {"timeout_s", running.pending.request.timeout_s},
+                                     {"started", format_iso8601_utc(running.started_wall)}}}](
+            SessionStore& store) { store.put_inflight(inflight); });
     link_->send(std::move(request));
     const double timeout_s =
         running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
@@ -499,9 +614,10 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
     bool state_lost = std::exchange(state_lost_notice_, false);
     std::string notice;
     if (state_lost)
-        notice =
-            "a new kernel serves this session (the previous one was shut down, or the gateway restarted): "
-            "variables, imports and workspace files from earlier executes are gone";
+        notice = "a new kernel serves this session (" +
+                 (state_lost_cause_.empty() ? std::string("the previous one was shut down")
+                                            : std::exchange(state_lost_cause_, std::string())) +
+                 "): variables, imports and workspace files from earlier executes are gone";
     const std::string ename = error.is_object() ? error.value("ename", "") : "";
     if (ename == "TimeoutError")
         status = "timeout";
@@ -574,8 +690,11 @@ void AgentSession::finish_execute() {
         {"source", running->pending.request.code},
         {"execution_count", answer["execution_count"]},
         {"outputs", cell_outputs}};
-    services_.writer.append_line(directory_ / "cells.jsonl",
-                                 cell.dump(-1, ' ', false, json::error_handler_t::replace));
+    services_.writer.submit([session = id(), cell, msg_id = running->msg_id](SessionStore& store) {
+        store.append_cell(session, cell);
+        if (!msg_id.empty())
+            store.remove_inflight(session, msg_id);
+    });
     cells_.push_back(std::move(cell));
 
     json displays_digest = json::array();

@@ -45,26 +45,11 @@ json tool_text(const std::string& text, bool is_error) {
     return {{"content", json::array({text_content(text)})}, {"isError", is_error}};
 }
 
-std::string base64_decode(const std::string& text) {
-    std::string compact;
-    for (char c : text)
-        if (!std::isspace(static_cast<unsigned char>(c)))
-            compact.push_back(c);
-    if (compact.size() % 4 != 0)
-        throw ParamsError("content_base64 is not valid base64 (length)");
-    std::string out(compact.size() / 4 * 3, '\0');
-    const int length = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                       reinterpret_cast<const unsigned char*>(compact.data()),
-                                       static_cast<int>(compact.size()));
-    if (length < 0)
+std::string decode_base64_argument(const std::string& text) {
+    auto decoded = base64_decode(text);
+    if (!decoded)
         throw ParamsError("content_base64 is not valid base64");
-    std::size_t padding = 0;
-    if (!compact.empty() && compact.back() == '=')
-        ++padding;
-    if (compact.size() > 1 && compact[compact.size() - 2] == '=')
-        ++padding;
-    out.resize(static_cast<std::size_t>(length) - padding);
-    return out;
+    return *decoded;
 }
 
 const json& tool_definitions() {
@@ -378,7 +363,7 @@ class McpResource : public RestResource {
                 string_argument(arguments, "path", true);  // the Workspace refuses escapes
             std::string bytes;
             if (arguments.contains("content_base64") && !arguments["content_base64"].is_null())
-                bytes = base64_decode(string_argument(arguments, "content_base64", true));
+                bytes = decode_base64_argument(string_argument(arguments, "content_base64", true));
             else
                 bytes = string_argument(arguments, "content", true);
             const std::uint64_t cap = service_.config().max_file_bytes;

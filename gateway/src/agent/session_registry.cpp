@@ -35,73 +35,16 @@ AgentSessionRegistry::AgentSessionRegistry(SessionServices& services)
 AgentSessionRegistry::~AgentSessionRegistry() {
     expiry_timer_.cancel();
     services_.writer.drain();
-    if (lock_fd_ >= 0)
-        ::close(lock_fd_);
 }
 
-namespace {
-fs::path default_state_dir() {
-    if (const char* state = std::getenv("XDG_STATE_HOME"); state && *state)
-        return fs::path(state) / "cellblock" / "agent";
-    if (const char* home = std::getenv("HOME"); home && *home)
-        return fs::path(home) / ".local" / "state" / "cellblock" / "agent";
-    return {};
-}
-
-// Returns the locked fd, or -1 when the directory cannot be used or another gateway holds it.
-int lock_state_dir(const fs::path& directory, std::string& why) {
-    std::error_code error;
-    fs::create_directories(directory / "sessions", error);
-    if (error) {
-        why = "cannot create " + (directory / "sessions").string() + ": " + error.message();
-        return -1;
-    }
-    fs::permissions(directory, fs::perms::owner_all, error);
-    const int fd = ::open((directory / "lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) {
-        why = "cannot open " + (directory / "lock").string() + ": " + std::strerror(errno);
-        return -1;
-    }
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-        why = "another gateway uses " + directory.string();
-        ::close(fd);
-        return -1;
-    }
-    return fd;
-}
-}  // namespace
-
-void AgentSessionRegistry::start(const fs::path& fallback_dir) {
-    fs::path wanted =
-        services_.config.state_dir.empty() ? default_state_dir() : fs::path(services_.config.state_dir);
-    std::string why = "no state directory configured and no HOME";
-    if (!wanted.empty())
-        lock_fd_ = lock_state_dir(wanted, why);
-    if (lock_fd_ >= 0) {
-        state_dir_ = wanted;
-    } else {
-        if (!services_.config.state_dir.empty())
-            throw std::runtime_error("agent state directory unusable: " + why);
-        services_.logger.warn(
-            "agent_state_dir_fallback",
-            {{"wanted", wanted.string()}, {"reason", why}, {"using", fallback_dir.string()}});
-        lock_fd_ = lock_state_dir(fallback_dir, why);
-        if (lock_fd_ < 0)
-            throw std::runtime_error("agent state directory unusable: " + why);
-        state_dir_ = fallback_dir;
-    }
+void AgentSessionRegistry::start() {
     load_sessions();
     schedule_expiry();
 }
 
 void AgentSessionRegistry::load_sessions() {
-    std::error_code error;
-    for (const auto& entry : fs::directory_iterator(state_dir_ / "sessions", error)) {
-        const fs::path record_file = entry.path() / "session.json";
-        std::ifstream input(record_file);
-        if (!input)
-            continue;
-        const json record = json::parse(input, nullptr, false);
+    SessionStore& store = services_.writer.store();
+    for (const json& record : store.agent_sessions()) {
         if (!record.is_object() || record.value("deleted", false))
             continue;
         try {
@@ -110,28 +53,30 @@ void AgentSessionRegistry::load_sessions() {
                 record.value("created", std::string()),
                 parse_limits(record.value("limits", json::object()), services_.config.default_limits,
                              AgentLimits{1e12, UINT64_MAX / 2, UINT64_MAX / 2})};
-            if (loaded.id != entry.path().filename().string() || by_id_.contains(loaded.id) ||
-                id_by_name_.contains(loaded.name))
+            if (by_id_.contains(loaded.id) || id_by_name_.contains(loaded.name))
                 continue;
-            std::vector<json> cells;
-            std::ifstream history(entry.path() / "cells.jsonl");
-            for (std::string line; std::getline(history, line);) {
-                json cell = json::parse(line, nullptr, false);
-                if (!cell.is_object())
-                    continue;  // a torn last line after a crash
-                if (cell.value("reset", false))
-                    cells.clear();
-                else
-                    cells.push_back(std::move(cell));
-            }
-            auto session = std::make_shared<AgentSession>(services_, loaded, entry.path(), std::move(cells));
+            auto session = std::make_shared<AgentSession>(services_, loaded, store.cells(loaded.id));
             id_by_name_[loaded.name] = loaded.id;
             by_id_[loaded.id] = session;
+            const std::string kernel_id = record.contains("kernel_id") && record["kernel_id"].is_string()
+                                              ? record["kernel_id"].get<std::string>()
+                                              : "";
+            auto inflight = store.inflight(loaded.id);
+            auto kernel = kernel_id.empty() ? nullptr : services_.kernels.find(kernel_id);
             session->audit({{"event", "session_reloaded"},
-                            {"note", "gateway restarted; a new kernel starts on first use"}});
+                            {"kernel_id", kernel ? json(kernel_id) : json(nullptr)},
+                            {"note", kernel ? "gateway restarted; the session's kernel was re-adopted"
+                                            : "gateway restarted; a new kernel starts on first use"}});
+            if (kernel)
+                session->resume(kernel, "", std::move(inflight));
+            else if (!kernel_id.empty())
+                session->resume(nullptr,
+                                services_.kernels.lost_cause(kernel_id).value_or(
+                                    "the previous gateway stopped its kernels when it exited"),
+                                std::move(inflight));
         } catch (const std::exception& failure) {
             services_.logger.warn("agent_session_unreadable",
-                                  {{"file", record_file.string()}, {"error", failure.what()}});
+                                  {{"record", record.dump()}, {"error", failure.what()}});
         }
     }
     if (!by_id_.empty())
@@ -158,14 +103,8 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const st
         return done(nullptr, HttpError(http::status::conflict, "a session named " + name + " already exists",
                                        "name_taken"));
 
-    const fs::path directory = state_dir_ / "sessions" / id;
-    std::error_code error;
-    fs::create_directories(directory, error);
-    if (error)
-        return done(nullptr, HttpError(http::status::internal_server_error,
-                                       "cannot create " + directory.string() + ": " + error.message()));
     AgentSession::Record record{id, name, format_iso8601_utc(std::chrono::system_clock::now()), limits};
-    auto session = std::make_shared<AgentSession>(services_, record, directory, std::vector<json>{});
+    auto session = std::make_shared<AgentSession>(services_, record, std::vector<json>{});
     by_id_[id] = session;
     id_by_name_[name] = id;  // reserved while the kernel starts
     session->persist_record();

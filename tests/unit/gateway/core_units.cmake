@@ -1,11 +1,12 @@
 # GoogleTest units of the gateway core: router, auth, date format, HMAC signer, both WebSocket message formats,
-# the ZMQ wire format and kernelspec alias resolution.
+# the ZMQ wire format, kernelspec alias resolution, the SQLite store, its writer thread and the state directory lock.
 add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/router_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/auth_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/time_format_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/crypto_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/jupyter_message_test.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/kernelspec_registry_test.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/kernelspec_registry_test.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/store_test.cpp)
 target_link_libraries(gateway_core_unit_tests PRIVATE cellblock_gateway_core GTest::gtest_main)
 gtest_discover_tests(gateway_core_unit_tests TEST_PREFIX "gateway." DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)

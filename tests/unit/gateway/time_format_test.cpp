@@ -24,3 +24,14 @@ TEST(TimeFormat, EpochAndBeforeEpoch) {
     EXPECT_EQ(format_iso8601_utc(system_clock::time_point{}), "1970-01-01T00:00:00.000000Z");
     EXPECT_EQ(format_iso8601_utc(system_clock::time_point{} - microseconds(1)), "1969-12-31T23:59:59.999999Z");
 }
+
+TEST(TimeFormat, ParsesWhatItFormatsAndRefusesAnythingElse) {
+    const system_clock::time_point when{seconds(1700000000) + microseconds(123456)};
+    EXPECT_EQ(parse_iso8601_utc(format_iso8601_utc(when)), when);
+    EXPECT_EQ(parse_iso8601_utc("2023-11-14T22:13:20Z"), system_clock::time_point{seconds(1700000000)});
+    EXPECT_EQ(parse_iso8601_utc("2023-11-14T22:13:20.5Z"),
+              system_clock::time_point{seconds(1700000000) + milliseconds(500)});
+    EXPECT_FALSE(parse_iso8601_utc("").has_value());
+    EXPECT_FALSE(parse_iso8601_utc("2023-11-14 22:13:20").has_value());
+    EXPECT_FALSE(parse_iso8601_utc("2023-11-14T22:13:20.000000Z trailing").has_value());
+}

@@ -58,9 +58,16 @@ struct GatewayConfig {
     double offline_session_ttl = 300;  // seconds a dropped session_id keeps its sockets and buffer
     std::size_t max_pending_send_bytes = 64u << 20;  // a client slower than this is disconnected
 
-    // Filesystem; empty = a fresh private directory under $XDG_RUNTIME_DIR or /tmp.
+    // Filesystem. state_dir holds the store and, unless runtime_dir / workspace_root say otherwise, the
+    // kernels' connection files, sockets and workspaces (see state_directory.hpp); empty = the default
+    // ($XDG_STATE_HOME/cellblock or ~/.local/state/cellblock).
+    std::string state_dir;
     std::string runtime_dir;
     std::string workspace_root;
+    // Seconds a kernel keeps running without a gateway before it stops itself; 0 = forever.
+    double orphan_timeout = 600;
+    // SIGTERM normally leaves kernels running for the next gateway (upgrade, restart); this stops them.
+    bool shutdown_kernels_on_exit = false;
 
     std::string log_level = "warning";
 

@@ -1,6 +1,7 @@
 #pragma once
 // Cryptographic helpers, all delegated to OpenSSL / libuuid: message signing for the Jupyter wire protocol,
 // random identifiers and constant-time comparison of secrets.
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -28,5 +29,7 @@ std::string new_uuid();
 bool constant_time_equals(std::string_view a, std::string_view b);
 // Standard base64 (OpenSSL EVP_EncodeBlock / EVP_DecodeBlock).
 std::string base64_encode(std::string_view bytes);
+// Whitespace is ignored; nullopt for text that is not valid base64.
+std::optional<std::string> base64_decode(std::string_view text);
 
 }  // namespace cellblock::gateway

@@ -12,13 +12,16 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "cellblock/gateway/config.hpp"
 #include "cellblock/gateway/jupyter_message.hpp"
 #include "cellblock/gateway/kernel_process.hpp"
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/store.hpp"
 #include "cellblock/gateway/zmq_channel.hpp"
 
 namespace cellblock::gateway {
@@ -77,6 +80,9 @@ struct KernelLaunch {
     std::map<std::string, std::string> environment;  // the full environment of the kernel process
     std::filesystem::path runtime_dir;               // private 0700 directory for connection file and sockets
     std::filesystem::path workspace_dir;  // per-kernel CELLBLOCK_WORKSPACE, also the working directory
+    // Set when re-adopting a kernel started by an earlier gateway: its key, socket path prefix and creation
+    // time (empty = new ones), and where the earlier gateway stopped reading IOPub.
+    std::string key, endpoint_base, created, last_iopub_id;
 };
 
 class Kernel : public std::enable_shared_from_this<Kernel> {
@@ -92,6 +98,24 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // Spawns the process; `on_ready` runs once the kernel answered kernel_info_request and IOPub delivers, or
     // with an error on failure/timeout.
     void start(ReadyHandler on_ready);
+    // Re-adopts the running process `process` (started by an earlier gateway with this launch's key and
+    // endpoints): connects, probes readiness like start(), then fetches the kernel's record of what it sent
+    // while no gateway listened (cellblock_replay_request) before `on_ready` runs. Clients that attach soon
+    // after get what they missed; `replayed_for` gives an interrupted execute its complete output.
+    void adopt(const ProcessIdentity& process, ReadyHandler on_ready);
+    // Gateway exit that keeps the kernel running for the next gateway: closes this side's sockets and lets
+    // the process (and its files) outlive this object.
+    void release();
+    // Renews the kernel's orphan lease (CELLBLOCK_LEASE_S), which it also renews on any other request.
+    void renew_lease();
+    // Every recorded message of a re-adopted kernel that answers the request `parent_msg_id`, oldest first.
+    std::vector<JupyterMessage> replayed_for(const std::string& parent_msg_id) const;
+    // What the store keeps of this kernel; `pooled` marks a warm-pool kernel not handed out yet.
+    KernelRecord record(bool pooled) const;
+    // The last IOPub message received; `take_progress` returns it once after each change.
+    std::optional<std::string> take_progress();
+    // Called after every spawn (start, restart, automatic restart): the process identity changed.
+    void on_spawned(std::function<void(const Kernel&)> handler) { spawned_handler_ = std::move(handler); }
     // Runs `handler` once the kernel is ready (at once if it already is).
     void when_ready(ReadyHandler handler);
     // Gateway exit: SIGTERM now; `finish_termination` waits up to `grace` and then SIGKILLs.
@@ -146,6 +170,13 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void finish_readiness(std::optional<std::string> error);
     void handle_iopub(JupyterMessage&& message);
     void handle_probe_reply(JupyterMessage&& message);
+    // Readiness reached: a re-adopted kernel still fetches its record before the handlers run.
+    void on_probe_complete();
+    void request_replay();
+    void handle_replay_reply(const nlohmann::json& content);
+    // The messages a session attaching now should get first (output sent while no gateway listened).
+    void hand_backlog(KernelSession& session, bool attached_during_adoption);
+    void watch_process();
     void broadcast(const JupyterMessage& message);
     void set_state(KernelState state) { state_ = state; }
     void connect_gateway_sockets();
@@ -176,6 +207,23 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     boost::asio::steady_timer shutdown_timer_;
     std::vector<ReadyHandler> ready_handlers_;
     std::function<void(const std::string&)> terminated_handler_;
+    std::function<void(const Kernel&)> spawned_handler_;
+    std::optional<ProcessIdentity> process_identity_;
+    bool released_ = false;
+
+    // Re-adoption. The phase of the record fetch is explicit, so a kernel that keeps no record (not a
+    // cellblock kernel) is told apart from one whose answer is still on its way.
+    enum class ReplayPhase { none, pending, awaiting, done };
+    ReplayPhase replay_phase_ = ReplayPhase::none;
+    std::string replay_request_id_;
+    std::vector<JupyterMessage> live_during_adoption_;  // IOPub received before the record arrived
+    std::vector<JupyterMessage> replayed_;              // everything the kernel recorded, plus the above
+    std::vector<JupyterMessage> backlog_;               // what clients missed: after last_iopub_id
+    bool backlog_lossy_ = false;                        // the record no longer reaches back that far
+    std::chrono::steady_clock::time_point backlog_until_;
+    std::set<std::string> backlog_served_;  // session_ids that got the backlog
+    std::string last_iopub_id_;
+    bool progress_changed_ = false;
 };
 
 }  // namespace cellblock::gateway

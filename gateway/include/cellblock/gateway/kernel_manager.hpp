@@ -1,6 +1,13 @@
 #pragma once
 // Owns every kernel: starts them (from the warm pool when possible), enforces max_kernels at request time,
-// restarts, interrupts, shuts down and culls them. All methods run on the io_context thread.
+// restarts, interrupts, shuts down and culls them, records each in the store and re-adopts the ones an
+// earlier gateway left running. All methods run on the io_context thread.
+//
+// Kernel lifetime across gateway exits (the one place this is decided):
+//   shutdown_all()  stops every kernel and forgets it (SIGINT, --shutdown-kernels-on-exit, fatal errors);
+//   detach_all()    leaves every kernel running for the next gateway on the same state directory (SIGTERM);
+//   a crash         leaves them running too. A kernel whose gateway stays away longer than
+//                   orphan_timeout stops itself (CELLBLOCK_LEASE_S) and removes its workspace.
 #include <boost/asio/steady_timer.hpp>
 #include <deque>
 #include <functional>
@@ -14,6 +21,7 @@
 #include "cellblock/gateway/kernel.hpp"
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/store_writer.hpp"
 
 namespace cellblock::gateway {
 
@@ -35,10 +43,11 @@ class KernelManager {
     using StartHandler = std::function<void(std::variant<std::shared_ptr<Kernel>, KernelStartError>)>;
 
     KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
-                  KernelSpecRegistry& registry);
+                  KernelSpecRegistry& registry, StoreWriter& writer);
     ~KernelManager();
 
-    // Creates the runtime directories and fills the warm pool.
+    // Creates the runtime directories, re-adopts the kernels recorded in the store that still run, and fills
+    // the warm pool.
     void start();
     void start_kernel(const KernelStartRequest& request, StartHandler on_started);
     std::shared_ptr<Kernel> find(const std::string& kernel_id) const;
@@ -46,6 +55,10 @@ class KernelManager {
     bool shutdown_kernel(const std::string& kernel_id, const std::string& reason = "kernel shut down");
     // Stops everything, synchronously: SIGTERM to all kernels, a short grace period, then SIGKILL.
     void shutdown_all();
+    // Leaves every kernel running and recorded for the next gateway; synchronous (the store is written).
+    void detach_all();
+    // Why a kernel recorded in the store could not be re-adopted at start (nullopt when it was, or unknown).
+    std::optional<std::string> lost_cause(const std::string& kernel_id) const;
     std::vector<std::shared_ptr<Kernel>> list() const;
     const KernelSpecRegistry& registry() const { return registry_; }
     std::size_t pool_ready_count() const;
@@ -67,11 +80,19 @@ class KernelManager {
     void schedule_cull();
     void cull();
     void adopt(const std::shared_ptr<Kernel>& kernel);
+    void readopt_recorded_kernels();
+    void forget_lost_kernel(const KernelRecord& record, const std::string& cause);
+    void persist(const Kernel& kernel);
+    void forget(const std::string& kernel_id);
+    void schedule_housekeeping();
+    void flush_progress();
+    std::vector<std::shared_ptr<Kernel>> live_kernels() const;
 
     boost::asio::io_context& io_;
     const Logger& logger_;
     const GatewayConfig& config_;
     KernelSpecRegistry& registry_;
+    StoreWriter& writer_;
     zmq::context_t zmq_context_;
     std::filesystem::path runtime_dir_;
     std::filesystem::path workspace_root_;
@@ -85,6 +106,9 @@ class KernelManager {
     int pool_failures_ = 0;
     boost::asio::steady_timer cull_timer_;
     boost::asio::steady_timer pool_retry_timer_;
+    boost::asio::steady_timer housekeeping_timer_;  // progress to the store, lease renewals
+    std::chrono::steady_clock::time_point next_lease_renewal_;
+    std::map<std::string, std::string> lost_causes_;
     bool stopping_ = false;
 };
 

@@ -20,6 +20,7 @@ struct GatewayServices {
     KernelSpecRegistry& kernelspecs;
     KernelManager& kernels;
     SessionManager& sessions;
+    StoreWriter& writer;
     const TokenAuthenticator& auth;
     const CorsPolicy& cors;
 };

@@ -1,31 +1,58 @@
 #pragma once
-// /api/sessions bookkeeping in Jupyter Server's shape: a session names a path and owns a kernel.
+// /api/sessions bookkeeping in Jupyter Server's shape: a session names a path and owns a kernel. Every change
+// is written to the store, so sessions survive a gateway restart together with their kernels.
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
+#include "cellblock/gateway/store_writer.hpp"
+
 namespace cellblock::gateway {
 
 struct SessionRecord {
     std::string id, path, name, type, kernel_id;
+    nlohmann::json to_json() const;
+    static std::optional<SessionRecord> from_json(const nlohmann::json& stored);
 };
 
 class SessionManager {
   public:
+    explicit SessionManager(StoreWriter& writer) : writer_(writer) {}
+    // Reloads the stored sessions whose kernel exists (the others are forgotten, in the store too).
+    template <typename KernelExists>
+    void load(KernelExists&& kernel_exists) {
+        for (const nlohmann::json& stored : writer_.store().jupyter_sessions()) {
+            auto record = SessionRecord::from_json(stored);
+            if (record && kernel_exists(record->kernel_id))
+                sessions_.emplace(record->id, *record);
+            else if (record)
+                forget(record->id);
+        }
+    }
     SessionRecord& create(std::string path, std::string name, std::string type, std::string kernel_id);
     SessionRecord* find(const std::string& id);
     SessionRecord* find_by_path(const std::string& path);
+    // Writes `record` (changed in place by a PATCH) to the store.
+    void save(const SessionRecord& record);
     bool remove(const std::string& id);
     // Sessions whose kernel is gone (deleted or culled through /api/kernels) are forgotten.
     template <typename KernelExists>
     void prune(KernelExists&& kernel_exists) {
-        for (auto it = sessions_.begin(); it != sessions_.end();)
-            it = kernel_exists(it->second.kernel_id) ? std::next(it) : sessions_.erase(it);
+        for (auto it = sessions_.begin(); it != sessions_.end();) {
+            if (kernel_exists(it->second.kernel_id)) {
+                ++it;
+                continue;
+            }
+            forget(it->first);
+            it = sessions_.erase(it);
+        }
     }
     const std::map<std::string, SessionRecord>& all() const { return sessions_; }
 
   private:
+    void forget(const std::string& id);
+    StoreWriter& writer_;
     std::map<std::string, SessionRecord> sessions_;
 };
 

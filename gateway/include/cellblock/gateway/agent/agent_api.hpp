@@ -5,7 +5,6 @@
 #include <memory>
 
 #include "cellblock/gateway/agent/agent_config.hpp"
-#include "cellblock/gateway/agent/durable_writer.hpp"
 #include "cellblock/gateway/agent/session_registry.hpp"
 #include "cellblock/gateway/rest_handlers.hpp"
 
@@ -17,7 +16,7 @@ class AgentService {
     ~AgentService();
     // Adds the /agent/v1/... and /mcp routes.
     void register_routes(Router& router);
-    // After KernelManager::start(): opens the state directory and reloads recorded sessions.
+    // After KernelManager::start(): reloads the recorded sessions with their re-adopted kernels.
     void start();
 
     AgentSessionRegistry& sessions() { return registry_; }
@@ -31,7 +30,6 @@ class AgentService {
   private:
     GatewayServices& gateway_;
     const AgentConfig& config_;
-    DurableWriter writer_;
     SessionServices session_services_;
     AgentSessionRegistry registry_;
 };

@@ -39,9 +39,6 @@ AgentLimits parse_limits(const nlohmann::json& requested, const AgentLimits& def
                          const AgentLimits& maxima);
 
 struct AgentConfig {
-    // Session records, notebooks' cell history and audit trails. Empty = $XDG_STATE_HOME (or ~/.local/state)
-    // /cellblock/agent; if another gateway holds that directory, a private temporary one is used instead.
-    std::string state_dir;
     double session_ttl_s = 3600;  // idle sessions are deleted (kernel shut down) after this; 0 = never
     AgentLimits default_limits;   // the kernel's own defaults, so warm-pool kernels can serve them
     AgentLimits max_limits{3600, 16384, 256u << 20};

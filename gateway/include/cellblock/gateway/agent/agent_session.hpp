@@ -14,11 +14,11 @@
 #include <vector>
 
 #include "cellblock/gateway/agent/agent_config.hpp"
-#include "cellblock/gateway/agent/durable_writer.hpp"
 #include "cellblock/gateway/agent/execution.hpp"
 #include "cellblock/gateway/kernel.hpp"
 #include "cellblock/gateway/kernel_manager.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/store_writer.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -28,7 +28,7 @@ struct SessionServices {
     const Logger& logger;
     KernelManager& kernels;
     const AgentConfig& config;
-    DurableWriter& writer;
+    StoreWriter& writer;
 };
 
 struct ExecuteRequest {
@@ -51,13 +51,16 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     };
     using Done = std::function<void(std::optional<std::string> error)>;
 
-    // `directory` holds session.json, cells.jsonl and audit.jsonl; `cells` is the history reloaded from it.
-    AgentSession(SessionServices& services, Record record, std::filesystem::path directory,
-                 std::vector<nlohmann::json> cells);
+    // `cells` is the history reloaded from the store (empty for a new session).
+    AgentSession(SessionServices& services, Record record, std::vector<nlohmann::json> cells);
     ~AgentSession() override;
 
     // Starts a kernel for the session unless it has a live one; `done` runs once it is ready.
     void ensure_kernel(Done done);
+    // After a gateway restart: takes the re-adopted `kernel` (nullptr when it was lost, `lost_cause` says why)
+    // and completes the execute that was running when the gateway stopped from the kernel's record.
+    void resume(std::shared_ptr<Kernel> kernel, const std::string& lost_cause,
+                std::vector<InflightExecute> inflight);
     // Queues an execute; returns a ticket for `abandon`.
     std::uint64_t execute(ExecuteRequest request, ExecuteHandlers handlers);
     // The client of `ticket` went away: a queued execute is dropped, a running one interrupted.
@@ -78,8 +81,6 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     const Record& record() const { return record_; }
     const std::string& id() const { return record_.id; }
     const std::string& name() const { return record_.name; }
-    const std::filesystem::path& directory() const { return directory_; }
-    std::filesystem::path audit_file() const { return directory_ / "audit.jsonl"; }
     // The host directory the kernel's code sees as its cwd; nullopt without a live kernel.
     std::optional<std::filesystem::path> workspace() const;
     std::shared_ptr<Kernel> kernel() const { return kernel_; }
@@ -112,6 +113,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
         bool kernel_restarted = false;  // still running after the grace period: the kernel was restarted
         bool interrupted_by_client = false;
         std::string kernel_failure;  // the kernel died or went away during the execute
+        std::string msg_id;          // of the execute_request (the in-flight record in the store)
     };
 
     void run_next();
@@ -125,11 +127,14 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void fail_pending(Pending& pending, const std::string& ename, const std::string& evalue);
     std::map<std::string, std::string> kernel_limit_environment() const;
     void attach_kernel(std::shared_ptr<Kernel> kernel);
+    // Sends nothing: follows an execute the previous gateway sent (its answer goes to the history only).
+    void resume_execute(const InflightExecute& inflight);
+    // Fails every kernel waiter with `error` (nullopt = the kernel is ready): the one path out of "starting".
+    void settle_kernel_waiters(std::optional<std::string> error);
     nlohmann::json runtime_info() const;
 
     SessionServices& services_;
     Record record_;
-    std::filesystem::path directory_;
     std::vector<nlohmann::json> cells_;
     std::string link_session_id_;  // our session_id on the kernel (ZMQ routing identity)
     std::shared_ptr<Kernel> kernel_;
@@ -139,6 +144,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     bool starting_kernel_ = false;
     bool had_kernel_ = false;         // a kernel served this session before (a new one means lost state)
     bool state_lost_notice_ = false;  // tell the next answer that a new kernel replaced the old one
+    std::string state_lost_cause_;    // why, when the gateway knows (a kernel lost across a restart)
     std::vector<Done> kernel_waiters_;
     std::deque<Pending> queue_;
     std::unique_ptr<Running> running_;

@@ -1,7 +1,6 @@
 #pragma once
 // All agent sessions, by id and by name: creation (with limits checked against the maxima), lookup, deletion,
-// the idle TTL, and the state directory that makes session records, histories and audit trails survive a
-// restart.
+// the idle TTL, and their reload from the store after a gateway restart (with the re-adopted kernels).
 #include <boost/asio/steady_timer.hpp>
 #include <map>
 #include <memory>
@@ -22,11 +21,9 @@ class AgentSessionRegistry {
     explicit AgentSessionRegistry(SessionServices& services);
     ~AgentSessionRegistry();
 
-    // Chooses and locks the state directory (`fallback_dir` when the configured one is taken or unusable),
-    // reloads the sessions recorded there (without kernels: one starts on first use) and starts the TTL
-    // timer.
-    void start(const std::filesystem::path& fallback_dir);
-    const std::filesystem::path& state_dir() const { return state_dir_; }
+    // After KernelManager::start(): reloads the recorded sessions, each with its re-adopted kernel (or a note
+    // of why it was lost; a new one then starts on first use), and starts the TTL timer.
+    void start();
 
     using CreateHandler =
         std::function<void(std::shared_ptr<AgentSession> session, std::optional<HttpError> error)>;
@@ -44,8 +41,6 @@ class AgentSessionRegistry {
     void expire_idle();
 
     SessionServices& services_;
-    std::filesystem::path state_dir_;
-    int lock_fd_ = -1;  // flock on <state_dir>/lock, held while running (closed in the destructor)
     std::map<std::string, std::shared_ptr<AgentSession>> by_id_;
     std::map<std::string, std::string> id_by_name_;
     boost::asio::steady_timer expiry_timer_;

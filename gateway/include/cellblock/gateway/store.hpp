@@ -1,0 +1,112 @@
+#pragma once
+// What the gateway must remember across its own restarts, behind one interface: kernels (with the identity of
+// their process, so a restarted gateway can re-adopt them), Jupyter sessions (/api/sessions), agent sessions
+// with their cell history and in-flight executes, and the audit trail. `SqliteStore` is the embedded
+// implementation; a shared store (PostgreSQL) can implement the same interface. No SQL lives outside the
+// implementations.
+//
+// Every method is safe to call from any thread (the implementation serialises). Writes are durable when the
+// call returns (fsync'd commit); callers that must not block the io_context go through `StoreWriter`.
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cellblock::gateway {
+
+// Identifies one process across pid reuse and reboots: the pid, its start time in clock ticks since boot
+// (/proc/<pid>/stat field 22) and the boot id.
+struct ProcessIdentity {
+    pid_t pid = -1;
+    std::uint64_t start_ticks = 0;
+    std::string boot_id;
+
+    // The identity of the live process `pid`; nullopt when it does not exist.
+    static std::optional<ProcessIdentity> of(pid_t pid);
+    // True when `pid` still names the very process this identity was taken from.
+    bool alive() const;
+    bool operator==(const ProcessIdentity&) const = default;
+};
+
+struct KernelRecord {
+    std::string id;
+    std::string spec_name;
+    std::string key;            // HMAC key (the state directory is 0700, the store file 0600)
+    std::string endpoint_base;  // ipc path prefix of the kernel's sockets
+    std::string connection_file;
+    std::string workspace_dir;
+    std::string log_file;
+    nlohmann::json environment = nlohmann::json::object();  // the process's environment, for restarts
+    ProcessIdentity process;
+    bool pooled = false;        // a warm-pool kernel not yet handed out
+    std::string last_iopub_id;  // the last IOPub message the gateway received (where a replay starts)
+    std::string created;        // ISO 8601
+};
+
+struct AuditQuery {
+    std::string session;  // required
+    std::string event;    // empty = every event
+    std::string since;    // ISO 8601, inclusive; empty = from the start
+    std::string until;    // ISO 8601, exclusive; empty = to the end
+};
+
+// An execute that was sent to a kernel and has not been answered and recorded yet.
+struct InflightExecute {
+    std::string session;
+    std::string msg_id;
+    nlohmann::json request;  // code, client, via, timeout_s, started
+};
+
+class StoreError : public std::runtime_error {
+  public:
+    using std::runtime_error::runtime_error;
+};
+
+class SessionStore {
+  public:
+    virtual ~SessionStore() = default;
+
+    virtual void put_kernel(const KernelRecord& kernel) = 0;
+    virtual void remove_kernel(const std::string& kernel_id) = 0;
+    virtual void set_kernel_progress(const std::string& kernel_id, const std::string& last_iopub_id) = 0;
+    virtual std::vector<KernelRecord> kernels() = 0;
+
+    // /api/sessions models, keyed by session id.
+    virtual void put_jupyter_session(const std::string& id, const nlohmann::json& model) = 0;
+    virtual void remove_jupyter_session(const std::string& id) = 0;
+    virtual std::vector<nlohmann::json> jupyter_sessions() = 0;
+
+    // Agent session records ({id, name, created, limits, kernel_id, deleted}).
+    virtual void put_agent_session(const nlohmann::json& record) = 0;
+    virtual std::vector<nlohmann::json> agent_sessions() = 0;
+    // The session's notebook history, in order; `clear_cells` is a reset.
+    virtual void append_cell(const std::string& session, const nlohmann::json& cell) = 0;
+    virtual void clear_cells(const std::string& session) = 0;
+    virtual std::vector<nlohmann::json> cells(const std::string& session) = 0;
+    virtual void put_inflight(const InflightExecute& execute) = 0;
+    virtual void remove_inflight(const std::string& session, const std::string& msg_id) = 0;
+    virtual std::vector<InflightExecute> inflight(const std::string& session) = 0;
+
+    // Group commit: runs `writes` in one transaction (one fsync), each write in its own savepoint so that a
+    // failing one is rolled back alone and reported through `on_failure`.
+    virtual void write_batch(const std::vector<std::function<void(SessionStore&)>>& writes,
+                             const std::function<void(const std::exception&)>& on_failure) = 0;
+
+    // Audit entries ({time, session, event, ...}), oldest first.
+    virtual void append_audit(const nlohmann::json& entry) = 0;
+    virtual std::vector<nlohmann::json> audit(const AuditQuery& query) = 0;
+};
+
+// Opens (creating if absent) the SQLite store at `file`: WAL, synchronous=FULL, schema migrated to the
+// current version. A file that is not a cellblock store, is corrupt, or comes from a newer gateway throws
+// StoreError and is left untouched.
+std::unique_ptr<SessionStore> open_sqlite_store(const std::filesystem::path& file);
+
+}  // namespace cellblock::gateway

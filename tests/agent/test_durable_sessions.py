@@ -1,0 +1,335 @@
+"""Sessions outlive the gateway (issue 9): kernels re-adopted after kill -9 or SIGTERM, output produced while no
+gateway ran delivered afterwards, orphaned kernels stopping themselves, lost kernels reported, and a state directory
+that refuses a second gateway or a corrupt store. Real gateways, real signals, real kernels; every check is made from
+the host (/proc, the filesystem), not only from what the gateway says."""
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+import websocket
+
+from conftest import GATEWAY_BINARY, KERNELSPEC, AgentGateway
+
+PRINT_30_LINES = "import time\nfor i in range(30):\n    print(f'line {i}', flush=True)\n    time.sleep(0.1)\n'done'"
+
+
+# ---------------------------------------------------------------------------------------------- host-side views
+
+def process_start(pid: int):
+    """Start time (clock ticks since boot) of `pid`, or None when it is gone or a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def kernel_pids(state_dir: Path) -> dict:
+    """pid -> start time of every cellblock-kernel whose connection file lies in `state_dir`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"cellblock-kernel" in part for part in argv[:2]) and any(str(state_dir).encode() in a for a in argv):
+            start = process_start(int(entry.name))
+            if start is not None:
+                found[int(entry.name)] = start
+    return found
+
+
+def process_tree(root: int) -> dict:
+    """pid -> start time of `root` and every process below it (workers run under their kernel)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        start = process_start(pid)
+        if start is not None:
+            tree[pid] = start
+            todo.extend(children.get(pid, []))
+    return tree
+
+
+def still_alive(processes: dict) -> dict:
+    return {pid: start for pid, start in processes.items() if process_start(pid) == start}
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def kill_9(gateway: AgentGateway):
+    gateway.process.kill()
+    gateway.process.wait()
+    gateway.http.close()
+
+
+def result_text(answer: dict) -> str:
+    return (answer.get("result") or {}).get("text/plain", "")
+
+
+# ---------------------------------------------------------------------------------------------- a WebSocket client
+
+class Channels:
+    """The Kernel Gateway /channels WebSocket (legacy JSON messages) with a chosen session_id."""
+
+    def __init__(self, gateway: AgentGateway, kernel_id: str, session_id: str):
+        self.session_id = session_id
+        url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id={session_id}"
+        self.socket = websocket.create_connection(url, header=[f"Authorization: token {gateway.token}"], timeout=60)
+
+    def send(self, msg_type: str, content: dict, channel: str = "shell") -> str:
+        msg_id = uuid.uuid4().hex
+        header = {"msg_id": msg_id, "msg_type": msg_type, "username": "test", "session": self.session_id,
+                  "date": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime()), "version": "5.3"}
+        self.socket.send(json.dumps({"header": header, "parent_header": {}, "metadata": {}, "content": content,
+                                     "channel": channel, "buffers": []}))
+        return msg_id
+
+    def execute(self, code: str) -> str:
+        return self.send("execute_request", {"code": code, "silent": False, "store_history": True,
+                                             "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+
+    def collect(self, msg_id: str, timeout_s: float = 60, stop_on_connection_loss: bool = False) -> list:
+        """Messages answering `msg_id` until its execute_reply (or, if asked, until the connection drops)."""
+        seen, deadline = [], time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                message = json.loads(self.socket.recv())
+            except (websocket.WebSocketConnectionClosedException, ConnectionError, OSError):
+                if stop_on_connection_loss:
+                    return seen
+                raise
+            if message.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            seen.append(message)
+            if message["msg_type"] == "execute_reply":
+                return seen
+        raise AssertionError(f"no execute_reply for {msg_id} within {timeout_s} s; got {[m['msg_type'] for m in seen]}")
+
+    def close(self):
+        self.socket.close()
+
+
+def stream_text(messages: list) -> str:
+    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+def test_kill_9_while_idle_keeps_kernel_ids_variables_and_files(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
+    try:
+        first.create_session("keeper")
+        assert first.execute("keeper", "x = 42\nopen('note.txt', 'w').write('kept')")["status"] == "ok"
+        plain = first.request("POST", "/api/kernels", json={}).json()
+        channels = Channels(first, plain["id"], "notebook-1")
+        assert channels.collect(channels.execute("y = 7"))[-1]["content"]["status"] == "ok"
+        channels.close()
+        ids_before = {k["id"] for k in first.request("GET", "/api/kernels").json()}
+        pids_before = kernel_pids(state)
+        assert len(pids_before) >= 2, pids_before
+    finally:
+        kill_9(first)
+    # From the host: the kernels did not die with their gateway.
+    assert still_alive(pids_before) == pids_before
+
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        ids_after = {k["id"] for k in second.request("GET", "/api/kernels").json()}
+        assert ids_before <= ids_after, (ids_before, ids_after)
+        answer = second.execute("keeper", "(x, open('note.txt').read())")
+        assert answer["status"] == "ok", answer
+        assert result_text(answer) == "(42, 'kept')"
+        assert answer["state_lost"] is False
+        channels = Channels(second, plain["id"], "notebook-1")
+        reply = channels.collect(channels.execute("y * 6"))
+        assert [m["content"]["data"]["text/plain"] for m in reply if m["msg_type"] == "execute_result"] == ["42"]
+        channels.close()
+        # Still the very same processes, not replacements that happen to work.
+        assert still_alive(pids_before) == pids_before
+        events = [e["event"] for e in second.request("GET", "/agent/v1/sessions/keeper/audit").json()["entries"]]
+        assert "session_reloaded" in events and "kernel_readopted" in events
+    finally:
+        assert second.stop() == 0, second.log_tail()
+    # The second gateway stopped its kernels (--shutdown-kernels-on-exit): nothing is left behind.
+    wait_until(lambda: not still_alive(pids_before), 30, "the kernels to stop with the second gateway")
+
+
+def test_output_printed_while_no_gateway_ran_completes_the_cell(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
+    outcome = {}
+
+    def run():
+        try:
+            outcome["response"] = first.request("POST", "/agent/v1/sessions/printer/execute",
+                                                json={"code": PRINT_30_LINES})
+        except requests.RequestException as error:
+            outcome["error"] = error
+
+    try:
+        first.create_session("printer")
+        caller = threading.Thread(target=run)
+        caller.start()
+        time.sleep(1.0)  # about ten lines printed, twenty to go
+    finally:
+        kill_9(first)
+    caller.join(timeout=30)
+    assert "error" in outcome, "the killed gateway answered the execute"
+
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        def finished_cell():
+            cells = second.request("GET", "/agent/v1/sessions/printer/notebook").json()["cells"]
+            return cells[-1] if cells and cells[-1]["source"] == PRINT_30_LINES else None
+
+        cell = wait_until(finished_cell, 60, "the interrupted cell to be completed from the kernel's record")
+        text = "".join("".join(o["text"]) if isinstance(o["text"], list) else o["text"]
+                       for o in cell["outputs"] if o["output_type"] == "stream")
+        assert text == "".join(f"line {i}\n" for i in range(30)), text
+        results = [o for o in cell["outputs"] if o["output_type"] == "execute_result"]
+        assert results and results[0]["data"]["text/plain"] == "'done'"
+        executes = second.request("GET", "/agent/v1/sessions/printer/audit?event=execute").json()["entries"]
+        assert [e["status"] for e in executes] == ["ok"], executes
+        assert executes[0]["outputs"]["stdout"]["bytes"] == len(text)
+        # The session goes on, on the same kernel.
+        assert second.execute("printer", "i")["state_lost"] is False
+    finally:
+        second.stop()
+
+
+def test_websocket_client_reconnecting_after_sigterm_gets_what_it_missed(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
+    kernel = first.request("POST", "/api/kernels", json={}).json()
+    channels = Channels(first, kernel["id"], "watcher")
+    msg_id = channels.execute("import time\nfor i in range(20):\n    print(f'tick {i}', flush=True)\n"
+                              "    time.sleep(0.1)")
+    time.sleep(0.6)
+    assert first.stop() == 0, first.log_tail()  # SIGTERM: an upgrade; the kernel keeps running
+    before = channels.collect(msg_id, stop_on_connection_loss=True)
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        channels = Channels(second, kernel["id"], "watcher")
+        after = channels.collect(msg_id)
+        assert after[-1]["msg_type"] == "execute_reply" and after[-1]["content"]["status"] == "ok"
+        assert 0 < len(stream_text(before)), "nothing was printed before the restart: the test proves nothing"
+        # Every line exactly once, in order, across the restart.
+        assert stream_text(before) + stream_text(after) == "".join(f"tick {i}\n" for i in range(20))
+        channels.close()
+    finally:
+        second.stop()
+
+
+def test_orphaned_kernel_stops_itself_and_removes_its_workspace(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", "--orphan-timeout", "3", keep_kernels=True)
+    try:
+        first.create_session("orphan")
+        assert first.execute("orphan", "open('left.txt', 'w').write('x')")["status"] == "ok"
+        kernel_id = first.request("GET", "/agent/v1/sessions/orphan").json()["kernel_id"]
+        workspace = state / "workspaces" / kernel_id
+        assert (workspace / "left.txt").exists()
+        processes = {}
+        for pid in kernel_pids(state):
+            processes.update(process_tree(pid))
+        assert len(processes) >= 2, processes  # kernels and their workers
+    finally:
+        kill_9(first)
+    # From the host: every kernel and worker process ends, and the workspace is removed.
+    wait_until(lambda: not still_alive(processes), 60, "orphaned kernels and workers to stop")
+    wait_until(lambda: not workspace.exists(), 10, "the orphaned kernel's workspace to be removed")
+
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        answer = second.execute("orphan", "import os\nos.path.exists('left.txt')")
+        assert answer["status"] == "ok" and answer["state_lost"] is True
+        assert result_text(answer) == "False"
+        assert "lease" in answer["notice"], answer["notice"]
+    finally:
+        second.stop()
+
+
+def test_kernels_killed_behind_the_gateways_back_are_reported_lost(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
+    try:
+        first.create_session("stale")
+        assert first.execute("stale", "x = 1")["status"] == "ok"
+    finally:
+        kill_9(first)
+    # As after a reboot: the kernels are gone, the store still lists them.
+    for pid in kernel_pids(state):
+        os.killpg(pid, signal.SIGKILL)
+    wait_until(lambda: not kernel_pids(state), 30, "the kernels to die")
+
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        answer = second.execute("stale", "'x' in dir()")
+        assert answer["status"] == "ok" and answer["state_lost"] is True
+        assert result_text(answer) == "False"
+        assert "no gateway was running" in answer["notice"], answer["notice"]
+        events = second.request("GET", "/agent/v1/sessions/stale/audit?event=kernel_lost").json()["entries"]
+        assert len(events) == 1 and "no gateway was running" in events[0]["cause"]
+        assert second.execute("stale", "x = 2\nx")["state_lost"] is False
+    finally:
+        second.stop()
+
+
+def gateway_command(state: Path) -> list:
+    return [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", "0", "--token", "t", "--state-dir", str(state),
+            "--kernelspec-dir", str(KERNELSPEC.parent.parent), "--warm-pool", "0"]
+
+
+def test_second_gateway_on_the_same_state_directory_refuses_to_start(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log")
+    try:
+        refused = subprocess.run(gateway_command(state), capture_output=True, text=True, timeout=30)
+        assert refused.returncode != 0
+        assert "another cellblock-gateway" in refused.stderr and str(first.process.pid) in refused.stderr
+        first.assert_alive()
+        first.create_session("still-served")
+    finally:
+        first.stop()
+
+
+def test_corrupt_store_is_refused_and_left_untouched(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    garbage = b"not a database: " + os.urandom(4000)
+    (state / "store.sqlite3").write_bytes(garbage)
+    refused = subprocess.run(gateway_command(state), capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0
+    assert "not an SQLite database" in refused.stderr, refused.stderr
+    assert (state / "store.sqlite3").read_bytes() == garbage
+    assert not (state / "store.sqlite3-wal").exists()

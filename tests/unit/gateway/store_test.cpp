@@ -1,0 +1,196 @@
+// The SQLite SessionStore, the StoreWriter thread and the state directory lock: what a restarted gateway
+// relies on to find its kernels and sessions again, and what must refuse to start rather than lose or corrupt
+// them.
+#include "cellblock/gateway/store.hpp"
+
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+#include <unistd.h>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/state_directory.hpp"
+#include "cellblock/gateway/store_writer.hpp"
+
+using namespace cellblock::gateway;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+fs::path scratch_dir(const std::string& name) {
+    fs::path directory = fs::temp_directory_path() / ("cb-store-" + name + "-" + std::to_string(::getpid()));
+    fs::remove_all(directory);
+    fs::create_directories(directory);
+    return directory;
+}
+
+std::string read(const fs::path& file) {
+    std::ifstream input(file, std::ios::binary);
+    std::stringstream text;
+    text << input.rdbuf();
+    return text.str();
+}
+
+KernelRecord sample_kernel(const std::string& id) {
+    KernelRecord kernel;
+    kernel.id = id;
+    kernel.spec_name = "cellblock-python";
+    kernel.key = "secret";
+    kernel.endpoint_base = "/tmp/k-1";
+    kernel.connection_file = "/tmp/kernel-" + id + ".json";
+    kernel.workspace_dir = "/tmp/ws-" + id;
+    kernel.log_file = "/tmp/kernel-" + id + ".log";
+    kernel.environment = {{"PATH", "/usr/bin"}};
+    kernel.process = *ProcessIdentity::of(::getpid());
+    kernel.created = "2026-12-01T10:00:00.000000Z";
+    return kernel;
+}
+}  // namespace
+
+TEST(SqliteStore, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
+    const fs::path directory = scratch_dir("reopen");
+    {
+        auto store = open_sqlite_store(directory / "store.sqlite3");
+        store->put_kernel(sample_kernel("k1"));
+        store->set_kernel_progress("k1", "msg-7");
+        store->put_agent_session({{"id", "s1"}, {"name", "alpha"}, {"kernel_id", "k1"}});
+        store->append_cell("s1", {{"source", "x = 1"}});
+        store->append_cell("s1", {{"source", "x"}});
+        store->put_inflight({"s1", "m1", {{"code", "print(x)"}}});
+        store->append_audit(
+            {{"session", "s1"}, {"time", "2026-12-01T10:00:00.000000Z"}, {"event", "created"}});
+        store->append_audit(
+            {{"session", "s1"}, {"time", "2026-12-01T11:00:00.000000Z"}, {"event", "execute"}});
+        store->put_jupyter_session("j1", {{"id", "j1"}, {"kernel_id", "k1"}});
+    }
+    EXPECT_EQ(fs::status(directory / "store.sqlite3").permissions() & fs::perms::all,
+              fs::perms::owner_read | fs::perms::owner_write);
+    auto store = open_sqlite_store(directory / "store.sqlite3");
+    const auto kernels = store->kernels();
+    ASSERT_EQ(kernels.size(), 1u);
+    EXPECT_EQ(kernels[0].key, "secret");
+    EXPECT_EQ(kernels[0].last_iopub_id, "msg-7");
+    EXPECT_EQ(kernels[0].environment.value("PATH", ""), "/usr/bin");
+    EXPECT_EQ(kernels[0].process, *ProcessIdentity::of(::getpid()));
+    ASSERT_EQ(store->agent_sessions().size(), 1u);
+    EXPECT_EQ(store->cells("s1").size(), 2u);
+    ASSERT_EQ(store->inflight("s1").size(), 1u);
+    EXPECT_EQ(store->inflight("s1")[0].request.value("code", ""), "print(x)");
+    EXPECT_EQ(store->audit({"s1", "", "", ""}).size(), 2u);
+    EXPECT_EQ(store->audit({"s1", "execute", "", ""}).size(), 1u);
+    EXPECT_EQ(store->audit({"s1", "", "2026-12-01T10:30:00.000000Z", ""}).size(), 1u);
+    EXPECT_EQ(store->audit({"s1", "", "", "2026-12-01T10:30:00.000000Z"}).size(), 1u);
+    EXPECT_EQ(store->jupyter_sessions().size(), 1u);
+    store->clear_cells("s1");
+    store->remove_inflight("s1", "m1");
+    store->remove_kernel("k1");
+    EXPECT_TRUE(store->cells("s1").empty());
+    EXPECT_TRUE(store->inflight("s1").empty());
+    EXPECT_TRUE(store->kernels().empty());
+}
+
+TEST(SqliteStore, RefusesAFileThatIsNotADatabaseAndLeavesItUntouched) {
+    const fs::path directory = scratch_dir("corrupt");
+    const fs::path file = directory / "store.sqlite3";
+    const std::string garbage = "this is not a database, but somebody's notes\n";
+    std::ofstream(file) << garbage;
+    try {
+        open_sqlite_store(file);
+        FAIL() << "a corrupt store was opened";
+    } catch (const StoreError& error) {
+        EXPECT_NE(std::string(error.what()).find("untouched"), std::string::npos) << error.what();
+    }
+    EXPECT_EQ(read(file), garbage);
+    EXPECT_FALSE(fs::exists(directory / "store.sqlite3-wal"));
+}
+
+TEST(SqliteStore, RefusesAnotherApplicationsDatabaseAndANewerSchema) {
+    const fs::path directory = scratch_dir("foreign");
+    {
+        sqlite3* raw = nullptr;
+        ASSERT_EQ(sqlite3_open((directory / "other.db").c_str(), &raw), SQLITE_OK);
+        sqlite3_exec(raw, "CREATE TABLE invoices (id INTEGER)", nullptr, nullptr, nullptr);
+        sqlite3_close(raw);
+    }
+    EXPECT_THROW(open_sqlite_store(directory / "other.db"), StoreError);
+    { auto store = open_sqlite_store(directory / "store.sqlite3"); }
+    {
+        sqlite3* raw = nullptr;
+        ASSERT_EQ(sqlite3_open((directory / "store.sqlite3").c_str(), &raw), SQLITE_OK);
+        sqlite3_exec(raw, "INSERT INTO schema_migrations (version, applied) VALUES (999, 'future')", nullptr,
+                     nullptr, nullptr);
+        sqlite3_close(raw);
+    }
+    try {
+        open_sqlite_store(directory / "store.sqlite3");
+        FAIL() << "a store from a newer gateway was opened";
+    } catch (const StoreError& error) {
+        EXPECT_NE(std::string(error.what()).find("newer"), std::string::npos) << error.what();
+    }
+}
+
+TEST(StoreWriter, AppliesWritesInOrderAndNotifiesAfterEverythingQueuedBefore) {
+    const fs::path directory = scratch_dir("writer");
+    auto store = open_sqlite_store(directory / "store.sqlite3");
+    boost::asio::io_context io;
+    auto work = boost::asio::make_work_guard(io);
+    const Logger logger(LogLevel::error);
+    StoreWriter writer(io, logger, *store);
+    for (int i = 0; i < 50; ++i)
+        writer.submit([i](SessionStore& s) { s.append_cell("s", {{"n", i}}); });
+    std::vector<json> seen;
+    writer.after_pending([&] {
+        seen = writer.store().cells("s");
+        io.stop();
+    });
+    io.run();
+    ASSERT_EQ(seen.size(), 50u);
+    for (int i = 0; i < 50; ++i)
+        EXPECT_EQ(seen[static_cast<std::size_t>(i)].value("n", -1), i);
+}
+
+TEST(StoreWriter, AFailedWriteIsLoggedAndLaterWritesStillHappen) {
+    const fs::path directory = scratch_dir("failure");
+    auto store = open_sqlite_store(directory / "store.sqlite3");
+    boost::asio::io_context io;
+    const Logger logger(LogLevel::error);
+    {
+        StoreWriter writer(io, logger, *store);
+        writer.submit([](SessionStore&) { throw StoreError("disk full"); });
+        writer.submit([](SessionStore& s) { s.append_cell("s", {{"ok", true}}); });
+        writer.drain();
+    }
+    ASSERT_EQ(store->cells("s").size(), 1u);
+}
+
+TEST(StateDirectory, ASecondGatewayOnTheSameDirectoryIsRefusedWithTheOwnersPid) {
+    const fs::path directory = scratch_dir("lock") / "state";
+    StateDirectory first(directory);
+    EXPECT_EQ(fs::status(directory).permissions() & fs::perms::all, fs::perms::owner_all);
+    EXPECT_TRUE(fs::is_directory(first.runtime_dir()));
+    // flock locks belong to the open file description: a second open in the same process conflicts too.
+    try {
+        StateDirectory second(directory);
+        FAIL() << "two gateways locked one state directory";
+    } catch (const std::runtime_error& error) {
+        EXPECT_NE(std::string(error.what()).find("pid " + std::to_string(::getpid())), std::string::npos)
+            << error.what();
+    }
+}
+
+TEST(ProcessIdentity, TellsALiveProcessFromAReusedOrVanishedPid) {
+    auto self = ProcessIdentity::of(::getpid());
+    ASSERT_TRUE(self.has_value());
+    EXPECT_TRUE(self->alive());
+    ProcessIdentity reused = *self;
+    reused.start_ticks += 1;  // same pid, another process
+    EXPECT_FALSE(reused.alive());
+    ProcessIdentity rebooted = *self;
+    rebooted.boot_id = "another-boot";
+    EXPECT_FALSE(rebooted.alive());
+}
