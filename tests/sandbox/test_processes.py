@@ -1,8 +1,16 @@
-"""Processes: pid namespace, pids limit, no privileges, no new namespaces, no tracing."""
+"""Processes: pid namespace, pids limit, no privileges, no new namespaces, no tracing.
+
+Attacks on host processes aim at canaries of the session's own host uid (witnesses.HostCanary), so that
+only the sandbox, not a uid or capability check, stands between the attack and its target; the host then
+checks the canary (alive, untraced, no signal handled, secret not read). Each such test first runs the same
+attack unconfined as a uid of its own against a canary of that uid, to show the witness fires."""
+import errno
 import os
 import signal
 
 import pytest
+
+from witnesses import HostCanary, SandboxedAttack, UnconfinedAttack, sandbox_filter, unused_uid, verdict  # noqa: F401
 
 
 def test_fork_bomb_is_stopped_by_the_pids_limit(sandbox, small_policy, canary):
@@ -27,45 +35,121 @@ def test_fork_bomb_is_stopped_by_the_pids_limit(sandbox, small_policy, canary):
     assert canary.poll() is None
 
 
-def test_kill_everything_spares_host_processes(sandbox, canary):
-    run = sandbox.python(f"""
-        outcomes = {{}}
-        for target in [{canary.pid}, {os.getpid()}, 2, 300]:
-            try:
-                os.kill(target, 9)
-                outcomes[target] = "sent"
-            except OSError as error:
-                outcomes[target] = errno.errorcode.get(error.errno)
-        import signal as sig
-        sig.signal(sig.SIGTERM, sig.SIG_IGN)
+KILL_EVERYTHING = """
+    hold("ready")
+    outcomes = {}
+    for target_pid in target()["pids"]:
         try:
-            os.kill(-1, 9)
-            outcomes["-1"] = "sent"
+            os.kill(target_pid, 9)
+            outcomes[target_pid] = "sent"
         except OSError as error:
-            outcomes["-1"] = errno.errorcode.get(error.errno)
-        report(**{{str(k): v for k, v in outcomes.items()}})
-    """)
-    result = run.result()
-    assert result[str(canary.pid)] == "ESRCH"
-    assert result[str(os.getpid())] == "ESRCH"
-    assert canary.poll() is None, "a host process was killed"
+            outcomes[target_pid] = errno.errorcode.get(error.errno)
+    try:
+        os.kill(-1, 9)
+        outcomes["-1"] = "sent"
+    except OSError as error:
+        outcomes["-1"] = errno.errorcode.get(error.errno)
+    hold("done")
+    report(**{str(k): v for k, v in outcomes.items()})
+"""
 
 
-def test_ptrace_is_denied(sandbox):
-    run = sandbox.python("""
-        pid = os.fork()
-        if pid == 0:
-            import time; time.sleep(5); os._exit(0)
-        attach = syscall(101, 16, pid, 0, 0)       # PTRACE_ATTACH child
-        attach_init = syscall(101, 16, 1, 0, 0)    # PTRACE_ATTACH pid 1 (ourselves' namespace init)
-        traceme = syscall(101, 0, 0, 0, 0)         # PTRACE_TRACEME
-        vm_read = syscall(310, pid, 0, 0, 0, 0, 0) # process_vm_readv
-        kcmp = syscall(312, 1, pid, 0, 0, 0)       # kcmp
-        os.kill(pid, 9)
-        report(attach=attach[1], attach_init=attach_init[1], traceme=traceme[1], vm_read=vm_read[1], kcmp=kcmp[1])
-    """)
-    assert run.result() == {"attach": "EPERM", "attach_init": "EPERM", "traceme": "EPERM", "vm_read": "EPERM",
-                            "kcmp": "EPERM"}
+def kill_everything(attack, uid, root_canary):
+    """Runs KILL_EVERYTHING against a canary of `uid` and a root canary; returns (result, survived) where
+    survived says which canaries still handle signals afterwards."""
+    attack.wait_hold("ready")
+    canary = HostCanary(uid)
+    try:
+        attack.provide(pids=[canary.pid, root_canary.pid, os.getpid(), 2, 300])
+        attack.release("ready")
+        attack.wait_hold("done")
+        survived = {"same_uid": canary.handled_signals() == [], "root": root_canary.handled_signals() == []}
+    finally:
+        attack.release("done")
+        run = attack.run(after_exit=canary.stop)
+    return run.result(), survived
+
+
+def test_kill_everything_spares_host_processes(sandbox):
+    root_canary = HostCanary(0)
+    try:
+        # Positive control: unconfined, as a uid of its own, the attack kills that uid's canary.
+        uid = unused_uid()
+        result, survived = kill_everything(UnconfinedAttack(KILL_EVERYTHING, user=uid), uid, root_canary)
+        assert survived == {"same_uid": False, "root": True}, (result, survived)
+
+        attack = SandboxedAttack(sandbox, KILL_EVERYTHING)
+        attack.wait_hold("ready")   # the session uid is known once the program runs
+        result, survived = kill_everything(attack, attack.uid, root_canary)
+        assert survived == {"same_uid": True, "root": True}, (result, survived)
+        assert set(result.values()) <= {"ESRCH"}, result   # no host pid is even visible
+    finally:
+        root_canary.stop()
+
+
+CANARY_ATTACK = """
+    hold("ready")
+    canary = target()
+    pid = canary["pid"]
+    outcomes = {}
+    for name, number in [("SIGUSR1", 10), ("SIGTERM", 15)]:
+        try:
+            os.kill(pid, number)
+            outcomes[name] = "sent"
+        except OSError as error:
+            outcomes[name] = errno.errorcode.get(error.errno)
+    try:
+        os.kill(-1, 10)    # every process this attack may signal
+        outcomes["everyone"] = "sent"
+    except OSError as error:
+        outcomes["everyone"] = errno.errorcode.get(error.errno)
+    outcomes["pidfd_open"] = syscall(434, pid, 0)[1]
+    hold("signalled")
+    buffer = ctypes.create_string_buffer(canary["length"])
+    local = (ctypes.c_size_t * 2)(ctypes.addressof(buffer), canary["length"])
+    remote = (ctypes.c_size_t * 2)(canary["address"], canary["length"])
+    outcomes["vm_read"] = syscall(310, pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0)[1]
+    outcomes["attach"] = syscall(101, 16, pid, 0, 0)[1]               # PTRACE_ATTACH
+    if outcomes["attach"] != "OK":
+        outcomes["seize"] = syscall(101, 0x4206, pid, 0, 0)[1]        # PTRACE_SEIZE
+    hold("traced")
+    report(read=buffer.raw.decode("latin-1"), **outcomes)
+"""
+
+
+def attack_canary(attack, uid):
+    """Runs CANARY_ATTACK against a host canary of `uid`; returns (result, what the host saw)."""
+    attack.wait_hold("ready")
+    canary = HostCanary(uid)
+    seen = {}
+    try:
+        attack.provide(pid=canary.pid, **canary.memory)
+        attack.release("ready")
+        attack.wait_hold("signalled")
+        seen["signals"] = sorted(set(canary.handled_signals()))
+        attack.release("signalled")
+        attack.wait_hold("traced")
+        seen["tracer"] = canary.tracer()
+        seen["alive"] = canary.process.poll() is None
+    finally:
+        attack.release("traced")
+        run = attack.run(after_exit=canary.stop)   # a tracer must exit before its tracee can be reaped
+    seen["secret_read"] = canary.secret in run.output
+    return run.result(), seen
+
+
+def test_host_process_of_the_same_uid_cannot_be_signalled_traced_or_read(sandbox):
+    # Positive control: unconfined, as the canary's own uid, every step reaches the canary.
+    uid = unused_uid()
+    result, seen = attack_canary(UnconfinedAttack(CANARY_ATTACK, user=uid), uid)
+    assert seen["signals"] == [signal.SIGUSR1, signal.SIGTERM], (result, seen)
+    assert seen["tracer"] != 0 and seen["secret_read"], (result, seen)
+
+    attack = SandboxedAttack(sandbox, CANARY_ATTACK)
+    attack.wait_hold("ready")
+    result, seen = attack_canary(attack, attack.uid)
+    assert seen == {"signals": [], "tracer": 0, "alive": True, "secret_read": False}, (result, seen)
+    assert "sent" not in result.values() and "OK" not in result.values(), result
 
 
 def test_setuid_setgid_and_capabilities_are_gone(sandbox):
@@ -102,7 +186,7 @@ def test_setuid_binaries_grant_nothing(sandbox):
     assert run.stdout.strip().splitlines()[-1] == "1000"
 
 
-def test_unshare_and_setns_are_denied(sandbox):
+def test_unshare_and_setns_are_denied(sandbox, sandbox_filter):
     run = sandbox.python("""
         outcomes = {}
         for name, flag in {"user": 0x10000000, "mount": 0x00020000, "net": 0x40000000, "pid": 0x20000000}.items():
@@ -111,6 +195,9 @@ def test_unshare_and_setns_are_denied(sandbox):
         report(**outcomes)
     """)
     assert set(run.result().values()) == {"EPERM"}
+    # unshare(CLONE_NEWNS) would fail for lack of CAP_SYS_ADMIN anyway: the filter itself must deny both calls.
+    assert verdict(sandbox_filter, 272, (0x00020000,)) == ("ERRNO", errno.EPERM)
+    assert verdict(sandbox_filter, 308) == ("ERRNO", errno.EPERM)
 
 
 def test_clone_into_a_new_user_namespace_is_denied_and_clone3_is_enosys(sandbox):
