@@ -71,8 +71,8 @@ def test_tcp_to_host_loopback_and_external_address_never_connects(sandbox, liste
     everywhere.events.clear()
 
     run = sandbox.python(attack)
-    assert "connected" not in run.result()["outcomes"]
     assert loopback.events == [] and everywhere.events == []
+    assert "connected" not in run.result()["outcomes"]
 
 
 def test_udp_to_host_is_never_delivered(sandbox, listeners):
@@ -90,8 +90,8 @@ def test_udp_to_host_is_never_delivered(sandbox, listeners):
     receiver.events.clear()
 
     run = sandbox.python(attack)
-    assert run.result()["sent"] is False
     assert receiver.events == []
+    assert run.result()["sent"] is False
 
 
 def test_raw_and_packet_sockets_are_refused(sandbox, sandbox_filter):
@@ -133,8 +133,8 @@ def test_unix_socket_by_host_path_is_unreachable(sandbox, listeners, tmp_path):
         listener.events.clear()
 
         run = sandbox.python(attack)
-        assert run.result()["outcomes"] == ["ENOENT", "ENOENT", "ENOENT"]
         assert listener.events == []
+        assert run.result()["outcomes"] == ["ENOENT", "ENOENT", "ENOENT"]
     finally:
         os.unlink(path)
 
@@ -155,8 +155,8 @@ def test_abstract_unix_socket_of_the_host_is_unreachable(sandbox, listeners):
     listener.events.clear()
 
     run = sandbox.python(attack)
-    assert run.result() == {"connected": False, "errno": "ECONNREFUSED"}
     assert listener.events == []
+    assert run.result() == {"connected": False, "errno": "ECONNREFUSED"}
 
 
 DNS_PROBE = """
@@ -248,9 +248,9 @@ def test_dns_resolution_fails_and_no_query_leaves_the_sandbox(sandbox, default_p
     attack = SandboxedAttack(sandbox, DNS_PROBE, policy=tmp_path / "dns-policy.json")
     attack.provide(name=name, servers=servers)
     result = attack.run().result()
+    assert set(seen().values()) == {0}, seen()   # the host's witnesses first: they are the proof
     assert result["getaddrinfo"] == "failed", result
     assert "sent" not in result.values(), result
-    assert set(seen().values()) == {0}, seen()
 
 
 def interfaces(net_dev):
@@ -271,9 +271,10 @@ def test_only_loopback_interface_exists(sandbox):
         seen = interfaces(open(f"/proc/{pid}/net/dev").read())
     finally:
         attack.release("inspect")
-    assert attack.run().result()["interfaces"] == ["lo"]
+    result = attack.run().result()
     assert namespace != host_namespace
     assert seen == ["lo"]
+    assert result["interfaces"] == ["lo"]
     assert len(interfaces(open("/proc/self/net/dev").read())) > 1   # the host's view has its own interfaces
 
 

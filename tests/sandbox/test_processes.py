@@ -152,6 +152,26 @@ def test_host_process_of_the_same_uid_cannot_be_signalled_traced_or_read(sandbox
     assert "sent" not in result.values() and "OK" not in result.values(), result
 
 
+def test_ptrace_is_denied(sandbox, sandbox_filter):
+    run = sandbox.python("""
+        pid = os.fork()
+        if pid == 0:
+            import time; time.sleep(5); os._exit(0)
+        attach = syscall(101, 16, pid, 0, 0)       # PTRACE_ATTACH child
+        attach_init = syscall(101, 16, 1, 0, 0)    # PTRACE_ATTACH pid 1 (ourselves' namespace init)
+        traceme = syscall(101, 0, 0, 0, 0)         # PTRACE_TRACEME
+        vm_read = syscall(310, pid, 0, 0, 0, 0, 0) # process_vm_readv
+        kcmp = syscall(312, 1, pid, 0, 0, 0)       # kcmp
+        os.kill(pid, 9)
+        report(attach=attach[1], attach_init=attach_init[1], traceme=traceme[1], vm_read=vm_read[1], kcmp=kcmp[1])
+    """)
+    assert run.result() == {"attach": "EPERM", "attach_init": "EPERM", "traceme": "EPERM", "vm_read": "EPERM",
+                            "kcmp": "EPERM"}
+    # ptrace, process_vm_readv/writev, kcmp, pidfd_getfd: the filter's own rules.
+    for number in (101, 310, 311, 312, 438):
+        assert verdict(sandbox_filter, number) == ("ERRNO", errno.EPERM), number
+
+
 def test_setuid_setgid_and_capabilities_are_gone(sandbox):
     run = sandbox.python("""
         outcomes = {}

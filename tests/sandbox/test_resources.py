@@ -79,10 +79,10 @@ def test_tmp_fill_hits_the_tmpfs_size(sandbox, small_policy):
     run, (size, capacity) = held(attack, lambda pid: (os.stat(f"/proc/{pid}/root/tmp/fill").st_size,
                                                       (lambda fs: fs.f_blocks * fs.f_frsize)(
                                                           os.statvfs(f"/proc/{pid}/root/tmp"))))
+    assert capacity == 8 << 20 and size <= 8 << 20, (size, capacity)
     result = run.result()
     assert result["outcome"] == "ENOSPC"
     assert result["written_mb"] <= 8
-    assert capacity == 8 << 20 and size <= 8 << 20, (size, capacity)
 
 
 def test_workspace_file_size_is_capped(sandbox, small_policy):
@@ -157,10 +157,10 @@ def test_many_threads_are_bounded_by_the_pids_limit(sandbox, small_policy, canar
     attack = SandboxedAttack(sandbox, THREADS, policy=small_policy)
     attack.provide(ceiling=5000)
     run, tasks = held(attack, lambda pid: sum(host_tasks(other) for other in attack.pids()))
+    assert tasks <= 64, tasks   # the policy's pids limit, counted by the host
     result = run.result()
     assert result["failure"] is not None
     assert result["started"] < 64
-    assert tasks <= 64, tasks   # the policy's pids limit, counted by the host
     assert canary.poll() is None
 
 
@@ -187,11 +187,11 @@ def test_many_fds_are_bounded_by_nofile(sandbox, small_policy):
     attack = SandboxedAttack(sandbox, FDS, policy=small_policy)
     attack.provide(ceiling=100000)
     run, fds = held(attack, host_fds)
+    assert fds <= 64, fds   # counted by the host
     result = run.result()
     assert result["failure"] == "EMFILE"
     assert result["opened"] < 64
     assert result["limit"] == [64, 64]
-    assert fds <= 64, fds
 
 
 RAISE_RLIMITS = """
@@ -225,11 +225,11 @@ def test_rlimits_cannot_be_raised(sandbox):
 
     attack = SandboxedAttack(sandbox, RAISE_RLIMITS)
     run, limits = held(attack, host_limits)
+    # The default policy's limits, as the host sees them while the attack holds.
+    assert [limits[name] for name in LIMIT_NAMES] == [(value, value) for value in POLICY_LIMITS], limits
     result = run.result()
     assert result.pop("core") == [1, 1]   # 1 disables piped core helpers too (see rlimits.cpp)
     assert set(result.values()) == {"refused"}
-    # The default policy's limits, as the host sees them while the attack holds.
-    assert [limits[name] for name in LIMIT_NAMES] == [(value, value) for value in POLICY_LIMITS], limits
 
 
 def test_cpu_quota_holds_two_busy_threads_to_about_one_core(sandbox):
