@@ -3,13 +3,14 @@ ended the program. Where the attack's own count would be the only evidence, the 
 and the host counts it through /proc (threads, fds, limits, the /tmp file), after the same attack run
 unconfined showed that the host's count sees more than the limit."""
 import os
-import resource
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from witnesses import SandboxedAttack, UnconfinedAttack
+from conftest import PRELUDE, Run, assert_no_session_process
+from witnesses import PYTHON, Measured, SandboxedAttack, UnconfinedAttack, cgroup_file
 
 
 def held(attack, look):
@@ -20,6 +21,15 @@ def held(attack, look):
     finally:
         attack.release("holding")
     return attack.run(), seen
+
+
+def cgroup_quota(pid):
+    """CPU cores a host process's cgroup may use (cgroup v1 cfs quota, or v2 cpu.max); None when unlimited."""
+    try:
+        quota, period = cgroup_file(pid, "cpu", "cpu.max").split()
+    except FileNotFoundError:
+        quota, period = cgroup_file(pid, "cpu", "cpu.cfs_quota_us"), cgroup_file(pid, "cpu", "cpu.cfs_period_us")
+    return None if quota in ("max", "-1") else int(quota) / int(period)
 
 
 def host_tasks(pid):
@@ -39,12 +49,25 @@ def host_limits(pid):
     return limits
 
 
+MEMORY_BOMB = """
+import sys
+hoard = []
+for _ in range(int(sys.argv[1]) // 16):
+    hoard.append(bytearray(16 << 20))
+"""
+
+
 def test_memory_bomb_is_killed_by_the_memory_limit(sandbox, canary):
-    run = sandbox.python("""
-        hoard = []
-        while True:
-            hoard.append(bytearray(16 << 20))
-    """, memory_mb=128)
+    # The host's own accounting (peak RSS of every process the run reaped); positive control: unconfined, the
+    # same bomb stopped at 512 MiB shows at least that much.
+    control = Measured([PYTHON, "-c", MEMORY_BOMB, "512"])
+    assert control.returncode == 0 and control.max_rss_mib >= 512, vars(control)
+
+    workspace = sandbox.workspace()
+    run = Measured(sandbox.command([PYTHON, "-c", MEMORY_BOMB, "1024"], workspace=workspace, memory_mb=128))
+    assert_no_session_process(workspace.stat().st_uid)
+    # RSS also counts pages of shared libraries that the page cache charges elsewhere: 32 MiB of slack.
+    assert run.max_rss_mib <= 128 + 32, vars(run)
     assert run.returncode == 137
     assert "killed by the memory limit" in run.stderr
     assert canary.poll() is None
@@ -234,8 +257,10 @@ def test_rlimits_cannot_be_raised(sandbox):
 
 def test_cpu_quota_holds_two_busy_threads_to_about_one_core(sandbox):
     # Two spinning processes for ~1.5 s; with a 1-core quota they get about 1 CPU-second per second.
-    # Noise on a busy host can only lower the ratio, so the bound cannot fail spuriously.
-    run = sandbox.python("""
+    # Noise on a busy host can only lower the ratio, so the bound cannot fail spuriously. (No unconfined
+    # control: on the shared 2-core test machine two spinners need not get more than one core either.)
+    workspace = sandbox.workspace()
+    measured = Measured(sandbox.command([PYTHON, "-c", PRELUDE + textwrap.dedent("""
         import time, multiprocessing
         def spin(deadline):
             while time.monotonic() < deadline:
@@ -248,8 +273,20 @@ def test_cpu_quota_holds_two_busy_threads_to_about_one_core(sandbox):
         end_wall, end_cpu = time.monotonic(), os.times()
         cpu = (end_cpu.children_user + end_cpu.children_system) - (start_cpu.children_user + start_cpu.children_system)
         report(ratio=cpu / (end_wall - start_wall))
+    """)], workspace=workspace))
+    assert_no_session_process(workspace.stat().st_uid)
+    # The quota itself, read by the host from the program's cgroup: the ratios below cannot tell a missing
+    # quota on a host too busy to give two spinners more than one core.
+    attack = SandboxedAttack(sandbox, """
+        hold("holding")
+        report(ok=True)
     """)
-    assert run.result()["ratio"] < 1.5
+    run, quota = held(attack, lambda pid: cgroup_quota(pid))
+    assert run.result() == {"ok": True}
+    assert quota == 1.0, quota      # the default policy's cpu_cores
+    # The host's accounting of the whole run (start-up included, which only lowers the ratio).
+    assert measured.cpu_seconds / measured.wall_seconds < 1.5, vars(measured)
+    assert Run(measured.returncode, measured.stdout, measured.stderr, 0, workspace, 0).result()["ratio"] < 1.5
 
 
 def test_crash_leaves_no_core_dump(sandbox):

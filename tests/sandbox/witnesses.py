@@ -185,6 +185,49 @@ class UnconfinedAttack(HeldAttack):
         return Run(returncode, stdout, stderr, -1, self.directory, time.monotonic() - self.started)
 
 
+# Runs a command and reports, from the host, what the kernel accounted for it and every descendant it reaped
+# (the CLI reaps the sandboxed program, which reaps its own children): peak RSS and CPU time.
+MEASURE = textwrap.dedent(
+    """
+    import resource, subprocess, sys, time
+    started = time.monotonic()
+    code = subprocess.run(sys.argv[1:], stdin=subprocess.DEVNULL).returncode
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print("MEASURED", usage.ru_maxrss, usage.ru_utime + usage.ru_stime, time.monotonic() - started, file=sys.stderr)
+    sys.exit(code if code >= 0 else 128 - code)
+    """
+)
+
+
+class Measured:
+    def __init__(self, argv, limit=300):
+        completed = subprocess.run([PYTHON, "-c", MEASURE, *argv], capture_output=True, text=True, errors="replace",
+                                   stdin=subprocess.DEVNULL, timeout=limit)
+        self.returncode, self.stdout = completed.returncode, completed.stdout
+        self.stderr, _, last = completed.stderr.rpartition("MEASURED ")
+        maxrss_kib, cpu, wall = last.split()
+        self.max_rss_mib, self.cpu_seconds, self.wall_seconds = int(maxrss_kib) / 1024, float(cpu), float(wall)
+
+
+def cgroup_file(pid, controller, name):
+    """The content of a cgroup control file of a host process: the v1 hierarchy with `controller`, else v2."""
+    paths = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for each in controllers.split(",") if controllers else [""]:
+            paths[each] = path
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        kind, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
+        if kind == "cgroup" and controller in options and controller in paths:
+            return Path(fields[4] + paths[controller], name).read_text().strip()
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[fields.index("-") + 1] == "cgroup2" and "" in paths:
+            return Path(fields[4] + paths[""], name).read_text().strip()
+    raise AssertionError(f"no cgroup hierarchy with {controller} for pid {pid}")
+
+
 def unused_uid():
     """A host uid with no process, for unconfined controls that must only be able to reach their canary."""
     for candidate in range(UID_FIRST + UID_COUNT + 1000, UID_FIRST + UID_COUNT + 2000):
