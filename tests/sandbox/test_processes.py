@@ -10,25 +10,53 @@ import signal
 
 import pytest
 
+from conftest import session_processes
 from witnesses import HostCanary, SandboxedAttack, UnconfinedAttack, sandbox_filter, unused_uid, verdict  # noqa: F401
 
 
+FORK_BOMB = """
+    import time
+    children, refused = [], None
+    for _ in range(target()["ceiling"]):
+        try:
+            pid = os.fork()
+        except OSError as error:
+            refused = errno.errorcode.get(error.errno)
+            break
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        children.append(pid)
+    hold("holding")
+    for pid in children:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    report(children=len(children), refused=refused)
+"""
+
+
+def count_processes_while_holding(attack, uid):
+    attack.wait_hold("holding")
+    try:
+        return len(session_processes(uid))
+    finally:
+        attack.release("holding")
+
+
 def test_fork_bomb_is_stopped_by_the_pids_limit(sandbox, small_policy, canary):
-    run = sandbox.python("""
-        import time
-        children, refused = 0, None
-        for _ in range(2000):
-            try:
-                pid = os.fork()
-            except OSError as error:
-                refused = errno.errorcode.get(error.errno)
-                break
-            if pid == 0:
-                time.sleep(60)
-                os._exit(0)
-            children += 1
-        report(children=children, refused=refused)
-    """, policy=small_policy, limit=120)
+    # Positive control: unconfined, as a uid of its own, the host counts all 100 children of the bomb.
+    uid = unused_uid()
+    control = UnconfinedAttack(FORK_BOMB, user=uid)
+    control.provide(ceiling=100)
+    counted = count_processes_while_holding(control, uid)
+    assert control.run().result() == {"children": 100, "refused": None} and counted == 101, counted
+
+    attack = SandboxedAttack(sandbox, FORK_BOMB, policy=small_policy)
+    attack.provide(ceiling=2000)
+    attack.wait_hold("holding")
+    counted = count_processes_while_holding(attack, attack.uid)
+    run = attack.run()
+    assert counted <= 64, counted    # the policy's pids limit, counted by the host
     result = run.result()
     assert result["refused"] == "EAGAIN"
     assert result["children"] < 64

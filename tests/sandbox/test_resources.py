@@ -4,7 +4,6 @@ and the host counts it through /proc (threads, fds, limits, the /tmp file), afte
 unconfined showed that the host's count sees more than the limit."""
 import os
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
