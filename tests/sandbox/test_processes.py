@@ -200,8 +200,13 @@ def test_ptrace_is_denied(sandbox, sandbox_filter):
         assert verdict(sandbox_filter, number) == ("ERRNO", errno.EPERM), number
 
 
+def host_status(pid):
+    return {key: value.split() for key, value in
+            (line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())}
+
+
 def test_setuid_setgid_and_capabilities_are_gone(sandbox):
-    run = sandbox.python("""
+    attack = SandboxedAttack(sandbox, """
         outcomes = {}
         for name, call in {"setuid0": lambda: os.setuid(0), "setgid0": lambda: os.setgid(0),
                            "setgroups": lambda: os.setgroups([0]), "setresuid": lambda: os.setresuid(0, 0, 0)}.items():
@@ -211,10 +216,22 @@ def test_setuid_setgid_and_capabilities_are_gone(sandbox):
             except OSError as error:
                 outcomes[name] = errno.errorcode.get(error.errno)
         status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        hold("holding")
         report(outcomes=outcomes, uid=os.getuid(), euid=os.geteuid(), groups=os.getgroups(),
                caps={k: status[k].strip() for k in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"]},
                nnp=status["NoNewPrivs"].strip(), seccomp=status["Seccomp"].strip())
     """)
+    attack.wait_hold("holding")
+    try:
+        seen = host_status(attack.program_pid())
+    finally:
+        attack.release("holding")
+    run = attack.run()
+    # Seen from the host after the attempts: the session's uid and gid in every slot, no capability at all.
+    assert seen["Uid"] == [str(run.uid)] * 4 and len(set(seen["Gid"])) == 1 and seen["Gid"][0] != "0", seen
+    assert all(seen[k] == ["0000000000000000"] for k in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"]), seen
+    assert seen["NoNewPrivs"] == ["1"] and seen["Seccomp"] == ["2"], seen
+    assert host_status(os.getpid())["CapEff"] != ["0000000000000000"]   # the reader sees capabilities where they are
     result = run.result()
     # EINVAL: gid 0 does not even exist in the sandbox's user namespace.
     assert set(result["outcomes"].values()) <= {"EPERM", "EINVAL"}
