@@ -1,10 +1,13 @@
 """Filesystem: a read-only minimal root, only the workspace writable, nothing of the host beyond /usr
 and a few /etc files; host files keep their hashes."""
+import errno
 import os
+import stat
 
 import pytest
 
 from conftest import sha256
+from witnesses import SandboxedAttack, UnconfinedAttack, sandbox_filter, verdict  # noqa: F401 (fixture)
 
 
 def test_host_secret_file_is_not_visible(sandbox, host_secret):
@@ -129,18 +132,56 @@ def test_sys_and_host_devices_are_absent(sandbox):
                                   "stdout", "stderr"}
 
 
+MKNOD = """
+    outcomes = {}
+    for path in target()["paths"]:
+        try:
+            os.mknod(path, 0o600 | 0o060000, os.makedev(254, 0))   # a block device
+            outcomes[path] = "created"
+        except OSError as error:
+            outcomes[path] = errno.errorcode.get(error.errno)
+    hold("made")
+    report(**outcomes)
+"""
+
+
+def nodes(paths):
+    """What the host finds at each path: "block device", "character device", another kind, or "absent"."""
+    found = {}
+    for path in paths:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            found[path] = "absent"
+            continue
+        found[path] = ("block device" if stat.S_ISBLK(mode) else "character device" if stat.S_ISCHR(mode)
+                       else "something else")
+    return found
+
+
 def test_mknod_and_device_creation_fail(sandbox):
-    run = sandbox.python("""
-        outcomes = {}
-        for path in ["/workspace/sda", "/tmp/sda", "/dev/shm/sda"]:
-            try:
-                os.mknod(path, 0o600 | 0o060000, os.makedev(254, 0))
-                outcomes[path] = "created"
-            except OSError as error:
-                outcomes[path] = errno.errorcode.get(error.errno)
-        report(**outcomes)
-    """)
-    assert "created" not in run.result().values()
+    # Positive control: unconfined (as root), the host sees the device node the attack made.
+    control = UnconfinedAttack(MKNOD)
+    control.provide(paths=[str(control.directory / "sda")])
+    control.wait_hold("made")
+    seen = nodes([control.directory / "sda"])
+    control.release("made")
+    assert control.run().result() == {str(control.directory / "sda"): "created"}
+    assert list(seen.values()) == ["block device"]
+
+    paths = ["/workspace/sda", "/tmp/sda", "/dev/shm/sda"]
+    attack = SandboxedAttack(sandbox, MKNOD)
+    attack.provide(paths=paths)
+    try:
+        attack.wait_hold("made")
+        # The sandbox's own /tmp and /dev/shm, looked at from the host through its root.
+        root = f"/proc/{attack.program_pid()}/root"
+        seen = nodes([root + path for path in paths] + [attack.workspace / "sda"])
+    finally:
+        attack.release("made")
+    run = attack.run()
+    assert "created" not in run.result().values(), run.result()
+    assert set(seen.values()) == {"absent"}, seen
 
 
 def test_hardlinks_to_files_outside_the_workspace_fail(sandbox):
@@ -178,7 +219,7 @@ def test_planted_symlinks_resolve_inside_the_sandbox_only(sandbox, host_secret):
     assert path.read_text().strip() == value
 
 
-def test_mount_pivot_root_and_chroot_are_denied(sandbox):
+def test_mount_pivot_root_and_chroot_are_denied(sandbox, sandbox_filter):
     run = sandbox.python("""
         outcomes = {}
         outcomes["mount"] = syscall(165, 0, 0, 0, 0, 0)[1]   # mount(NULL, NULL, NULL, 0, NULL)
@@ -194,9 +235,13 @@ def test_mount_pivot_root_and_chroot_are_denied(sandbox):
     assert result["mount_tmpfs"] == [-1, 1]
     for name in ["mount", "umount_root", "pivot_root", "chroot", "fsopen", "open_tree"]:
         assert result[name] == "EPERM", (name, result)
+    # The program has no capabilities, so the kernel alone would answer EPERM too: the filter must deny
+    # these calls itself (mount, umount2, pivot_root, chroot, fsopen, open_tree, move_mount, fsmount).
+    for number in (165, 166, 155, 161, 430, 428, 429, 432):
+        assert verdict(sandbox_filter, number) == ("ERRNO", errno.EPERM), number
 
 
-def test_open_by_handle_cannot_reach_host_inodes(sandbox):
+def test_open_by_handle_cannot_reach_host_inodes(sandbox, sandbox_filter):
     run = sandbox.python("""
         # name_to_handle_at(AT_FDCWD, "/usr", handle, &mount_id, 0) then open_by_handle_at
         handle = ctypes.create_string_buffer(128)
@@ -208,3 +253,6 @@ def test_open_by_handle_cannot_reach_host_inodes(sandbox):
         report(name_to_handle=first[1], open_by_handle=second[1])
     """)
     assert run.result() == {"name_to_handle": "EPERM", "open_by_handle": "EPERM"}
+    # open_by_handle_at needs CAP_DAC_READ_SEARCH anyway: the filter's own rules prove the denial.
+    for number in (303, 304):
+        assert verdict(sandbox_filter, number) == ("ERRNO", errno.EPERM), number
