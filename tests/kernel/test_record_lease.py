@@ -131,11 +131,17 @@ def test_output_of_a_cell_nobody_listened_to_is_replayed(fresh_kernel):
     k = fresh_kernel()
     execute_id = k.client.execute(PRINT_30_LINES)
     k.client.stop_channels()  # the only client is gone while the cell runs
-    time.sleep(3)
+    time.sleep(1)
     gateway = _second_client(k)
     try:
-        replay = _control_request(gateway, "cellblock_replay_request", {"after": None})["content"]
-        cell = _of_request(replay, execute_id)
+        # Asks again until the cell has finished (its reply is recorded), as a re-attaching gateway would.
+        deadline = time.monotonic() + 60
+        while True:
+            replay = _control_request(gateway, "cellblock_replay_request", {"after": None})["content"]
+            cell = _of_request(replay, execute_id)
+            if any(m["header"]["msg_type"] == "execute_reply" for m in cell) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert _text(cell) == EXPECTED_30_LINES
         replies = [m for m in cell if m["header"]["msg_type"] == "execute_reply"]
         assert len(replies) == 1 and replies[0]["content"]["status"] == "ok"
@@ -188,6 +194,10 @@ def test_lease_expiry_stops_kernel_and_worker_and_removes_the_directory(fresh_ke
         pytest.fail("the kernel did not stop itself within 30 s of a 2 s lease")
     assert status == LEASE_EXPIRED_STATUS
     left = {pid for pid in workers if _alive(pid)}
+    deadline = time.monotonic() + 10  # the kernel is gone; its worker's sandbox may take a moment to tear down
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = {pid for pid in left if _alive(pid)}
     assert not left, f"worker processes survived the lease: {left}"
     assert not os.path.lexists(kernel_dir), "the cleanup directory was left behind"
     assert (outside / "precious.txt").read_text() == "PRECIOUS", "a symlink target outside was touched"
