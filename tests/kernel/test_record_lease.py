@@ -234,3 +234,57 @@ def test_sighup_does_not_stop_the_kernel(fresh_kernel):
     time.sleep(0.5)
     assert k.manager.is_alive()
     assert k.execute("print(x)").stream_text() == "42\n"
+
+
+FAKE_GATEWAY = """
+import json, os, subprocess, sys
+argv, env = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+# As the gateway does: own session, output to this process (here a pipe, the harsher case).
+kernel = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, start_new_session=True)
+print(kernel.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_kernel_outlives_its_killed_parent_and_its_output_pipe(tmp_path):
+    """kill -9 of the process that started the kernel (and held its stdout/stderr pipes): the kernel keeps
+    serving, with its state, while it writes debug log lines into the broken pipe."""
+    import subprocess
+    import sys
+    from jupyter_client.connect import write_connection_file
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"), key=os.urandom(16).hex().encode())
+    argv = [part.replace("{connection_file}", connection_file)
+            for part in KernelSpecManager().get_kernel_spec("cellblock-python").argv]
+    env = dict(os.environ, CELLBLOCK_LOG="debug")
+    gateway = subprocess.Popen([sys.executable, "-c", FAKE_GATEWAY, json.dumps(argv), json.dumps(env)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    kernel_pid = int(gateway.stdout.readline())
+    client = BlockingKernelClient()
+    client.load_connection_file(connection_file)
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        client.execute_interactive("x = 42", timeout=60)
+        gateway.kill()
+        gateway.wait()
+        time.sleep(0.5)
+        assert _alive(kernel_pid), "the kernel died with the process that started it"
+        outputs = []
+        reply = client.execute_interactive("print(x)", timeout=60, output_hook=outputs.append)
+        assert reply["content"]["status"] == "ok"
+        assert "".join(m["content"].get("text", "") for m in outputs if m["msg_type"] == "stream") == "42\n"
+        assert _alive(kernel_pid)
+    finally:
+        if _alive(kernel_pid):
+            client.shutdown()
+            deadline = time.monotonic() + 15
+            while _alive(kernel_pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(kernel_pid):
+                os.kill(kernel_pid, signal.SIGKILL)
+        client.stop_channels()
+        if gateway.poll() is None:
+            gateway.kill()
