@@ -5,6 +5,9 @@
 // Threads: main runs xeus's control loop (make_xserver_control_main), xeus runs shell/iopub/heartbeat
 // threads on private ipc:// endpoints, the wire guard serves the public ports, the supervisor launches
 // workers, and the signal router takes SIGINT/SIGTERM.
+//
+// Exit status: 0 after shutdown_request, SIGTERM or SIGQUIT; 1 when start-up failed; 3
+// (lease_expired_exit_status) when the orphan lease ran out (CELLBLOCK_LEASE_S; see kernel/README.md).
 #include <fcntl.h>
 #include <openssl/crypto.h>
 #include <spawn.h>
@@ -30,7 +33,9 @@
 #include "connection_info.hpp"
 #include "history_manager.hpp"
 #include "kernel_config.hpp"
+#include "lease.hpp"
 #include "logging.hpp"
+#include "outbound_record.hpp"
 #include "python_interpreter.hpp"
 #include "runtime_dir.hpp"
 #include "signal_router.hpp"
@@ -43,6 +48,9 @@ namespace cellblock::kernel {
 namespace {
 
 constexpr const char* cellblock_version = CELLBLOCK_VERSION;
+// No gateway renewed the lease: the kernel stopped itself (and cleaned up). Distinct so that whoever reaps
+// the kernel (a gateway that came back too late, systemd) can tell it from a crash or a shutdown.
+constexpr int lease_expired_exit_status = 3;
 
 // "3.11.2" from `python --version` (kernel_info must not wait for the worker to start).
 std::string probe_python_version(const std::filesystem::path& python) {
@@ -100,18 +108,33 @@ class ExitPath {
              PrivateDirectory& runtime)
         : supervisor_(supervisor), workspace_(workspace), runtime_(runtime) {}
 
-    [[noreturn]] void leave(int code) {
-        std::call_once(once_, [this] {
+    // `also_remove`: a directory tree to remove once the worker is gone (the lease's cleanup directory).
+    [[noreturn]] void leave(int code,
+                            const std::optional<std::filesystem::path>& also_remove = std::nullopt) {
+        std::call_once(once_, [&] {
             supervisor_.shutdown();
             if (workspace_) {
                 workspace_->remove();
             }
             runtime_.remove();
+            if (also_remove) {
+                remove_cleanup_dir(*also_remove);
+            }
         });
         ::_exit(code);
     }
 
   private:
+    static void remove_cleanup_dir(const std::filesystem::path& directory) noexcept {
+        try {
+            sandbox::remove_tree(directory);
+            log_event(LogLevel::warning, "lease_cleanup_removed", {{"path", directory.string()}});
+        } catch (const std::exception& error) {
+            log_event(LogLevel::error, "lease_cleanup_failed",
+                      {{"path", directory.string()}, {"error", error.what()}});
+        }
+    }
+
     WorkerSupervisor& supervisor_;
     std::optional<PrivateDirectory>& workspace_;
     PrivateDirectory& runtime_;
@@ -119,7 +142,20 @@ class ExitPath {
 };
 
 int run_kernel(const std::filesystem::path& config_file, const std::filesystem::path& connection_file) {
-    const KernelConfig config = KernelConfig::load(config_file, KernelConfig::process_environment());
+    const auto environment = KernelConfig::process_environment();
+    const KernelConfig config = KernelConfig::load(config_file, environment);
+    const auto variable = [&environment](const char* name) { return environment(name); };
+    const auto record_bytes = variable("CELLBLOCK_RECORD_BYTES");
+    const auto record_messages = variable("CELLBLOCK_RECORD_MESSAGES");
+    const auto lease = variable("CELLBLOCK_LEASE_S");
+    GuardOptions guard_options{
+        RecordLimits::from_environment(record_bytes ? record_bytes->c_str() : nullptr,
+                                       record_messages ? record_messages->c_str() : nullptr),
+        Lease::duration_from_environment(lease ? lease->c_str() : nullptr)};
+    std::optional<std::filesystem::path> lease_cleanup_dir;
+    if (const auto cleanup = variable("CELLBLOCK_LEASE_CLEANUP_DIR"); cleanup && guard_options.lease) {
+        lease_cleanup_dir = std::filesystem::path(*cleanup);
+    }
     const ConnectionInfo connection = ConnectionInfo::load(connection_file);
 
     std::optional<PrivateDirectory> own_workspace;
@@ -183,7 +219,11 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     WireGuard guard(connection,
                     {endpoint(private_config.m_shell_port), endpoint(private_config.m_control_port),
                      endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
-                    {[&supervisor] { supervisor.interrupt(); }, [&exit_path] { exit_path.leave(0); }});
+                    {[&supervisor] { supervisor.interrupt(); }, [&exit_path] { exit_path.leave(0); },
+                     [&exit_path, &lease_cleanup_dir](std::chrono::duration<double>) {
+                         exit_path.leave(lease_expired_exit_status, lease_cleanup_dir);
+                     }},
+                    guard_options);
     interpreter_ref.set_input_releaser([&guard] { guard.interrupt_pending_input(); });
     // Only now, with every socket bound, start the worker (so a bad port fails fast and leaves nothing).
     supervisor.start();

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <cellblock/sandbox/sandbox.hpp>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -9,7 +10,18 @@
 #include <system_error>
 #include <vector>
 
+#include "logging.hpp"
+
 namespace cellblock::kernel {
+
+void remove_tree_logged(const std::filesystem::path& directory) noexcept {
+    try {
+        sandbox::remove_tree(directory);
+    } catch (const std::exception& error) {
+        log_event(LogLevel::warning, "directory_not_removed",
+                  {{"path", directory.string()}, {"error", error.what()}});
+    }
+}
 
 PrivateDirectory::PrivateDirectory(const std::filesystem::path& parent, const std::string& prefix) {
     std::string pattern = (parent / (prefix + "XXXXXX")).string();
@@ -30,8 +42,7 @@ void PrivateDirectory::remove() noexcept {
     if (path_.empty()) {
         return;
     }
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
+    remove_tree_logged(path_);
     path_.clear();
 }
 
@@ -94,11 +105,10 @@ void sweep_abandoned_kernel_dirs(const std::filesystem::path& parent, const std:
             continue;
         }
         const std::filesystem::path workspace = marker.value("workspace", std::string());
-        std::error_code ignored;
         if (!workspace.empty() && is_private_workspace_name(workspace)) {
-            std::filesystem::remove_all(workspace, ignored);
+            remove_tree_logged(workspace);
         }
-        std::filesystem::remove_all(path, ignored);
+        remove_tree_logged(path);
         log_event(LogLevel::info, "swept_abandoned_kernel_dir",
                   {{"path", path.string()}, {"workspace", workspace.string()}});
     }

@@ -7,6 +7,10 @@
 
 namespace cellblock::kernel {
 
+// sandbox::remove_tree (never follows a symlink the worker planted), logging instead of throwing: for exit
+// paths and destructors.
+void remove_tree_logged(const std::filesystem::path& directory) noexcept;
+
 class PrivateDirectory {
   public:
     // Creates a fresh directory `prefix`XXXXXX under `parent` (mkdtemp, mode 0700). Throws on failure.

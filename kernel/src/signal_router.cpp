@@ -39,6 +39,12 @@ SignalRouter::SignalRouter(std::function<void()> on_interrupt, std::function<voi
             if (signo == SIGUSR2) {
                 return;
             }
+            if (signo == SIGHUP) {
+                // The kernel outlives the gateway that started it (its own session, no terminal): a hang-up
+                // from whoever still holds an old session must not end the user's state.
+                log_event(LogLevel::info, "signal_ignored", {{"signal", "SIGHUP"}});
+                continue;
+            }
             if (signo == SIGINT) {
                 log_event(LogLevel::debug, "signal", {{"signal", "SIGINT"}});
                 if (on_interrupt_) {

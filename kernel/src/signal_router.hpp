@@ -1,6 +1,8 @@
 // SIGINT and SIGTERM are blocked in every thread (main blocks them before any thread starts) and taken
 // here, on one thread, with sigwait: an asynchronous handler would interrupt xeus's zmq_poll with EINTR,
 // which cppzmq turns into an uncaught exception.
+// SIGINT interrupts the worker, SIGTERM and SIGQUIT stop the kernel, SIGHUP is ignored (the kernel is
+// meant to outlive the gateway that started it).
 #pragma once
 
 #include <functional>

@@ -43,6 +43,22 @@ std::string parent_msg_id(std::string_view parent_header) {
     return parent.is_object() ? parent.value("msg_id", std::string()) : std::string();
 }
 
+std::vector<zmq::message_t> identities_of(const std::vector<zmq::message_t>& frames, std::size_t delimiter) {
+    std::vector<zmq::message_t> identities;
+    for (std::size_t i = 0; i < delimiter; ++i) {
+        identities.emplace_back(frames[i].data(), frames[i].size());
+    }
+    return identities;
+}
+
+// A lease of whole seconds is reported as an integer, as the gateway wrote it.
+nlohmann::json lease_seconds(std::chrono::milliseconds duration) {
+    if (duration.count() % 1000 == 0) {
+        return duration.count() / 1000;
+    }
+    return std::chrono::duration<double>(duration).count();
+}
+
 std::vector<std::string_view> views(const std::vector<zmq::message_t>& frames) {
     std::vector<std::string_view> result;
     result.reserve(frames.size());
@@ -176,13 +192,16 @@ struct WireGuard::Sockets {
     }
 };
 
-WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& xeus, GuardActions actions)
+WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& xeus, GuardActions actions,
+                     GuardOptions options)
     : signer_(connection.signature_scheme, connection.key),
       verifier_(signer_, replay_capacity),
       actions_(std::move(actions)),
       session_id_(xeus::new_xguid().c_str()),
       sockets_(std::make_unique<Sockets>()),
-      refusals_(5, 0) {
+      refusals_(5, 0),
+      record_(options.record),
+      lease_duration_(options.lease) {
     auto& s = *sockets_;
     const std::array<int, 3> ports = {connection.shell_port, connection.control_port, connection.stdin_port};
     const std::array<const std::string*, 3> private_ends = {&xeus.shell, &xeus.control, &xeus.stdin_channel};
@@ -218,7 +237,16 @@ WireGuard::~WireGuard() {
 }
 
 void WireGuard::start() {
+    if (lease_duration_) {
+        lease_.emplace(*lease_duration_, Lease::Clock::now());
+        log_event(LogLevel::info, "lease_started", {{"lease_s", lease_seconds(*lease_duration_)}});
+    }
     thread_ = std::thread([this] { run(); });
+}
+
+void WireGuard::close_sockets() {
+    std::lock_guard lock(wake_mutex_);  // the signal thread may be using wake_sender
+    sockets_->close_all();
 }
 
 void WireGuard::interrupt_pending_input() {
@@ -313,6 +341,10 @@ void WireGuard::run() noexcept {
                 }
                 release_pending_input();
             }
+            if (lease_ && lease_->expired(Lease::Clock::now())) {
+                expire_lease();
+                return;
+            }
         } catch (const zmq::error_t& error) {
             if (error.num() == EINTR) {
                 continue;
@@ -350,6 +382,17 @@ void WireGuard::relay_inbound(int channel_index) {
     }
     log_event(LogLevel::debug, "message_in",
               {{"channel", channel_names[channel_index]}, {"msg_type", verdict.msg_type}});
+    if (lease_) {
+        lease_->renew(Lease::Clock::now());
+    }
+    if (channel_index == control && verdict.msg_type == "cellblock_replay_request") {
+        answer_replay(frames, verdict.delimiter);
+        return;
+    }
+    if (channel_index == control && verdict.msg_type == "cellblock_lease_request") {
+        answer_lease(frames, verdict.delimiter);
+        return;
+    }
     if (verdict.msg_type == "shutdown_request" && channel_index != stdin_channel) {
         answer_shutdown(frames, verdict.delimiter, channel_index);
         return;
@@ -403,7 +446,6 @@ void WireGuard::relay_outbound(int channel_index) {
                                view(frames[d + 5])};
     const std::string signature = signer_.sign(parts);
     frames[d + 1] = zmq::message_t(signature.data(), signature.size());
-    zmq::socket_t& to = channel_index == iopub ? s.publisher : s.routers[channel_index];
     // xeus answers requests aborted by stop_on_error without busy/idle; clients (and ipykernel) expect the
     // usual busy -> reply -> idle for each request.
     const std::string parent_header(view(frames[d + 3]));
@@ -431,19 +473,38 @@ void WireGuard::relay_outbound(int channel_index) {
     if (aborted) {
         publish_status(parent_header, "busy");
     }
-    zmq::send_multipart(to, frames);
+    send_to_clients(channel_index, frames);
     if (aborted) {
         publish_status(parent_header, "idle");
     }
 }
 
+void WireGuard::send_to_clients(int channel_index, std::vector<zmq::message_t>& frames) {
+    if (channel_index != control) {
+        const auto frame_views = views(frames);
+        const auto delimiter = find_delimiter(frame_views);
+        if (delimiter && frames.size() >= *delimiter + 6) {
+            const std::size_t d = *delimiter;
+            RecordedMessage recorded{
+                channel_names[channel_index],
+                std::string(frame_views[d + 2]),
+                std::string(frame_views[d + 3]),
+                std::string(frame_views[d + 4]),
+                std::string(frame_views[d + 5]),
+                std::vector<std::string>(frame_views.begin() + d + 6, frame_views.end())};
+            record_.add(std::move(recorded));
+        }
+    }
+    auto& s = *sockets_;
+    zmq::send_multipart(channel_index == iopub ? s.publisher : s.routers[channel_index], frames);
+}
+
 void WireGuard::release_held_replies(std::string_view parent_msg_id) {
-    auto& router = sockets_->routers[shell];
     std::erase_if(held_replies_, [&](HeldReply& held) {
         if (held.parent_msg_id != parent_msg_id) {
             return false;
         }
-        zmq::send_multipart(router, held.frames);
+        send_to_clients(shell, held.frames);
         return true;
     });
 }
@@ -453,29 +514,31 @@ void WireGuard::release_expired_replies() {
         return;
     }
     const auto now = std::chrono::steady_clock::now();
-    auto& router = sockets_->routers[shell];
     std::erase_if(held_replies_, [&](HeldReply& held) {
         if (held.deadline > now) {
             return false;
         }
         // The idle never came (it should not happen): a late reply beats none.
         log_event(LogLevel::debug, "reply_released_without_idle", {});
-        zmq::send_multipart(router, held.frames);
+        send_to_clients(shell, held.frames);
         return true;
     });
 }
 
 int WireGuard::poll_timeout_ms() const {
-    if (held_replies_.empty()) {
+    const auto now = std::chrono::steady_clock::now();
+    std::optional<std::chrono::milliseconds> wait;
+    if (lease_) {
+        wait = lease_->remaining(now);
+    }
+    for (const auto& held : held_replies_) {
+        const auto until = std::chrono::ceil<std::chrono::milliseconds>(held.deadline - now);
+        wait = std::min(wait.value_or(until), until);
+    }
+    if (!wait) {
         return -1;
     }
-    auto earliest = held_replies_.front().deadline;
-    for (const auto& held : held_replies_) {
-        earliest = std::min(earliest, held.deadline);
-    }
-    const auto wait =
-        std::chrono::ceil<std::chrono::milliseconds>(earliest - std::chrono::steady_clock::now());
-    return static_cast<int>(std::max<std::chrono::milliseconds::rep>(0, wait.count()));
+    return static_cast<int>(std::clamp<std::chrono::milliseconds::rep>(wait->count(), 0, 60 * 60 * 1000));
 }
 
 void WireGuard::echo_heartbeat() {
@@ -518,31 +581,70 @@ std::vector<zmq::message_t> WireGuard::build_message(const std::vector<zmq::mess
 }
 
 void WireGuard::publish_status(std::string_view parent_header, const char* state) {
-    zmq::send_multipart(sockets_->publisher,
-                        build_message({}, parent_header, "status", {{"execution_state", state}}));
+    auto status = build_message({}, parent_header, "status", {{"execution_state", state}});
+    send_to_clients(iopub, status);
 }
 
 void WireGuard::answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter,
                                 int channel_index) {
-    auto& s = *sockets_;
     const auto request = nlohmann::json::parse(view(frames[delimiter + 5]), nullptr, false);
     const bool restart = request.is_object() && request.value("restart", false);
     log_event(LogLevel::info, "shutdown_request", {{"restart", restart}});
     const std::string_view request_header = view(frames[delimiter + 2]);
-    std::vector<zmq::message_t> identities;
-    for (std::size_t i = 0; i < delimiter; ++i) {
-        identities.emplace_back(frames[i].data(), frames[i].size());
-    }
     publish_status(request_header, "busy");
-    zmq::send_multipart(s.routers[channel_index], build_message(identities, request_header, "shutdown_reply",
-                                                                {{"status", "ok"}, {"restart", restart}}));
+    auto reply = build_message(identities_of(frames, delimiter), request_header, "shutdown_reply",
+                               {{"status", "ok"}, {"restart", restart}});
+    send_to_clients(channel_index, reply);
     publish_status(request_header, "idle");
-    {
-        std::lock_guard lock(wake_mutex_);  // the signal thread may be using wake_sender
-        s.close_all();
-    }
+    close_sockets();
     if (actions_.shutdown) {
         actions_.shutdown();
+    }
+}
+
+void WireGuard::answer_replay(const std::vector<zmq::message_t>& frames, std::size_t delimiter) {
+    const auto request = nlohmann::json::parse(view(frames[delimiter + 5]), nullptr, false);
+    const nlohmann::json after =
+        request.is_object() && request.contains("after") ? request["after"] : nlohmann::json();
+    nlohmann::json content;
+    if (after.is_null() || after.is_string()) {
+        content = record_.replay(after.is_string() ? std::optional(after.get<std::string>()) : std::nullopt);
+    } else {
+        content = {{"status", "error"},
+                   {"ename", "ValueError"},
+                   {"evalue", "cellblock_replay_request: 'after' must be a msg_id or null"},
+                   {"traceback", nlohmann::json::array()}};
+    }
+    log_event(LogLevel::info, "replay_request",
+              {{"after", after},
+               {"found", content.value("found", false)},
+               {"messages", content.contains("messages") ? content["messages"].size() : 0},
+               {"dropped", record_.dropped()}});
+    // Straight to the router, not through send_to_clients: a replay is never itself replayed.
+    zmq::send_multipart(sockets_->routers[control],
+                        build_message(identities_of(frames, delimiter), view(frames[delimiter + 2]),
+                                      "cellblock_replay_reply", content));
+}
+
+void WireGuard::answer_lease(const std::vector<zmq::message_t>& frames, std::size_t delimiter) {
+    // Renewed by relay_inbound already, as for every verified message.
+    zmq::send_multipart(
+        sockets_->routers[control],
+        build_message(identities_of(frames, delimiter), view(frames[delimiter + 2]), "cellblock_lease_reply",
+                      {{"status", "ok"},
+                       {"lease_s", lease_duration_ ? lease_seconds(*lease_duration_) : nlohmann::json()}}));
+}
+
+void WireGuard::expire_lease() {
+    const auto idle = lease_->idle(Lease::Clock::now());
+    log_event(LogLevel::warning, "lease_expired",
+              {{"idle_s", idle.count()},
+               {"lease_s", lease_seconds(lease_->duration())},
+               {"recorded_messages", record_.size()},
+               {"dropped", record_.dropped()}});
+    close_sockets();
+    if (actions_.lease_expired) {
+        actions_.lease_expired(idle);
     }
 }
 

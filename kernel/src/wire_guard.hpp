@@ -6,6 +6,11 @@
 // serving. Outbound, xeus's messages get the protocol fixups (protocol_fixups.hpp) and are signed with the
 // real key. interrupt_request is acted on here (xeus 2.4.1 ignores it) and shutdown_request is answered
 // here, so shutdown never waits for a busy shell thread.
+//
+// For a gateway that restarts while the kernel runs on, the guard also keeps the outbound record
+// (outbound_record.hpp) and answers cellblock_replay_request from it, and holds the orphan lease
+// (lease.hpp), renewed by every verified inbound message and by cellblock_lease_request. Both requests
+// arrive on control and are answered here; xeus never sees them.
 #pragma once
 
 #include <chrono>
@@ -21,7 +26,9 @@
 #include <zmq.hpp>
 
 #include "connection_info.hpp"
+#include "lease.hpp"
 #include "message_signer.hpp"
+#include "outbound_record.hpp"
 
 namespace cellblock::kernel {
 
@@ -56,17 +63,26 @@ struct GuardActions {
     std::function<void()> interrupt;  // an interrupt_request arrived (message-mode interrupt)
     // A shutdown_request was answered and the reply flushed; the process should stop now.
     std::function<void()> shutdown;
+    // The lease expired (already logged, sockets closed); the process should stop the worker and exit.
+    std::function<void(std::chrono::duration<double> idle)> lease_expired;
+};
+
+struct GuardOptions {
+    RecordLimits record;                             // what cellblock_replay_request can return
+    std::optional<std::chrono::milliseconds> lease;  // none: the kernel never stops on its own
 };
 
 class WireGuard {
   public:
     // Binds the public sockets and connects to xeus's private ones; throws on failure (e.g. port in use).
-    WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& xeus, GuardActions actions);
+    WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& xeus, GuardActions actions,
+              GuardOptions options = {});
     ~WireGuard();
     WireGuard(const WireGuard&) = delete;
     WireGuard& operator=(const WireGuard&) = delete;
 
-    // Runs the proxy loop on its own thread until destruction or shutdown_request.
+    // Runs the proxy loop on its own thread until destruction, shutdown_request or lease expiry. The lease
+    // starts counting here.
     void start();
 
     // A signal-mode interrupt (SIGINT) reached the kernel: if the shell thread is blocked waiting for an
@@ -82,6 +98,12 @@ class WireGuard {
     void publish_status(std::string_view parent_header, const char* state);
     void release_pending_input();
     void answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index);
+    void answer_replay(const std::vector<zmq::message_t>& frames, std::size_t delimiter);
+    void answer_lease(const std::vector<zmq::message_t>& frames, std::size_t delimiter);
+    void expire_lease();
+    // Sends a message to the clients of `channel_index` and, on IOPub, shell and stdin, records it as sent.
+    void send_to_clients(int channel_index, std::vector<zmq::message_t>& frames);
+    void close_sockets();
     // A message of the guard's own, in reply to (or about) the request whose header is `parent_header`;
     // `identities` route it on a ROUTER, none means IOPub.
     std::vector<zmq::message_t> build_message(const std::vector<zmq::message_t>& identities,
@@ -108,6 +130,9 @@ class WireGuard {
     std::unique_ptr<Sockets> sockets_;
     std::thread thread_;
     std::vector<unsigned long> refusals_;  // per InboundVerdict::Kind, for log-once
+    OutboundRecord record_;
+    std::optional<std::chrono::milliseconds> lease_duration_;
+    std::optional<Lease> lease_;  // from start(); touched only by the guard thread
 
     // The input_request xeus is blocked on (xeus 2.4.1 waits in a blocking recv with no cancel): its
     // routing identities and header. Only an input_reply while one is pending is forwarded, so a stale

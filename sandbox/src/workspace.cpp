@@ -1,15 +1,21 @@
 // Workspace: host-side access to a directory that untrusted code also writes. Every path is resolved
 // with openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS) from the root's fd, so a
 // planted symlink, a ".." or a bind mount cannot lead outside; only regular, singly-linked files are
-// read, without blocking (a planted FIFO), and with a size cap.
+// read, without blocking (a planted FIFO), and with a size cap. remove_tree lives here too: the one
+// no-follow recursive removal, for workspaces and the other directories untrusted code wrote into.
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <memory>
+#include <optional>
+#include <set>
+#include <vector>
 
 #include "cellblock/sandbox/sandbox.hpp"
 #include "system.hpp"
@@ -367,6 +373,186 @@ std::vector<Workspace::Entry> Workspace::list(std::size_t max_entries) const {
         }
     }
     return entries;
+}
+
+namespace {
+
+struct NodeIdentity {
+    dev_t device = 0;
+    ino_t inode = 0;
+    std::uint64_t mount_id = 0;
+    bool has_mount_id = false;
+    mode_t mode = 0;
+
+    bool same_node(const NodeIdentity& other) const noexcept {
+        return device == other.device && inode == other.inode;
+    }
+    bool same_mount(const NodeIdentity& other) const noexcept {
+        return device == other.device && (!has_mount_id || !other.has_mount_id || mount_id == other.mount_id);
+    }
+};
+
+// `name` under `dir_fd` without following a final symlink, or `dir_fd` itself when name is "".
+std::optional<NodeIdentity> identify(int dir_fd, const char* name) {
+    struct statx info {};
+    const int flags = AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT | (*name == '\0' ? AT_EMPTY_PATH : 0);
+    if (::statx(dir_fd, name, flags, STATX_TYPE | STATX_INO | STATX_MNT_ID, &info) != 0) {
+        return std::nullopt;
+    }
+    NodeIdentity identity;
+    identity.device = makedev(info.stx_dev_major, info.stx_dev_minor);
+    identity.inode = info.stx_ino;
+    identity.has_mount_id = (info.stx_mask & STATX_MNT_ID) != 0;
+    identity.mount_id = info.stx_mnt_id;
+    identity.mode = info.stx_mode;
+    return identity;
+}
+
+std::string errno_text(const std::string& what, int err) {
+    return what + ": " + std::strerror(err);
+}
+
+// One directory on the way down: its name in its parent, its identity (checked on the way back up) and
+// the entries that could not be removed (skipped when the directory is listed again).
+struct Level {
+    std::string name;
+    NodeIdentity identity;
+    std::set<std::string> kept;
+};
+
+}  // namespace
+
+void remove_tree(const std::filesystem::path& directory) {
+    std::filesystem::path target = directory.lexically_normal();
+    if (!target.has_filename()) {
+        target = target.parent_path();  // "dir/" -> "dir"
+    }
+    const std::string name = target.filename().string();
+    if (name.empty() || name == "." || name == ".." || target == target.root_path()) {
+        throw SandboxError("remove_tree: refusing to remove '" + directory.string() + "'");
+    }
+    const std::filesystem::path parent_path = target.has_parent_path() ? target.parent_path() : ".";
+    UniqueFd parent(::open(parent_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!parent) {
+        if (errno == ENOENT) {
+            return;
+        }
+        throw SandboxError(errno_text("remove_tree: open " + parent_path.string(), errno));
+    }
+    const auto root = identify(parent.get(), name.c_str());
+    if (!root) {
+        if (errno == ENOENT) {
+            return;
+        }
+        throw SandboxError(errno_text("remove_tree: stat " + target.string(), errno));
+    }
+    if (!S_ISDIR(root->mode)) {
+        throw SandboxError("remove_tree: " + target.string() +
+                           " is not a directory (a symlink is never followed)");
+    }
+    UniqueFd current(::openat(parent.get(), name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    const auto opened = current ? identify(current.get(), "") : std::nullopt;
+    if (!opened || !opened->same_node(*root)) {
+        throw SandboxError(errno_text("remove_tree: open " + target.string(), current ? ESTALE : errno));
+    }
+
+    std::vector<Level> levels{{name, *root, {}}};
+    std::string first_error;
+    const auto where = [&](const std::string& entry) {
+        std::string path = parent_path.string();
+        for (const auto& level : levels) {
+            path += "/" + level.name;
+        }
+        return entry.empty() ? path : path + "/" + entry;
+    };
+    const auto keep = [&](const std::string& entry, const std::string& why) {
+        levels.back().kept.insert(entry);
+        if (first_error.empty()) {
+            first_error = where(entry) + ": " + why;
+        }
+    };
+
+    while (true) {
+        std::optional<Level> child_level;
+        UniqueFd child;
+        {
+            const int listing_fd = ::dup(current.get());
+            if (listing_fd < 0) {
+                throw SandboxError(errno_text("remove_tree: dup " + where(""), errno));
+            }
+            std::unique_ptr<DIR, int (*)(DIR*)> listing(::fdopendir(listing_fd), ::closedir);
+            if (!listing) {
+                ::close(listing_fd);
+                throw SandboxError(errno_text("remove_tree: read directory " + where(""), errno));
+            }
+            ::rewinddir(listing.get());
+            errno = 0;
+            while (const dirent* entry = ::readdir(listing.get())) {
+                const std::string entry_name = entry->d_name;
+                if (entry_name == "." || entry_name == ".." || levels.back().kept.contains(entry_name)) {
+                    continue;
+                }
+                const auto identity = identify(current.get(), entry_name.c_str());
+                if (!identity) {
+                    if (errno != ENOENT) {
+                        keep(entry_name, errno_text("stat", errno));
+                    }
+                    continue;
+                }
+                if (!S_ISDIR(identity->mode)) {
+                    // Unlinking a name (a symlink, FIFO, device, file) never touches what it refers to.
+                    if (::unlinkat(current.get(), entry_name.c_str(), 0) != 0 && errno != ENOENT) {
+                        keep(entry_name, errno_text("unlink", errno));
+                    }
+                    continue;
+                }
+                if (!identity->same_mount(*root)) {
+                    keep(entry_name, "a mount point, left alone");
+                    continue;
+                }
+                child.reset(::openat(current.get(), entry_name.c_str(),
+                                     O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+                const auto child_identity = child ? identify(child.get(), "") : std::nullopt;
+                if (!child_identity || !child_identity->same_node(*identity)) {
+                    keep(entry_name, child ? "replaced during removal" : errno_text("open", errno));
+                    child.reset();
+                    continue;
+                }
+                child_level = Level{entry_name, *identity, {}};
+                break;
+            }
+        }
+        if (child_level) {
+            levels.push_back(std::move(*child_level));
+            current = std::move(child);
+            continue;
+        }
+        if (levels.size() == 1) {
+            break;
+        }
+        // Back up through "..", checked to be the parent we came from: only ancestors' names and
+        // identities are kept, so a deep tree does not cost one descriptor per level.
+        UniqueFd up(::openat(current.get(), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        const auto up_identity = up ? identify(up.get(), "") : std::nullopt;
+        const Level finished = std::move(levels.back());
+        levels.pop_back();
+        if (!up_identity || !up_identity->same_node(levels.back().identity)) {
+            throw SandboxError("remove_tree: " + where(finished.name) +
+                               ": moved during removal; stopped without following it");
+        }
+        current = std::move(up);
+        if (::unlinkat(current.get(), finished.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+            keep(finished.name, errno_text("remove directory", errno));
+        }
+    }
+    current.reset();
+    levels.clear();
+    if (::unlinkat(parent.get(), name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT && first_error.empty()) {
+        first_error = errno_text(target.string() + ": remove directory", errno);
+    }
+    if (!first_error.empty()) {
+        throw SandboxError("remove_tree: " + first_error);
+    }
 }
 
 }  // namespace cellblock::sandbox

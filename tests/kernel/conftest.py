@@ -47,7 +47,7 @@ class Run:
 class Kernel:
     """A started kernel with a connected client and helpers to execute code."""
 
-    def __init__(self, extra_env: dict | None = None, key: bytes | None = None):
+    def __init__(self, extra_env: dict | None = None, key: bytes | None = None, stderr=None):
         _require_kernelspec()
         self.manager = KernelManager(kernel_name=KERNEL_NAME)
         if key is not None:
@@ -55,7 +55,7 @@ class Kernel:
         env = dict(os.environ)
         env.update(extra_env or {})
         started = time.monotonic()
-        self.manager.start_kernel(env=env)
+        self.manager.start_kernel(env=env, **({"stderr": stderr} if stderr is not None else {}))
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=START_TIMEOUT)
@@ -148,8 +148,8 @@ def fresh_kernel():
     """A kernel of its own, for tests that crash, kill or restart it."""
     kernels = []
 
-    def start(key: bytes | None = None, **extra_env):
-        k = Kernel(extra_env={name: str(value) for name, value in extra_env.items()}, key=key)
+    def start(key: bytes | None = None, stderr=None, **extra_env):
+        k = Kernel(extra_env={name: str(value) for name, value in extra_env.items()}, key=key, stderr=stderr)
         kernels.append(k)
         return k
 

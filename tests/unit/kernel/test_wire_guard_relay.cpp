@@ -66,7 +66,12 @@ class WireGuardRelay : public ::testing::Test {
         guard = std::make_unique<WireGuard>(
             connection,
             PrivateEndpoints{base + "-shell", base + "-control", base + "-stdin", base + "-iopub"},
-            GuardActions{[this] { ++interrupts; }, [this] { ++shutdowns; }});
+            GuardActions{[this] { ++interrupts; }, [this] { ++shutdowns; },
+                         [this](std::chrono::duration<double> idle) {
+                             idle_at_expiry = idle.count();
+                             ++lease_expiries;
+                         }},
+            options);
         guard->start();
         for (auto* socket : {&client_shell, &client_control, &client_stdin}) {
             socket->set(zmq::sockopt::routing_id, "client-1");
@@ -84,7 +89,8 @@ class WireGuardRelay : public ::testing::Test {
     // client); publish probes until one comes through, so no test depends on how loaded the machine is.
     void wait_for_iopub_path() {
         const std::string header = json{{"msg_id", "probe"}, {"msg_type", "status"}, {"session", "x"}}.dump();
-        const Frames probe = {"status", "<IDS|MSG>", "", header, "{}", "{}", R"({"execution_state":"starting"})"};
+        const Frames probe = {
+            "status", "<IDS|MSG>", "", header, "{}", "{}", R"({"execution_state":"starting"})"};
         for (int attempt = 0; attempt < 100 && receive(client_iopub, 50).empty(); ++attempt) {
             send(xeus_iopub, probe);
         }
@@ -128,7 +134,9 @@ class WireGuardRelay : public ::testing::Test {
     ConnectionInfo connection;
     MessageSigner signer{"hmac-sha256", "relay-key"};
     std::unique_ptr<WireGuard> guard;
-    std::atomic<int> interrupts{0}, shutdowns{0};
+    GuardOptions options;
+    std::atomic<int> interrupts{0}, shutdowns{0}, lease_expiries{0};
+    std::atomic<double> idle_at_expiry{0};
 };
 
 TEST_F(WireGuardRelay, ForwardsVerifiedRequestsAndResignsAbortReplies) {
@@ -216,6 +224,125 @@ TEST_F(WireGuardRelay, ShutdownIsAnsweredByTheGuard) {
     }
     EXPECT_EQ(shutdowns.load(), 1);
     EXPECT_TRUE(receive(xeus_control, 200).empty()) << "xeus never sees the shutdown";
+}
+
+TEST_F(WireGuardRelay, ReplayReturnsWhatClientsGotAndIsAnsweredByTheGuard) {
+    send(client_shell, signed_message("execute_request", {{"code", "print()"}}, "m1"));
+    const Frames at_xeus = receive(xeus_shell);
+    ASSERT_FALSE(at_xeus.empty());
+    const std::string request_header = at_xeus[delimiter_of(at_xeus) + 2];
+    std::vector<std::string> stream_ids;
+    for (int i = 0; i < 3; ++i) {
+        stream_ids.push_back("s" + std::to_string(i));
+        const std::string header = json{{"msg_id", stream_ids.back()}, {"msg_type", "stream"}}.dump();
+        send(xeus_iopub, {"stream", "<IDS|MSG>", "", header, request_header, "{}",
+                          json{{"name", "stdout"}, {"text", "line " + std::to_string(i) + "\n"}}.dump(),
+                          std::string("\x00\x01", 2)});
+        ASSERT_FALSE(receive(client_iopub).empty());
+    }
+    // An abort reply: what the client gets (and so the record keeps) is the fixed-up "aborted".
+    send(xeus_shell, xeus_reply(at_xeus, "execute_reply", {{"status", "error"}}));
+    ASSERT_FALSE(receive(client_shell).empty());
+
+    const auto replay = [&](const json& after, const std::string& msg_id) {
+        send(client_control, signed_message("cellblock_replay_request", {{"after", after}}, msg_id));
+        const Frames reply = receive(client_control);
+        EXPECT_FALSE(reply.empty());
+        if (reply.empty()) {
+            return json();
+        }
+        EXPECT_TRUE(signature_valid(reply));
+        const std::size_t d = delimiter_of(reply);
+        EXPECT_EQ(json::parse(reply[d + 2])["msg_type"], "cellblock_replay_reply");
+        EXPECT_EQ(json::parse(reply[d + 3])["msg_id"], msg_id);
+        return json::parse(reply[d + 5]);
+    };
+    // The outputs of m1, in order, as (channel, msg_type, text or status).
+    const auto of_m1 = [](const json& content) {
+        std::vector<std::string> seen;
+        for (const auto& message : content["messages"]) {
+            if (message["parent_header"].value("msg_id", "") != "m1") {
+                continue;
+            }
+            const auto& body = message["content"];
+            seen.push_back(
+                message["channel"].get<std::string>() + ":" +
+                message["header"]["msg_type"].get<std::string>() + ":" +
+                (body.contains("text") ? body["text"].get<std::string>() : body.value("status", "")));
+        }
+        return seen;
+    };
+
+    const json all = replay(nullptr, "r1");
+    EXPECT_EQ(all["status"], "ok");
+    EXPECT_EQ(all["found"], true);
+    EXPECT_EQ(all["dropped"], 0);
+    EXPECT_EQ(of_m1(all), (std::vector<std::string>{
+                              "iopub:stream:line 0\n", "iopub:stream:line 1\n", "iopub:stream:line 2\n",
+                              "iopub:status:", "shell:execute_reply:aborted", "iopub:status:"}));
+    for (const auto& message : all["messages"]) {
+        if (message["header"].value("msg_id", "") == "s0") {
+            EXPECT_EQ(message["buffers"], (json{"AAE="}));
+        }
+    }
+
+    const json after_first = replay("s0", "r2");
+    EXPECT_EQ(after_first["found"], true);
+    const auto rest = of_m1(after_first);
+    ASSERT_FALSE(rest.empty());
+    EXPECT_EQ(rest.front(), "iopub:stream:line 1\n");
+    EXPECT_EQ(rest.size(), of_m1(all).size() - 1);
+    for (const auto& message : after_first["messages"]) {
+        EXPECT_NE(message["header"]["msg_type"], "cellblock_replay_reply") << "a replay is never recorded";
+    }
+
+    const json unknown = replay("long-gone", "r3");
+    EXPECT_EQ(unknown["found"], false);
+    EXPECT_EQ(of_m1(unknown), of_m1(all));
+    EXPECT_TRUE(receive(xeus_control, 200).empty()) << "xeus never sees a replay request";
+}
+
+TEST_F(WireGuardRelay, LeaseRequestWithoutALeaseIsAnsweredAndChangesNothing) {
+    send(client_control, signed_message("cellblock_lease_request", json::object(), "l1"));
+    const Frames reply = receive(client_control);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_TRUE(signature_valid(reply));
+    const std::size_t d = delimiter_of(reply);
+    EXPECT_EQ(json::parse(reply[d + 2])["msg_type"], "cellblock_lease_reply");
+    EXPECT_EQ(json::parse(reply[d + 5]), (json{{"status", "ok"}, {"lease_s", nullptr}}));
+    EXPECT_TRUE(receive(xeus_control, 200).empty());
+}
+
+class WireGuardLease : public WireGuardRelay {
+  protected:
+    void SetUp() override {
+        options.lease = std::chrono::milliseconds(3000);
+        WireGuardRelay::SetUp();
+    }
+};
+
+TEST_F(WireGuardLease, RenewedByRequestsThenExpiresWhenTheyStop) {
+    // Renewed every 0.5 s for twice the lease: it must not expire.
+    const auto renewing_until = std::chrono::steady_clock::now() + std::chrono::seconds(6);
+    for (int i = 0; std::chrono::steady_clock::now() < renewing_until; ++i) {
+        send(client_control,
+             signed_message("cellblock_lease_request", json::object(), "l" + std::to_string(i)));
+        const Frames reply = receive(client_control);
+        ASSERT_FALSE(reply.empty()) << "lease request " << i;
+        EXPECT_EQ(json::parse(reply[delimiter_of(reply) + 5]), (json{{"status", "ok"}, {"lease_s", 3}}));
+        ::usleep(500000);
+    }
+    EXPECT_EQ(lease_expiries.load(), 0);
+    EXPECT_TRUE(receive(xeus_control, 50).empty()) << "lease requests are not forwarded";
+    // Silence: it expires, once, with the idle time it saw.
+    const auto silent_since = std::chrono::steady_clock::now();
+    while (lease_expiries.load() == 0 &&
+           std::chrono::steady_clock::now() - silent_since < std::chrono::seconds(20)) {
+        ::usleep(50000);
+    }
+    ASSERT_EQ(lease_expiries.load(), 1);
+    EXPECT_GE(std::chrono::steady_clock::now() - silent_since, std::chrono::milliseconds(2000));
+    EXPECT_GE(idle_at_expiry.load(), 3.0);
 }
 
 }  // namespace

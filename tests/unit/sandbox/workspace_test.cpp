@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -144,4 +145,67 @@ TEST_F(WorkspaceTest, DirectoriesAreNotFiles) {
 TEST_F(WorkspaceTest, RootThatIsASymlinkIsRefused) {
     fs::create_directory_symlink(root_, base_ / "link-to-ws");
     EXPECT_THROW(sb::Workspace(base_ / "link-to-ws"), sb::WorkspaceError);
+}
+
+// remove_tree: the lease cleanup (and any removal of a directory untrusted code wrote into) must delete
+// links, never what they point to.
+TEST_F(WorkspaceTest, RemoveTreeRemovesEverythingInsideButNoLinkTarget) {
+    const fs::path outside_dir = base_ / "outside-dir";
+    fs::create_directory(outside_dir);
+    std::ofstream(outside_dir / "keep.txt") << "KEEP";
+    fs::create_directories(root_ / "a" / "b" / "c");
+    std::ofstream(root_ / "a" / "b" / "c" / "deep.txt") << "x";
+    std::ofstream(root_ / "top.txt") << "y";
+    fs::create_symlink(secret_, root_ / "link-to-secret");
+    fs::create_directory_symlink(outside_dir, root_ / "a" / "link-to-dir");
+    ASSERT_EQ(::mkfifo((root_ / "a" / "fifo").c_str(), 0600), 0);
+    sb::remove_tree(root_);
+
+    EXPECT_FALSE(fs::exists(fs::symlink_status(root_)));
+    EXPECT_EQ(slurp(secret_), "HOST-SECRET-CONTENT");
+    EXPECT_EQ(slurp(outside_dir / "keep.txt"), "KEEP");
+}
+
+TEST_F(WorkspaceTest, RemoveTreeHandlesDeepTreesAndMissingDirectories) {
+    fs::path deep = root_;
+    for (int level = 0; level < 300; ++level) {
+        deep /= "d";
+    }
+    fs::create_directories(deep);
+    std::ofstream(deep / "bottom.txt") << "z";
+    sb::remove_tree(root_);
+    EXPECT_FALSE(fs::exists(root_));
+    EXPECT_NO_THROW(sb::remove_tree(root_));  // already gone: nothing to do
+    EXPECT_NO_THROW(sb::remove_tree(base_ / "never-existed" / "x"));
+}
+
+TEST_F(WorkspaceTest, RemoveTreeRefusesASymlinkAsTheTreeItself) {
+    const fs::path outside_dir = base_ / "outside-dir";
+    fs::create_directory(outside_dir);
+    std::ofstream(outside_dir / "keep.txt") << "KEEP";
+    const fs::path link = base_ / "tree-link";
+    fs::create_directory_symlink(outside_dir, link);
+    EXPECT_THROW(sb::remove_tree(link), sb::SandboxError);
+    EXPECT_EQ(slurp(outside_dir / "keep.txt"), "KEEP");
+    EXPECT_THROW(sb::remove_tree("/"), sb::SandboxError);
+}
+
+TEST_F(WorkspaceTest, RemoveTreeLeavesMountPointsInsideAlone) {
+    if (::geteuid() != 0) {
+        GTEST_SKIP() << "mounting a tmpfs inside the tree needs root";
+    }
+    const fs::path mount_point = root_ / "sub" / "mnt";
+    fs::create_directories(mount_point);
+    ASSERT_EQ(::system(("mount -t tmpfs -o size=1m cbtest " + mount_point.string()).c_str()), 0);
+    std::ofstream(mount_point / "on-other-fs.txt") << "OTHER";
+    std::ofstream(root_ / "sub" / "mine.txt") << "mine";
+    try {
+        sb::remove_tree(root_);
+        ADD_FAILURE() << "a tree with a mount point inside cannot be removed completely";
+    } catch (const sb::SandboxError& error) {
+        EXPECT_NE(std::string(error.what()).find("mount point"), std::string::npos) << error.what();
+    }
+    EXPECT_EQ(slurp(mount_point / "on-other-fs.txt"), "OTHER");
+    EXPECT_FALSE(fs::exists(root_ / "sub" / "mine.txt"));
+    EXPECT_EQ(::system(("umount " + mount_point.string()).c_str()), 0);
 }

@@ -185,4 +185,13 @@ class Workspace {
     int root_fd_ = -1;
 };
 
+// Removes `directory` and everything under it, as a fd-relative walk (openat with O_NOFOLLOW |
+// O_DIRECTORY, unlinkat) that never follows a symbolic link and never leaves the directory's mount: a
+// symlink planted inside by untrusted code loses only the link, never its target, and a mount point inside
+// is left alone. Going back up, each parent is checked to be the directory it was, so a tree moved during
+// the walk stops it instead of redirecting it. A `directory` that does not exist is not an error; one that
+// is a symlink or not a directory is refused. Throws SandboxError naming the first entry that could not
+// be removed, after removing everything else it could.
+void remove_tree(const std::filesystem::path& directory);
+
 }  // namespace cellblock::sandbox
