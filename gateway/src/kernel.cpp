@@ -8,6 +8,7 @@
 
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/time_format.hpp"
+#include "cellblock/sandbox/sandbox.hpp"
 
 namespace cellblock::gateway {
 
@@ -22,6 +23,7 @@ constexpr auto subscription_retry = std::chrono::milliseconds(20);
 // cellblock-kernel never answers cellblock_replay_request).
 constexpr auto replay_answer_timeout = std::chrono::seconds(5);
 constexpr std::size_t max_live_during_adoption = 10000;
+constexpr auto subscription_settle = std::chrono::milliseconds(100);
 // Sessions of the gateway's own probes: their traffic is never shown to clients, also when replayed.
 constexpr std::string_view probe_session_prefix = "cellblock-gateway-";
 
@@ -42,6 +44,14 @@ std::optional<Channel> channel_named(std::string_view name) {
     return std::nullopt;
 }
 }  // namespace
+
+void remove_workspace(const fs::path& directory, const Logger& logger) {
+    try {
+        sandbox::remove_tree(directory);
+    } catch (const std::exception& error) {
+        logger.warn("workspace_remove_failed", {{"path", directory.string()}, {"error", error.what()}});
+    }
+}
 
 std::string_view kernel_state_name(KernelState state) {
     switch (state) {
@@ -159,7 +169,7 @@ Kernel::~Kernel() {
     for (int port = 1; port <= 5; ++port)
         fs::remove(endpoints_.base + "-" + std::to_string(port), ignored);
     if (!launch_.workspace_dir.empty())
-        fs::remove_all(launch_.workspace_dir, ignored);
+        remove_workspace(launch_.workspace_dir, logger_);
 }
 
 json Kernel::model() const {
@@ -342,6 +352,7 @@ void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
     process_identity_ = process;
     watch_process();
     replay_phase_ = ReplayPhase::pending;
+    replay_after_id_ = last_iopub_id_;
     kernel_info_answered_ = false;
     iopub_seen_ = false;
     ready_ = false;
@@ -349,7 +360,16 @@ void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
         std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<long long>(config_.kernel_launch_timeout * 1000));
     logger_.info("kernel_adopting", {{"kernel_id", id()}, {"pid", process.pid}});
-    probe_readiness();
+    // No kernel_info probe: it would wait behind a cell that is still running on the shell thread. The wire
+    // guard answers the record request on control at once; it goes out once the IOPub subscription (an ipc
+    // connect) has had time to reach the kernel, and what arrives live meanwhile is merged by msg_id.
+    probe_timer_.expires_after(subscription_settle);
+    probe_timer_.async_wait([weak = weak_from_this()](const boost::system::error_code& error) {
+        if (error)
+            return;
+        if (auto self = weak.lock())
+            self->request_replay();
+    });
 }
 
 void Kernel::release() {
@@ -434,11 +454,13 @@ void Kernel::request_replay() {
                             {"note",
                              "no answer to cellblock_replay_request: output sent while no gateway "
                              "listened is lost"}});
-        self->handle_replay_reply({{"messages", json::array()}, {"found", false}});
+        // Not a cellblock kernel (or not answering): readiness as for a started one, by kernel_info.
+        self->handle_replay_reply({{"messages", json::array()}, {"found", false}}, false);
+        self->probe_readiness();
     });
 }
 
-void Kernel::handle_replay_reply(const json& content) {
+void Kernel::handle_replay_reply(const json& content, bool ready) {
     if (replay_phase_ != ReplayPhase::awaiting)
         return;
     std::set<std::string> live_ids;
@@ -446,7 +468,7 @@ void Kernel::handle_replay_reply(const json& content) {
         live_ids.insert(message.msg_id);
     std::vector<JupyterMessage> recorded;
     std::optional<std::size_t> resume_at;  // index in `recorded` of the first message clients missed
-    if (last_iopub_id_.empty())
+    if (replay_after_id_.empty())
         resume_at = 0;
     const json& messages =
         content.contains("messages") && content["messages"].is_array() ? content["messages"] : json::array();
@@ -468,14 +490,14 @@ void Kernel::handle_replay_reply(const json& content) {
             for (const json& buffer : entry["buffers"])
                 if (buffer.is_string())
                     message.buffers.push_back(base64_decode(buffer.get<std::string>()).value_or(""));
-        const bool seen_before = message.msg_id == last_iopub_id_;
+        const bool seen_before = message.msg_id == replay_after_id_;
         if (!parent_field(message, "session").starts_with(probe_session_prefix) &&
             !live_ids.contains(message.msg_id))
             recorded.push_back(std::move(message));
         if (seen_before)
             resume_at = recorded.size();
     }
-    backlog_lossy_ = !resume_at.has_value();
+    backlog_lossy_ = backlog_lossy_ || !resume_at.has_value();
     const std::size_t first_missed = resume_at.value_or(0);
     replayed_ = recorded;
     replayed_.insert(replayed_.end(), live_during_adoption_.begin(), live_during_adoption_.end());
@@ -484,18 +506,28 @@ void Kernel::handle_replay_reply(const json& content) {
     backlog_until_ = std::chrono::steady_clock::now() +
                      std::chrono::milliseconds(static_cast<long long>(config_.offline_session_ttl * 1000));
     replay_phase_ = ReplayPhase::done;
+    // A kernel still running a cell is busy, not idle: its last status says which.
+    for (auto it = replayed_.rbegin(); it != replayed_.rend(); ++it) {
+        if (it->channel != Channel::iopub || it->msg_type != "status")
+            continue;
+        const json status = json::parse(it->content, nullptr, false);
+        if (status.is_object() && status.value("execution_state", "") == "busy")
+            state_ = KernelState::busy;
+        break;
+    }
     logger_.info("kernel_adopted", {{"kernel_id", id()},
                                     {"recorded", recorded.size()},
                                     {"missed", backlog_.size()},
                                     {"lossy", backlog_lossy_},
                                     {"dropped_by_kernel", content.value("dropped", 0)}});
-    // Sessions that attached while the record was on its way got the live messages already.
+    // Sessions that attached while the record was on its way get it now.
     for (auto& [session_id, session] : sessions_)
-        hand_backlog(*session, true);
-    finish_readiness(std::nullopt);
+        hand_backlog(*session);
+    if (ready)
+        finish_readiness(std::nullopt);
 }
 
-void Kernel::hand_backlog(KernelSession& session, bool attached_during_adoption) {
+void Kernel::hand_backlog(KernelSession& session) {
     if (replay_phase_ != ReplayPhase::done || backlog_served_.contains(session.session_id()) ||
         std::chrono::steady_clock::now() > backlog_until_)
         return;
@@ -516,9 +548,8 @@ void Kernel::hand_backlog(KernelSession& session, bool attached_during_adoption)
     };
     for (const JupyterMessage& message : backlog_)
         hand(message);
-    if (!attached_during_adoption)
-        for (const JupyterMessage& message : live_during_adoption_)
-            hand(message);
+    for (const JupyterMessage& message : live_during_adoption_)
+        hand(message);
 }
 
 void Kernel::respawn(const char* what) {
@@ -562,7 +593,7 @@ void Kernel::handle_probe_reply(JupyterMessage&& message) {
     if (message.msg_type == "cellblock_replay_reply" &&
         message.parent_header.find(replay_request_id_) != std::string::npos && !replay_request_id_.empty()) {
         const json content = json::parse(message.content, nullptr, false);
-        handle_replay_reply(content.is_object() ? content : json::object());
+        handle_replay_reply(content.is_object() ? content : json::object(), true);
         return;
     }
     if (message.msg_type != "kernel_info_reply" || ready_)
@@ -612,10 +643,11 @@ void Kernel::handle_iopub(JupyterMessage&& message) {
     if (message.parent_header.find(probe_session_) != std::string::npos)
         return;
     last_activity_ = std::chrono::system_clock::now();
-    if (replay_phase_ == ReplayPhase::pending || replay_phase_ == ReplayPhase::awaiting) {
-        if (live_during_adoption_.size() < max_live_during_adoption)
-            live_during_adoption_.push_back(message);
-    }
+    const bool adopting = replay_phase_ == ReplayPhase::pending || replay_phase_ == ReplayPhase::awaiting;
+    if (adopting && live_during_adoption_.size() < max_live_during_adoption)
+        live_during_adoption_.push_back(message);
+    else if (adopting)
+        backlog_lossy_ = true;  // announced to clients with the record, never a silent gap
     if (message.msg_type == "status") {
         json content = json::parse(message.content, nullptr, false);
         const std::string execution_state = content.is_object() ? content.value("execution_state", "") : "";
@@ -627,7 +659,9 @@ void Kernel::handle_iopub(JupyterMessage&& message) {
             state_ = KernelState::idle;
         }
     }
-    broadcast(message);
+    // While the record is on its way, live output is held: clients get the record first, then this, in order.
+    if (!adopting)
+        broadcast(message);
 }
 
 void Kernel::broadcast(const JupyterMessage& message) {
@@ -799,7 +833,7 @@ std::shared_ptr<KernelSession> Kernel::attach(const std::string& session_id,
         slot->stdin_ = connect_dealer(KernelEndpoints::stdin_, session_id, Channel::stdin_, slot);
     }
     // Buffered before the client is attached, so it gets what it missed first, then the live stream.
-    hand_backlog(*slot, false);
+    hand_backlog(*slot);
     std::shared_ptr<KernelClient> previous = slot->attached_client_ ? slot->client_.lock() : nullptr;
     if (!slot->attached_client_)
         ++connections_;

@@ -61,7 +61,7 @@ KernelManager::~KernelManager() {
     shutdown_all();
     std::error_code ignored;
     if (owns_runtime_dir_)
-        fs::remove_all(runtime_dir_, ignored);
+        remove_workspace(runtime_dir_, logger_);
 }
 
 void KernelManager::start() {
@@ -142,7 +142,7 @@ void KernelManager::forget_lost_kernel(const KernelRecord& record, const std::st
     lost_causes_[record.id] = cause;
     std::error_code ignored;
     if (!record.workspace_dir.empty())
-        fs::remove_all(record.workspace_dir, ignored);
+        remove_workspace(record.workspace_dir, logger_);
     fs::remove(record.connection_file, ignored);
     fs::remove(record.log_file, ignored);
     for (int port = 1; port <= 5; ++port)

@@ -208,6 +208,10 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
     const std::string routing_id = "cellblock-wire-guard";
     for (std::size_t i = 0; i < 3; ++i) {
         s.routers[i].set(zmq::sockopt::linger, linger_ms);
+        // A client that reconnects under its old identity (a restarted gateway, whose predecessor's
+        // connection the kernel may not have seen close yet) takes the identity over instead of being
+        // silently dropped.
+        s.routers[i].set(zmq::sockopt::router_handover, true);
         s.routers[i].bind(connection.endpoint(ports[i]));
         s.dealers[i].set(zmq::sockopt::linger, linger_ms);
         s.dealers[i].set(zmq::sockopt::routing_id, routing_id);

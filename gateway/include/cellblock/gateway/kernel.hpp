@@ -42,6 +42,10 @@ struct KernelEndpoints {
     static constexpr int shell = 1, iopub = 2, stdin_ = 3, control = 4, heartbeat = 5;
 };
 
+// Removes a tree that sandboxed code wrote (a workspace) without following its symlinks or crossing mounts
+// (cellblock::sandbox::remove_tree); a failure is logged, never thrown.
+void remove_workspace(const std::filesystem::path& directory, const Logger& logger);
+
 enum class KernelState { starting, idle, busy, restarting, dead };
 std::string_view kernel_state_name(KernelState state);
 
@@ -173,9 +177,10 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // Readiness reached: a re-adopted kernel still fetches its record before the handlers run.
     void on_probe_complete();
     void request_replay();
-    void handle_replay_reply(const nlohmann::json& content);
+    // `ready`: the reply proves the kernel is alive; without one, readiness is probed with kernel_info.
+    void handle_replay_reply(const nlohmann::json& content, bool ready);
     // The messages a session attaching now should get first (output sent while no gateway listened).
-    void hand_backlog(KernelSession& session, bool attached_during_adoption);
+    void hand_backlog(KernelSession& session);
     void watch_process();
     void broadcast(const JupyterMessage& message);
     void set_state(KernelState state) { state_ = state; }
@@ -216,7 +221,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     enum class ReplayPhase { none, pending, awaiting, done };
     ReplayPhase replay_phase_ = ReplayPhase::none;
     std::string replay_request_id_;
-    std::vector<JupyterMessage> live_during_adoption_;  // IOPub received before the record arrived
+    std::string replay_after_id_;  // the last IOPub message the previous gateway received
+    std::vector<JupyterMessage> live_during_adoption_;  // IOPub received (and held) before the record arrived
     std::vector<JupyterMessage> replayed_;              // everything the kernel recorded, plus the above
     std::vector<JupyterMessage> backlog_;               // what clients missed: after last_iopub_id
     bool backlog_lossy_ = false;                        // the record no longer reaches back that far
