@@ -7,4 +7,4 @@ add_executable(gateway_agent_unit_tests
   agent_paths_test.cpp
   agent_durable_writer_test.cpp)
 target_link_libraries(gateway_agent_unit_tests PRIVATE cellblock_gateway_agent GTest::gtest_main)
-gtest_discover_tests(gateway_agent_unit_tests PROPERTIES LABELS unit)
+cellblock_add_gtest(gateway_agent_unit_tests)
