@@ -14,6 +14,7 @@ import ctypes
 import glob
 import json
 import os
+import re
 import secrets
 import socket
 import stat
@@ -427,13 +428,24 @@ def test_hmac_key_is_in_no_proc_file_environment_or_output(kernel):
     assert control_found and scanned > 10 << 20, f"the scan of {scanned} bytes missed the worker's own data"
 
 
+# What the attack searches for: Jupyter connection files (kernel-<uuid>.json, never the installed
+# share/cellblock/kernel-config.json that a /usr/local install makes visible through the read-only /usr) and the
+# kernels' private runtime directories (/tmp/cbk-*).
+CONNECTION_FILE_NAME = r"kernel-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.json"
+
+
 def test_connection_file_cannot_be_found_or_opened(kernel):
     connection_file, info = kernel.connection_key()
     runtime = kernel.runtime_dir()
     jupyter_runtime = str(Path(connection_file).parent)
+    # Host side: the search below would find this kernel's own files if they were visible.
+    assert re.fullmatch(CONNECTION_FILE_NAME, Path(connection_file).name), connection_file
+    assert runtime.name.startswith("cbk-"), runtime
     cell = kernel.attack(f"""
         import glob, subprocess
-        found = subprocess.run(["find", "/", "-name", "kernel-*.json"], capture_output=True, text=True)
+        found = subprocess.run(["find", "/", "-regextype", "posix-extended",
+                                "(", "-regex", ".*/" + {CONNECTION_FILE_NAME!r}, "-o", "-name", "cbk-*", ")", "-print"],
+                               capture_output=True, text=True)
         walked = []
         for top in ["/", "/tmp", "/dev/shm", "/workspace", "/var", "/run", "/root"]:
             for directory, dirs, files in os.walk(top):
