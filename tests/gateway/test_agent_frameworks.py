@@ -64,7 +64,10 @@ def test_autogen_sequence(gateway):
 
 def test_openhands_sequence(make_gateway):
     gateway = make_gateway(token="")  # OpenHands runs its gateway without a token
-    assert any("at" in line for line in gateway.output)
+    # OpenHands reads the gateway's output line by line and connects after the first line containing "at": that line
+    # must be the ready line, printed once the gateway listens, not an earlier log line that happens to contain "at".
+    first_at = next((line for line in gateway.output if "at" in line), None)
+    assert first_at is not None and "is available at http://" in first_at, gateway.output
     kernel_id = requests.post(gateway.url + "/api/kernels", json={"name": "python"}, timeout=60).json()["id"]
     ws = websocket.create_connection(f"{gateway.ws_base}/api/kernels/{kernel_id}/channels", timeout=60)
     ws.ping()
