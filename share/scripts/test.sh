@@ -40,5 +40,19 @@ for installed in bin/cellblock-sandbox bin/cellblock-kernel bin/cellblock-gatewa
 done
 
 echo "[test] ctest (a decoy cellblock install is mounted over /usr/local for this run)"
-exec bash share/scripts/with-decoy-install.sh "$build" \
-  ctest --test-dir "$build" --output-on-failure --no-tests=error --timeout 1200 "$@"
+results=$build/ctest-results.xml
+rm -f "$results"
+status=0
+bash share/scripts/with-decoy-install.sh "$build" \
+  ctest --test-dir "$build" --output-on-failure --no-tests=error --timeout 1200 --output-junit "$results" "$@" \
+  || status=$?
+# ctest passes a run whose tests were skipped (a GTEST_SKIP, a SKIP_RETURN_CODE) or disabled: here that fails.
+/usr/bin/python3 - "$results" <<'EOF' || status=1
+import sys
+import xml.etree.ElementTree as ElementTree
+cases = ElementTree.parse(sys.argv[1]).getroot().iter("testcase")
+not_run = [case.get("name") for case in cases if case.get("status") not in ("run", "fail")]
+if not_run:
+    sys.exit("[test] tests that ctest did not run (skipped or disabled) fail the suite: " + ", ".join(not_run))
+EOF
+exit "$status"

@@ -6,5 +6,5 @@ add_executable(gateway_agent_unit_tests
   agent_execution_test.cpp
   agent_paths_test.cpp
   agent_durable_writer_test.cpp)
-target_link_libraries(gateway_agent_unit_tests PRIVATE cellblock_gateway_agent GTest::gtest_main)
+target_link_libraries(gateway_agent_unit_tests PRIVATE cellblock_gateway_agent cellblock_gtest_main)
 cellblock_add_gtest(gateway_agent_unit_tests)
