@@ -633,6 +633,20 @@ def test_kernel_zmq_ports_and_ipc_endpoints_are_unreachable(kernel):
         context.term()
 
 
+def assert_listener_records_a_control(listener):
+    """Positive control for a host listener that saw nothing: a connection (or datagram) the host sends now is
+    recorded, so the listener was up and recording the whole time; and it is the only thing recorded."""
+    with socket.socket(listener.sock.family, listener.kind) as probe:
+        if listener.kind == socket.SOCK_STREAM:
+            probe.connect(listener.address)
+        else:
+            probe.sendto(b"host control", listener.address)
+        deadline = time.monotonic() + 30
+        while not listener.events and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(listener.events) == 1, f"host listener {listener.address}: {listener.events} (expected the control only)"
+
+
 def test_network_egress_reaches_no_host_listener(kernel, listeners):
     tcp_loopback = listeners(socket.AF_INET, socket.SOCK_STREAM, ("127.0.0.1", 0))
     tcp_external = listeners(socket.AF_INET, socket.SOCK_STREAM, (host_ip(), 0))
@@ -678,6 +692,7 @@ def test_network_egress_reaches_no_host_listener(kernel, listeners):
     time.sleep(0.5)  # let a datagram in flight arrive
     for listener in (tcp_loopback, tcp_external, udp_loopback):
         assert listener.events == [], f"host listener {listener.address} saw {listener.events}"
+        assert_listener_records_a_control(listener)
 
 
 def test_host_unix_sockets_and_ipc_objects_are_unreachable(kernel, listeners, tmp_path):
@@ -716,6 +731,8 @@ def test_host_unix_sockets_and_ipc_objects_are_unreachable(kernel, listeners, tm
     assert result["shmget"] == "ENOENT" and result["shm_listing"] == 1, result   # header line only
     time.sleep(0.3)
     assert abstract.events == [] and pathname.events == []
+    assert_listener_records_a_control(abstract)
+    assert_listener_records_a_control(pathname)
 
 
 def test_dns_lookup_fails(kernel):
