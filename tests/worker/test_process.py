@@ -116,8 +116,26 @@ def test_orphaned_zombies_are_reaped(make_worker):
                            "orphan = int(subprocess.run(['sh', '-c', 'sleep 0.2 & echo $!'], capture_output=True,"
                            " text=True).stdout)\norphan").assert_ok()
     orphan = int(spawn.result["data"]["text/plain"])
-    worker.execute("import time; time.sleep(1)").assert_ok()  # the orphan exits; reaped after this cell
-    assert not os.path.exists(f"/proc/{orphan}"), "the orphan was left as a zombie"
+    # Positive control: the orphan exits on its own and stays a zombie of the worker (its new parent) while no
+    # request is answered, so it is the worker's reaping, not some other parent, that makes it disappear.
+    _wait_for_state(orphan, lambda state: state == "Z", "the orphan to exit and become the worker's zombie")
+    worker.execute("pass").assert_ok()  # the worker reaps right after answering a request
+    _wait_for_state(orphan, lambda state: state is None, "the worker to reap its orphaned zombie")
+
+
+def _process_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _wait_for_state(pid, wanted, what, timeout=60):
+    deadline = time.monotonic() + timeout  # generous: a loaded 2-core machine
+    while not wanted(_process_state(pid)):
+        assert time.monotonic() < deadline, f"timed out waiting for {what} (pid {pid}: {_process_state(pid)})"
+        time.sleep(0.05)
 
 
 def test_reaping_does_not_steal_popen_exit_status(make_worker):
