@@ -34,18 +34,23 @@ EOF
 done
 spec=$decoy/usr/local/share/jupyter/kernels/cellblock-python/kernel.json
 [[ -f $spec ]] || fail "the decoy install has no cellblock-python kernelspec"
-/usr/bin/python3 - "$spec" <<'EOF'
+staged=$(sed -n 's/^CMAKE_INSTALL_PREFIX:PATH=//p' "$build/CMakeCache.txt")
+[[ -n $staged ]] || fail "no CMAKE_INSTALL_PREFIX in $build/CMakeCache.txt"
+/usr/bin/python3 - "$spec" "$staged" <<'EOF'
 import json, pathlib, sys
-spec = pathlib.Path(sys.argv[1])
+# As a /usr/local install writes it: the program and its configuration under /usr/local.
+spec, staged = pathlib.Path(sys.argv[1]), sys.argv[2].rstrip("/")
 kernel = json.loads(spec.read_text())
-kernel["argv"][0] = "/usr/local/bin/" + pathlib.Path(kernel["argv"][0]).name
+kernel["argv"] = ["/usr/local" + argument[len(staged):] if argument.startswith(staged + "/") else argument
+                  for argument in kernel["argv"]]
+assert kernel["argv"][0] == "/usr/local/bin/cellblock-kernel", kernel["argv"]
 spec.write_text(json.dumps(kernel, indent=1))
 EOF
 
 status=0
 unshare --mount --propagation private -- /bin/sh -c '
   mount -t overlay cellblock-decoy -o "lowerdir=$1/usr:/usr" /usr || exit 1
-  [ -x /usr/local/bin/cellblock-gateway ] || { echo "[decoy] the overlay is not in place" >&2; exit 1; }
+  [ -x /usr/local/bin/cellblock-sandbox ] || { echo "[decoy] the overlay is not in place" >&2; exit 1; }
   shift
   exec "$@"' sh "$decoy" "$@" || status=$?
 if [[ -s $witness ]]; then
