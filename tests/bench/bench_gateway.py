@@ -146,8 +146,11 @@ def main():
             progress(f"gateway memory with {memory_sessions} sessions")
             while len(created) < memory_sessions:
                 more = min(16, memory_sessions - len(created))
-                _, _, batch = concurrent_creates(ours, more)
+                _, batch_failed, batch = concurrent_creates(ours, more)
+                failed += batch_failed
                 created += batch
+                if batch_failed:
+                    break  # the table below would report fewer sessions than asked for; the exit status says so
             busy_rss = benchlib.rss_kib(ours.server.pid)
             rows_scale.append(Row("gateway RSS, idle (warm pool of 2)", Stats([idle_rss / 1024.0]), unit="MiB"))
             rows_scale.append(Row(f"gateway RSS with {len(created)} sessions", Stats([busy_rss / 1024.0]), unit="MiB",
@@ -162,6 +165,9 @@ def main():
         shutil.rmtree(workdir, ignore_errors=True)
     print(markdown_table("cellblock-gateway vs Jupyter Server 1.23 (latency)", rows_latency))
     print(markdown_table("cellblock-gateway (scale)", rows_scale))
+    if failed:
+        progress(f"{failed} session creates failed (every create must succeed)")
+        return 1
     return 0
 
 

@@ -196,6 +196,8 @@ def main() -> int:
                 creates, gateway_sessions, settle)
         else:
             print(f"_cellblock-gateway not installed at {benchlib.gateway_binary()}: REST part not measured._\n")
+            progress(f"cellblock-gateway not installed at {benchlib.gateway_binary()}")
+            ok = False
         peers = [("Jupyter Server + ipykernel", "python3")] + ([] if args.quick else [("Jupyter Server + xpython",
                                                                                          "xpython")])
         for label, kernel_name in peers:
@@ -249,7 +251,18 @@ def main() -> int:
                   f"including the warm pool; each session has run `1+1`) the kernels' PSS sums to "
                   f"{gateway['kernels_pss_mib']:.0f} MiB ({gateway['kernels_pss_mib'] / running:.1f} MiB per kernel).\n")
         if "cellblock-gateway" in servers:
-            ok = ok and "error" not in gateway and gateway.get("failures", creates) < creates
+            # Every create must succeed and every session must be open: a benchmark that measured fewer sessions
+            # than it reports did not measure what its table says.
+            problems = [f"error: {gateway['error']}"] if "error" in gateway else []
+            if gateway.get("failures", creates) != 0:
+                problems.append(f"{gateway.get('failures', creates)} of {creates} concurrent creates failed")
+            if gateway.get("top_up_failures", 0) != 0:
+                problems.append(f"{gateway['top_up_failures']} creates failed while topping up")
+            if gateway.get("sessions") != gateway_sessions:
+                problems.append(f"{gateway.get('sessions')} sessions open, {gateway_sessions} asked for")
+            for problem in problems:
+                progress(f"cellblock-gateway: {problem}")
+            ok = ok and not problems
     return 0 if ok else 1
 
 

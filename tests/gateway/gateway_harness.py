@@ -1,8 +1,7 @@
 """Starts cellblock-gateway processes and talks to them over real HTTP and WebSocket connections.
 
 The gateway under test is the installed one ($CELLBLOCK_PREFIX/bin/cellblock-gateway). Kernels come from the
-installed cellblock kernelspec; CELLBLOCK_GATEWAY_TEST_KERNELSPEC_DIR points the gateway at another kernelspec
-directory (e.g. /usr/share/jupyter/kernels for Debian's ipykernel) when the cellblock kernel is not built.
+installed cellblock kernelspec. A missing gateway or kernelspec is a failure, never a skip (tests/README.md).
 """
 import json
 import os
@@ -38,18 +37,14 @@ def _die_with_parent():
 def gateway_binary():
     binary = PREFIX / "bin" / "cellblock-gateway"
     if not binary.exists():
-        pytest.skip(f"cellblock-gateway is not installed at {binary} (build and `cmake --install` first)")
+        pytest.fail(f"cellblock-gateway is not installed at {binary} (build and `cmake --install` first)")
     return str(binary)
 
 
 def kernelspec_arguments():
-    override = os.environ.get("CELLBLOCK_GATEWAY_TEST_KERNELSPEC_DIR")
-    if override:
-        return ["--kernelspec-dir", override]
     spec = PREFIX / "share" / "jupyter" / "kernels" / "cellblock-python" / "kernel.json"
     if not spec.exists():
-        pytest.skip(f"the cellblock kernel is not installed ({spec} missing); build with CELLBLOCK_BUILD_KERNEL=ON or set "
-                    "CELLBLOCK_GATEWAY_TEST_KERNELSPEC_DIR=/usr/share/jupyter/kernels to test against ipykernel")
+        pytest.fail(f"the cellblock kernel is not installed ({spec} missing); build with CELLBLOCK_BUILD_KERNEL=ON")
     return ["--kernelspec-dir", str(spec.parent.parent)]
 
 

@@ -1,12 +1,15 @@
 """The call sequences of AutoGen, OpenHands and E2B (reference §6), replayed as real HTTP/WebSocket traffic."""
 import json
+import re
+import select
+import subprocess
 import time
 import uuid
 
 import requests
 import websocket
 
-from gateway_harness import Gateway
+from gateway_harness import Gateway, gateway_binary, kernelspec_arguments
 
 
 def test_autogen_sequence(gateway):
@@ -62,9 +65,33 @@ def test_autogen_sequence(gateway):
     requests.delete(gateway.url + f"/api/kernels/{kernel_id}", headers=headers, timeout=60).raise_for_status()
 
 
+def test_openhands_connects_after_the_first_stdout_line_containing_at(tmp_path):
+    # OpenHands starts the gateway, reads its STDOUT line by line and connects as soon as a line contains "at": that
+    # line must be the ready line, printed once the gateway answers, not an earlier line that happens to contain "at".
+    log = open(tmp_path / "stderr.log", "wb")
+    process = subprocess.Popen([gateway_binary(), "--ip", "127.0.0.1", "--port", "0", *kernelspec_arguments(),
+                                "--token", "", "--agent-state-dir", str(tmp_path / "agent-state")],
+                               stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                               start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60  # generous: a loaded 2-core machine
+        while not any("at" in line for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, (lines, process.poll())
+            if select.select([process.stdout], [], [], 0.5)[0]:
+                lines.append(process.stdout.readline())
+        first_at = lines[-1]
+        match = re.search(r"is available at (http://[\d.]+:\d+)", first_at)
+        assert match, f"OpenHands would connect after {first_at!r} (stdout so far: {lines})"
+        assert requests.get(match.group(1) + "/api", timeout=60).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
 def test_openhands_sequence(make_gateway):
     gateway = make_gateway(token="")  # OpenHands runs its gateway without a token
-    assert any("at" in line for line in gateway.output)
     kernel_id = requests.post(gateway.url + "/api/kernels", json={"name": "python"}, timeout=60).json()["id"]
     ws = websocket.create_connection(f"{gateway.ws_base}/api/kernels/{kernel_id}/channels", timeout=60)
     ws.ping()

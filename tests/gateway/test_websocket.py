@@ -172,7 +172,12 @@ def test_reconnect_with_same_session_id_replays_missed_messages(gateway, kernel)
                                              "silent": False})
     client.replies_to(msg_id, lambda m: m["msg_type"] == "execute_input")
     client.close()
-    time.sleep(3)
+    # Positive control: the cell really finished while no client was connected (the kernel went busy → idle), so
+    # what the resumed connection receives can only come from the replay, not from the cell still running.
+    deadline = time.monotonic() + 60
+    while gateway.get(f"/api/kernels/{kernel['id']}").json()["execution_state"] != "idle":
+        assert time.monotonic() < deadline, "the cell did not finish while the client was away"
+        time.sleep(0.1)
     resumed = gateway.connect(kernel["id"], session_id=session_id)
     missed = resumed.replies_to(msg_id, lambda m: m["msg_type"] == "execute_reply", timeout=30)
     assert "finished while away" in outputs(missed)

@@ -119,6 +119,23 @@ class Kernel:
                     pass
         return run
 
+    def wait_for_stdout(self, msg_id: str, text: str, timeout: float = 60) -> None:
+        """Returns once msg_id's stdout contains `text` (so the cell is running); collect() still sees every message."""
+        deadline = time.monotonic() + timeout
+        seen = ""
+        while text not in seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{text!r} not printed within {timeout} s; stdout so far: {seen!r}")
+            try:
+                msg = self.client.get_iopub_msg(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            parent = msg["parent_header"].get("msg_id")
+            self._iopub_stash.setdefault(parent, []).append(msg)
+            if parent == msg_id and msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+                seen += msg["content"]["text"]
+
     @staticmethod
     def _note_iopub(run: Run, msg: dict, started: float) -> bool:
         """Records an output; returns True for the idle status that ends the request."""

@@ -109,18 +109,20 @@ def test_timeout_interrupts_then_kills(fresh_kernel):
     assert k.execute("1 + 1").content["status"] == "ok"
 
 
-def test_shutdown_while_busy_exits_within_a_second(fresh_kernel):
+def test_shutdown_while_busy_does_not_wait_for_the_cell(fresh_kernel):
     k = fresh_kernel()
     workers = _descendants(k.pid)
     assert workers, "the worker should be running under the kernel"
-    k.client.execute("import time; time.sleep(60)")
-    time.sleep(0.5)
-    started = time.monotonic()
+    msg_id = k.client.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    k.wait_for_stdout(msg_id, "sleeping")
     k.manager.request_shutdown()
-    while k.manager.is_alive() and time.monotonic() - started < 10:
-        time.sleep(0.01)
-    assert time.monotonic() - started < 1.0
-    assert not _wait_gone(workers, 5)
+    # Generous for a loaded machine; what matters is that the kernel does not wait out the 600 s cell.
+    started = time.monotonic()
+    while k.manager.is_alive() and time.monotonic() - started < 60:
+        time.sleep(0.05)
+    assert not k.manager.is_alive(), "the kernel was still running 60 s after shutdown_request, behind a busy cell"
+    assert k.manager.provisioner.process.wait(timeout=10) == 0, "the kernel did not exit cleanly"
+    assert not _wait_gone(workers, 30), "worker processes outlived the kernel"
 
 
 def test_restart_clears_state(fresh_kernel):

@@ -14,6 +14,7 @@ import ctypes
 import glob
 import json
 import os
+import re
 import secrets
 import socket
 import stat
@@ -427,13 +428,24 @@ def test_hmac_key_is_in_no_proc_file_environment_or_output(kernel):
     assert control_found and scanned > 10 << 20, f"the scan of {scanned} bytes missed the worker's own data"
 
 
+# What the attack searches for: Jupyter connection files (kernel-<uuid>.json, never the installed
+# share/cellblock/kernel-config.json that a /usr/local install makes visible through the read-only /usr) and the
+# kernels' private runtime directories (/tmp/cbk-*).
+CONNECTION_FILE_NAME = r"kernel-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.json"
+
+
 def test_connection_file_cannot_be_found_or_opened(kernel):
     connection_file, info = kernel.connection_key()
     runtime = kernel.runtime_dir()
     jupyter_runtime = str(Path(connection_file).parent)
+    # Host side: the search below would find this kernel's own files if they were visible.
+    assert re.fullmatch(CONNECTION_FILE_NAME, Path(connection_file).name), connection_file
+    assert runtime.name.startswith("cbk-"), runtime
     cell = kernel.attack(f"""
         import glob, subprocess
-        found = subprocess.run(["find", "/", "-name", "kernel-*.json"], capture_output=True, text=True)
+        found = subprocess.run(["find", "/", "-regextype", "posix-extended",
+                                "(", "-regex", ".*/" + {CONNECTION_FILE_NAME!r}, "-o", "-name", "cbk-*", ")", "-print"],
+                               capture_output=True, text=True)
         walked = []
         for top in ["/", "/tmp", "/dev/shm", "/workspace", "/var", "/run", "/root"]:
             for directory, dirs, files in os.walk(top):
@@ -621,6 +633,20 @@ def test_kernel_zmq_ports_and_ipc_endpoints_are_unreachable(kernel):
         context.term()
 
 
+def assert_listener_records_a_control(listener):
+    """Positive control for a host listener that saw nothing: a connection (or datagram) the host sends now is
+    recorded, so the listener was up and recording the whole time; and it is the only thing recorded."""
+    with socket.socket(listener.sock.family, listener.kind) as probe:
+        if listener.kind == socket.SOCK_STREAM:
+            probe.connect(listener.address)
+        else:
+            probe.sendto(b"host control", listener.address)
+        deadline = time.monotonic() + 30
+        while not listener.events and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(listener.events) == 1, f"host listener {listener.address}: {listener.events} (expected the control only)"
+
+
 def test_network_egress_reaches_no_host_listener(kernel, listeners):
     tcp_loopback = listeners(socket.AF_INET, socket.SOCK_STREAM, ("127.0.0.1", 0))
     tcp_external = listeners(socket.AF_INET, socket.SOCK_STREAM, (host_ip(), 0))
@@ -666,6 +692,7 @@ def test_network_egress_reaches_no_host_listener(kernel, listeners):
     time.sleep(0.5)  # let a datagram in flight arrive
     for listener in (tcp_loopback, tcp_external, udp_loopback):
         assert listener.events == [], f"host listener {listener.address} saw {listener.events}"
+        assert_listener_records_a_control(listener)
 
 
 def test_host_unix_sockets_and_ipc_objects_are_unreachable(kernel, listeners, tmp_path):
@@ -704,6 +731,8 @@ def test_host_unix_sockets_and_ipc_objects_are_unreachable(kernel, listeners, tm
     assert result["shmget"] == "ENOENT" and result["shm_listing"] == 1, result   # header line only
     time.sleep(0.3)
     assert abstract.events == [] and pathname.events == []
+    assert_listener_records_a_control(abstract)
+    assert_listener_records_a_control(pathname)
 
 
 def test_dns_lookup_fails(kernel):

@@ -25,12 +25,14 @@ DEFAULT_TIMEOUT = 60.0
 
 
 def worker_script():
-    """The installed worker when the suite runs against an installed tree, else the source copy."""
+    """The installed worker when the suite runs against an installed tree (ctest), else the source copy."""
     prefix = os.environ.get("CELLBLOCK_PREFIX")
     if prefix:
         installed = pathlib.Path(prefix) / "share/cellblock/worker/cellblock_worker.py"
-        if installed.exists():
-            return installed
+        # No quiet fallback to the source copy: the suite must test what was installed.
+        if not installed.exists():
+            pytest.fail(f"CELLBLOCK_PREFIX={prefix} has no installed worker ({installed} missing)")
+        return installed
     return SOURCE_DIR / "share/cellblock/worker/cellblock_worker.py"
 
 

@@ -29,17 +29,28 @@ def test_print_and_display_keep_their_order(worker):
                                 ("display_data",), ("stdout", "after\n"), ("execute_result",), ("reply",)]
 
 
-def test_output_streams_while_the_cell_runs(worker):
-    exchange = worker.execute("import time\nprint('early', flush=False)\ntime.sleep(1.5)\nprint('late')")
-    seen, early_at = "", None
-    for kind, text, at in exchange.events:
-        if kind == "stdout":
-            seen += text
-            if early_at is None and "early\n" in seen:
-                early_at = at
-    assert seen == "early\nlate\n"
-    reply_at = exchange.events[-1][2]
-    assert reply_at - early_at > 0.7, "print() output must not wait for the end of the cell"
+def test_output_streams_while_the_cell_runs(worker, tmp_path):
+    # The cell cannot end before the test opens the gate, and the test opens it only once 'early' has arrived: so
+    # 'early' reached the kernel while the cell was still running (no timing involved).
+    gate = tmp_path / "gate"
+    worker.send({"type": "execute", "id": "gated", "silent": False, "store_history": True, "user_expressions": {},
+                 "allow_stdin": False,
+                 "code": f"import os, time\nprint('early', flush=False)\nwhile not os.path.exists({str(gate)!r}):\n"
+                         "    time.sleep(0.01)\nprint('late')"})
+    deadline = time.monotonic() + 60
+    while "early\n" not in "".join(event[1] for event in worker.events if event[0] == "stdout"):
+        assert time.monotonic() < deadline, "print() output did not arrive while the cell ran"
+        try:
+            frame = worker.next_frame(timeout=0.05)
+            assert frame["type"] != "reply", f"the cell ended before its gate opened: {frame}"
+        except TimeoutError:
+            pass
+    gate.touch()
+    frames = [worker.next_frame(timeout=60)]
+    while frames[-1]["type"] != "reply":
+        frames.append(worker.next_frame(timeout=60))
+    assert frames[-1]["content"]["status"] == "ok", frames
+    assert "".join(event[1] for event in worker.events if event[0] == "stdout").endswith("early\nlate\n")
 
 
 def test_subprocess_and_fd_output_reach_the_kernel(worker):

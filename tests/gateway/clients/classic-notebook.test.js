@@ -120,32 +120,31 @@ test('running print(6*7) and 21*2 shows 42 in both output areas', async () => {
 });
 
 test('the stop button interrupts a running cell with KeyboardInterrupt', async () => {
-  const sleepingCell = await typeAndRun(2, 'import time\ntime.sleep(30)');
+  // The sleep outlasts every wait below many times over: only a working stop button ends the cell in time.
+  const sleepingCell = await typeAndRun(2, 'import time\ntime.sleep(600)');
   // Wait until the kernel is really running the cell (the busy indicator), then press stop as a person would.
   await page.locator('#kernel_indicator_icon.kernel_busy_icon').waitFor({ timeout: OUTPUT_TIMEOUT_MS });
   await page.waitForTimeout(500);
-  const pressedAt = Date.now();
   await page.locator('button[data-jupyter-action="jupyter-notebook:interrupt-kernel"]').click();
   try {
     const errorOutput = sleepingCell.locator('.output_subarea.output_error');
     await errorOutput.waitFor({ timeout: OUTPUT_TIMEOUT_MS });
     assert.match(await errorOutput.innerText(), /KeyboardInterrupt/);
-    const waitedS = (Date.now() - pressedAt) / 1000;
-    assert.ok(waitedS < 25, `the cell stopped ${waitedS.toFixed(1)} s after pressing stop, so the sleep was cut short`);
     await page.locator('#kernel_indicator_icon.kernel_idle_icon').waitFor({ timeout: OUTPUT_TIMEOUT_MS });
   } finally {
     await saveScreenshot();
   }
 });
 
-test('the kernel the page uses is one the gateway runs', { skip: GATEWAY_URL ? false : 'no GATEWAY_URL given' },
-  async () => {
-    const kernelId = await page.evaluate(() => window.Jupyter.notebook.kernel.id);
-    assert.match(kernelId, /^[0-9a-f-]{36}$/);
-    const response = await fetch(`${GATEWAY_URL}/api/kernels/${kernelId}`,
-      { headers: { Authorization: `token ${GATEWAY_TOKEN}` } });
-    assert.equal(response.status, 200, `the gateway knows kernel ${kernelId}`);
-    const model = await response.json();
-    assert.equal(model.id, kernelId);
-    assert.ok(model.connections >= 1, `the Notebook holds a WebSocket to the gateway (connections=${model.connections})`);
-  });
+test('the kernel the page uses is one the gateway runs', async () => {
+  // Not a skip: without GATEWAY_URL this check did not run, and that must show (tests/README.md).
+  assert.ok(GATEWAY_URL, 'GATEWAY_URL must be set to check the kernel against the gateway');
+  const kernelId = await page.evaluate(() => window.Jupyter.notebook.kernel.id);
+  assert.match(kernelId, /^[0-9a-f-]{36}$/);
+  const response = await fetch(`${GATEWAY_URL}/api/kernels/${kernelId}`,
+    { headers: { Authorization: `token ${GATEWAY_TOKEN}` } });
+  assert.equal(response.status, 200, `the gateway knows kernel ${kernelId}`);
+  const model = await response.json();
+  assert.equal(model.id, kernelId);
+  assert.ok(model.connections >= 1, `the Notebook holds a WebSocket to the gateway (connections=${model.connections})`);
+});

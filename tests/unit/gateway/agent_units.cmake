@@ -5,5 +5,5 @@ add_executable(gateway_agent_unit_tests
   agent_limits_test.cpp
   agent_execution_test.cpp
   agent_paths_test.cpp)
-target_link_libraries(gateway_agent_unit_tests PRIVATE cellblock_gateway_agent GTest::gtest_main)
-gtest_discover_tests(gateway_agent_unit_tests PROPERTIES LABELS unit)
+target_link_libraries(gateway_agent_unit_tests PRIVATE cellblock_gateway_agent cellblock_gtest_main)
+cellblock_add_gtest(gateway_agent_unit_tests)

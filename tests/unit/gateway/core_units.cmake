@@ -8,5 +8,5 @@ add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/jupyter_message_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kernelspec_registry_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/store_test.cpp)
-target_link_libraries(gateway_core_unit_tests PRIVATE cellblock_gateway_core GTest::gtest_main)
-gtest_discover_tests(gateway_core_unit_tests TEST_PREFIX "gateway." DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)
+target_link_libraries(gateway_core_unit_tests PRIVATE cellblock_gateway_core cellblock_gtest_main)
+cellblock_add_gtest(gateway_core_unit_tests TEST_PREFIX "gateway." TIMEOUT 60)

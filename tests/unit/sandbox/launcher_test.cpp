@@ -18,8 +18,9 @@ namespace {
 class LauncherTest : public ::testing::Test {
   protected:
     void SetUp() override {
-        if (::geteuid() != 0)
-            GTEST_SKIP() << "the launcher needs root to map a dedicated uid";
+        // Not a skip: the README's test command runs as root, and a launcher left untested must show as red.
+        ASSERT_EQ(::geteuid(), 0u)
+            << "the launcher tests need root to map a dedicated uid (run the suite as root)";
         std::string pattern = (fs::temp_directory_path() / "cellblock-launch-test-XXXXXX").string();
         ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
         workspace_ = pattern;
@@ -27,7 +28,7 @@ class LauncherTest : public ::testing::Test {
         policy_.limits.memory_bytes = 256ULL << 20;
         // A range of our own: "no process of the session uid is left" must not see another suite's
         // sandbox that leased the same uid right after ours.
-        policy_.uid_first = 280000;   // 260000.. is the battery, 270000.. the kernel battery
+        policy_.uid_first = 280000;  // 260000.. is the battery, 270000.. the kernel battery
         policy_.uid_count = 1000;
     }
     void TearDown() override {
