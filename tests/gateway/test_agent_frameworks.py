@@ -70,7 +70,8 @@ def test_openhands_connects_after_the_first_stdout_line_containing_at(tmp_path):
     # line must be the ready line, printed once the gateway answers, not an earlier line that happens to contain "at".
     log = open(tmp_path / "stderr.log", "wb")
     process = subprocess.Popen([gateway_binary(), "--ip", "127.0.0.1", "--port", "0", *kernelspec_arguments(),
-                                "--token", "", "--agent-state-dir", str(tmp_path / "agent-state")],
+                                "--token", "", "--state-dir", str(tmp_path / "state"),
+                                "--shutdown-kernels-on-exit"],
                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
                                start_new_session=True)
     try:
