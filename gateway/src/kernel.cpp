@@ -90,8 +90,8 @@ void KernelSession::attach(std::weak_ptr<KernelClient> client) {
         receiver->deliver(make_message(Channel::iopub, "stream",
                                        {{"name", "stderr"},
                                         {"text",
-                                         "[cellblock-gateway] some messages sent while this session was "
-                                         "disconnected were dropped (offline buffer full)\n"}},
+                                         "[cellblock-gateway] the oldest messages sent while this session "
+                                         "was disconnected were dropped (offline buffer full)\n"}},
                                        session_id_));
     }
     std::deque<JupyterMessage> pending;
@@ -102,18 +102,31 @@ void KernelSession::attach(std::weak_ptr<KernelClient> client) {
         receiver->deliver(message);
 }
 
+namespace {
+std::size_t buffered_size(const JupyterMessage& message) {
+    return message.header.size() + message.parent_header.size() + message.metadata.size() +
+           message.content.size();
+}
+}  // namespace
+
 void KernelSession::deliver_or_buffer(const JupyterMessage& message) {
     if (auto receiver = client_.lock()) {
         receiver->deliver(message);
         return;
     }
-    const std::size_t size = message.header.size() + message.parent_header.size() + message.metadata.size() +
-                             message.content.size();
+    const std::size_t size = buffered_size(message);
     const GatewayConfig& config = kernel_.config();
-    if (offline_.size() >= config.offline_buffer_messages ||
-        offline_bytes_ + size > config.offline_buffer_bytes) {
+    if (config.offline_buffer_messages == 0 || size > config.offline_buffer_bytes) {
         overflowed_ = true;
         return;
+    }
+    // A full buffer drops its oldest messages: a returning client needs the newest ones to go on (the
+    // execute_reply and the final idle status it is waiting for).
+    while (!offline_.empty() && (offline_.size() >= config.offline_buffer_messages ||
+                                 offline_bytes_ + size > config.offline_buffer_bytes)) {
+        offline_bytes_ -= buffered_size(offline_.front());
+        offline_.pop_front();
+        overflowed_ = true;
     }
     offline_bytes_ += size;
     offline_.push_back(message);

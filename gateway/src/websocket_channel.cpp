@@ -12,7 +12,7 @@ constexpr std::string_view v1_protocol = "v1.kernel.websocket.jupyter.org";
 bool usable_session_id(const std::string& id) {
     // A ZMQ routing id is at most 255 bytes and must not start with a zero byte.
     return !id.empty() && id.size() <= 200 && id.front() != '\0' &&
-           !id.starts_with(KernelSession::anonymous_prefix);
+           !id.starts_with(KernelSession::anonymous_prefix) && !id.starts_with(KernelSession::agent_prefix);
 }
 }  // namespace
 

@@ -51,6 +51,7 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         const auto& worker = json.at("worker");
         config.python = worker.value("python", std::string("/usr/bin/python3"));
         config.worker_script = resolve(base, worker.at("script").get<std::string>());
+        config.worker_start_timeout_s = worker.value("start_timeout_s", config.worker_start_timeout_s);
         config.sandbox_policy = resolve(base, json.at("sandbox_policy").get<std::string>());
         config.workspace_root =
             resolve(base, json.value("workspace_root", std::string("/var/lib/cellblock/workspaces")));
@@ -64,6 +65,9 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         }
     } catch (const nlohmann::json::exception& error) {
         throw ConfigError("kernel config " + file.string() + ": " + error.what());
+    }
+    if (!(config.worker_start_timeout_s > 0)) {
+        throw ConfigError("worker.start_timeout_s must be greater than 0");
     }
     if (!config.python.is_absolute()) {
         throw ConfigError("worker.python must be an absolute path");

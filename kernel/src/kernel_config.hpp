@@ -26,6 +26,7 @@ struct ExecutionLimits {
 struct KernelConfig {
     std::filesystem::path python = "/usr/bin/python3";
     std::filesystem::path worker_script;             // host path of cellblock_worker.py
+    double worker_start_timeout_s = 60;              // a worker must report ready within this
     std::filesystem::path sandbox_policy;            // host path of the sandbox policy JSON
     std::filesystem::path workspace_root;            // where private workspaces are created
     std::optional<std::filesystem::path> workspace;  // CELLBLOCK_WORKSPACE: use this directory as is

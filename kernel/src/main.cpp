@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 #include <array>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -181,6 +182,11 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     InterpreterSettings settings;
     settings.limits = config.limits;
     settings.identity = {cellblock_version, probe_python_version(config.python)};
+    const auto worker_start_timeout =
+        std::chrono::milliseconds(static_cast<long long>(config.worker_start_timeout_s * 1000));
+    // An execute waits a little longer than the launch itself, so the launcher's error (with the worker's
+    // own output) is the one reported, not a bare "did not start".
+    settings.worker_start_timeout = worker_start_timeout + std::chrono::seconds(5);
 
     WorkerLaunchSpec spec;
     spec.python = config.python;
@@ -188,6 +194,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     spec.policy_file = config.sandbox_policy;
     spec.workspace = workspace;
     spec.memory_bytes = config.limits.memory_mb * 1024 * 1024;
+    spec.ready_timeout = worker_start_timeout;
     WorkerSupervisor supervisor(spec);
     ExitPath exit_path(supervisor, own_workspace, runtime);
 

@@ -48,7 +48,7 @@ AgentSession::AgentSession(SessionServices& services, Record record, std::vector
     : services_(services),
       record_(std::move(record)),
       cells_(std::move(cells)),
-      link_session_id_("cellblock-agent-" + record_.id),
+      link_session_id_(std::string(KernelSession::agent_prefix) + record_.id),
       deadline_timer_(services.io) {
     had_kernel_ = !cells_.empty();
 }
@@ -85,30 +85,38 @@ std::optional<fs::path> AgentSession::workspace() const {
 void AgentSession::ensure_kernel(Done done) {
     if (closed_)
         return done(std::string("session was deleted"));
-    if (kernel_ && kernel_->state() != KernelState::dead &&
-        services_.kernels.find(kernel_->id()) == kernel_) {
-        kernel_->when_ready(std::move(done));
-        return;
-    }
-    if (kernel_) {
-        // Deleted through /api/kernels, culled, or dead past its restart limit.
-        kernel_ = nullptr;
-        link_ = nullptr;
-    }
     kernel_waiters_.push_back(std::move(done));
-    if (starting_kernel_)
+    if (kernel_wait_ != KernelWait::none)
+        return;  // the start or readiness wait in flight answers every waiter
+    if (kernel_ &&
+        (kernel_->state() == KernelState::dead || services_.kernels.find(kernel_->id()) != kernel_)) {
+        // Deleted through /api/kernels, culled, or dead past its restart limit. A dead kernel still
+        // registered would hold a max_kernels slot and its workspace forever: it goes.
+        auto gone = std::exchange(kernel_, nullptr);
+        link_ = nullptr;
+        if (services_.kernels.find(gone->id()) == gone)
+            services_.kernels.shutdown_kernel(gone->id(), "dead past its restart limit");
+    }
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    if (kernel_) {
+        kernel_wait_ = KernelWait::readying;
+        kernel_->when_ready([weak](std::optional<std::string> error) {
+            if (auto self = weak.lock(); self && self->kernel_wait_ == KernelWait::readying)
+                self->settle_kernel_waiters(error);
+        });
         return;
-    starting_kernel_ = true;
+    }
+    kernel_wait_ = KernelWait::starting;
     KernelStartRequest request;
     request.trusted_env = kernel_limit_environment();
-    std::weak_ptr<AgentSession> weak = weak_from_this();
     services_.kernels.start_kernel(
         request,
         [weak, &kernels = services_.kernels](std::variant<std::shared_ptr<Kernel>, KernelStartError> result) {
             auto self = weak.lock();
             if (!self || self->closed_) {
+                // Deleted while its kernel started: close() has answered the waiters already.
                 if (auto* kernel = std::get_if<std::shared_ptr<Kernel>>(&result))
-                    kernels.shutdown_kernel((*kernel)->id());
+                    kernels.shutdown_kernel((*kernel)->id(), "the agent session was deleted");
                 return;
             }
             if (auto* failure = std::get_if<KernelStartError>(&result))
@@ -116,14 +124,6 @@ void AgentSession::ensure_kernel(Done done) {
             self->attach_kernel(std::get<std::shared_ptr<Kernel>>(result));
             self->settle_kernel_waiters(std::nullopt);
         });
-}
-
-void AgentSession::settle_kernel_waiters(std::optional<std::string> error) {
-    starting_kernel_ = false;
-    auto waiters = std::move(kernel_waiters_);
-    kernel_waiters_.clear();
-    for (auto& waiter : waiters)
-        waiter(error);
 }
 
 void AgentSession::resume(std::shared_ptr<Kernel> kernel, const std::string& lost_cause,
@@ -159,7 +159,7 @@ void AgentSession::resume(std::shared_ptr<Kernel> kernel, const std::string& los
         return;
     }
     // Executes wait for the re-adopted kernel as they would for a starting one.
-    starting_kernel_ = true;
+    kernel_wait_ = KernelWait::readying;
     if (!inflight.empty())
         running_ = std::make_unique<Running>();  // busy: queued executes run after the resumed one
     std::weak_ptr<AgentSession> weak = weak_from_this();
@@ -172,9 +172,8 @@ void AgentSession::resume(std::shared_ptr<Kernel> kernel, const std::string& los
             self->resume(nullptr, "the kernel could not be re-adopted after the gateway restarted: " + *error,
                          inflight);
             // Nothing is attached: whoever waits gets a fresh kernel instead.
-            self->starting_kernel_ = false;
-            auto waiters = std::move(self->kernel_waiters_);
-            self->kernel_waiters_.clear();
+            self->kernel_wait_ = KernelWait::none;
+            auto waiters = std::exchange(self->kernel_waiters_, {});
             for (auto& waiter : waiters)
                 self->ensure_kernel(std::move(waiter));
             self->run_next();
@@ -231,6 +230,13 @@ void AgentSession::resume_execute(const InflightExecute& inflight) {
     });
 }
 
+void AgentSession::settle_kernel_waiters(const std::optional<std::string>& error) {
+    kernel_wait_ = KernelWait::none;
+    auto waiters = std::exchange(kernel_waiters_, {});
+    for (auto& waiter : waiters)
+        waiter(error);
+}
+
 void AgentSession::attach_kernel(std::shared_ptr<Kernel> kernel) {
     kernel_ = std::move(kernel);
     if (had_kernel_)
@@ -262,7 +268,7 @@ json AgentSession::runtime_info() const {
 
 json AgentSession::model() const {
     std::string state = "no kernel";
-    if (starting_kernel_)
+    if (kernel_wait_ == KernelWait::starting)
         state = "starting";
     else if (kernel_)
         state = running_ ? "busy" : std::string(kernel_state_name(kernel_->state()));
@@ -379,7 +385,11 @@ void AgentSession::run_next() {
             return;
         if (error) {
             self->running_.reset();
-            self->fail_pending(*shared_pending, "KernelUnavailable", "no kernel for this session: " + *error);
+            if (self->closed_)
+                self->fail_pending(*shared_pending, "SessionClosed", "the session was deleted");
+            else
+                self->fail_pending(*shared_pending, "KernelUnavailable",
+                                   "no kernel for this session: " + *error);
             boost::asio::post(self->services_.io, [weak] {
                 if (auto again = weak.lock())
                     again->run_next();
@@ -526,20 +536,26 @@ void AgentSession::close(const std::string& reason) {
         return;
     closed_ = true;
     deadline_timer_.cancel();
-    if (running_ && running_->collector) {
-        running_->kernel_failure = "the session was deleted";
-        finish_execute();
-    }
-    while (!queue_.empty()) {
-        Pending pending = std::move(queue_.front());
-        queue_.pop_front();
-        fail_pending(pending, "SessionClosed", "the session was deleted");
-    }
+    fail_every_waiter("the session was deleted");
     if (auto kernel = std::exchange(kernel_, nullptr)) {
         link_ = nullptr;
         services_.kernels.shutdown_kernel(kernel->id(), reason);
     }
     persist_record();
+}
+
+void AgentSession::fail_every_waiter(const std::string& cause) {
+    if (running_ && running_->collector) {
+        running_->kernel_failure = cause;
+        finish_execute();
+    }
+    // Includes the execute or reset whose kernel is still starting (run_next's waiter answers it).
+    settle_kernel_waiters(cause);
+    while (!queue_.empty()) {
+        Pending pending = std::move(queue_.front());
+        queue_.pop_front();
+        fail_pending(pending, "SessionClosed", cause);
+    }
 }
 
 // ------------------------------------------------------------------------------------------------ answers
@@ -646,9 +662,10 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
     if (!running.kernel_failure.empty() && collected.reply_status().empty()) {
         status = "error";
         state_lost = true;
-        error = {{"ename", "KernelDied"},
+        const std::string failure_name = closed_ ? "SessionClosed" : "KernelDied";
+        error = {{"ename", failure_name},
                  {"evalue", running.kernel_failure},
-                 {"traceback", "KernelDied: " + running.kernel_failure}};
+                 {"traceback", failure_name + ": " + running.kernel_failure}};
     }
     if (running.interrupted_by_client && status != "ok")
         notice = "interrupted because the client disconnected";

@@ -116,8 +116,10 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const st
     session->ensure_kernel([this, weak, done = std::move(done),
                             client_address](std::optional<std::string> failure) {
         auto created = weak.lock();
-        if (!created)
-            return done(nullptr, HttpError(http::status::gone, "the session was deleted while it started"));
+        if (!created || created->closed())
+            return done(nullptr,
+                        HttpError(http::status::gone, "the session was deleted while its kernel was starting",
+                                  "session_deleted"));
         if (failure) {
             remove(created, "kernel failed to start", client_address);
             return done(nullptr,

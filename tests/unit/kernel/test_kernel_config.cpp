@@ -42,7 +42,17 @@ TEST_F(KernelConfigFile, RelativePathsResolveAgainstTheFile) {
     EXPECT_EQ(config.limits.interrupt_grace_s, 1.5);
     EXPECT_EQ(config.limits.output_bytes, 1000u);
     EXPECT_EQ(config.limits.memory_mb, 512u);
+    EXPECT_EQ(config.worker_start_timeout_s, 60);
     EXPECT_FALSE(config.workspace);
+}
+
+TEST_F(KernelConfigFile, WorkerStartTimeoutIsReadAndMustBePositive) {
+    std::ofstream(file)
+        << R"({"worker": {"script": "w.py", "start_timeout_s": 2.5}, "sandbox_policy": "p.json"})";
+    EXPECT_EQ(KernelConfig::load(file, environment()).worker_start_timeout_s, 2.5);
+    std::ofstream(file)
+        << R"({"worker": {"script": "w.py", "start_timeout_s": 0}, "sandbox_policy": "p.json"})";
+    EXPECT_THROW(KernelConfig::load(file, environment()), ConfigError);
 }
 
 TEST_F(KernelConfigFile, EnvironmentOverridesTheFile) {

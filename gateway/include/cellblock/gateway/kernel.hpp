@@ -60,6 +60,8 @@ class KernelSession {
     bool attached() const { return attached_client_ != nullptr; }
     // Prefix of session ids the gateway generates for clients that send no session_id.
     static constexpr std::string_view anonymous_prefix = "anonymous-";
+    // Prefix of the session ids agent sessions use for their own link to the kernel; no client may take one.
+    static constexpr std::string_view agent_prefix = "cellblock-agent-";
     void send(JupyterMessage&& message);
 
   private:

@@ -129,8 +129,11 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void attach_kernel(std::shared_ptr<Kernel> kernel);
     // Sends nothing: follows an execute the previous gateway sent (its answer goes to the history only).
     void resume_execute(const InflightExecute& inflight);
-    // Fails every kernel waiter with `error` (nullopt = the kernel is ready): the one path out of "starting".
-    void settle_kernel_waiters(std::optional<std::string> error);
+    // Answers everything waiting in kernel_waiters_ (nullopt = the kernel is ready) and ends the wait.
+    void settle_kernel_waiters(const std::optional<std::string>& error);
+    // The one way out for every request the session holds: the running execute, the waiters for the
+    // kernel (including an execute or reset whose kernel is still starting) and the queue.
+    void fail_every_waiter(const std::string& cause);
     nlohmann::json runtime_info() const;
 
     SessionServices& services_;
@@ -141,7 +144,9 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::shared_ptr<KernelSession> link_;
     nlohmann::json kernel_info_;  // kernel_info_reply content of the current kernel
     std::string kernel_info_msg_id_;
-    bool starting_kernel_ = false;
+    // Whether a request for the kernel is in flight; every caller of ensure_kernel waits in kernel_waiters_
+    // until it settles.
+    enum class KernelWait { none, starting, readying } kernel_wait_ = KernelWait::none;
     bool had_kernel_ = false;         // a kernel served this session before (a new one means lost state)
     bool state_lost_notice_ = false;  // tell the next answer that a new kernel replaced the old one
     std::string state_lost_cause_;    // why, when the gateway knows (a kernel lost across a restart)

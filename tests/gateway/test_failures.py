@@ -1,0 +1,308 @@
+"""The Kernel Gateway API when things go wrong: kernels that cannot start or die during start, the restart limit,
+max_kernels through /api/sessions, the bounded replay for reconnecting WebSocket clients, gateway exit with running
+kernels and confined workers, and TLS client certificates. Host-side checks read /proc."""
+import json
+import os
+import signal
+import ssl
+import subprocess
+import time
+import uuid
+
+import pytest
+import requests
+import websocket
+
+import broken_kernels
+from gateway_harness import TOKEN, Gateway, gateway_binary, outputs
+from host_processes import descendants, wait_for, wait_until_gone, with_cmdline
+
+GONE_TIMEOUT_S = 60
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Gateways with a runtime directory of their own, so their kernel processes can be told apart on the host."""
+    started = []
+
+    def make(*arguments, config=None, warm_pool=0, name="gateway", **kwargs):
+        runtime = tmp_path / f"{name}-runtime"
+        extra = ["--runtime-dir", str(runtime)]
+        if config is not None:
+            config_file = tmp_path / f"{name}-config.json"
+            config_file.write_text(json.dumps(config))
+            extra += ["--config", str(config_file)]
+        gateway = Gateway(*extra, *arguments, warm_pool=warm_pool, **kwargs)
+        gateway.runtime_dir = str(runtime)
+        started.append(gateway)
+        return gateway
+
+    yield make
+    for gateway in started:
+        gateway.stop()
+
+
+def kernel_processes(gateway, kernel_id=None):
+    marker = f"{gateway.runtime_dir}/kernel-{kernel_id or ''}"
+    found = []
+    for kernel in with_cmdline(marker):
+        found.append(kernel)
+        found.extend(descendants(kernel.pid))
+    return found
+
+
+def main_kernel_process(gateway, kernel_id):
+    return next(p for p in kernel_processes(gateway, kernel_id) if f"kernel-{kernel_id}.json" in p.cmdline)
+
+
+def statuses_until(client, wanted, timeout=GONE_TIMEOUT_S):
+    """IOPub execution states seen until `wanted` arrives."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while wanted not in seen:
+        assert time.monotonic() < deadline, f"no '{wanted}' status; saw {seen}"
+        message = client.recv(timeout=max(0.1, deadline - time.monotonic()))
+        if message["msg_type"] == "status":
+            seen.append(message["content"]["execution_state"])
+    return seen
+
+
+# ------------------------------------------------------------------------------------------ start failures
+
+
+@pytest.mark.parametrize("make_spec, cause", [
+    (broken_kernels.missing_binary, "No such file or directory"),
+    (broken_kernels.dies_during_start, "exited with status 3 before it answered kernel_info_request"),
+])
+def test_kernel_start_failure_is_reported_and_leaves_nothing(launch, tmp_path, make_spec, cause):
+    specs = make_spec(tmp_path / "kernels", "broken")
+    gateway = launch("--kernelspec-dir", str(specs))
+    refused = gateway.post("/api/kernels", json={"name": "broken"})
+    # Kernel Gateway's status for a kernel that fails to start is 500, with the cause in the message.
+    assert refused.status_code == 500, refused.text
+    assert "Kernel failed to start" in refused.json()["message"] and cause in refused.json()["message"], refused.text
+    assert gateway.get("/api/kernels").json() == []
+    wait_for(lambda: not kernel_processes(gateway), timeout=GONE_TIMEOUT_S, what="no kernel process left")
+    # The gateway still starts a good kernel.
+    assert gateway.post("/api/kernels", json={}).status_code == 201
+    assert gateway.alive()
+
+
+def test_restart_limit_exhausted_reports_dead_and_leaves_no_process(launch):
+    gateway = launch(config={"restart_limit": 1})
+    kernel_id = gateway.start_kernel()["id"]
+    client = gateway.connect(kernel_id)
+    client.wait_ready()
+    client.execute("x = 1")
+    first = kernel_processes(gateway, kernel_id)
+    assert [p for p in first if p.is_worker], first
+    signal_target = main_kernel_process(gateway, kernel_id)
+    os.kill(signal_target.pid, signal.SIGKILL)
+    # Within the limit: restarted, and usable again.
+    statuses_until(client, "restarting")
+    statuses_until(client, "idle")
+    assert "False" in outputs(client.execute("'x' in globals()"))
+    assert not wait_until_gone(first, GONE_TIMEOUT_S), "the first kernel's processes outlived it"
+    second = kernel_processes(gateway, kernel_id)
+    os.kill(main_kernel_process(gateway, kernel_id).pid, signal.SIGKILL)
+    # Past the limit: clients are told the kernel is dead, and so is the REST model; nothing is left running.
+    statuses_until(client, "dead")
+    assert not wait_until_gone(second, GONE_TIMEOUT_S), "the dead kernel's processes are still running"
+    assert gateway.get(f"/api/kernels/{kernel_id}").json()["execution_state"] == "dead"
+    time.sleep(2)  # no late automatic restart
+    assert not kernel_processes(gateway, kernel_id), "a kernel past its restart limit was started again"
+    assert gateway.delete(f"/api/kernels/{kernel_id}").status_code == 204
+    assert gateway.alive()
+    client.close()
+
+
+def test_max_kernels_is_enforced_through_api_sessions(launch):
+    gateway = launch("--max-kernels", "1")
+    first = gateway.post("/api/sessions", json={"path": "a.ipynb", "type": "notebook", "kernel": {"name": "python3"}})
+    assert first.status_code == 201, first.text
+    refused = gateway.post("/api/sessions", json={"path": "b.ipynb", "type": "notebook",
+                                                  "kernel": {"name": "python3"}})
+    assert refused.status_code == 403 and "Resource Limit" in refused.json()["message"], refused.text
+    assert [s["path"] for s in gateway.get("/api/sessions").json()] == ["a.ipynb"]
+    assert gateway.delete(f"/api/sessions/{first.json()['id']}").status_code == 204
+    second = gateway.post("/api/sessions", json={"path": "b.ipynb", "type": "notebook",
+                                                 "kernel": {"name": "python3"}})
+    assert second.status_code == 201, second.text
+
+
+# ------------------------------------------------------------------------------------------ replay on reconnect
+
+LINES = 30
+NOISY_CODE = (f"import time\ntime.sleep(1)\nfor i in range({LINES}):\n"
+              "    print(f'line {i:02d} ' + 'x' * 400, flush=True)\n    time.sleep(0.02)\n")
+DROPPED_NOTE = "dropped (offline buffer full)"
+
+
+def run_while_away(gateway, kernel_id):
+    """Starts NOISY_CODE, disconnects, waits until it finished, reconnects with the same session_id; returns the
+    messages replayed up to the execute's reply and final idle status (or whatever arrived within the deadline)."""
+    session_id = "away-" + uuid.uuid4().hex
+    client = gateway.connect(kernel_id, session_id=session_id)
+    client.wait_ready()
+    msg_id = client.send("execute_request", {"code": NOISY_CODE, "silent": False})
+    client.replies_to(msg_id, lambda m: m["msg_type"] == "execute_input")
+    client.close()
+    wait_for(lambda: gateway.get(f"/api/kernels/{kernel_id}").json()["execution_state"] == "idle",
+             what="the code to finish while the client is away")
+    time.sleep(1)
+    resumed = gateway.connect(kernel_id, session_id=session_id)
+    replayed = []
+    deadline = time.monotonic() + 15
+
+    def seen(msg_type, **content):
+        return any(m["msg_type"] == msg_type and m["parent_header"].get("msg_id") == msg_id
+                   and content.items() <= m["content"].items() for m in replayed)
+    try:
+        # IOPub and shell are separate sockets: the reply may come before or after the idle status.
+        while time.monotonic() < deadline and not (seen("execute_reply") and seen("status", execution_state="idle")):
+            replayed.append(resumed.recv(timeout=max(0.1, deadline - time.monotonic())))
+    except TimeoutError:
+        pass
+    resumed.close()
+    return msg_id, replayed
+
+
+def printed_lines(messages):
+    return [line for line in outputs(messages).splitlines() if line.startswith("line ")]
+
+
+@pytest.mark.parametrize("cap", [{"offline_buffer_messages": 8}, {"offline_buffer_bytes": 6000}])
+def test_reconnect_replay_is_bounded_and_says_what_was_dropped(launch, cap):
+    # Positive control: with the default buffer every line, the reply and the final idle status come back.
+    roomy = launch(name="roomy")
+    kernel_id = roomy.start_kernel()["id"]
+    msg_id, replayed = run_while_away(roomy, kernel_id)
+    assert len(printed_lines(replayed)) == LINES, outputs(replayed)
+    assert any(m["msg_type"] == "execute_reply" and m["parent_header"]["msg_id"] == msg_id for m in replayed)
+    assert DROPPED_NOTE not in outputs(replayed)
+    # ... and that is more than the cap under test holds, so the bounded run below must drop some.
+    if "offline_buffer_messages" in cap:
+        assert len(replayed) > 2 * cap["offline_buffer_messages"], len(replayed)
+    else:
+        assert sum(len(json.dumps(m["content"])) for m in replayed) > 2 * cap["offline_buffer_bytes"]
+
+    bounded = launch(config=cap, name="bounded")
+    kernel_id = bounded.start_kernel()["id"]
+    msg_id, replayed = run_while_away(bounded, kernel_id)
+    assert DROPPED_NOTE in outputs(replayed), [m["msg_type"] for m in replayed]
+    kept = [m for m in replayed if DROPPED_NOTE not in json.dumps(m.get("content", {}))]
+    if "offline_buffer_messages" in cap:
+        assert len(kept) <= cap["offline_buffer_messages"], [m["msg_type"] for m in kept]
+    else:
+        size = sum(len(json.dumps(m["content"], separators=(",", ":"))) for m in kept)
+        assert size <= cap["offline_buffer_bytes"], size
+    assert 0 < len(printed_lines(replayed)) < LINES
+    # What a client needs to go on is the newest traffic: the reply and the idle status are kept.
+    assert any(m["msg_type"] == "execute_reply" and m["parent_header"]["msg_id"] == msg_id for m in kept), \
+        [m["msg_type"] for m in kept]
+    assert any(m["msg_type"] == "status" and m["parent_header"]["msg_id"] == msg_id
+               and m["content"]["execution_state"] == "idle" for m in kept), [m["msg_type"] for m in kept]
+    # And the session is usable afterwards.
+    again = bounded.connect(kernel_id)
+    assert "2" in outputs(again.execute("1 + 1"))
+    again.close()
+
+
+# ------------------------------------------------------------------------------------------ gateway exit
+
+
+def gateway_accepts(option):
+    return option in subprocess.run([gateway_binary(), "--help"], capture_output=True, text=True).stdout
+
+
+def assert_stop_leaves_no_kernel_and_no_worker(launch, stop_signal, *arguments):
+    gateway = launch(*arguments, warm_pool=1)
+    kernel_id = gateway.start_kernel()["id"]
+    client = gateway.connect(kernel_id)
+    client.wait_ready()
+    assert "2" in outputs(client.execute("1 + 1"))  # its worker is up and has run code
+    client.close()
+    wait_for(lambda: len([p for p in descendants(gateway.process.pid) if p.is_worker]) >= 2,
+             what="a worker below the kernel and below the warm-pool kernel")
+    everything = descendants(gateway.process.pid)
+    workers = [p for p in everything if p.is_worker]
+    assert workers, everything
+    gateway.process.send_signal(stop_signal)
+    assert gateway.process.wait(timeout=GONE_TIMEOUT_S) == 0, "".join(gateway.output)
+    left = wait_until_gone(everything, GONE_TIMEOUT_S)
+    assert not left, f"still running after the gateway stopped: {[str(p) for p in left]}"
+    assert not kernel_processes(gateway), "a kernel of this gateway is still running"
+
+
+def test_sigint_stop_leaves_no_kernel_and_no_confined_worker(launch):
+    assert_stop_leaves_no_kernel_and_no_worker(launch, signal.SIGINT)
+
+
+def test_sigterm_stop_with_shutdown_kernels_leaves_no_kernel_and_no_confined_worker(launch):
+    # Issue 9: SIGTERM detaches kernels for re-adoption unless --shutdown-kernels-on-exit is given.
+    arguments = ["--shutdown-kernels-on-exit"] if gateway_accepts("--shutdown-kernels-on-exit") else []
+    assert_stop_leaves_no_kernel_and_no_worker(launch, signal.SIGTERM, *arguments)
+
+
+# ------------------------------------------------------------------------------------------ TLS client certificates
+
+
+def openssl(*arguments, cwd):
+    subprocess.run(["openssl", *arguments], cwd=cwd, check=True, capture_output=True)
+
+
+def issue_certificate(directory, name, ca, extensions=None):
+    openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+            "-out", f"{name}.csr", cwd=directory)
+    command = ["x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+               "-days", "1", "-out", f"{name}.pem"]
+    if extensions:
+        (directory / f"{name}.ext").write_text(extensions)
+        command += ["-extfile", f"{name}.ext"]
+    openssl(*command, cwd=directory)
+    return directory / f"{name}.pem", directory / f"{name}.key"
+
+
+def make_ca(directory, name):
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+            "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=directory)
+    return directory / f"{name}.pem"
+
+
+def test_client_certificates_signed_by_the_client_ca_are_required(launch, tmp_path):
+    ca = make_ca(tmp_path, "clients-ca")
+    rogue_ca = make_ca(tmp_path, "rogue-ca")
+    server_cert, server_key = issue_certificate(tmp_path, "server", "clients-ca",
+                                                "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    good = issue_certificate(tmp_path, "agent", "clients-ca", "extendedKeyUsage=clientAuth\n")
+    rogue = issue_certificate(tmp_path, "intruder", "rogue-ca", "extendedKeyUsage=clientAuth\n")
+    assert rogue_ca.exists()
+    gateway = launch("--certfile", str(server_cert), "--keyfile", str(server_key), "--client-ca", str(ca))
+    assert gateway.url.startswith("https://")
+    headers = {"Authorization": f"token {TOKEN}"}
+
+    accepted = requests.get(gateway.url + "/api", headers=headers, verify=str(ca), cert=tuple(map(str, good)),
+                            timeout=30)
+    assert accepted.status_code == 200
+    kernel_id = requests.post(gateway.url + "/api/kernels", headers=headers, verify=str(ca),
+                              cert=tuple(map(str, good)), timeout=120).json()["id"]
+    ws = websocket.create_connection(
+        f"wss://{gateway.url.split('//')[1]}/api/kernels/{kernel_id}/channels", header=[f"Authorization: token {TOKEN}"],
+        timeout=60, sslopt={"ca_certs": str(ca), "cert_reqs": ssl.CERT_REQUIRED, "check_hostname": False,
+                            "certfile": str(good[0]), "keyfile": str(good[1])})
+    ws.send('{"header": {"msg_type": "kernel_info_request", "msg_id": "mtls-1"}, "channel": "shell"}')
+    while json.loads(ws.recv())["msg_type"] != "kernel_info_reply":
+        pass
+    ws.close()
+
+    for refused_cert in (None, tuple(map(str, rogue))):
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(gateway.url + "/api", headers=headers, verify=str(ca), cert=refused_cert, timeout=30)
+    with pytest.raises((ssl.SSLError, ConnectionError, websocket.WebSocketException, OSError)):
+        websocket.create_connection(
+            f"wss://{gateway.url.split('//')[1]}/api/kernels/{kernel_id}/channels",
+            header=[f"Authorization: token {TOKEN}"], timeout=30,
+            sslopt={"ca_certs": str(ca), "cert_reqs": ssl.CERT_REQUIRED, "check_hostname": False}).recv()
+    # Refusals cost nothing: the gateway still serves the good client.
+    assert requests.get(gateway.url + "/api", headers=headers, verify=str(ca), cert=tuple(map(str, good)),
+                        timeout=30).status_code == 200
