@@ -236,26 +236,30 @@ def stream_execute(gateway, session, code, **extra):
 
 def test_streaming_ndjson_events_arrive_in_order_with_keepalives(gateway):
     gateway.create_session("stream")
+    # The cell cannot end until the test opens the gate, and the test opens it only after "first" and a keepalive
+    # arrived: both were streamed while the code ran, whatever the machine's speed.
     response = stream_execute(gateway, "stream",
-                              "import sys, time\nprint('first', flush=True)\ntime.sleep(1.5)\n"
+                              "import os, sys, time\nprint('first', flush=True)\n"
+                              "while not os.path.exists('gate'):\n    time.sleep(0.05)\n"
                               "print('oops', file=sys.stderr, flush=True)\n"
                               "from IPython.display import display\ndisplay('shown')\n'done'")
     events = []
-    arrival = {}
-    started = time.monotonic()
     for line in response.iter_lines():
         event = json.loads(line)
         events.append(event)
-        arrival.setdefault(event["type"], time.monotonic() - started)
+        types = [e["type"] for e in events]
+        if event["type"] == "keepalive" and "stdout" in types and "gate" not in types:
+            put = gateway.request("PUT", "/agent/v1/sessions/stream/files/gate", data=b"open")
+            assert put.status_code in (200, 201, 204), put.text
+            events.append({"type": "gate"})
     types = [event["type"] for event in events]
     assert types[0] == "start" and types[-1] == "end"
-    meaningful = [t for t in types if t != "keepalive"]
+    assert "gate" in types, "no keepalive after the first output while the cell waited"
+    assert types.index("stdout") < types.index("gate"), types
+    meaningful = [t for t in types if t not in ("keepalive", "gate")]
     # One print may arrive as several stream events (the kernel batches by time); their order is what matters.
     collapsed = [t for i, t in enumerate(meaningful) if i == 0 or t != meaningful[i - 1]]
     assert collapsed == ["start", "stdout", "stderr", "display", "result", "end"], types
-    assert "keepalive" in types, "no keepalive during a 1.5 s pause with a 0.5 s keepalive interval"
-    # "first" was streamed before the code finished, not at the end.
-    assert arrival["stdout"] + 1.0 < arrival["end"]
     end = events[-1]
     assert end["status"] == "ok" and end["stdout"] == "first\n" and end["stderr"] == "oops\n"
     assert end["result"]["text/plain"] == "'done'"
