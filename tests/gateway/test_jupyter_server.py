@@ -164,6 +164,10 @@ def test_jupyter_server_client_keeps_its_kernel_across_a_gateway_upgrade(tmp_pat
             kernel_id = created.json()["kernel"]["id"]
             ws = connect_through_server(server, kernel_id)
             assert execute_through_server(ws, "before = 'upgrade'")["execute_reply"]["content"]["status"] == "ok"
+            # Jupyter Server keeps its own sessions; one made at the gateway's /api/sessions must survive too.
+            direct = first.post("/api/sessions", json={"path": "direct.ipynb", "type": "notebook",
+                                                       "kernel": {"id": kernel_id}})
+            assert direct.status_code == 201, direct.text
             assert first.stop() == 0, "".join(first.output)
             ws.close()
             second = Gateway(state_dir=state, port=port, warm_pool=0)
@@ -171,8 +175,9 @@ def test_jupyter_server_client_keeps_its_kernel_across_a_gateway_upgrade(tmp_pat
             seen = execute_through_server(ws, "before * 2")
             assert seen["execute_result"]["content"]["data"]["text/plain"] == "'upgradeupgrade'"
             ws.close()
-            sessions = second.get("/api/sessions").json()
-            assert kernel_id in [s["kernel"]["id"] for s in sessions]
+            assert kernel_id in [k["id"] for k in second.get("/api/kernels").json()]
+            sessions = {s["id"]: s["kernel"]["id"] for s in second.get("/api/sessions").json()}
+            assert sessions.get(direct.json()["id"]) == kernel_id, sessions
     finally:
         first.stop()
         if second is not None:
