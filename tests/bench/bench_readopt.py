@@ -33,6 +33,8 @@ class Gateway:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KG_")}
         env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
         self.url = f"http://127.0.0.1:{port}"
+        # One log per start: a ready line from an earlier gateway must not count as this one's.
+        log_path = log_path.with_name(f"{log_path.stem}-{time.monotonic_ns()}.log")
         self.log_path = log_path
         self.started = time.perf_counter()
         self.process = subprocess.Popen(
