@@ -67,8 +67,12 @@ void ConnectionAdmission::PendingCounts::release(const std::string& address) {
         by_address.erase(found);
 }
 
-ConnectionAdmission::ConnectionAdmission(const Logger& logger, const GatewayConfig& config)
-    : logger_(logger), file_limit_(raise_file_limit(logger)), fd_reserve_(config.fd_reserve) {
+ConnectionAdmission::ConnectionAdmission(boost::asio::io_context& io, const Logger& logger,
+                                         const GatewayConfig& config)
+    : logger_(logger),
+      file_limit_(raise_file_limit(logger)),
+      fd_reserve_(config.fd_reserve),
+      refusal_report_timer_(io) {
     const std::size_t usable = file_limit_ > fd_reserve_ ? file_limit_ - fd_reserve_ : 0;
     max_pending_ = config.max_unauthenticated_connections > 0
                        ? config.max_unauthenticated_connections
@@ -102,9 +106,23 @@ void ConnectionAdmission::note_refusal(bool per_address, const std::string& addr
     ++(per_address ? refused_per_address_ : refused_global_);
     last_refused_address_ = address;
     const auto now = std::chrono::steady_clock::now();
-    if (last_refusal_log_ && now - *last_refusal_log_ < refusal_log_interval)
+    if (!last_refusal_log_ || now - *last_refusal_log_ >= refusal_log_interval)
+        return report_refusals();
+    if (refusal_report_due_)
         return;
-    last_refusal_log_ = now;
+    refusal_report_due_ = true;
+    refusal_report_timer_.expires_at(*last_refusal_log_ + refusal_log_interval);
+    refusal_report_timer_.async_wait([this](const boost::system::error_code& error) {
+        if (!error)
+            report_refusals();
+    });
+}
+
+void ConnectionAdmission::report_refusals() {
+    refusal_report_due_ = false;
+    if (refused_global_ == 0 && refused_per_address_ == 0)
+        return;
+    last_refusal_log_ = std::chrono::steady_clock::now();
     logger_.warn("unauthenticated_connections_refused",
                  {{"over_global_cap", refused_global_},
                   {"over_address_cap", refused_per_address_},

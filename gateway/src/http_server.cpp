@@ -249,8 +249,8 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
             return on_request(error);
         beast::get_lowest_layer(stream_).expires_after(request_timeout);
         http::async_read(stream_, buffer_, *parser_,
-                         [self = this->shared_from_this()](beast::error_code error, std::size_t) {
-                             self->on_request(error);
+                         [self = this->shared_from_this()](beast::error_code body_error, std::size_t) {
+                             self->on_request(body_error);
                          });
     }
 
@@ -634,7 +634,7 @@ HttpServer::HttpServer(net::io_context& io, const Logger& logger, const GatewayC
                        const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors)
     : io_(io),
       context_{io, logger, config, router, auth, cors},
-      admission_(logger, config),
+      admission_(io, logger, config),
       acceptor_(io),
       accept_retry_(io) {
     if (!config.certfile.empty()) {

@@ -132,6 +132,7 @@ def flood(port, count, source=ATTACKER_ADDRESS, deadline_s=60):
         except OSError:
             attacker.close()  # the listen backlog is full: that connection never existed
             continue
+        attacker.setblocking(False)
         sockets.append(attacker)
     return sockets
 
@@ -149,6 +150,11 @@ def still_open(sockets):
         except OSError:
             continue  # reset by the gateway
     return alive
+
+
+def refused_in_reports(gateway):
+    reports = gateway.events("unauthenticated_connections_refused")
+    return sum(r["over_address_cap"] + r["over_global_cap"] for r in reports)
 
 
 def wait_until(predicate, timeout, interval=0.25):
@@ -205,10 +211,10 @@ def test_authenticated_clients_are_served_while_thousands_of_tokenless_connectio
     attackers = flood(gateway.port, FLOOD_CONNECTIONS)
     assert len(attackers) >= FLOOD_CONNECTIONS * 0.9, f"only {len(attackers)} connections could be opened"
     # Over the per-address cap the gateway closes at once; up to the cap it holds them, waiting for headers.
-    held = wait_until(lambda: (lambda alive: alive if len(alive) <= per_address_cap else None)(
-        still_open(attackers)), timeout=10)
-    assert held is not None and len(held) == per_address_cap, \
-        f"{len(still_open(attackers))} of {len(attackers)} tokenless connections still open, cap {per_address_cap}"
+    wait_until(lambda: len(still_open(attackers)) <= per_address_cap, timeout=10)
+    held = still_open(attackers)
+    assert len(held) == per_address_cap, \
+        f"{len(held)} of {len(attackers)} tokenless connections still open, cap {per_address_cap}"
 
     # While they are open: an authenticated client from another address is answered promptly...
     headers = {"Authorization": f"token {TOKEN}"}
@@ -225,14 +231,16 @@ def test_authenticated_clients_are_served_while_thousands_of_tokenless_connectio
     # The header deadline closes them.
     closed_in_time = wait_until(lambda: not still_open(held), timeout=header_timeout + 15)
     assert closed_in_time, f"{len(still_open(held))} tokenless connections outlived the {header_timeout} s deadline"
-    elapsed = time.monotonic() - flood_started
 
     # Thousands of refusals, logged once per interval rather than once per connection.
+    refused = len(attackers) - per_address_cap
+    assert wait_until(lambda: refused_in_reports(gateway) == refused, timeout=15), \
+        f"{refused} refusals, reported: {gateway.events('unauthenticated_connections_refused')}"
     reports = gateway.events("unauthenticated_connections_refused")
-    assert reports, "the refusals are logged"
     interval = reports[0]["next_report_after_s"]
+    elapsed = time.monotonic() - flood_started
     assert len(reports) <= elapsed / interval + 1, f"{len(reports)} refusal reports in {elapsed:.0f} s"
-    assert sum(r["over_address_cap"] for r in reports) >= 1, reports
+    assert all(r["over_global_cap"] == 0 and r["last_address"] == ATTACKER_ADDRESS for r in reports), reports
     assert not gateway.events("accept_failed"), "the gateway ran out of descriptors"
     for attacker in attackers:
         attacker.close()
@@ -255,9 +263,9 @@ def test_the_global_cap_and_the_descriptor_reserve_keep_kernels_starting(limited
         attackers += flood(gateway.port, admission["max_unauthenticated_per_address"], source=f"127.0.0.{host}",
                            deadline_s=10)
         host += 1
-    held = wait_until(lambda: (lambda alive: alive if len(alive) <= global_cap else None)(
-        still_open(attackers)), timeout=10)
-    assert held is not None and len(held) == global_cap, f"{len(still_open(attackers))} held, global cap {global_cap}"
+    wait_until(lambda: len(still_open(attackers)) <= global_cap, timeout=10)
+    held = still_open(attackers)
+    assert len(held) == global_cap, f"{len(held)} of {len(attackers)} held, global cap {global_cap}"
     assert gateway.open_descriptors() < GATEWAY_FILE_LIMIT - admission["fd_reserve"]
 
     # The authenticated keep-alive connection is served and a new kernel starts (the warm pool refills too).
@@ -269,6 +277,9 @@ def test_the_global_cap_and_the_descriptor_reserve_keep_kernels_starting(limited
     assert session.delete(f"{gateway.url}/api/kernels/{kernel_id}", timeout=START_TIMEOUT).status_code == 204
     assert len(still_open(held)) == global_cap
     assert not gateway.events("accept_failed"), "the gateway ran out of descriptors"
+    assert wait_until(lambda: refused_in_reports(gateway) == len(attackers) - global_cap, timeout=15), \
+        gateway.events("unauthenticated_connections_refused")
+    assert sum(r["over_global_cap"] for r in gateway.events("unauthenticated_connections_refused")) > 0
     for attacker in attackers:
         attacker.close()
 

@@ -10,6 +10,8 @@
 //     connection.
 //   - Accepting pauses while fewer than `fd_reserve` descriptors are free, so a kernel start (ZMQ sockets,
 //     pipes, pidfds) always finds some, and resumes when they come back.
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -59,7 +61,7 @@ class ConnectionAdmission {
         std::string address_;
     };
 
-    ConnectionAdmission(const Logger& logger, const GatewayConfig& config);
+    ConnectionAdmission(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config);
 
     // A newly accepted connection from `address`: its slot, or nullopt when a cap is reached (close it now).
     std::optional<PendingSlot> admit(const std::string& address);
@@ -72,6 +74,7 @@ class ConnectionAdmission {
 
   private:
     void note_refusal(bool per_address, const std::string& address);
+    void report_refusals();
     std::size_t free_descriptors();
 
     const Logger& logger_;
@@ -81,9 +84,12 @@ class ConnectionAdmission {
     std::size_t max_pending_per_address_ = 0;
     std::shared_ptr<PendingCounts> pending_ = std::make_shared<PendingCounts>();
 
-    // Refusals since the last log line; at most one line per interval.
+    // Refusals since the last log line: the first is reported at once, later ones at the end of the interval
+    // (one line per interval, whatever the number of connections).
     static constexpr std::chrono::seconds refusal_log_interval{10};
     std::optional<std::chrono::steady_clock::time_point> last_refusal_log_;
+    boost::asio::steady_timer refusal_report_timer_;
+    bool refusal_report_due_ = false;
     std::size_t refused_global_ = 0, refused_per_address_ = 0;
     std::string last_refused_address_;
 
