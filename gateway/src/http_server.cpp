@@ -334,12 +334,13 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
     class RequestCompletion {
       public:
         RequestCompletion(std::shared_ptr<HttpConnection> connection, bool keep_alive)
-            : connection_(std::move(connection)), keep_alive_(keep_alive) {}
+            : connection_(std::move(connection)), io_(connection_->context_.io), keep_alive_(keep_alive) {}
         RequestCompletion(const RequestCompletion&) = delete;
         RequestCompletion& operator=(const RequestCompletion&) = delete;
         ~RequestCompletion() {
             // At shutdown (the io_context stopped) pending handlers are destroyed unanswered on purpose.
-            if (answered_ || connection_->context_.io.stopped())
+            // The server (and the context the connection refers to) may be gone by then: only io_ is asked.
+            if (answered_ || io_.stopped())
                 return;
             try {
                 connection_->context_.logger.error(
@@ -372,6 +373,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
 
       private:
         std::shared_ptr<HttpConnection> connection_;
+        net::io_context& io_;  // outlives the server and every handler (main's first object)
         bool keep_alive_;
         bool answered_ = false;
     };
