@@ -31,10 +31,12 @@ ATTACKER_ADDRESS = "127.0.0.2"
 HALF_A_REQUEST_LINE = b"GET /api/kern"
 
 
-def _gateway_preexec():
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    resource.setrlimit(resource.RLIMIT_NOFILE, (GATEWAY_FILE_LIMIT, GATEWAY_FILE_LIMIT))
+def _gateway_preexec(soft, hard):
+    def preexec():
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return preexec
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,13 +54,13 @@ def own_file_limit():
 class LimitedGateway:
     """A cellblock-gateway under RLIMIT_NOFILE 1024:1024 whose JSON log lines are collected."""
 
-    def __init__(self, *arguments):
+    def __init__(self, *arguments, file_limit=(GATEWAY_FILE_LIMIT, GATEWAY_FILE_LIMIT)):
         self.state_dir = Path(tempfile.mkdtemp(prefix="cbgw-exh-"))
         command = [gateway_binary(), "--ip", "127.0.0.1", "--port", "0", *kernelspec_arguments(),
                    "--warm-pool", "1", "--state-dir", str(self.state_dir), "--shutdown-kernels-on-exit",
                    "--token", TOKEN, "--log-level", "info", *arguments]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True, preexec_fn=_gateway_preexec)
+                                        start_new_session=True, preexec_fn=_gateway_preexec(*file_limit))
         self.output = []
         self.ready = threading.Event()
         self.url = None
@@ -106,8 +108,8 @@ class LimitedGateway:
 def limited_gateway():
     started = []
 
-    def make(*arguments):
-        gateway = LimitedGateway(*arguments)
+    def make(*arguments, **kwargs):
+        gateway = LimitedGateway(*arguments, **kwargs)
         started.append(gateway)
         return gateway
 
@@ -296,3 +298,15 @@ def test_control_without_the_protection_the_flood_silences_the_gateway(limited_g
         requests.get(gateway.url + "/api/kernels", headers={"Authorization": f"token {TOKEN}"}, timeout=5)
     for attacker in attackers:
         attacker.close()
+
+
+def test_the_soft_file_limit_is_raised_to_the_hard_one_at_start(limited_gateway):
+    gateway = limited_gateway(file_limit=(GATEWAY_FILE_LIMIT, 4 * GATEWAY_FILE_LIMIT))
+    limits = Path(f"/proc/{gateway.process.pid}/limits").read_text()
+    open_files = next(line for line in limits.splitlines() if line.startswith("Max open files")).split()
+    assert open_files[3:5] == [str(4 * GATEWAY_FILE_LIMIT)] * 2, limits
+    reported = gateway.events("file_limit")[0]
+    assert (reported["soft_at_start"], reported["soft"]) == (GATEWAY_FILE_LIMIT, 4 * GATEWAY_FILE_LIMIT)
+    # The automatic global cap follows the raised limit.
+    admission = gateway.events("connection_admission")[0]
+    assert admission["max_unauthenticated_connections"] == (4 * GATEWAY_FILE_LIMIT - admission["fd_reserve"]) // 2
