@@ -99,6 +99,10 @@ void GatewayConfig::merge_json(const json& j) {
                                                    "offline_buffer_bytes",
                                                    "offline_session_ttl",
                                                    "max_pending_send_bytes",
+                                                   "header_timeout",
+                                                   "max_unauthenticated_connections",
+                                                   "max_unauthenticated_per_address",
+                                                   "fd_reserve",
                                                    "runtime_dir",
                                                    "workspace_root",
                                                    "state_dir",
@@ -149,6 +153,12 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "offline_buffer_bytes", offline_buffer_bytes);
     take(j, "offline_session_ttl", offline_session_ttl);
     take(j, "max_pending_send_bytes", max_pending_send_bytes);
+    take(j, "header_timeout", header_timeout);
+    take(j, "max_unauthenticated_connections", max_unauthenticated_connections);
+    take(j, "max_unauthenticated_per_address", max_unauthenticated_per_address);
+    take(j, "fd_reserve", fd_reserve);
+    if (!(header_timeout > 0))
+        throw std::invalid_argument("config key 'header_timeout': must be a positive number of seconds");
     take(j, "runtime_dir", runtime_dir);
     take(j, "workspace_root", workspace_root);
     take(j, "state_dir", state_dir);
@@ -210,6 +220,12 @@ void GatewayConfig::merge_environment(
     list("CELLBLOCK_GATEWAY_KERNELSPEC_DIRS", kernelspec_dirs);
     number("CELLBLOCK_GATEWAY_CULL_IDLE_TIMEOUT", cull_idle_timeout);
     number("CELLBLOCK_GATEWAY_CULL_INTERVAL", cull_interval);
+    number("CELLBLOCK_GATEWAY_HEADER_TIMEOUT", header_timeout);
+    number("CELLBLOCK_GATEWAY_MAX_UNAUTHENTICATED_CONNECTIONS", max_unauthenticated_connections);
+    number("CELLBLOCK_GATEWAY_MAX_UNAUTHENTICATED_PER_ADDRESS", max_unauthenticated_per_address);
+    number("CELLBLOCK_GATEWAY_FD_RESERVE", fd_reserve);
+    if (!(header_timeout > 0))
+        throw std::invalid_argument("CELLBLOCK_GATEWAY_HEADER_TIMEOUT: must be a positive number of seconds");
     text("CELLBLOCK_GATEWAY_RUNTIME_DIR", runtime_dir);
     text("CELLBLOCK_GATEWAY_WORKSPACE_ROOT", workspace_root);
     text("CELLBLOCK_GATEWAY_STATE_DIR", state_dir);
@@ -233,6 +249,10 @@ json GatewayConfig::to_json() const {
               {"cull_connected", cull_connected},
               {"cull_busy", cull_busy},
               {"ws_ping_interval", ws_ping_interval},
+              {"header_timeout", header_timeout},
+              {"max_unauthenticated_connections", max_unauthenticated_connections},
+              {"max_unauthenticated_per_address", max_unauthenticated_per_address},
+              {"fd_reserve", fd_reserve},
               {"state_dir", state_dir},
               {"orphan_timeout", orphan_timeout},
               {"shutdown_kernels_on_exit", shutdown_kernels_on_exit},

@@ -20,8 +20,9 @@ using nlohmann::json;
 
 namespace {
 
-constexpr auto request_timeout =
-    std::chrono::seconds(60);  // a client that sends nothing for this long is dropped
+// An authenticated keep-alive connection that sends nothing for this long is dropped; it also bounds reading
+// a request body and writing a response. Before authentication the shorter --header-timeout applies.
+constexpr auto request_timeout = std::chrono::seconds(60);
 constexpr std::string_view server_name = "cellblock-gateway";
 
 template <class Stream>
@@ -95,6 +96,12 @@ class BeastWebSocketTransport : public WebSocketTransport,
             send_close();
     }
 
+    // A handler of this connection threw: close with 1011 (internal error).
+    void fail_internally() {
+        internal_error_ = true;
+        close("internal error in the gateway", false);
+    }
+
     std::size_t queued_bytes() const override { return queued_bytes_; }
     const std::string& subprotocol() const override { return subprotocol_; }
 
@@ -110,8 +117,15 @@ class BeastWebSocketTransport : public WebSocketTransport,
             }
             std::string payload = beast::buffers_to_string(self->read_buffer_.data());
             self->read_buffer_.consume(self->read_buffer_.size());
-            if (self->handlers_.on_message)
-                self->handlers_.on_message(std::move(payload), self->ws_.got_binary());
+            if (self->handlers_.on_message) {
+                try {
+                    self->handlers_.on_message(std::move(payload), self->ws_.got_binary());
+                } catch (const std::exception& failure) {
+                    // One connection's failure: close it (1011) and keep the gateway serving.
+                    self->context_.logger.error("websocket_handler_failed", {{"error", failure.what()}});
+                    self->fail_internally();
+                }
+            }
             if (!self->closed_)
                 self->read_next();
         });
@@ -145,9 +159,10 @@ class BeastWebSocketTransport : public WebSocketTransport,
         if (closed_ || close_sent_)
             return;
         close_sent_ = true;
-        websocket::close_reason reason(
-            policy_violation_ ? websocket::close_code::policy_error : websocket::close_code::normal,
-            close_reason_);
+        websocket::close_reason reason(internal_error_     ? websocket::close_code::internal_error
+                                       : policy_violation_ ? websocket::close_code::policy_error
+                                                           : websocket::close_code::normal,
+                                       close_reason_);
         ws_.async_close(reason, [self = this->shared_from_this()](beast::error_code) {
             self->finish(self->close_reason_);
         });
@@ -179,6 +194,7 @@ class BeastWebSocketTransport : public WebSocketTransport,
     bool close_sent_ = false;
     bool closed_ = false;
     bool policy_violation_ = false;
+    bool internal_error_ = false;
     std::string close_reason_;
     Handlers handlers_;
 };
@@ -189,12 +205,13 @@ template <class Stream>
 class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream>> {
   public:
     template <class... Args>
-    HttpConnection(const HttpServerContext& context, Args&&... stream_arguments)
-        : stream_(std::forward<Args>(stream_arguments)...), context_(context) {}
+    HttpConnection(const HttpServerContext& context, ConnectionAdmission::PendingSlot pending,
+                   Args&&... stream_arguments)
+        : stream_(std::forward<Args>(stream_arguments)...), context_(context), pending_(std::move(pending)) {}
 
     void run() {
         if constexpr (is_tls<Stream>) {
-            beast::get_lowest_layer(stream_).expires_after(std::chrono::seconds(30));
+            beast::get_lowest_layer(stream_).expires_after(header_deadline());
             stream_.async_handshake(
                 ssl::stream_base::server, [self = this->shared_from_this()](beast::error_code error) {
                     if (error) {
@@ -209,14 +226,31 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
     }
 
   private:
+    std::chrono::milliseconds header_deadline() const {
+        return std::chrono::milliseconds(static_cast<long long>(context_.config.header_timeout * 1000));
+    }
+
     void read_request() {
         parser_.emplace();
         parser_->body_limit(context_.config.max_body_bytes);
         parser_->header_limit(64 * 1024);
+        if (pending_)
+            beast::get_lowest_layer(stream_).expires_after(header_deadline());
+        else
+            beast::get_lowest_layer(stream_).expires_after(request_timeout);
+        http::async_read_header(stream_, buffer_, *parser_,
+                                [self = this->shared_from_this()](beast::error_code error, std::size_t) {
+                                    self->on_header(error);
+                                });
+    }
+
+    void on_header(beast::error_code error) {
+        if (error || parser_->is_done())
+            return on_request(error);
         beast::get_lowest_layer(stream_).expires_after(request_timeout);
         http::async_read(stream_, buffer_, *parser_,
-                         [self = this->shared_from_this()](beast::error_code error, std::size_t) {
-                             self->on_request(error);
+                         [self = this->shared_from_this()](beast::error_code body_error, std::size_t) {
+                             self->on_request(body_error);
                          });
     }
 
@@ -279,15 +313,70 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         if (!context_.auth.authorized(request_, request_context.query))
             return write(json_error(http::status::unauthorized, "Missing or invalid token"),
                          upgrade ? false : keep_alive);
+        pending_.reset();  // authenticated: no longer counted against the caps on unauthenticated connections
         if (upgrade)
             return handle_upgrade(request_context);
 
         request_context.client_address = client_address();
-        request_context.start_stream = [self = this->shared_from_this(), keep_alive](HttpResponse head) {
-            return self->begin_stream(std::move(head), keep_alive);
+        auto completion = std::make_shared<RequestCompletion>(this->shared_from_this(), keep_alive);
+        request_context.start_stream = [completion](HttpResponse head) {
+            return completion->stream(std::move(head));
         };
-        context_.router.dispatch(request_context, make_responder(keep_alive));
+        context_.router.dispatch(request_context, [completion](HttpResponse response) {
+            completion->answer(std::move(response));
+        });
     }
+
+    // One per dispatched request, shared by its Responder and StreamStarter: answers the request exactly
+    // once, and with a 500 if the handler lets go of both without answering — which is what happens when an
+    // exception unwinds the asynchronous continuation that held them (run_serving keeps the loop going; issue
+    // 13).
+    class RequestCompletion {
+      public:
+        RequestCompletion(std::shared_ptr<HttpConnection> connection, bool keep_alive)
+            : connection_(std::move(connection)), io_(connection_->context_.io), keep_alive_(keep_alive) {}
+        RequestCompletion(const RequestCompletion&) = delete;
+        RequestCompletion& operator=(const RequestCompletion&) = delete;
+        ~RequestCompletion() {
+            // At shutdown (the io_context stopped) pending handlers are destroyed unanswered on purpose.
+            // The server (and the context the connection refers to) may be gone by then: only io_ is asked.
+            if (answered_ || io_.stopped())
+                return;
+            try {
+                connection_->context_.logger.error(
+                    "request_unanswered",
+                    {{"method", std::string(connection_->request_.method_string())},
+                     {"target", std::string(connection_->request_.target())},
+                     {"cause", std::uncaught_exceptions() > 0 ? "an exception in its handler (handler_failed)"
+                                                              : "its handler dropped it"}});
+                connection_->write(json_error(http::status::internal_server_error,
+                                              "The request failed inside the gateway; its log says why."),
+                                   false);
+            } catch (...) {
+                // A destructor must not throw; the connection then closes without an answer.
+            }
+        }
+        void answer(HttpResponse response) {
+            if (std::exchange(answered_, true))
+                return;  // a handler bug must not write twice
+            if (response.result() == http::status::internal_server_error)
+                connection_->context_.logger.error(
+                    "request_failed", {{"method", std::string(connection_->request_.method_string())},
+                                       {"target", std::string(connection_->request_.target())},
+                                       {"response", response.body().substr(0, 500)}});
+            connection_->write(std::move(response), keep_alive_);
+        }
+        std::shared_ptr<ResponseStream> stream(HttpResponse head) {
+            answered_ = true;
+            return connection_->begin_stream(std::move(head), keep_alive_);
+        }
+
+      private:
+        std::shared_ptr<HttpConnection> connection_;
+        net::io_context& io_;  // outlives the server and every handler (main's first object)
+        bool keep_alive_;
+        bool answered_ = false;
+    };
 
     std::string client_address() {
         beast::error_code error;
@@ -468,16 +557,6 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
             handler();
     }
 
-    Responder make_responder(bool keep_alive) {
-        auto answered = std::make_shared<bool>(false);
-        return [self = this->shared_from_this(), keep_alive, answered](HttpResponse response) {
-            if (*answered)
-                return;  // a handler bug must not write twice
-            *answered = true;
-            self->write(std::move(response), keep_alive);
-        };
-    }
-
     void handle_upgrade(RequestContext& request_context) {
         auto match = context_.router.match(request_context.path);
         if (!match || !match->resource->accepts_websocket())
@@ -501,7 +580,12 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
             }
             RequestContext upgraded{transport->request(), std::move(path), std::move(query),
                                     std::move(params), std::move(base_url)};
-            resource->on_upgraded(upgraded, transport);
+            try {
+                resource->on_upgraded(upgraded, transport);
+            } catch (const std::exception& failure) {
+                logger.error("websocket_handler_failed", {{"error", failure.what()}});
+                transport->fail_internally();
+            }
         });
     }
 
@@ -542,13 +626,19 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
     beast::flat_buffer buffer_;
     std::optional<http::request_parser<http::string_body>> parser_;
     HttpRequest request_;
+    // Held until the first authenticated request; set = the short header deadline applies.
+    std::optional<ConnectionAdmission::PendingSlot> pending_;
 };
 
 }  // namespace
 
 HttpServer::HttpServer(net::io_context& io, const Logger& logger, const GatewayConfig& config,
                        const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors)
-    : io_(io), context_{logger, config, router, auth, cors}, acceptor_(io), accept_retry_(io) {
+    : io_(io),
+      context_{io, logger, config, router, auth, cors},
+      admission_(io, logger, config),
+      acceptor_(io),
+      accept_retry_(io) {
     if (!config.certfile.empty()) {
         ssl_context_.emplace(ssl::context::tls_server);
         ssl_context_->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
@@ -585,31 +675,67 @@ void HttpServer::stop() {
     accept_retry_.cancel();
 }
 
+void HttpServer::accept_later() {
+    accept_retry_.expires_after(std::chrono::milliseconds(100));
+    accept_retry_.async_wait([this](boost::system::error_code timer_error) {
+        if (!timer_error)
+            accept_next();
+    });
+}
+
 void HttpServer::accept_next() {
+    if (!acceptor_.is_open())
+        return;
+    // New connections wait in the listen backlog while descriptors are short, so a kernel start still finds
+    // some.
+    if (!admission_.may_accept())
+        return accept_later();
     acceptor_.async_accept([this](boost::system::error_code error, tcp::socket socket) {
         if (error == net::error::operation_aborted)
             return;
         if (error) {
             // E.g. EMFILE: keep serving the open connections and try again shortly.
             context_.logger.warn("accept_failed", {{"error", error.message()}});
-            accept_retry_.expires_after(std::chrono::milliseconds(100));
-            accept_retry_.async_wait([this](boost::system::error_code timer_error) {
-                if (!timer_error)
-                    accept_next();
-            });
-            return;
+            return accept_later();
+        }
+        const auto peer = socket.remote_endpoint(error);
+        auto pending = admission_.admit(error ? std::string() : peer.address().to_string());
+        if (!pending) {
+            socket.close(error);  // over a cap on unauthenticated connections (logged by the admission)
+            return accept_next();
         }
         // Nagle + delayed ACK costs a Jupyter round trip 40 ms; every message here is latency-sensitive.
         socket.set_option(tcp::no_delay(true), error);
         if (ssl_context_) {
             std::make_shared<HttpConnection<beast::ssl_stream<beast::tcp_stream>>>(
-                context_, std::move(socket), *ssl_context_)
+                context_, std::move(*pending), std::move(socket), *ssl_context_)
                 ->run();
         } else {
-            std::make_shared<HttpConnection<beast::tcp_stream>>(context_, std::move(socket))->run();
+            std::make_shared<HttpConnection<beast::tcp_stream>>(context_, std::move(*pending),
+                                                                std::move(socket))
+                ->run();
         }
         accept_next();
     });
+}
+
+}  // namespace cellblock::gateway
+
+namespace cellblock::gateway {
+
+void run_serving(net::io_context& io, const Logger& logger) {
+    while (true) {
+        try {
+            io.run();
+            return;
+        } catch (const std::exception& error) {
+            // The continuation that threw is gone (with it any Responder it held: that request gets a 500);
+            // everything else keeps running.
+            logger.error("handler_failed", {{"error", error.what()}});
+        } catch (...) {
+            logger.error("handler_failed", {{"error", "a non-standard exception"}});
+        }
+    }
 }
 
 }  // namespace cellblock::gateway

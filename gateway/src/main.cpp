@@ -38,7 +38,8 @@ struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
         runtime_dir, workspace_root, state_dir, log_level, default_kernel_name;
     std::optional<int> port, warm_pool, max_kernels;
-    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout;
+    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout;
+    std::optional<std::size_t> max_unauthenticated_connections, max_unauthenticated_per_address, fd_reserve;
     std::optional<bool> cull_connected, cull_busy, list_kernels;
     bool shutdown_kernels_on_exit = false;
     std::vector<std::string> kernelspec_dirs;
@@ -64,6 +65,10 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.workspace_root, config.workspace_root);
     set(cli.state_dir, config.state_dir);
     set(cli.orphan_timeout, config.orphan_timeout);
+    set(cli.header_timeout, config.header_timeout);
+    set(cli.max_unauthenticated_connections, config.max_unauthenticated_connections);
+    set(cli.max_unauthenticated_per_address, config.max_unauthenticated_per_address);
+    set(cli.fd_reserve, config.fd_reserve);
     if (cli.shutdown_kernels_on_exit)
         config.shutdown_kernels_on_exit = true;
     set(cli.log_level, config.log_level);
@@ -139,6 +144,19 @@ int main(int argc, char** argv) {
     app.add_flag("--shutdown-kernels-on-exit", cli.shutdown_kernels_on_exit,
                  "SIGTERM stops the kernels too (by default they keep running for the next gateway; SIGINT "
                  "always stops them)");
+    app.add_option("--header-timeout", cli.header_timeout,
+                   "seconds a connection that has not authenticated has to send its request headers "
+                   "(default 10)")
+        ->check(CLI::PositiveNumber);
+    app.add_option("--max-unauthenticated-connections", cli.max_unauthenticated_connections,
+                   "connections kept before their first authenticated request; more are closed at once "
+                   "(default 0 = min(4096, (file limit - fd reserve) / 2))");
+    app.add_option("--max-unauthenticated-per-address", cli.max_unauthenticated_per_address,
+                   "the same, per client IP address (default 128; 0 = the global cap)");
+    app.add_option(
+        "--fd-reserve", cli.fd_reserve,
+        "file descriptors kept free for kernel starts: accepting pauses below it (default 128; 0 = "
+        "off)");
     app.add_option("--log-level", cli.log_level, "debug, info, warning (default), error");
     app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
     cellblock::gateway::agent::AgentConfig agent_config;
@@ -275,7 +293,7 @@ int main(int argc, char** argv) {
         if (!same_file(STDOUT_FILENO, STDERR_FILENO))
             std::cerr << ready_line << std::endl;
 
-        io.run();
+        run_serving(io, logger);
         kernels.shutdown_all();
     } catch (const std::exception& error) {
         logger.error("fatal", {{"error", error.what()}});

@@ -163,6 +163,9 @@ void Router::dispatch(RequestContext& context, Responder respond) const {
         respond(json_error(error.status(), error.what(), error.reason()));
     } catch (const std::exception& error) {
         respond(json_error(http::status::internal_server_error, error.what()));
+    } catch (...) {
+        respond(json_error(http::status::internal_server_error,
+                           "the handler failed with a non-standard exception"));
     }
 }
 

@@ -7,6 +7,7 @@ add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/crypto_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/jupyter_message_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kernelspec_registry_test.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/store_test.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/store_test.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/http_server_failure_test.cpp)
 target_link_libraries(gateway_core_unit_tests PRIVATE cellblock_gateway_core cellblock_gtest_main)
 cellblock_add_gtest(gateway_core_unit_tests TEST_PREFIX "gateway." TIMEOUT 60)

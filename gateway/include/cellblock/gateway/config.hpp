@@ -58,6 +58,14 @@ struct GatewayConfig {
     double offline_session_ttl = 300;  // seconds a dropped session_id keeps its sockets and buffer
     std::size_t max_pending_send_bytes = 64u << 20;  // a client slower than this is disconnected
 
+    // Connections before authentication (connection_admission.hpp). A connection is unauthenticated until its
+    // first request with a valid token; until then its request headers must arrive within header_timeout
+    // seconds (an authenticated keep-alive connection may idle for 60 s between requests).
+    double header_timeout = 10;
+    std::size_t max_unauthenticated_connections = 0;    // 0 = min(4096, (file limit - fd_reserve) / 2)
+    std::size_t max_unauthenticated_per_address = 128;  // per client IP address; 0 = the global cap
+    std::size_t fd_reserve = 128;  // accepting pauses while fewer descriptors than this are free; 0 = off
+
     // Filesystem. state_dir holds the store and, unless runtime_dir / workspace_root say otherwise, the
     // kernels' connection files, sockets and workspaces (see state_directory.hpp); empty = the default
     // ($XDG_STATE_HOME/cellblock or ~/.local/state/cellblock).

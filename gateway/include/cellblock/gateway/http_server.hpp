@@ -10,6 +10,7 @@
 
 #include "cellblock/gateway/auth.hpp"
 #include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/connection_admission.hpp"
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/router.hpp"
 
@@ -17,6 +18,7 @@ namespace cellblock::gateway {
 
 // What every connection needs; owned by HttpServer.
 struct HttpServerContext {
+    boost::asio::io_context& io;
     const Logger& logger;
     const GatewayConfig& config;
     const Router& router;
@@ -36,11 +38,18 @@ class HttpServer {
 
   private:
     void accept_next();
+    void accept_later();  // after a failed accept or while descriptors are short
     boost::asio::io_context& io_;
     HttpServerContext context_;
+    ConnectionAdmission admission_;
     boost::asio::ip::tcp::acceptor acceptor_;
     boost::asio::steady_timer accept_retry_;
     std::optional<boost::asio::ssl::context> ssl_context_;
 };
+
+// Runs `io` until it is stopped. An exception that escapes a completion handler is logged (handler_failed)
+// and the loop goes on: a handler's failure costs its request (answered 500, see RequestCompletion), never
+// the process with every kernel.
+void run_serving(boost::asio::io_context& io, const Logger& logger);
 
 }  // namespace cellblock::gateway
