@@ -563,6 +563,8 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
             return write(
                 json_error(http::status::not_found, "No WebSocket endpoint at " + request_context.path),
                 false);
+        if (!match->refusal.empty())
+            return write(json_error(http::status::bad_request, match->refusal, "bad_path"), false);
         request_context.params = match->params;
         RestResource* resource = match->resource;
         if (auto refusal = resource->check_upgrade(request_context))

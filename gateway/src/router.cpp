@@ -88,10 +88,33 @@ void Router::add(std::string pattern, std::shared_ptr<RestResource> resource) {
     routes_.push_back(Route{split_path(pattern), std::move(resource)});
 }
 
+namespace {
+
+// The one decoding of a captured path segment: nullopt when it is not valid percent-encoding or would
+// decode to a '/' (a separator smuggled inside a segment) or a NUL byte.
+std::optional<std::string> decode_segment(std::string_view raw) {
+    auto decoded = url_decode(raw, false);
+    if (!decoded || decoded->find('/') != std::string::npos || decoded->find('\0') != std::string::npos) {
+        return std::nullopt;
+    }
+    return decoded;
+}
+
+}  // namespace
+
 std::optional<Router::Match> Router::match(std::string_view path) const {
     const std::vector<std::string> segments = split_path(path);
     for (const Route& route : routes_) {
-        Match match{route.resource.get(), {}};
+        Match match{route.resource.get(), {}, {}};
+        const auto capture = [&match](std::string_view raw) -> std::string {
+            auto decoded = decode_segment(raw);
+            if (!decoded) {
+                match.refusal = "path segment '" + std::string(raw) +
+                                "' is not valid percent-encoding or encodes a '/' or NUL byte";
+                return std::string(raw);
+            }
+            return std::move(*decoded);
+        };
         bool matched = true;
         std::size_t i = 0;
         for (; i < route.segments.size(); ++i) {
@@ -102,10 +125,11 @@ std::optional<Router::Match> Router::match(std::string_view path) const {
                     matched = false;
                     break;
                 }
+                const std::string name = pattern.substr(1, pattern.size() - 5);
                 std::string rest;
                 for (std::size_t j = i; j < segments.size(); ++j)
-                    rest += (j > i ? "/" : "") + segments[j];
-                match.params[pattern.substr(1, pattern.size() - 5)] = rest;
+                    rest += (j > i ? "/" : "") + capture(segments[j]);
+                match.params[name] = rest;
                 i = segments.size();
                 break;
             }
@@ -114,8 +138,7 @@ std::optional<Router::Match> Router::match(std::string_view path) const {
                 break;
             }
             if (placeholder) {
-                match.params[pattern.substr(1, pattern.size() - 2)] =
-                    url_decode(segments[i], false).value_or(segments[i]);
+                match.params[pattern.substr(1, pattern.size() - 2)] = capture(segments[i]);
             } else if (pattern != segments[i]) {
                 matched = false;
                 break;
@@ -131,6 +154,10 @@ void Router::dispatch(RequestContext& context, Responder respond) const {
     auto found = match(context.path);
     if (!found) {
         respond(json_error(http::status::not_found, "Not Found: " + context.path));
+        return;
+    }
+    if (!found->refusal.empty()) {
+        respond(json_error(http::status::bad_request, found->refusal, "bad_path"));
         return;
     }
     context.params = std::move(found->params);

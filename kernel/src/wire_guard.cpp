@@ -424,27 +424,39 @@ void WireGuard::relay_outbound(int channel_index) {
     if (!zmq::recv_multipart(from, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
         return;
     }
-    const auto frame_views = views(frames);
-    const auto delimiter = find_delimiter(frame_views);
-    if (!delimiter || frames.size() < *delimiter + 6) {
-        log_event(LogLevel::error, "xeus_message_malformed", {{"channel", channel_names[channel_index]}});
-        return;
-    }
-    const std::size_t d = *delimiter;
-    const auto header = nlohmann::json::parse(frame_views[d + 2], nullptr, false);
-    const std::string msg_type = header.is_object() ? header.value("msg_type", std::string()) : std::string();
+    // Everything read through views of the frames is read in this block: a fixup below replaces a frame,
+    // and a view into the replaced frame would dangle. After it only owned copies and `frames` are used.
+    std::size_t d = 0;
+    std::string msg_type;
+    bool reports_idle = false;
+    std::optional<nlohmann::json> fixable_content;
     const WireChannel channel = wire_channels[channel_index];
+    {
+        const auto frame_views = views(frames);
+        const auto delimiter = find_delimiter(frame_views);
+        if (!delimiter || frames.size() < *delimiter + 6) {
+            log_event(LogLevel::error, "xeus_message_malformed", {{"channel", channel_names[channel_index]}});
+            return;
+        }
+        d = *delimiter;
+        const auto header = nlohmann::json::parse(frame_views[d + 2], nullptr, false);
+        msg_type = header.is_object() ? header.value("msg_type", std::string()) : std::string();
+        reports_idle = channel == WireChannel::iopub && msg_type == "status" &&
+                       frame_views[d + 5].find("\"idle\"") != std::string_view::npos;
+        if (might_need_fixup(channel, msg_type, frame_views[d + 5])) {
+            fixable_content = nlohmann::json::parse(frame_views[d + 5], nullptr, false);
+        }
+    }
     if (msg_type == "interrupt" && channel == WireChannel::iopub) {
         return;  // xeus-only message
     }
     bool aborted = false;
-    if (might_need_fixup(channel, msg_type, frame_views[d + 5])) {
-        auto content = nlohmann::json::parse(frame_views[d + 5], nullptr, false);
-        if (!content.is_discarded() && fix_outbound(channel, msg_type, content) == Fixup::modified) {
-            aborted = content.value("status", std::string()) == "aborted";
-            const std::string text = content.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-            frames[d + 5] = zmq::message_t(text.data(), text.size());
-        }
+    if (fixable_content && !fixable_content->is_discarded() &&
+        fix_outbound(channel, msg_type, *fixable_content) == Fixup::modified) {
+        aborted = fixable_content->value("status", std::string()) == "aborted";
+        const std::string text =
+            fixable_content->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        frames[d + 5] = zmq::message_t(text.data(), text.size());
     }
     const SignedParts parts = {view(frames[d + 2]), view(frames[d + 3]), view(frames[d + 4]),
                                view(frames[d + 5])};
@@ -470,8 +482,7 @@ void WireGuard::relay_outbound(int channel_index) {
                                  std::chrono::steady_clock::now() + reply_hold_limit});
         return;
     }
-    if (channel == WireChannel::iopub && msg_type == "status" && !held_replies_.empty() &&
-        frame_views[d + 5].find("\"idle\"") != std::string_view::npos) {
+    if (reports_idle && !held_replies_.empty()) {
         release_held_replies(parent_msg_id(parent_header));
     }
     if (aborted) {

@@ -45,7 +45,10 @@ LiveWorker::LiveWorker(sandbox::Process process, UniqueFd channel, UniqueFd stdo
       channel_(std::move(channel)),
       stdout_(std::move(stdout_pipe)),
       stderr_(std::move(stderr_pipe)) {
-    pidfd_ = process_->pidfd();
+    pidfd_ = UniqueFd(::fcntl(process_->pidfd(), F_DUPFD_CLOEXEC, 0));
+    if (!pidfd_) {
+        throw system_error("dup the worker's pidfd");
+    }
     pid_ = process_->pid();
     host_uid_ = process_->host_uid();
 }

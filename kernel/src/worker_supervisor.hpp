@@ -49,7 +49,10 @@ class LiveWorker {
     int channel_fd() const noexcept { return channel_.get(); }
     int stdout_fd() const noexcept { return stdout_.get(); }
     int stderr_fd() const noexcept { return stderr_.get(); }
-    int pidfd() const noexcept { return pidfd_; }
+    // Readable once the worker has ended. The worker's own duplicate, open for this object's whole life:
+    // terminate() (from any thread) closes the sandbox's descriptor but never this one, so a reader
+    // polling it sees the end instead of a closed or reused number.
+    int pidfd() const noexcept { return pidfd_.get(); }
     pid_t pid() const noexcept { return pid_; }
     uid_t host_uid() const noexcept { return host_uid_; }
 
@@ -70,7 +73,7 @@ class LiveWorker {
     std::mutex mutex_;
     std::optional<sandbox::Process> process_;
     UniqueFd channel_, stdout_, stderr_;
-    int pidfd_ = -1;
+    UniqueFd pidfd_;
     pid_t pid_ = 0;
     uid_t host_uid_ = 0;
 };

@@ -76,54 +76,6 @@ struct Launcher::State {
 
 namespace {
 
-// Give the workspace to the session's uid: entries owned by root or by an earlier session's uid from
-// our range become the new session's, so a restarted session can still edit its files. Nothing is
-// followed (no symlinks, no other mounts) and multiply-linked files are left alone.
-void adopt_workspace(int dir_fd, uid_t uid, const Policy& policy, std::size_t& budget, int depth) {
-    if (depth > 64) {
-        return;
-    }
-    const int listing_fd = ::dup(dir_fd);
-    if (listing_fd < 0) {
-        throw_errno("workspace: dup");
-    }
-    std::unique_ptr<DIR, int (*)(DIR*)> listing(::fdopendir(listing_fd), ::closedir);
-    if (!listing) {
-        ::close(listing_fd);
-        throw_errno("workspace: read directory");
-    }
-    auto ours = [&](uid_t owner) {
-        return owner == 0 || (owner >= policy.uid_first && owner - policy.uid_first < policy.uid_count);
-    };
-    while (dirent* entry = ::readdir(listing.get())) {
-        if (std::strcmp(entry->d_name, ".") == 0 || std::strcmp(entry->d_name, "..") == 0) {
-            continue;
-        }
-        if (budget == 0) {
-            return;
-        }
-        --budget;
-        struct stat info {};
-        if (::fstatat(dir_fd, entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) {
-            continue;
-        }
-        if (!S_ISDIR(info.st_mode) && info.st_nlink > 1) {
-            continue;
-        }
-        if (info.st_uid != uid && ours(info.st_uid)) {
-            if (::fchownat(dir_fd, entry->d_name, uid, uid, AT_SYMLINK_NOFOLLOW) != 0) {
-                throw_errno(std::string("workspace: chown ") + entry->d_name);
-            }
-        }
-        if (S_ISDIR(info.st_mode)) {
-            UniqueFd child(::openat(dir_fd, entry->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-            if (child) {
-                adopt_workspace(child.get(), uid, policy, budget, depth + 1);
-            }
-        }
-    }
-}
-
 void prepare_workspace(const std::filesystem::path& workspace, uid_t uid, const Policy& policy) {
     if (workspace.empty() || !workspace.is_absolute()) {
         throw SandboxError("workspace: '" + workspace.string() + "' must be an absolute host directory");
@@ -138,8 +90,14 @@ void prepare_workspace(const std::filesystem::path& workspace, uid_t uid, const 
     if (::fchmod(dir.get(), 0750) != 0) {
         throw_errno("workspace: chmod " + workspace.string());
     }
-    std::size_t budget = 100000;
-    adopt_workspace(dir.get(), uid, policy, budget, 0);
+    // Entries owned by root or by an earlier session's uid from our range become the new session's, so a
+    // restarted session can still edit its files.
+    adopt_tree(
+        workspace, uid,
+        [&policy](uid_t owner) {
+            return owner == 0 || (owner >= policy.uid_first && owner - policy.uid_first < policy.uid_count);
+        },
+        100000);
 }
 
 struct SignalBlock {

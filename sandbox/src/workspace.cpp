@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -383,6 +384,8 @@ struct NodeIdentity {
     std::uint64_t mount_id = 0;
     bool has_mount_id = false;
     mode_t mode = 0;
+    uid_t owner = 0;
+    nlink_t links = 0;
 
     bool same_node(const NodeIdentity& other) const noexcept {
         return device == other.device && inode == other.inode;
@@ -396,7 +399,8 @@ struct NodeIdentity {
 std::optional<NodeIdentity> identify(int dir_fd, const char* name) {
     struct statx info {};
     const int flags = AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT | (*name == '\0' ? AT_EMPTY_PATH : 0);
-    if (::statx(dir_fd, name, flags, STATX_TYPE | STATX_INO | STATX_MNT_ID, &info) != 0) {
+    if (::statx(dir_fd, name, flags, STATX_TYPE | STATX_INO | STATX_MNT_ID | STATX_UID | STATX_NLINK,
+                &info) != 0) {
         return std::nullopt;
     }
     NodeIdentity identity;
@@ -405,6 +409,8 @@ std::optional<NodeIdentity> identify(int dir_fd, const char* name) {
     identity.has_mount_id = (info.stx_mask & STATX_MNT_ID) != 0;
     identity.mount_id = info.stx_mnt_id;
     identity.mode = info.stx_mode;
+    identity.owner = info.stx_uid;
+    identity.links = info.stx_nlink;
     return identity;
 }
 
@@ -413,51 +419,72 @@ std::string errno_text(const std::string& what, int err) {
 }
 
 // One directory on the way down: its name in its parent, its identity (checked on the way back up) and
-// the entries that could not be removed (skipped when the directory is listed again).
+// the entries already handled (skipped when the directory is listed again).
 struct Level {
     std::string name;
     NodeIdentity identity;
-    std::set<std::string> kept;
+    std::set<std::string> handled;
 };
 
-}  // namespace
+// What a tree walk does at each entry. Each callback returns "" or the reason the entry was not handled.
+struct TreeVisitor {
+    // A non-directory entry on the tree's mount, named under `dir_fd`.
+    std::function<std::string(int dir_fd, const std::string& name, const NodeIdentity& identity)> entry;
+    // A directory, opened without following and checked to be the one listed (the tree's root too, with
+    // depth 0); set `descend` to false to leave its contents alone.
+    std::function<std::string(int fd, const NodeIdentity& identity, std::size_t depth, bool& descend)> enter;
+    // A directory whose contents are done, named under `parent_fd` (the tree's root too).
+    std::function<std::string(int parent_fd, const std::string& name)> leave;
+    // Whether a mount point inside is reported as not handled (removal) or silently skipped.
+    bool mount_point_is_an_error = true;
+    std::size_t max_entries = 0;  // 0: no limit
+};
 
-void remove_tree(const std::filesystem::path& directory) {
+// The one fd-relative, no-follow walk of a tree untrusted code may be writing into (remove_tree and
+// adopt_tree): every entry is looked at with statx(AT_SYMLINK_NOFOLLOW) from its parent's descriptor,
+// directories are entered with openat(O_NOFOLLOW | O_DIRECTORY) and checked to be the node listed, other
+// mounts are never entered, and going back up through ".." each parent is checked to be the directory it
+// was, so a tree moved during the walk stops it instead of redirecting it. Only ancestors' names and
+// identities are kept, so a deep tree does not cost one descriptor per level. Returns false when
+// `directory` does not exist; throws SandboxError (prefixed with `who`) naming the first entry a callback
+// could not handle, after walking everything else.
+bool walk_tree(const std::filesystem::path& directory, const std::string& who, const TreeVisitor& visitor) {
     std::filesystem::path target = directory.lexically_normal();
     if (!target.has_filename()) {
         target = target.parent_path();  // "dir/" -> "dir"
     }
     const std::string name = target.filename().string();
     if (name.empty() || name == "." || name == ".." || target == target.root_path()) {
-        throw SandboxError("remove_tree: refusing to remove '" + directory.string() + "'");
+        throw SandboxError(who + ": refusing to walk '" + directory.string() + "'");
     }
     const std::filesystem::path parent_path = target.has_parent_path() ? target.parent_path() : ".";
     UniqueFd parent(::open(parent_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (!parent) {
         if (errno == ENOENT) {
-            return;
+            return false;
         }
-        throw SandboxError(errno_text("remove_tree: open " + parent_path.string(), errno));
+        throw SandboxError(errno_text(who + ": open " + parent_path.string(), errno));
     }
     const auto root = identify(parent.get(), name.c_str());
     if (!root) {
         if (errno == ENOENT) {
-            return;
+            return false;
         }
-        throw SandboxError(errno_text("remove_tree: stat " + target.string(), errno));
+        throw SandboxError(errno_text(who + ": stat " + target.string(), errno));
     }
     if (!S_ISDIR(root->mode)) {
-        throw SandboxError("remove_tree: " + target.string() +
+        throw SandboxError(who + ": " + target.string() +
                            " is not a directory (a symlink is never followed)");
     }
     UniqueFd current(::openat(parent.get(), name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     const auto opened = current ? identify(current.get(), "") : std::nullopt;
     if (!opened || !opened->same_node(*root)) {
-        throw SandboxError(errno_text("remove_tree: open " + target.string(), current ? ESTALE : errno));
+        throw SandboxError(errno_text(who + ": open " + target.string(), current ? ESTALE : errno));
     }
 
     std::vector<Level> levels{{name, *root, {}}};
     std::string first_error;
+    std::size_t entries_left = visitor.max_entries;
     const auto where = [&](const std::string& entry) {
         std::string path = parent_path.string();
         for (const auto& level : levels) {
@@ -465,56 +492,73 @@ void remove_tree(const std::filesystem::path& directory) {
         }
         return entry.empty() ? path : path + "/" + entry;
     };
-    const auto keep = [&](const std::string& entry, const std::string& why) {
-        levels.back().kept.insert(entry);
-        if (first_error.empty()) {
+    const auto note = [&](const std::string& entry, const std::string& why) {
+        if (!why.empty() && first_error.empty()) {
             first_error = where(entry) + ": " + why;
         }
     };
+    bool descend_root = true;
+    note("", visitor.enter ? visitor.enter(current.get(), *root, 0, descend_root) : std::string());
 
-    while (true) {
+    while (descend_root) {
         std::optional<Level> child_level;
         UniqueFd child;
+        bool budget_spent = false;
         {
             const int listing_fd = ::dup(current.get());
             if (listing_fd < 0) {
-                throw SandboxError(errno_text("remove_tree: dup " + where(""), errno));
+                throw SandboxError(errno_text(who + ": dup " + where(""), errno));
             }
             std::unique_ptr<DIR, int (*)(DIR*)> listing(::fdopendir(listing_fd), ::closedir);
             if (!listing) {
                 ::close(listing_fd);
-                throw SandboxError(errno_text("remove_tree: read directory " + where(""), errno));
+                throw SandboxError(errno_text(who + ": read directory " + where(""), errno));
             }
             ::rewinddir(listing.get());
-            errno = 0;
             while (const dirent* entry = ::readdir(listing.get())) {
                 const std::string entry_name = entry->d_name;
-                if (entry_name == "." || entry_name == ".." || levels.back().kept.contains(entry_name)) {
+                if (entry_name == "." || entry_name == ".." || levels.back().handled.contains(entry_name)) {
                     continue;
                 }
+                if (visitor.max_entries != 0) {
+                    if (entries_left == 0) {
+                        budget_spent = true;
+                        break;
+                    }
+                    --entries_left;
+                }
+                levels.back().handled.insert(entry_name);
                 const auto identity = identify(current.get(), entry_name.c_str());
                 if (!identity) {
                     if (errno != ENOENT) {
-                        keep(entry_name, errno_text("stat", errno));
-                    }
-                    continue;
-                }
-                if (!S_ISDIR(identity->mode)) {
-                    // Unlinking a name (a symlink, FIFO, device, file) never touches what it refers to.
-                    if (::unlinkat(current.get(), entry_name.c_str(), 0) != 0 && errno != ENOENT) {
-                        keep(entry_name, errno_text("unlink", errno));
+                        note(entry_name, errno_text("stat", errno));
                     }
                     continue;
                 }
                 if (!identity->same_mount(*root)) {
-                    keep(entry_name, "a mount point, left alone");
+                    if (visitor.mount_point_is_an_error) {
+                        note(entry_name, "a mount point, left alone");
+                    }
+                    continue;
+                }
+                if (!S_ISDIR(identity->mode)) {
+                    note(entry_name,
+                         visitor.entry ? visitor.entry(current.get(), entry_name, *identity) : "");
                     continue;
                 }
                 child.reset(::openat(current.get(), entry_name.c_str(),
                                      O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
                 const auto child_identity = child ? identify(child.get(), "") : std::nullopt;
                 if (!child_identity || !child_identity->same_node(*identity)) {
-                    keep(entry_name, child ? "replaced during removal" : errno_text("open", errno));
+                    note(entry_name, child ? "replaced during the walk" : errno_text("open", errno));
+                    child.reset();
+                    continue;
+                }
+                bool descend = true;
+                note(entry_name, visitor.enter
+                                     ? visitor.enter(child.get(), *child_identity, levels.size(), descend)
+                                     : "");
+                if (!descend) {
                     child.reset();
                     continue;
                 }
@@ -527,32 +571,93 @@ void remove_tree(const std::filesystem::path& directory) {
             current = std::move(child);
             continue;
         }
-        if (levels.size() == 1) {
+        if (budget_spent || levels.size() == 1) {
             break;
         }
-        // Back up through "..", checked to be the parent we came from: only ancestors' names and
-        // identities are kept, so a deep tree does not cost one descriptor per level.
         UniqueFd up(::openat(current.get(), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
         const auto up_identity = up ? identify(up.get(), "") : std::nullopt;
         const Level finished = std::move(levels.back());
         levels.pop_back();
         if (!up_identity || !up_identity->same_node(levels.back().identity)) {
-            throw SandboxError("remove_tree: " + where(finished.name) +
-                               ": moved during removal; stopped without following it");
+            throw SandboxError(who + ": " + where(finished.name) +
+                               ": moved during the walk; stopped without following it");
         }
         current = std::move(up);
-        if (::unlinkat(current.get(), finished.name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
-            keep(finished.name, errno_text("remove directory", errno));
-        }
+        note(finished.name, visitor.leave ? visitor.leave(current.get(), finished.name) : "");
     }
     current.reset();
     levels.clear();
-    if (::unlinkat(parent.get(), name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT && first_error.empty()) {
-        first_error = errno_text(target.string() + ": remove directory", errno);
+    if (visitor.leave && first_error.empty()) {
+        const std::string why = visitor.leave(parent.get(), name);
+        if (!why.empty()) {
+            first_error = target.string() + ": " + why;
+        }
     }
     if (!first_error.empty()) {
-        throw SandboxError("remove_tree: " + first_error);
+        throw SandboxError(who + ": " + first_error);
     }
+    return true;
+}
+
+}  // namespace
+
+void remove_tree(const std::filesystem::path& directory) {
+    TreeVisitor removal;
+    // Unlinking a name (a symlink, FIFO, device, file) never touches what it refers to.
+    removal.entry = [](int dir_fd, const std::string& name, const NodeIdentity&) -> std::string {
+        if (::unlinkat(dir_fd, name.c_str(), 0) != 0 && errno != ENOENT) {
+            return errno_text("unlink", errno);
+        }
+        return "";
+    };
+    removal.leave = [](int parent_fd, const std::string& name) -> std::string {
+        if (::unlinkat(parent_fd, name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+            return errno_text("remove directory", errno);
+        }
+        return "";
+    };
+    walk_tree(directory, "remove_tree", removal);
+}
+
+void adopt_tree(const std::filesystem::path& directory, uid_t uid,
+                const std::function<bool(uid_t)>& adoptable, std::size_t max_entries) {
+    const auto wanted = [&](const NodeIdentity& identity) {
+        return identity.owner != uid && adoptable(identity.owner);
+    };
+    TreeVisitor adoption;
+    adoption.mount_point_is_an_error = false;
+    adoption.max_entries = max_entries;
+    // Changed through a descriptor of the entry itself (O_PATH, no follow: a symlink is the link), checked
+    // to be the node listed, so a name swapped after the listing is never what gets changed.
+    adoption.entry = [&](int dir_fd, const std::string& name, const NodeIdentity& listed) -> std::string {
+        if (listed.links > 1 || !wanted(listed)) {
+            return "";
+        }
+        UniqueFd node(::openat(dir_fd, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+        if (!node) {
+            return errno == ENOENT ? "" : errno_text("open", errno);
+        }
+        const auto opened = identify(node.get(), "");
+        if (!opened || !opened->same_node(listed) || opened->links > 1 || !wanted(*opened)) {
+            return "";  // replaced or linked since it was listed: not ours to change
+        }
+        if (::fchownat(node.get(), "", uid, uid, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
+            return errno_text("chown", errno);
+        }
+        return "";
+    };
+    adoption.enter = [&](int fd, const NodeIdentity& identity, std::size_t depth,
+                         bool& descend) -> std::string {
+        descend = depth <= 64;
+        if (depth == 0 || !wanted(identity)) {
+            return "";
+        }
+        if (::fchown(fd, uid, uid) != 0) {
+            return errno_text("chown", errno);
+        }
+        return "";
+    };
+    walk_tree(directory, "adopt_tree", adoption);
 }
 
 }  // namespace cellblock::sandbox

@@ -14,31 +14,18 @@ namespace fs = std::filesystem;
 
 // ------------------------------------------------------------------------------------------------ helpers
 
-std::string workspace_relative_path(const std::string& raw_path) {
+std::string workspace_relative_path(const std::string& decoded_path) {
+    if (decoded_path.find('\0') != std::string::npos)
+        throw HttpError(http::status::bad_request, "file paths must not contain NUL bytes", "bad_path");
     std::string relative;
-    std::size_t start = 0;
-    while (start <= raw_path.size()) {
-        const std::size_t end = std::min(raw_path.find('/', start), raw_path.size());
-        const std::string_view raw = std::string_view(raw_path).substr(start, end - start);
-        start = end + 1;
-        if (raw.empty())
-            continue;
-        const auto decoded = url_decode(raw, false);
-        if (!decoded)
-            throw HttpError(http::status::bad_request, "malformed percent-escape in the file path",
-                            "bad_path");
-        if (*decoded == "." || *decoded == "..")
+    for (const std::string& component : split_path(decoded_path)) {
+        if (component == "." || component == "..")
             throw HttpError(http::status::bad_request,
                             "file paths must stay inside the workspace ('.' and '..' are refused)",
                             "bad_path");
-        if (decoded->find('/') != std::string::npos || decoded->find('\0') != std::string::npos)
-            throw HttpError(
-                http::status::bad_request,
-                "file paths must be relative to the workspace (no absolute paths, encoded '/' or NUL bytes)",
-                "bad_path");
         if (!relative.empty())
             relative.push_back('/');
-        relative += *decoded;
+        relative += component;
     }
     if (relative.empty())
         throw HttpError(http::status::bad_request, "empty file path", "bad_path");

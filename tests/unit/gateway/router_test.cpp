@@ -6,15 +6,17 @@ using namespace cellblock::gateway;
 
 namespace {
 class Recorder : public RestResource {
-public:
+  public:
     explicit Recorder(std::string name) : name_(std::move(name)) {}
     void get(RequestContext& context, Responder respond) override {
-        nlohmann::json body = {{"resource", name_}, {"params", context.params}};
+        nlohmann::json body = {{"resource", name_}, {"params", context.params}, {"path", context.path}};
         respond(json_response(http::status::ok, body));
     }
-    void post(RequestContext&, Responder) override { throw HttpError(http::status::bad_request, "bad input"); }
+    void post(RequestContext&, Responder) override {
+        throw HttpError(http::status::bad_request, "bad input");
+    }
 
-private:
+  private:
     std::string name_;
 };
 
@@ -58,6 +60,29 @@ TEST(Router, RestPlaceholderTakesRemainingSegments) {
 TEST(Router, PlaceholdersArePercentDecoded) {
     Router router = make_router();
     EXPECT_EQ(router.match("/api/kernels/a%20b")->params.at("kernel_id"), "a b");
+}
+
+// One rule: the context's path is raw; every captured segment, of {name} and {name...} alike, is decoded
+// exactly once by the router; a segment that hides a '/' or NUL or is not valid encoding is a 400.
+TEST(Router, PathIsRawAndEveryCaptureIsDecodedOnce) {
+    Router router = make_router();
+    const auto response = dispatch(router, http::verb::get, "/files/my%20dir/a%2525b.txt");
+    ASSERT_EQ(response.result(), http::status::ok);
+    const auto body = nlohmann::json::parse(response.body());
+    EXPECT_EQ(body["path"], "/files/my%20dir/a%2525b.txt");
+    EXPECT_EQ(body["params"]["path"], "my dir/a%25b.txt");
+    EXPECT_EQ(router.match("/api/kernels/a%2525b")->params.at("kernel_id"), "a%25b");
+}
+
+TEST(Router, CapturedSegmentsHidingASlashOrNulOrBadEscapesAre400) {
+    Router router = make_router();
+    for (const std::string path :
+         {"/files/a%2F..%2F..%2Fx", "/files/ok/%2Fetc%2Fpasswd", "/files/nul%00byte", "/files/bad%zzescape",
+          "/api/kernels/a%2Fb", "/api/kernels/a%00/channels"}) {
+        const auto response = dispatch(router, http::verb::get, path);
+        EXPECT_EQ(response.result(), http::status::bad_request) << path;
+        EXPECT_EQ(nlohmann::json::parse(response.body())["reason"], "bad_path") << path;
+    }
 }
 
 TEST(Router, UnknownPathIsJson404) {

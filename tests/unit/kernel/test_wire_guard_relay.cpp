@@ -210,6 +210,20 @@ TEST_F(WireGuardRelay, InterruptRequestIsActedOnAndReplyGetsStatus) {
     EXPECT_EQ(json::parse(reply[delimiter_of(reply) + 5])["status"], "ok");
 }
 
+// The fixup path rebuilds the content frame; what is signed, sent and recorded is the rebuilt frame, and
+// a status published afterwards is still read correctly (held replies are released by it).
+TEST_F(WireGuardRelay, FixedUpReplyIsSignedAndSentWhole) {
+    send(client_control, signed_message("interrupt_request", json::object(), "i2"));
+    const Frames at_xeus = receive(xeus_control);
+    ASSERT_FALSE(at_xeus.empty());
+    send(xeus_control, xeus_reply(at_xeus, "interrupt_reply", {{"note", std::string(4096, 'x')}}));
+    const Frames reply = receive(client_control);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_TRUE(signature_valid(reply));
+    EXPECT_EQ(json::parse(reply[delimiter_of(reply) + 5]),
+              (json{{"note", std::string(4096, 'x')}, {"status", "ok"}}));
+}
+
 TEST_F(WireGuardRelay, ShutdownIsAnsweredByTheGuard) {
     send(client_control, signed_message("shutdown_request", {{"restart", true}}, "x1"));
     const Frames reply = receive(client_control);

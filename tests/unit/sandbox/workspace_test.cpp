@@ -209,3 +209,42 @@ TEST_F(WorkspaceTest, RemoveTreeLeavesMountPointsInsideAlone) {
     EXPECT_FALSE(fs::exists(root_ / "sub" / "mine.txt"));
     EXPECT_EQ(::system(("umount " + mount_point.string()).c_str()), 0);
 }
+
+// adopt_tree gives a workspace to a new session's uid: only what is inside the tree, never what a bind
+// mount inside or a symlink leads to, and never a file hard-linked from outside.
+TEST_F(WorkspaceTest, AdoptTreeChangesOnlyWhatIsInsideTheTreeAndItsMount) {
+    if (::geteuid() != 0) {
+        GTEST_SKIP() << "chown and mount need root";
+    }
+    constexpr uid_t session_uid = 281234;
+    const fs::path outside = base_ / "outside";
+    fs::create_directories(outside / "deep");
+    std::ofstream(outside / "deep" / "host-file.txt") << "HOST";
+    const fs::path mount_point = root_ / "sub" / "mnt";
+    fs::create_directories(mount_point);
+    ASSERT_EQ(::system(("mount --bind " + outside.string() + " " + mount_point.string()).c_str()), 0);
+    std::ofstream(root_ / "sub" / "mine.txt") << "mine";
+    fs::create_symlink(secret_, root_ / "link-to-secret");
+    fs::create_directory_symlink(outside, root_ / "link-to-outside");
+    fs::create_hard_link(secret_, root_ / "hardlink-to-secret");
+
+    try {
+        sb::adopt_tree(
+            root_, session_uid, [](uid_t owner) { return owner == 0; }, 100000);
+    } catch (const std::exception& error) {
+        ADD_FAILURE() << error.what();
+    }
+    const auto owner = [](const fs::path& path) {
+        struct stat info {};
+        EXPECT_EQ(::lstat(path.c_str(), &info), 0) << path;
+        return info.st_uid;
+    };
+    EXPECT_EQ(::system(("umount " + mount_point.string()).c_str()), 0);
+    EXPECT_EQ(owner(root_ / "sub"), session_uid);
+    EXPECT_EQ(owner(root_ / "sub" / "mine.txt"), session_uid);
+    EXPECT_EQ(owner(root_ / "link-to-secret"), session_uid);  // the link itself
+    EXPECT_EQ(owner(secret_), 0u);
+    EXPECT_EQ(owner(outside), 0u);
+    EXPECT_EQ(owner(outside / "deep"), 0u);
+    EXPECT_EQ(owner(outside / "deep" / "host-file.txt"), 0u);
+}

@@ -40,9 +40,11 @@ using StreamStarter = std::function<std::shared_ptr<ResponseStream>(HttpResponse
 
 struct RequestContext {
     const HttpRequest& request;
-    std::string path;                           // decoded, without query and base_url, starts with "/"
+    // The path as received: percent-escapes intact (raw), without query and base_url, starts with "/".
+    // Decoding belongs to the router alone (see Router): handlers read params, never decode again.
+    std::string path;
     std::map<std::string, std::string> query;   // decoded query parameters
-    std::map<std::string, std::string> params;  // captured {placeholders}
+    std::map<std::string, std::string> params;  // captured {placeholders}, decoded by the router
     std::string base_url;                       // e.g. "/" or "/gw/"
     // Set by the HTTP server for plain requests: a handler may call it (once) instead of the Responder.
     StreamStarter start_stream = {};
@@ -93,11 +95,15 @@ class RestResource {
 class Router {
   public:
     // Pattern segments are literals or {name} (one non-empty segment); "{name...}" at the end matches the
-    // rest.
+    // rest. Literals match the raw segment. The one decoding rule: every captured segment is percent-decoded
+    // exactly once, here; "{name...}" is its decoded segments joined with '/', so each '/' in it was a real
+    // separator. A captured segment that is not valid percent-encoding or decodes to a '/' or NUL byte is
+    // refused (dispatch answers 400 with reason "bad_path"; the match carries `refusal`).
     void add(std::string pattern, std::shared_ptr<RestResource> resource);
     struct Match {
         RestResource* resource;
         std::map<std::string, std::string> params;
+        std::string refusal;  // non-empty: the route matched but a captured segment is refused
     };
     std::optional<Match> match(std::string_view path) const;
     // Dispatches to the resource method; unknown paths give a JSON 404, unknown methods 405, and a handler

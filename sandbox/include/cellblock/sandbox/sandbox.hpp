@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
@@ -193,5 +194,14 @@ class Workspace {
 // is a symlink or not a directory is refused. Throws SandboxError naming the first entry that could not
 // be removed, after removing everything else it could.
 void remove_tree(const std::filesystem::path& directory);
+
+// Gives the tree under `directory` (not `directory` itself) to `uid` (owner and group): every entry whose
+// owner is not `uid` and for which `adoptable(owner)` holds. The same fd-relative walk as remove_tree:
+// nothing is followed, nothing on another mount (a bind mount inside) is touched, each entry is changed
+// through a descriptor opened without following and checked to be the entry listed, multiply-linked
+// non-directories are left alone, and at most `max_entries` entries are looked at. Throws SandboxError
+// naming the first entry that could not be changed.
+void adopt_tree(const std::filesystem::path& directory, uid_t uid,
+                const std::function<bool(uid_t)>& adoptable, std::size_t max_entries);
 
 }  // namespace cellblock::sandbox

@@ -37,9 +37,9 @@ class AgentService {
 // Registers POST /mcp (Model Context Protocol, Streamable HTTP transport answering with application/json).
 void register_mcp_endpoint(Router& router, AgentService& service);
 
-// Splits the {path...} capture of a files route into a workspace-relative path; throws HttpError 400 for
-// empty,
-// ".", ".." or absolute components, encoded slashes and NUL bytes.
-std::string workspace_relative_path(const std::string& raw_path);
+// The {path...} capture of a files route (already decoded by the router, which refuses encoded '/' and
+// NUL) as a workspace-relative path: empty components collapse; throws HttpError 400 "bad_path" for an
+// empty path, "." or ".." components and NUL bytes.
+std::string workspace_relative_path(const std::string& decoded_path);
 
 }  // namespace cellblock::gateway::agent
