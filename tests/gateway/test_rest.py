@@ -123,9 +123,13 @@ def test_post_errors(gateway):
 
 
 def test_unknown_and_malformed_ids(gateway):
-    for kernel_id in ("00000000-0000-0000-0000-000000000000", "not-an-id", "%00", "a" * 5000):
+    for kernel_id in ("00000000-0000-0000-0000-000000000000", "not-an-id", "a" * 5000):
         response = gateway.get(f"/api/kernels/{kernel_id}")
         assert response.status_code in (404, 431), response.text
+    # A segment that decodes to NUL (or '/', or is not valid percent-encoding) is a bad request, not an unknown id.
+    for malformed in ("%00", "a%2Fb"):
+        response = gateway.get(f"/api/kernels/{malformed}")
+        assert response.status_code == 400 and response.json()["reason"] == "bad_path", response.text
     assert gateway.get("/api/sessions/nope").status_code == 404
     assert gateway.alive()
 
