@@ -19,6 +19,8 @@ constexpr std::size_t replay_capacity = 16384;
 constexpr int linger_ms = 1000;
 // How long a shell reply may wait for its request's idle status before it is sent anyway.
 constexpr std::chrono::milliseconds reply_hold_limit{200};
+// Replies xeus owes (a stale entry only costs one idle its wait; see WireGuard::awaiting_reply_).
+constexpr std::size_t awaiting_reply_capacity = 1024;
 
 enum ChannelIndex { shell = 0, control = 1, stdin_channel = 2, iopub = 3 };
 constexpr std::array<const char*, 4> channel_names = {"shell", "control", "stdin", "iopub"};
@@ -414,6 +416,12 @@ void WireGuard::relay_inbound(int channel_index) {
         }
         release_pending_input();
     }
+    if (channel_index == shell) {
+        if (awaiting_reply_.size() >= awaiting_reply_capacity) {
+            awaiting_reply_.pop_front();
+        }
+        awaiting_reply_.push_back(parent_msg_id(view(frames[verdict.delimiter + 2])));
+    }
     zmq::send_multipart(s.dealers[channel_index], frames);
 }
 
@@ -473,17 +481,25 @@ void WireGuard::relay_outbound(int channel_index) {
         pending.header = std::string(view(frames[d + 2]));
         pending_input_ = std::move(pending);
     }
+    if (channel == WireChannel::shell) {
+        forget_awaited(parent_msg_id(parent_header));
+    }
     if (channel == WireChannel::shell && !aborted) {
-        // xeus sends a reply straight from its shell thread but the request's outputs through a publisher
-        // thread, so the reply can overtake them, and a client that stops reading at execute_reply
-        // (OpenHands does) loses output. Hold the reply until the request's idle status, which xeus
-        // publishes after every output, has reached us; then send it just before that idle.
-        held_replies_.push_back({parent_msg_id(parent_header), std::move(frames),
-                                 std::chrono::steady_clock::now() + reply_hold_limit});
+        // A client that stops reading at execute_reply (OpenHands does) must already have every output:
+        // the reply goes out just before its request's idle (see HeldReply in the header).
+        std::string replied_to = parent_msg_id(parent_header);
+        if (!held_iopub_.empty() && held_iopub_.front().parent_msg_id == replied_to) {
+            send_to_clients(shell, frames);
+            release_held_iopub();
+            return;
+        }
+        held_replies_.push_back(
+            {std::move(replied_to), std::move(frames), std::chrono::steady_clock::now() + reply_hold_limit});
         return;
     }
-    if (reports_idle && !held_replies_.empty()) {
-        release_held_replies(parent_msg_id(parent_header));
+    if (channel == WireChannel::iopub) {
+        route_iopub({parent_msg_id(parent_header), reports_idle, std::move(frames)});
+        return;
     }
     if (aborted) {
         publish_status(parent_header, "busy");
@@ -524,11 +540,59 @@ void WireGuard::release_held_replies(std::string_view parent_msg_id) {
     });
 }
 
+void WireGuard::route_iopub(HeldIopub message) {
+    if (!held_iopub_.empty()) {
+        held_iopub_.push_back(std::move(message));
+        return;
+    }
+    if (message.reports_idle && awaiting_reply(message.parent_msg_id)) {
+        held_iopub_deadline_ = std::chrono::steady_clock::now() + reply_hold_limit;
+        held_iopub_.push_back(std::move(message));
+        return;
+    }
+    if (message.reports_idle && !held_replies_.empty()) {
+        release_held_replies(message.parent_msg_id);
+    }
+    send_to_clients(iopub, message.frames);
+}
+
+void WireGuard::release_held_iopub() {
+    while (!held_iopub_.empty()) {
+        HeldIopub& next = held_iopub_.front();
+        if (next.reports_idle && awaiting_reply(next.parent_msg_id)) {
+            held_iopub_deadline_ = std::chrono::steady_clock::now() + reply_hold_limit;
+            return;
+        }
+        if (next.reports_idle && !held_replies_.empty()) {
+            release_held_replies(next.parent_msg_id);
+        }
+        send_to_clients(iopub, next.frames);
+        held_iopub_.pop_front();
+    }
+}
+
+bool WireGuard::awaiting_reply(std::string_view msg_id) const {
+    return std::find(awaiting_reply_.begin(), awaiting_reply_.end(), msg_id) != awaiting_reply_.end();
+}
+
+void WireGuard::forget_awaited(std::string_view msg_id) {
+    const auto awaited = std::find(awaiting_reply_.begin(), awaiting_reply_.end(), msg_id);
+    if (awaited != awaiting_reply_.end()) {
+        awaiting_reply_.erase(awaited);
+    }
+}
+
 void WireGuard::release_expired_replies() {
+    const auto now = std::chrono::steady_clock::now();
+    if (!held_iopub_.empty() && held_iopub_deadline_ <= now) {
+        // The reply never came (it should not happen): the idle and what queued behind it go out without it.
+        log_event(LogLevel::debug, "idle_released_without_reply", {});
+        forget_awaited(held_iopub_.front().parent_msg_id);
+        release_held_iopub();
+    }
     if (held_replies_.empty()) {
         return;
     }
-    const auto now = std::chrono::steady_clock::now();
     std::erase_if(held_replies_, [&](HeldReply& held) {
         if (held.deadline > now) {
             return false;
@@ -548,6 +612,10 @@ int WireGuard::poll_timeout_ms() const {
     }
     for (const auto& held : held_replies_) {
         const auto until = std::chrono::ceil<std::chrono::milliseconds>(held.deadline - now);
+        wait = std::min(wait.value_or(until), until);
+    }
+    if (!held_iopub_.empty()) {
+        const auto until = std::chrono::ceil<std::chrono::milliseconds>(held_iopub_deadline_ - now);
         wait = std::min(wait.value_or(until), until);
     }
     if (!wait) {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -115,13 +116,30 @@ class WireGuard {
     void release_expired_replies();
     int poll_timeout_ms() const;
 
-    // A shell reply waiting for its request's IOPub idle (see relay_outbound).
+    // Reply ordering. xeus sends a shell reply from its shell thread and the request's IOPub messages from
+    // a publisher thread, over two sockets, so either can reach the guard first. Clients get, for every
+    // shell request: busy, outputs, reply, idle. A reply that comes first waits for its idle (HeldReply);
+    // an idle that comes first waits for its reply, and IOPub behind it waits too (HeldIopub). Both waits
+    // end after reply_hold_limit: a late message beats none.
     struct HeldReply {
         std::string parent_msg_id;
         std::vector<zmq::message_t> frames;
         std::chrono::steady_clock::time_point deadline;
     };
     std::vector<HeldReply> held_replies_;
+    struct HeldIopub {
+        std::string parent_msg_id;
+        bool reports_idle = false;
+        std::vector<zmq::message_t> frames;
+    };
+    std::deque<HeldIopub> held_iopub_;
+    std::chrono::steady_clock::time_point held_iopub_deadline_;
+    // Shell requests forwarded to xeus whose reply has not come back, oldest first (capped).
+    std::deque<std::string> awaiting_reply_;
+    void route_iopub(HeldIopub message);
+    void release_held_iopub();
+    bool awaiting_reply(std::string_view msg_id) const;
+    void forget_awaited(std::string_view msg_id);
 
     MessageSigner signer_;
     InboundVerifier verifier_;

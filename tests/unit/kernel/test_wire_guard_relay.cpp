@@ -162,6 +162,56 @@ TEST_F(WireGuardRelay, ForwardsVerifiedRequestsAndResignsAbortReplies) {
     EXPECT_EQ(states, (std::vector<std::string>{"busy", "idle"}));
 }
 
+// xeus's reply and its idle travel over two sockets; when the idle wins, the reply must still go out at once
+// and in request order (a later request's reply must not overtake it), and the idle after it.
+TEST_F(WireGuardRelay, IdleThatOvertakesItsReplyWaitsForIt) {
+    send(client_shell, signed_message("kernel_info_request", json::object(), "k1"));
+    const Frames k1 = receive(xeus_shell);
+    ASSERT_FALSE(k1.empty());
+    const auto status = [&](const Frames& request, const char* state) {
+        const std::size_t d = delimiter_of(request);
+        const std::string header = json{{"msg_id", std::string("s-") + state}, {"msg_type", "status"}}.dump();
+        send(xeus_iopub, {"status", "<IDS|MSG>", "", header, request[d + 2], "{}",
+                          json{{"execution_state", state}}.dump()});
+    };
+    status(k1, "busy");
+    status(k1, "idle");
+    ::usleep(100000);  // the guard has read the idle before the reply exists
+    send(xeus_shell, xeus_reply(k1, "kernel_info_reply", {{"status", "ok"}}));
+    send(client_shell, signed_message("execute_request", {{"code", "1"}}, "e1"));
+    const Frames e1 = receive(xeus_shell);
+    ASSERT_FALSE(e1.empty());
+    send(xeus_shell, xeus_reply(e1, "execute_reply", {{"status", "ok"}}));
+    status(e1, "busy");
+    status(e1, "idle");
+    std::vector<std::string> replies;
+    for (Frames reply = receive(client_shell); !reply.empty(); reply = receive(client_shell, 300)) {
+        replies.push_back(json::parse(reply[delimiter_of(reply) + 2])["msg_type"]);
+    }
+    EXPECT_EQ(replies, (std::vector<std::string>{"kernel_info_reply", "execute_reply"}));
+    std::vector<std::string> statuses;
+    for (Frames message = receive(client_iopub); !message.empty(); message = receive(client_iopub, 300)) {
+        const std::size_t d = delimiter_of(message);
+        statuses.push_back(json::parse(message[d + 3])["msg_id"].get<std::string>() + ":" +
+                           json::parse(message[d + 5])["execution_state"].get<std::string>());
+    }
+    EXPECT_EQ(statuses, (std::vector<std::string>{"k1:busy", "k1:idle", "e1:busy", "e1:idle"}));
+}
+
+// An idle whose reply never comes does not block IOPub: it goes out, late.
+TEST_F(WireGuardRelay, IdleWithoutReplyIsReleased) {
+    send(client_shell, signed_message("execute_request", {{"code", "1"}}, "lost"));
+    const Frames request = receive(xeus_shell);
+    ASSERT_FALSE(request.empty());
+    const std::size_t d = delimiter_of(request);
+    const std::string header = json{{"msg_id", "idle"}, {"msg_type", "status"}}.dump();
+    send(xeus_iopub,
+         {"status", "<IDS|MSG>", "", header, request[d + 2], "{}", R"({"execution_state":"idle"})"});
+    const Frames idle = receive(client_iopub, 3000);
+    ASSERT_FALSE(idle.empty());
+    EXPECT_EQ(json::parse(idle[delimiter_of(idle) + 3])["msg_id"], "lost");
+}
+
 TEST_F(WireGuardRelay, RefusedMessagesNeverReachXeus) {
     auto junk = signed_message("execute_request", {{"code", "1"}}, "j");
     junk[1] += "00";
