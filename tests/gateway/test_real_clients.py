@@ -3,6 +3,8 @@
 Starts the installed `$CELLBLOCK_PREFIX/bin/cellblock-gateway` on a free port with a random token, then runs
   * tests/gateway/clients/lab-services.test.js: @jupyterlab/services (JupyterLab's client library) over the
     v1 WebSocket subprotocol: start, execute, streaming, interrupt, restart, legacy format, shutdown;
+  * tests/gateway/clients/lab-services-reconnect.test.js: the same library across a gateway kill -9 and restart
+    (issue 9): its reconnect gets the kernel it had, with its variables;
   * tests/gateway/clients/classic-notebook.test.js: Debian's classic Notebook 6.4 with --gateway-url pointing at the
     gateway, in headless Chromium: open a notebook, type and run cells, see 42; screenshot in
     tests/artifacts/notebook.png.
@@ -131,21 +133,33 @@ def gateway(tmp_path_factory):
         return
     port = free_port()
     token = secrets.token_hex(16)
-    log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    directory = tmp_path_factory.mktemp("gateway")
+    server = start_gateway(port, token, directory / "state", directory / "gateway.log")
+    try:
+        yield Gateway(f"http://127.0.0.1:{port}", token, server)
+    finally:
+        server.stop()
+
+
+def start_gateway(port: int, token: str, state_dir: Path, log_path: Path, keep_kernels: bool = False) -> ServerProcess:
+    """The installed gateway on `port`, once it printed its URL. Kernels stop with it unless `keep_kernels`."""
+    assert GATEWAY_BINARY is not None, "this test starts its own gateway: CELLBLOCK_PREFIX must name an install"
     # As ctest does: the installed tree's kernelspecs (cellblock-python) are the ones the gateway serves.
     env = dict(os.environ)
     env.setdefault("JUPYTER_PATH", str(PREFIX / "share" / "jupyter"))
-    server = ServerProcess("cellblock-gateway",
-                           [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", str(port), "--token", token,
-                            "--state-dir", str(log_path.parent / "state"), "--shutdown-kernels-on-exit"],
-                           log_path, env)
+    argv = [str(GATEWAY_BINARY), "--ip", "127.0.0.1", "--port", str(port), "--token", token,
+            "--state-dir", str(state_dir)]
+    if not keep_kernels:
+        argv.append("--shutdown-kernels-on-exit")
+    server = ServerProcess("cellblock-gateway", argv, log_path, env)
     ready_line = re.compile(rf"is available at http://127\.0\.0\.1:{port}\b")
     try:
         server.wait_until(lambda: ready_line.search(server.log_text()) is not None,
                           f'"is available at http://127.0.0.1:{port}" line')
-        yield Gateway(f"http://127.0.0.1:{port}", token, server)
-    finally:
+    except BaseException:
         server.stop()
+        raise
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +192,11 @@ def run_node_test(node: str, script: str, env_overrides: dict[str, str]) -> str:
     env = dict(os.environ, **env_overrides)
     result = subprocess.run([node, "--test", "--test-force-exit", "--test-reporter=spec", script],
                             cwd=CLIENTS_DIR, env=env, capture_output=True, text=True, timeout=NODE_CLIENT_TIMEOUT_S)
-    output = f"{result.stdout}\n{result.stderr}"
-    assert result.returncode == 0, f"{script} failed (exit {result.returncode}):\n{output}"
+    return check_node_output(script, result.returncode, f"{result.stdout}\n{result.stderr}")
+
+
+def check_node_output(script: str, returncode: int, output: str) -> str:
+    assert returncode == 0, f"{script} failed (exit {returncode}):\n{output}"
     # A run that skipped or never reached its tests must not pass silently.
     assert re.search(r"^\S*\s*fail 0\b", output, re.M), f"{script}: no test summary:\n{output}"
     assert not re.search(r"^\S*\s*pass 0\b", output, re.M), f"{script}: no test passed:\n{output}"
@@ -195,6 +212,44 @@ def test_jupyterlab_services_start_execute_interrupt_restart_shutdown(gateway, n
     except AssertionError as failure:
         raise AssertionError(f"{failure}\n--- gateway log ---\n{gateway.log_tail()}") from None
     gateway.assert_alive()
+
+
+def test_jupyterlab_services_connection_gets_its_kernel_back_after_a_gateway_kill_9(node_clients, tmp_path):
+    """A JupyterLab client keeps its kernel object while the gateway is SIGKILLed and started again on the same
+    state directory and port: its own reconnect lands on the same kernel, whose variables are still there."""
+    port, token, state = free_port(), secrets.token_hex(16), tmp_path / "state"
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    first = start_gateway(port, token, state, tmp_path / "first.log", keep_kernels=True)
+    second = None
+    client = subprocess.Popen([node_clients, "--test", "--test-force-exit", "--test-reporter=spec",
+                               "lab-services-reconnect.test.js"], cwd=CLIENTS_DIR, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, GATEWAY_URL=f"http://127.0.0.1:{port}", GATEWAY_TOKEN=token,
+                                       SYNC_DIR=str(sync)))
+    try:
+        deadline = time.monotonic() + NODE_CLIENT_TIMEOUT_S
+        while not (sync / "ready").exists() and client.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (sync / "ready").exists(), f"the client never got its kernel:\n{client.communicate()[0]}"
+        kernel_id = (sync / "ready").read_text()
+        first.process.kill()  # SIGKILL, the gateway alone: its kernels run in sessions of their own
+        first.process.wait()
+        first.stop()
+        second = start_gateway(port, token, state, tmp_path / "second.log")
+        (sync / "restarted").write_text("")
+        output, _ = client.communicate(timeout=NODE_CLIENT_TIMEOUT_S)
+        check_node_output("lab-services-reconnect.test.js", client.returncode,
+                          f"{output}\n--- restarted gateway log ---\n{second.log_tail()}")
+        assert second.process.poll() is None, second.log_tail()
+        assert f"re-adopted {kernel_id}" in output, output
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        first.stop()
+        if second is not None:
+            second.stop()
 
 
 @pytest.fixture
