@@ -247,11 +247,27 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
     void on_header(beast::error_code error) {
         if (error || parser_->is_done())
             return on_request(error);
+        // A body is read only for a client that holds the token: without it nobody makes us buffer
+        // max_body_bytes. Unread, the body makes the connection unusable, so it is closed after the answer.
+        if (refused_before_body())
+            return write(json_error(http::status::unauthorized, "Missing or invalid token"), false);
         beast::get_lowest_layer(stream_).expires_after(request_timeout);
         http::async_read(stream_, buffer_, *parser_,
                          [self = this->shared_from_this()](beast::error_code body_error, std::size_t) {
                              self->on_request(body_error);
                          });
+    }
+
+    // The token check of handle_request, on the headers alone; preflights and foreign origins are left to it.
+    bool refused_before_body() const {
+        const auto& header = parser_->get();
+        if (header.method() == http::verb::options || !context_.cors.origin_allowed(header))
+            return false;
+        const std::string_view target = header.target();
+        const auto query_start = target.find('?');
+        return !context_.auth.authorized(
+            header, parse_query(query_start == std::string_view::npos ? std::string_view{}
+                                                                      : target.substr(query_start + 1)));
     }
 
     void on_request(beast::error_code error) {

@@ -141,6 +141,25 @@ def test_oversized_body_is_413_and_gateway_keeps_serving(gateway):
     assert gateway.alive()
 
 
+def test_a_body_without_a_token_is_refused_before_it_is_read(gateway):
+    """A tokenless client that announces a large body gets 401 at once, not after we buffered the body (nor after
+    a read timeout while we wait for it): it cannot make the gateway hold max_body_bytes per connection."""
+    host, port = gateway.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(b"POST /api/kernels HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 8000000\r\n\r\n{")
+        answer = raw.recv(4096)  # times out (a failure) if the gateway waits for the other 7,999,999 bytes
+        assert answer.startswith(b"HTTP/1.1 401"), answer
+        assert b"Missing or invalid token" in answer, answer
+    # With the token the same announcement is read as usual: here, the incomplete body is a 400 once sent.
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(f"POST /api/kernels HTTP/1.1\r\nHost: x\r\nAuthorization: token {TOKEN}\r\n"
+                    "Content-Type: application/json\r\nContent-Length: 3\r\n\r\n{}}".encode())
+        answer = raw.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert gateway.alive()
+
+
 def test_garbage_and_vanishing_tcp_clients_do_not_hurt(gateway):
     host, port = gateway.url.split("//")[1].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as raw:
