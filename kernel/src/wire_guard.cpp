@@ -17,8 +17,6 @@ namespace {
 constexpr std::string_view delimiter_frame = "<IDS|MSG>";
 constexpr std::size_t replay_capacity = 16384;
 constexpr int linger_ms = 1000;
-// How long a shell reply may wait for its request's idle status before it is sent anyway.
-constexpr std::chrono::milliseconds reply_hold_limit{200};
 // Replies xeus owes (a stale entry only costs one idle its wait; see WireGuard::awaiting_reply_).
 constexpr std::size_t awaiting_reply_capacity = 1024;
 
@@ -203,7 +201,8 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
       sockets_(std::make_unique<Sockets>()),
       refusals_(5, 0),
       record_(options.record),
-      lease_duration_(options.lease) {
+      lease_duration_(options.lease),
+      reply_hold_limit_(options.reply_hold_limit) {
     auto& s = *sockets_;
     const std::array<int, 3> ports = {connection.shell_port, connection.control_port, connection.stdin_port};
     const std::array<const std::string*, 3> private_ends = {&xeus.shell, &xeus.control, &xeus.stdin_channel};
@@ -416,7 +415,7 @@ void WireGuard::relay_inbound(int channel_index) {
         }
         release_pending_input();
     }
-    if (channel_index == shell) {
+    if (channel_index == shell && verdict.msg_type.ends_with("_request")) {
         if (awaiting_reply_.size() >= awaiting_reply_capacity) {
             awaiting_reply_.pop_front();
         }
@@ -494,7 +493,7 @@ void WireGuard::relay_outbound(int channel_index) {
             return;
         }
         held_replies_.push_back(
-            {std::move(replied_to), std::move(frames), std::chrono::steady_clock::now() + reply_hold_limit});
+            {std::move(replied_to), std::move(frames), std::chrono::steady_clock::now() + reply_hold_limit_});
         return;
     }
     if (channel == WireChannel::iopub) {
@@ -546,7 +545,7 @@ void WireGuard::route_iopub(HeldIopub message) {
         return;
     }
     if (message.reports_idle && awaiting_reply(message.parent_msg_id)) {
-        held_iopub_deadline_ = std::chrono::steady_clock::now() + reply_hold_limit;
+        held_iopub_deadline_ = std::chrono::steady_clock::now() + reply_hold_limit_;
         held_iopub_.push_back(std::move(message));
         return;
     }
@@ -560,7 +559,7 @@ void WireGuard::release_held_iopub() {
     while (!held_iopub_.empty()) {
         HeldIopub& next = held_iopub_.front();
         if (next.reports_idle && awaiting_reply(next.parent_msg_id)) {
-            held_iopub_deadline_ = std::chrono::steady_clock::now() + reply_hold_limit;
+            held_iopub_deadline_ = std::chrono::steady_clock::now() + reply_hold_limit_;
             return;
         }
         if (next.reports_idle && !held_replies_.empty()) {

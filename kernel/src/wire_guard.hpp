@@ -71,6 +71,8 @@ struct GuardActions {
 struct GuardOptions {
     RecordLimits record;                             // what cellblock_replay_request can return
     std::optional<std::chrono::milliseconds> lease;  // none: the kernel never stops on its own
+    // How long a shell reply waits for its request's idle, or an idle for its reply (see HeldReply).
+    std::chrono::milliseconds reply_hold_limit{200};
 };
 
 class WireGuard {
@@ -120,7 +122,8 @@ class WireGuard {
     // a publisher thread, over two sockets, so either can reach the guard first. Clients get, for every
     // shell request: busy, outputs, reply, idle. A reply that comes first waits for its idle (HeldReply);
     // an idle that comes first waits for its reply, and IOPub behind it waits too (HeldIopub). Both waits
-    // end after reply_hold_limit: a late message beats none.
+    // end after reply_hold_limit: a late message beats none. Only requests (`*_request`) are awaited: comm
+    // messages get busy/idle but no reply.
     struct HeldReply {
         std::string parent_msg_id;
         std::vector<zmq::message_t> frames;
@@ -150,6 +153,7 @@ class WireGuard {
     std::vector<unsigned long> refusals_;  // per InboundVerdict::Kind, for log-once
     OutboundRecord record_;
     std::optional<std::chrono::milliseconds> lease_duration_;
+    std::chrono::milliseconds reply_hold_limit_;
     std::optional<Lease> lease_;  // from start(); touched only by the guard thread
 
     // The input_request xeus is blocked on (xeus 2.4.1 waits in a blocking recv with no cancel): its

@@ -168,8 +168,11 @@ def test_e2b_sequence(make_gateway):
             kind = message["msg_type"]
             if kind == "execute_input":
                 seen_input = True
-            elif kind == "stream":
-                events.append({"type": message["content"]["name"], "text": message["content"]["text"]})
+            elif kind == "stream":  # E2B appends a stream's pieces, however the kernel split them
+                if events and events[-1]["type"] == message["content"]["name"]:
+                    events[-1]["text"] += message["content"]["text"]
+                else:
+                    events.append({"type": message["content"]["name"], "text": message["content"]["text"]})
             elif kind in ("execute_result", "display_data"):
                 events.append({"type": "result", "text": message["content"]["data"].get("text/plain"),
                                "is_main_result": kind == "execute_result"})

@@ -198,6 +198,29 @@ TEST_F(WireGuardRelay, IdleThatOvertakesItsReplyWaitsForIt) {
     EXPECT_EQ(statuses, (std::vector<std::string>{"k1:busy", "k1:idle", "e1:busy", "e1:idle"}));
 }
 
+// A comm message gets busy/idle but no reply: its idle is not held for one. (A hold limit far above the wait
+// below makes a wrongly held idle miss it.)
+class WireGuardLongHold : public WireGuardRelay {
+  protected:
+    void SetUp() override {
+        options.reply_hold_limit = std::chrono::milliseconds(20000);
+        WireGuardRelay::SetUp();
+    }
+};
+
+TEST_F(WireGuardLongHold, CommMessageIdleIsNotHeld) {
+    send(client_shell, signed_message("comm_msg", {{"comm_id", "c"}, {"data", json::object()}}, "c1"));
+    const Frames request = receive(xeus_shell);
+    ASSERT_FALSE(request.empty());
+    const std::size_t d = delimiter_of(request);
+    const std::string header = json{{"msg_id", "idle"}, {"msg_type", "status"}}.dump();
+    send(xeus_iopub,
+         {"status", "<IDS|MSG>", "", header, request[d + 2], "{}", R"({"execution_state":"idle"})"});
+    const Frames idle = receive(client_iopub, 5000);
+    ASSERT_FALSE(idle.empty()) << "the comm message's idle was held waiting for a reply that never comes";
+    EXPECT_EQ(json::parse(idle[delimiter_of(idle) + 3])["msg_id"], "c1");
+}
+
 // An idle whose reply never comes does not block IOPub: it goes out, late.
 TEST_F(WireGuardRelay, IdleWithoutReplyIsReleased) {
     send(client_shell, signed_message("execute_request", {{"code", "1"}}, "lost"));
