@@ -106,7 +106,7 @@ void on_workspace(const std::shared_ptr<AgentSession>& session, AgentOperations:
 
 }  // namespace
 
-AgentOperations::AgentOperations(SessionServices& services, AgentSessionRegistry& registry)
+AgentOperations::AgentOperations(AgentSessionServices& services, AgentSessionRegistry& registry)
     : services_(services), registry_(registry) {}
 
 // ------------------------------------------------------------------------------------------------ sessions

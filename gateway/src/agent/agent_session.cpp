@@ -44,7 +44,7 @@ json digest_of(const std::string& text) {
 }
 }  // namespace
 
-AgentSession::AgentSession(SessionServices& services, Record record, std::vector<json> cells)
+AgentSession::AgentSession(AgentSessionServices& services, Record record, std::vector<json> cells)
     : services_(services),
       record_(std::move(record)),
       cells_(std::move(cells)),

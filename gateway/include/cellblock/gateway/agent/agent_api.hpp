@@ -23,7 +23,7 @@ class AgentService {
     AgentSessionRegistry& sessions() { return registry_; }
     // What the REST resources and the MCP tools call: every rule of the agent API is there.
     AgentOperations& operations() { return operations_; }
-    SessionServices& services() { return session_services_; }
+    AgentSessionServices& services() { return session_services_; }
     GatewayServices& gateway() { return gateway_; }
     const AgentConfig& config() const { return config_; }
 
@@ -33,7 +33,7 @@ class AgentService {
   private:
     GatewayServices& gateway_;
     const AgentConfig& config_;
-    SessionServices session_services_;
+    AgentSessionServices session_services_;
     AgentSessionRegistry registry_;
     AgentOperations operations_;
 };

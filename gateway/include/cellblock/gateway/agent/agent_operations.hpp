@@ -91,7 +91,7 @@ class AgentOperations {
     template <class Value>
     using Then = std::function<void(Outcome<Value>)>;
 
-    AgentOperations(SessionServices& services, AgentSessionRegistry& registry);
+    AgentOperations(AgentSessionServices& services, AgentSessionRegistry& registry);
 
     // ---- sessions
     // `arguments`: {"name"?: string, "limits"?: {...}}; answers once the session's kernel is ready.
@@ -141,7 +141,7 @@ class AgentOperations {
     void audit_trail(const SessionPtr& session, AuditQuery query, Then<std::vector<nlohmann::json>> then);
 
   private:
-    SessionServices& services_;
+    AgentSessionServices& services_;
     AgentSessionRegistry& registry_;
 };
 
