@@ -48,7 +48,7 @@ AgentSession::AgentSession(AgentSessionServices& services, Record record, std::v
     : services_(services),
       record_(std::move(record)),
       cells_(std::move(cells)),
-      link_session_id_(std::string(KernelSession::agent_prefix) + record_.id),
+      link_session_id_(std::string(KernelClientLink::agent_prefix) + record_.id),
       deadline_timer_(services.io) {
     had_kernel_ = !cells_.empty();
 }

@@ -142,7 +142,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::vector<nlohmann::json> cells_;
     std::string link_session_id_;  // our session_id on the kernel (ZMQ routing identity)
     std::shared_ptr<Kernel> kernel_;
-    std::shared_ptr<KernelSession> link_;
+    std::shared_ptr<KernelClientLink> link_;
     nlohmann::json kernel_info_;  // kernel_info_reply content of the current kernel
     std::string kernel_info_msg_id_;
     // Whether a request for the kernel is in flight; every caller of ensure_kernel waits in kernel_waiters_
