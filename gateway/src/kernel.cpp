@@ -70,18 +70,18 @@ std::string_view kernel_state_name(KernelState state) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// KernelSession
+// KernelClientLink
 
-KernelSession::KernelSession(std::string session_id, Kernel& kernel)
+KernelClientLink::KernelClientLink(std::string session_id, Kernel& kernel)
     : session_id_(std::move(session_id)), kernel_(kernel) {}
 
-KernelSession::~KernelSession() {
+KernelClientLink::~KernelClientLink() {
     for (auto* channel : {&shell_, &control_, &stdin_})
         if (*channel)
             (*channel)->close();
 }
 
-void KernelSession::attach(std::weak_ptr<KernelClient> client) {
+void KernelClientLink::attach(std::weak_ptr<KernelClient> client) {
     client_ = std::move(client);
     auto receiver = client_.lock();
     if (!receiver)
@@ -109,7 +109,7 @@ std::size_t buffered_size(const JupyterMessage& message) {
 }
 }  // namespace
 
-void KernelSession::deliver_or_buffer(const JupyterMessage& message) {
+void KernelClientLink::deliver_or_buffer(const JupyterMessage& message) {
     if (auto receiver = client_.lock()) {
         receiver->deliver(message);
         return;
@@ -132,7 +132,7 @@ void KernelSession::deliver_or_buffer(const JupyterMessage& message) {
     offline_.push_back(message);
 }
 
-void KernelSession::send(JupyterMessage&& message) {
+void KernelClientLink::send(JupyterMessage&& message) {
     kernel_.touch();
     const std::shared_ptr<ZmqChannel>* channel = &shell_;
     if (message.channel == Channel::control)
@@ -540,7 +540,7 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
         finish_readiness(std::nullopt);
 }
 
-void Kernel::hand_backlog(KernelSession& session) {
+void Kernel::hand_backlog(KernelClientLink& session) {
     if (replay_phase_ != ReplayPhase::done || backlog_served_.contains(session.session_id()) ||
         std::chrono::steady_clock::now() > backlog_until_)
         return;
@@ -811,7 +811,7 @@ void Kernel::shutdown(const std::string& reason) {
 }
 
 std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& identity, Channel channel,
-                                                   std::weak_ptr<KernelSession> session) {
+                                                   std::weak_ptr<KernelClientLink> session) {
     std::weak_ptr<Kernel> weak = weak_from_this();
     return ZmqChannel::connect(
         io_, zmq_context_, zmq::socket_type::dealer, endpoints_.endpoint(port), identity,
@@ -836,11 +836,11 @@ std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& 
         });
 }
 
-std::shared_ptr<KernelSession> Kernel::attach(const std::string& session_id,
-                                              std::weak_ptr<KernelClient> client) {
+std::shared_ptr<KernelClientLink> Kernel::attach(const std::string& session_id,
+                                                 std::weak_ptr<KernelClient> client) {
     auto& slot = sessions_[session_id];
     if (!slot) {
-        slot = std::make_shared<KernelSession>(session_id, *this);
+        slot = std::make_shared<KernelClientLink>(session_id, *this);
         slot->shell_ = connect_dealer(KernelEndpoints::shell, session_id, Channel::shell, slot);
         slot->control_ = connect_dealer(KernelEndpoints::control, session_id, Channel::control, slot);
         slot->stdin_ = connect_dealer(KernelEndpoints::stdin_, session_id, Channel::stdin_, slot);
@@ -858,7 +858,7 @@ std::shared_ptr<KernelSession> Kernel::attach(const std::string& session_id,
     return slot;
 }
 
-void Kernel::detach(const std::shared_ptr<KernelSession>& session, const KernelClient* client) {
+void Kernel::detach(const std::shared_ptr<KernelClientLink>& session, const KernelClient* client) {
     if (!session)
         return;
     if (session->attached_client_ != client || client == nullptr)
@@ -869,7 +869,7 @@ void Kernel::detach(const std::shared_ptr<KernelSession>& session, const KernelC
     if (connections_ > 0)
         --connections_;
     // A session_id the client never chose cannot be resumed: drop its sockets right away.
-    if (session->session_id().starts_with(KernelSession::anonymous_prefix))
+    if (session->session_id().starts_with(KernelClientLink::anonymous_prefix))
         sessions_.erase(session->session_id());
     expire_detached_sessions();
 }

@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
             logger.warn("default_kernelspec_missing", {{"name", config.default_kernel_name},
                                                        {"searched", config.effective_kernelspec_dirs()}});
         KernelManager kernels(io, logger, config, kernelspecs, writer);
-        SessionManager sessions(writer);
+        JupyterSessionManager sessions(writer);
         const TokenAuthenticator auth(*config.token);
         const CorsPolicy cors(config);
         GatewayServices services{io, logger, config, kernelspecs, kernels, sessions, writer, auth, cors};

@@ -324,7 +324,7 @@ class KernelChannelsResource : public RestResource {
 
 // ------------------------------------------------------------------------------------------------ sessions
 
-json session_model(GatewayServices& services, const SessionRecord& record) {
+json session_model(GatewayServices& services, const JupyterSessionRecord& record) {
     auto kernel = services.kernels.find(record.kernel_id);
     json kernel_model = kernel ? kernel->model() : json{{"id", record.kernel_id}};
     return {{"id", record.id},        {"path", record.path},
@@ -366,7 +366,7 @@ class SessionsResource : public RestResource {
             throw HttpError(http::status::bad_request, "Missing field in JSON data: type");
         std::string name = optional_string(body, "name");
         const std::string location_base = context.base_url + "api/sessions/";
-        if (SessionRecord* existing = services_.sessions.find_by_path(path)) {
+        if (JupyterSessionRecord* existing = services_.sessions.find_by_path(path)) {
             respond(created(session_model(services_, *existing), location_base + existing->id));
             return;
         }
@@ -376,7 +376,7 @@ class SessionsResource : public RestResource {
         if (!kernel_id.empty()) {
             if (!find_kernel(services_, kernel_id))
                 throw HttpError(http::status::not_found, "Kernel does not exist: " + kernel_id);
-            SessionRecord& record = services_.sessions.create(path, name, type, kernel_id);
+            JupyterSessionRecord& record = services_.sessions.create(path, name, type, kernel_id);
             respond(created(session_model(services_, record), location_base + record.id));
             return;
         }
@@ -395,7 +395,7 @@ class SessionsResource : public RestResource {
                 return;
             }
             const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
-            SessionRecord& record = services.sessions.create(path, name, type, kernel->id());
+            JupyterSessionRecord& record = services.sessions.create(path, name, type, kernel->id());
             respond(created(session_model(services, record), location_base + record.id));
         });
     }
@@ -410,7 +410,7 @@ class SessionResource : public RestResource {
     std::string allowed_methods() const override { return "GET, PATCH, DELETE, OPTIONS"; }
     void get(RequestContext& context, Responder respond) override {
         prune_sessions(services_);
-        SessionRecord* record = services_.sessions.find(context.param("session_id"));
+        JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
         if (!record)
             return respond(session_not_found(context));
         respond(json_response(http::status::ok, session_model(services_, *record)));
@@ -418,7 +418,7 @@ class SessionResource : public RestResource {
     void patch(RequestContext& context, Responder respond) override {
         const json body = context.json_body();
         prune_sessions(services_);
-        SessionRecord* record = services_.sessions.find(context.param("session_id"));
+        JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
         if (!record)
             return respond(session_not_found(context));
         if (body.contains("path"))
@@ -444,7 +444,7 @@ class SessionResource : public RestResource {
                                                                                  session_id](auto result) {
                 if (auto* error = std::get_if<KernelStartError>(&result))
                     return respond(start_error_response(*error));
-                SessionRecord* current = services.sessions.find(session_id);
+                JupyterSessionRecord* current = services.sessions.find(session_id);
                 const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
                 if (!current) {
                     services.kernels.shutdown_kernel(kernel->id());
@@ -462,7 +462,7 @@ class SessionResource : public RestResource {
         respond(json_response(http::status::ok, session_model(services_, *record)));
     }
     void delete_(RequestContext& context, Responder respond) override {
-        SessionRecord* record = services_.sessions.find(context.param("session_id"));
+        JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
         if (!record)
             return respond(session_not_found(context));
         const std::string kernel_id = record->kernel_id;

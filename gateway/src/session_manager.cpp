@@ -6,48 +6,49 @@ namespace cellblock::gateway {
 
 using nlohmann::json;
 
-json SessionRecord::to_json() const {
+json JupyterSessionRecord::to_json() const {
     return {{"id", id}, {"path", path}, {"name", name}, {"type", type}, {"kernel_id", kernel_id}};
 }
 
-std::optional<SessionRecord> SessionRecord::from_json(const json& stored) {
+std::optional<JupyterSessionRecord> JupyterSessionRecord::from_json(const json& stored) {
     if (!stored.is_object() || !stored.contains("id") || !stored["id"].is_string())
         return std::nullopt;
-    return SessionRecord{stored.value("id", ""), stored.value("path", ""), stored.value("name", ""),
-                         stored.value("type", ""), stored.value("kernel_id", "")};
+    return JupyterSessionRecord{stored.value("id", ""), stored.value("path", ""), stored.value("name", ""),
+                                stored.value("type", ""), stored.value("kernel_id", "")};
 }
 
-SessionRecord& SessionManager::create(std::string path, std::string name, std::string type,
-                                      std::string kernel_id) {
-    SessionRecord record{new_uuid(), std::move(path), std::move(name), std::move(type), std::move(kernel_id)};
+JupyterSessionRecord& JupyterSessionManager::create(std::string path, std::string name, std::string type,
+                                                    std::string kernel_id) {
+    JupyterSessionRecord record{new_uuid(), std::move(path), std::move(name), std::move(type),
+                                std::move(kernel_id)};
     auto [it, inserted] = sessions_.emplace(record.id, record);
     save(it->second);
     return it->second;
 }
 
-SessionRecord* SessionManager::find(const std::string& id) {
+JupyterSessionRecord* JupyterSessionManager::find(const std::string& id) {
     auto found = sessions_.find(id);
     return found == sessions_.end() ? nullptr : &found->second;
 }
 
-SessionRecord* SessionManager::find_by_path(const std::string& path) {
+JupyterSessionRecord* JupyterSessionManager::find_by_path(const std::string& path) {
     for (auto& [id, record] : sessions_)
         if (record.path == path)
             return &record;
     return nullptr;
 }
 
-void SessionManager::save(const SessionRecord& record) {
+void JupyterSessionManager::save(const JupyterSessionRecord& record) {
     writer_.submit([id = record.id, model = record.to_json()](SessionStore& store) {
         store.put_jupyter_session(id, model);
     });
 }
 
-void SessionManager::forget(const std::string& id) {
+void JupyterSessionManager::forget(const std::string& id) {
     writer_.submit([id](SessionStore& store) { store.remove_jupyter_session(id); });
 }
 
-bool SessionManager::remove(const std::string& id) {
+bool JupyterSessionManager::remove(const std::string& id) {
     if (sessions_.erase(id) == 0)
         return false;
     forget(id);

@@ -12,7 +12,8 @@ constexpr std::string_view v1_protocol = "v1.kernel.websocket.jupyter.org";
 bool usable_session_id(const std::string& id) {
     // A ZMQ routing id is at most 255 bytes and must not start with a zero byte.
     return !id.empty() && id.size() <= 200 && id.front() != '\0' &&
-           !id.starts_with(KernelSession::anonymous_prefix) && !id.starts_with(KernelSession::agent_prefix);
+           !id.starts_with(KernelClientLink::anonymous_prefix) &&
+           !id.starts_with(KernelClientLink::agent_prefix);
 }
 }  // namespace
 
@@ -28,7 +29,7 @@ KernelChannelsConnection::KernelChannelsConnection(std::shared_ptr<Kernel> kerne
 void KernelChannelsConnection::open(const std::string& requested_session_id) {
     const std::string session_id = usable_session_id(requested_session_id)
                                        ? requested_session_id
-                                       : std::string(KernelSession::anonymous_prefix) + random_hex(12);
+                                       : std::string(KernelClientLink::anonymous_prefix) + random_hex(12);
     std::weak_ptr<KernelChannelsConnection> weak = weak_from_this();
     transport_->start({[weak](std::string&& payload, bool binary) {
                            if (auto self = weak.lock())

@@ -1,85 +1,70 @@
 #include "cellblock/gateway/agent/agent_api.hpp"
 
 #include <boost/asio/steady_timer.hpp>
-#include <fstream>
-#include <sstream>
 
 #include "cellblock/gateway/agent/output_shield.hpp"
-#include "cellblock/sandbox/sandbox.hpp"
 
 namespace cellblock::gateway::agent {
 
 using nlohmann::json;
-namespace fs = std::filesystem;
 
 // ------------------------------------------------------------------------------------------------ helpers
 
 std::string workspace_relative_path(const std::string& decoded_path) {
-    if (decoded_path.find('\0') != std::string::npos)
-        throw HttpError(http::status::bad_request, "file paths must not contain NUL bytes", "bad_path");
-    std::string relative;
-    for (const std::string& component : split_path(decoded_path)) {
-        if (component == "." || component == "..")
-            throw HttpError(http::status::bad_request,
-                            "file paths must stay inside the workspace ('.' and '..' are refused)",
-                            "bad_path");
-        if (!relative.empty())
-            relative.push_back('/');
-        relative += component;
+    try {
+        return workspace_path(decoded_path);
+    } catch (const OperationError& error) {
+        throw HttpError(http::status::bad_request, error.what(), error.reason());
     }
-    if (relative.empty())
-        throw HttpError(http::status::bad_request, "empty file path", "bad_path");
-    return relative;
+}
+
+http::status http_status(OperationErrorKind kind) {
+    switch (kind) {
+        case OperationErrorKind::malformed:
+        case OperationErrorKind::refused:
+            return http::status::bad_request;
+        case OperationErrorKind::not_found:
+            return http::status::not_found;
+        case OperationErrorKind::conflict:
+            return http::status::conflict;
+        case OperationErrorKind::gone:
+            return http::status::gone;
+        case OperationErrorKind::too_large:
+            return http::status::payload_too_large;
+        case OperationErrorKind::busy:
+            return http::status::too_many_requests;
+        case OperationErrorKind::unavailable:
+            return http::status::service_unavailable;
+        case OperationErrorKind::internal:
+            break;
+    }
+    return http::status::internal_server_error;
 }
 
 namespace {
 
-HttpError workspace_http_error(const sandbox::WorkspaceError& error) {
-    using Kind = sandbox::WorkspaceError::Kind;
-    switch (error.kind()) {
-        case Kind::not_found:
-            return HttpError(http::status::not_found, error.what(), "file_not_found");
-        case Kind::too_large:
-            return HttpError(http::status::payload_too_large, error.what(), "file_too_large");
-        case Kind::not_regular:
-            return HttpError(http::status::bad_request, error.what(), "not_a_regular_file");
-        case Kind::bad_path:
-            return HttpError(http::status::bad_request, error.what(), "bad_path");
-        case Kind::io:
-            break;
-    }
-    return HttpError(http::status::internal_server_error, error.what(), "workspace_error");
+HttpResponse error_response(const OperationError& error) {
+    return json_response(http_status(error.kind()), error.to_json());
 }
 
-// Runs `action` against the session's workspace once it has a kernel (and so a workspace); errors become
-// JSON.
-void with_workspace(const std::shared_ptr<AgentSession>& session, Responder respond,
-                    std::function<HttpResponse(sandbox::Workspace&)> action) {
-    session->touch();
-    session->ensure_kernel([session, respond, action = std::move(action)](std::optional<std::string> error) {
-        if (error) {
-            respond(json_error(http::status::service_unavailable, "the session has no kernel: " + *error,
-                               "kernel_unavailable"));
-            return;
-        }
-        auto root = session->workspace();
-        if (!root) {
-            respond(json_error(http::status::service_unavailable, "the session has no workspace",
-                               "kernel_unavailable"));
-            return;
-        }
-        try {
-            sandbox::Workspace workspace(*root);
-            respond(action(workspace));
-        } catch (const sandbox::WorkspaceError& failure) {
-            const HttpError mapped = workspace_http_error(failure);
-            respond(json_error(mapped.status(), mapped.what(), mapped.reason()));
-        } catch (const HttpError& failure) {
-            respond(json_error(failure.status(), failure.what(), failure.reason()));
-        } catch (const std::exception& failure) {
-            respond(json_error(http::status::internal_server_error, failure.what()));
-        }
-    });
+// Runs a handler's body; a refusal it throws becomes the error's JSON with its status.
+template <class Body>
+void translated(const Responder& respond, Body&& body) {
+    try {
+        body();
+    } catch (const OperationError& error) {
+        respond(error_response(error));
+    }
+}
+
+// Answers `outcome` with `to_response(value)` or the error.
+template <class Value, class ToResponse>
+std::function<void(Outcome<Value>)> answer_with(Responder respond, ToResponse to_response) {
+    return [respond = std::move(respond), to_response = std::move(to_response)](Outcome<Value> outcome) {
+        if (!outcome.ok())
+            return respond(error_response(outcome.error()));
+        respond(to_response(outcome.value()));
+    };
 }
 
 json request_body(RequestContext& context) {
@@ -90,15 +75,20 @@ json request_body(RequestContext& context) {
     }
 }
 
+Caller caller_of(const RequestContext& context, std::string via = "http") {
+    return {context.client_address, std::move(via)};
+}
+
 class AgentResource : public RestResource {
   public:
-    explicit AgentResource(AgentService& service) : service_(service) {}
+    explicit AgentResource(AgentService& service) : service_(service), operations_(service.operations()) {}
 
   protected:
     std::shared_ptr<AgentSession> session(RequestContext& context) const {
-        return service_.require_session(context.param("session"));
+        return operations_.session(context.param("session"));
     }
     AgentService& service_;
+    AgentOperations& operations_;
 };
 
 // ------------------------------------------------------------------------------------------------ sessions
@@ -110,39 +100,23 @@ class SessionsResource : public AgentResource {
 
     void get(RequestContext&, Responder respond) override {
         json sessions = json::array();
-        for (const auto& session : service_.sessions().list())
+        for (const auto& session : operations_.sessions())
             sessions.push_back(session->model());
         respond(json_response(http::status::ok, {{"sessions", sessions}}));
     }
 
     void post(RequestContext& context, Responder respond) override {
         const json body = request_body(context);
-        std::string name;
-        if (body.contains("name") && !body["name"].is_null()) {
-            if (!body["name"].is_string())
-                throw HttpError(http::status::bad_request, "name must be a string", "bad_type");
-            name = body["name"].get<std::string>();
-        }
-        AgentLimits limits;
-        try {
-            limits = parse_limits(body.contains("limits") ? body["limits"] : json(nullptr),
-                                  service_.config().default_limits, service_.config().max_limits);
-        } catch (const LimitError& error) {
-            HttpResponse response =
-                json_response(http::status::bad_request,
-                              {{"reason", "bad_limit"}, {"message", error.what()}, {"limit", error.field()}});
-            return respond(std::move(response));
-        }
         const std::string base = context.base_url;
-        service_.sessions().create(
-            name, limits, context.client_address,
-            [respond, base](std::shared_ptr<AgentSession> session, std::optional<HttpError> error) {
-                if (error)
-                    return respond(json_error(error->status(), error->what(), error->reason()));
-                HttpResponse response = json_response(http::status::created, session->model());
-                response.set(http::field::location, base + "agent/v1/sessions/" + session->id());
-                respond(std::move(response));
-            });
+        translated(respond, [&] {
+            operations_.create_session(
+                body, caller_of(context),
+                answer_with<std::shared_ptr<AgentSession>>(respond, [base](const auto& session) {
+                    HttpResponse response = json_response(http::status::created, session->model());
+                    response.set(http::field::location, base + "agent/v1/sessions/" + session->id());
+                    return response;
+                }));
+        });
     }
 };
 
@@ -152,11 +126,13 @@ class SessionResource : public AgentResource {
     std::string allowed_methods() const override { return "GET, DELETE, OPTIONS"; }
 
     void get(RequestContext& context, Responder respond) override {
-        respond(json_response(http::status::ok, session(context)->model()));
+        translated(respond, [&] { respond(json_response(http::status::ok, session(context)->model())); });
     }
     void delete_(RequestContext& context, Responder respond) override {
-        service_.sessions().remove(session(context), "deleted through the agent API", context.client_address);
-        respond(empty_response(http::status::no_content));
+        translated(respond, [&] {
+            operations_.delete_session(session(context), caller_of(context), "deleted through the agent API");
+            respond(empty_response(http::status::no_content));
+        });
     }
 };
 
@@ -165,12 +141,11 @@ class ResetResource : public AgentResource {
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
     void post(RequestContext& context, Responder respond) override {
-        auto target = session(context);
-        target->reset(context.client_address, [target, respond](std::optional<std::string> error) {
-            if (error)
-                return respond(json_error(http::status::service_unavailable, "reset failed: " + *error,
-                                          "kernel_unavailable"));
-            respond(json_response(http::status::ok, target->model()));
+        translated(respond, [&] {
+            operations_.reset(session(context), caller_of(context),
+                              answer_with<std::shared_ptr<AgentSession>>(respond, [](const auto& session) {
+                                  return json_response(http::status::ok, session->model());
+                              }));
         });
     }
 };
@@ -186,7 +161,9 @@ class NdjsonExecution : public std::enable_shared_from_this<NdjsonExecution> {
                     std::size_t stream_cap)
         : stream_(std::move(stream)), keepalive_(io), keepalive_s_(keepalive_s), stream_cap_(stream_cap) {}
 
-    void start(const std::shared_ptr<AgentSession>& session, ExecuteRequest request) {
+    // `request` comes from AgentOperations::check_execute in this same turn.
+    void start(AgentOperations& operations, const std::shared_ptr<AgentSession>& session,
+               ExecuteRequest request) {
         write({{"type", "start"}, {"session", session->id()}});
         std::weak_ptr<NdjsonExecution> weak = weak_from_this();
         ExecuteHandlers handlers;
@@ -202,7 +179,8 @@ class NdjsonExecution : public std::enable_shared_from_this<NdjsonExecution> {
             self->keepalive_.cancel();
             self->stream_->finish();
         };
-        const std::uint64_t ticket = session->execute(std::move(request), std::move(handlers));
+        const std::uint64_t ticket =
+            operations.queue_checked(session, std::move(request), std::move(handlers));
         std::weak_ptr<AgentSession> weak_session = session;
         stream_->on_disconnect([weak_session, ticket, weak] {
             if (auto target = weak_session.lock())
@@ -270,51 +248,31 @@ class ExecuteResource : public AgentResource {
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
 
     void post(RequestContext& context, Responder respond) override {
-        auto target = session(context);
-        const json body = request_body(context);
-        if (target->queued() >= AgentSession::max_queued)
-            throw HttpError(
-                http::status::too_many_requests,
-                std::to_string(target->queued()) + " executes are already waiting in this session",
-                "session_busy");
-        if (!body.contains("code"))
-            throw HttpError(http::status::bad_request, "missing \"code\": the Python source to run",
-                            "missing_code");
-        if (!body["code"].is_string())
-            throw HttpError(http::status::bad_request, "\"code\" must be a string", "bad_type");
-        ExecuteRequest request;
-        request.code = body["code"].get<std::string>();
-        request.client_address = context.client_address;
-        if (body.contains("timeout_s") && !body["timeout_s"].is_null()) {
-            const json& timeout = body["timeout_s"];
-            if (!timeout.is_number() || timeout.get<double>() <= 0)
-                throw HttpError(http::status::bad_request, "\"timeout_s\" must be a number greater than 0",
-                                "bad_type");
-            request.timeout_s = timeout.get<double>();
-            if (request.timeout_s > target->record().limits.timeout_s)
-                throw HttpError(http::status::bad_request,
-                                "timeout_s = " + timeout.dump() +
-                                    " exceeds the session's limits.timeout_s of " +
-                                    json(target->record().limits.timeout_s).dump(),
-                                "bad_limit");
-        }
         const auto accept = context.request[http::field::accept];
-        const bool streaming = accept.find("application/x-ndjson") != std::string_view::npos;
-        if (!streaming || !context.start_stream) {
-            request.client_kind = "http";
-            ExecuteHandlers handlers;
-            handlers.on_done = [respond](json answer) { respond(json_response(http::status::ok, answer)); };
-            target->execute(std::move(request), std::move(handlers));
-            return;
-        }
-        request.client_kind = "ndjson";
-        HttpResponse head{http::status::ok, 11};
-        head.set(http::field::content_type, "application/x-ndjson");
-        head.set(http::field::cache_control, "no-store");
-        auto execution = std::make_shared<NdjsonExecution>(
-            context.start_stream(std::move(head)), service_.gateway().io, service_.config().keepalive_s,
-            service_.config().inline_output_bytes);
-        execution->start(target, std::move(request));
+        const bool streaming =
+            accept.find("application/x-ndjson") != std::string_view::npos && context.start_stream;
+        translated(respond, [&] {
+            auto target = session(context);
+            const ExecuteArguments arguments =
+                AgentOperations::parse_execute_arguments(request_body(context));
+            if (!streaming) {
+                ExecuteHandlers handlers;
+                handlers.on_done = [respond](json answer) {
+                    respond(json_response(http::status::ok, answer));
+                };
+                operations_.execute(target, arguments, caller_of(context), std::move(handlers));
+                return;
+            }
+            ExecuteRequest request =
+                operations_.check_execute(target, arguments, caller_of(context, "ndjson"));
+            HttpResponse head{http::status::ok, 11};
+            head.set(http::field::content_type, "application/x-ndjson");
+            head.set(http::field::cache_control, "no-store");
+            auto execution = std::make_shared<NdjsonExecution>(
+                context.start_stream(std::move(head)), service_.gateway().io, service_.config().keepalive_s,
+                service_.config().inline_output_bytes);
+            execution->start(operations_, target, std::move(request));
+        });
     }
 };
 
@@ -324,14 +282,15 @@ class FilesResource : public AgentResource {
   public:
     using AgentResource::AgentResource;
     void get(RequestContext& context, Responder respond) override {
-        with_workspace(session(context), respond, [](sandbox::Workspace& workspace) {
-            json files = json::array();
-            for (const auto& entry : workspace.list()) {
-                if (entry.is_directory)
-                    continue;
-                files.push_back({{"path", entry.path}, {"size", entry.size}});
-            }
-            return json_response(http::status::ok, {{"files", files}});
+        translated(respond, [&] {
+            operations_.list_files(
+                session(context),
+                answer_with<std::vector<WorkspaceFile>>(respond, [](const std::vector<WorkspaceFile>& found) {
+                    json files = json::array();
+                    for (const WorkspaceFile& file : found)
+                        files.push_back({{"path", file.path}, {"size", file.size}});
+                    return json_response(http::status::ok, {{"files", files}});
+                }));
         });
     }
 };
@@ -342,42 +301,38 @@ class FileResource : public AgentResource {
     std::string allowed_methods() const override { return "GET, PUT, DELETE, OPTIONS"; }
 
     void get(RequestContext& context, Responder respond) override {
-        const std::string relative = workspace_relative_path(context.param("path"));
-        const std::uint64_t cap = service_.config().max_file_bytes;
-        with_workspace(session(context), respond, [relative, cap](sandbox::Workspace& workspace) {
-            HttpResponse response{http::status::ok, 11};
-            response.set(http::field::content_type, "application/octet-stream");
-            response.body() = workspace.read_file(relative, cap);
-            response.prepare_payload();
-            return response;
+        translated(respond, [&] {
+            const std::string path = workspace_path(context.param("path"));
+            operations_.read_file(session(context), path,
+                                  answer_with<std::string>(respond, [](std::string& bytes) {
+                                      HttpResponse response{http::status::ok, 11};
+                                      response.set(http::field::content_type, "application/octet-stream");
+                                      response.body() = std::move(bytes);
+                                      response.prepare_payload();
+                                      return response;
+                                  }));
         });
     }
 
     void put(RequestContext& context, Responder respond) override {
-        const std::string relative = workspace_relative_path(context.param("path"));
-        auto target = session(context);
-        auto body = std::make_shared<std::string>(context.request.body());
-        const std::uint64_t cap = service_.config().max_file_bytes;
-        const std::string client = context.client_address;
-        with_workspace(target, respond, [relative, body, cap, target, client](sandbox::Workspace& workspace) {
-            workspace.write_file(relative, *body, cap);
-            target->audit({{"event", "file_put"},
-                           {"client", client},
-                           {"path", relative},
-                           {"bytes", body->size()},
-                           {"sha256", sha256_hex(*body)}});
-            return json_response(http::status::created, {{"path", relative}, {"size", body->size()}});
+        translated(respond, [&] {
+            const std::string path = workspace_path(context.param("path"));
+            const std::size_t size = context.request.body().size();
+            operations_.write_file(
+                session(context), path, context.request.body(), caller_of(context),
+                answer_with<std::string>(respond, [size](const std::string& relative) {
+                    return json_response(http::status::created, {{"path", relative}, {"size", size}});
+                }));
         });
     }
 
     void delete_(RequestContext& context, Responder respond) override {
-        const std::string relative = workspace_relative_path(context.param("path"));
-        auto target = session(context);
-        const std::string client = context.client_address;
-        with_workspace(target, respond, [relative, target, client](sandbox::Workspace& workspace) {
-            workspace.remove_file(relative);
-            target->audit({{"event", "file_delete"}, {"client", client}, {"path", relative}});
-            return empty_response(http::status::no_content);
+        translated(respond, [&] {
+            const std::string path = workspace_path(context.param("path"));
+            operations_.delete_file(session(context), path, caller_of(context),
+                                    answer_with<std::string>(respond, [](const std::string&) {
+                                        return empty_response(http::status::no_content);
+                                    }));
         });
     }
 };
@@ -389,14 +344,16 @@ class NotebookResource : public AgentResource {
   public:
     using AgentResource::AgentResource;
     void get(RequestContext& context, Responder respond) override {
-        auto target = session(context);
-        const auto errors = context.query.find("errors");
-        const bool only_ok =
-            errors != context.query.end() && (errors->second == "skip" || errors->second == "omit");
-        HttpResponse response = json_response(http::status::ok, target->notebook(only_ok));
-        response.set(http::field::content_disposition,
-                     "attachment; filename=\"" + target->name() + ".ipynb\"");
-        respond(std::move(response));
+        translated(respond, [&] {
+            auto target = session(context);
+            const auto errors = context.query.find("errors");
+            const bool only_ok =
+                errors != context.query.end() && (errors->second == "skip" || errors->second == "omit");
+            HttpResponse response = json_response(http::status::ok, operations_.notebook(target, only_ok));
+            response.set(http::field::content_disposition,
+                         "attachment; filename=\"" + target->name() + ".ipynb\"");
+            respond(std::move(response));
+        });
     }
 };
 
@@ -404,31 +361,28 @@ class AuditResource : public AgentResource {
   public:
     using AgentResource::AgentResource;
     void get(RequestContext& context, Responder respond) override {
-        auto target = session(context);
-        const bool ndjson =
-            context.request[http::field::accept].find("application/x-ndjson") != std::string_view::npos;
-        AuditQuery query{target->id(), context.query.contains("event") ? context.query.at("event") : "",
-                         context.query.contains("since") ? context.query.at("since") : "",
-                         context.query.contains("until") ? context.query.at("until") : ""};
-        StoreWriter& writer = service_.services().writer;
-        // Entries queued for the store are included: answer once the writer has reached this point.
-        writer.after_pending([&writer, target, respond, ndjson, query] {
-            std::vector<json> entries;
-            try {
-                entries = writer.store().audit(query);
-            } catch (const std::exception& error) {
-                return respond(json_error(http::status::internal_server_error,
-                                          std::string("cannot read the audit trail: ") + error.what()));
-            }
-            if (ndjson) {
-                HttpResponse response{http::status::ok, 11};
-                response.set(http::field::content_type, "application/x-ndjson");
-                for (const json& entry : entries)
-                    response.body() += entry.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
-                response.prepare_payload();
-                return respond(std::move(response));
-            }
-            respond(json_response(http::status::ok, {{"session", target->id()}, {"entries", json(entries)}}));
+        translated(respond, [&] {
+            auto target = session(context);
+            const bool ndjson =
+                context.request[http::field::accept].find("application/x-ndjson") != std::string_view::npos;
+            auto parameter = [&context](const char* name) {
+                const auto found = context.query.find(name);
+                return found == context.query.end() ? std::string() : found->second;
+            };
+            AuditQuery query{"", parameter("event"), parameter("since"), parameter("until")};
+            operations_.audit_trail(
+                target, std::move(query),
+                answer_with<std::vector<json>>(respond, [ndjson,
+                                                         id = target->id()](std::vector<json>& entries) {
+                    if (!ndjson)
+                        return json_response(http::status::ok, {{"session", id}, {"entries", json(entries)}});
+                    HttpResponse response{http::status::ok, 11};
+                    response.set(http::field::content_type, "application/x-ndjson");
+                    for (const json& entry : entries)
+                        response.body() += entry.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+                    response.prepare_payload();
+                    return response;
+                }));
         });
     }
 };
@@ -441,7 +395,8 @@ AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
     : gateway_(gateway),
       config_(config),
       session_services_{gateway.io, gateway.logger, gateway.kernels, config_, gateway.writer},
-      registry_(session_services_) {}
+      registry_(session_services_),
+      operations_(session_services_, registry_) {}
 
 AgentService::~AgentService() = default;
 
@@ -450,11 +405,11 @@ void AgentService::start() {
 }
 
 std::shared_ptr<AgentSession> AgentService::require_session(const std::string& id_or_name) const {
-    auto session = registry_.find(id_or_name);
-    if (!session)
-        throw HttpError(http::status::not_found, "no agent session with id or name '" + id_or_name + "'",
-                        "unknown_session");
-    return session;
+    try {
+        return operations_.session(id_or_name);
+    } catch (const OperationError& error) {
+        throw HttpError(http_status(error.kind()), error.what(), error.reason());
+    }
 }
 
 void AgentService::register_routes(Router& router) {

@@ -44,11 +44,11 @@ json digest_of(const std::string& text) {
 }
 }  // namespace
 
-AgentSession::AgentSession(SessionServices& services, Record record, std::vector<json> cells)
+AgentSession::AgentSession(AgentSessionServices& services, Record record, std::vector<json> cells)
     : services_(services),
       record_(std::move(record)),
       cells_(std::move(cells)),
-      link_session_id_(std::string(KernelSession::agent_prefix) + record_.id),
+      link_session_id_(std::string(KernelClientLink::agent_prefix) + record_.id),
       deadline_timer_(services.io) {
     had_kernel_ = !cells_.empty();
 }

@@ -22,14 +22,8 @@ constexpr std::size_t max_read_bytes = 1u << 20;  // read_file returns at most t
 constexpr int parse_error = -32700, invalid_request = -32600, method_not_found = -32601,
               invalid_params = -32602;
 
-class ToolError : public std::runtime_error {
-  public:
-    using std::runtime_error::runtime_error;
-};
-class ParamsError : public std::runtime_error {
-  public:
-    using std::runtime_error::runtime_error;
-};
+using SessionPtr = std::shared_ptr<AgentSession>;
+using Reply = std::function<void(std::optional<json>)>;
 
 json rpc_result(const json& id, json result) {
     return {{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}};
@@ -45,10 +39,36 @@ json tool_text(const std::string& text, bool is_error) {
     return {{"content", json::array({text_content(text)})}, {"isError", is_error}};
 }
 
+// A refusal of the agent operations as MCP: a malformed call (an argument missing or of the wrong type) is a
+// JSON-RPC invalid-params error, as the protocol asks; any other refusal is a tool error the model can read
+// and act on. Both carry the same {"reason", "message", ...} as the REST API's error body (in the error's
+// `data`, in the result's `structuredContent`).
+json tool_refusal(const json& id, const OperationError& error) {
+    if (error.kind() == OperationErrorKind::malformed) {
+        json reply = rpc_error(id, invalid_params, error.what());
+        reply["error"]["data"] = error.to_json();
+        return reply;
+    }
+    json result = tool_text(std::string(error.what()) + " (" + error.reason() + ")", true);
+    result["structuredContent"] = error.to_json();
+    return rpc_result(id, std::move(result));
+}
+
+// The callback of an operation answering `Value`: `render` turns the value into the tool's result.
+template <class Value, class Render>
+AgentOperations::Then<Value> rendered(const json& id, Reply reply, Render render) {
+    return [id, reply = std::move(reply), render = std::move(render)](Outcome<Value> outcome) {
+        if (!outcome.ok())
+            return reply(tool_refusal(id, outcome.error()));
+        reply(rpc_result(id, render(outcome.value())));
+    };
+}
+
 std::string decode_base64_argument(const std::string& text) {
     auto decoded = base64_decode(text);
     if (!decoded)
-        throw ParamsError("content_base64 is not valid base64");
+        throw OperationError(OperationErrorKind::malformed, "bad_base64",
+                             "content_base64 is not valid base64");
     return *decoded;
 }
 
@@ -113,11 +133,13 @@ std::string string_argument(const json& arguments, const char* name, bool requir
                             const std::string& fallback = {}) {
     if (!arguments.contains(name) || arguments[name].is_null()) {
         if (required)
-            throw ParamsError(std::string("missing argument \"") + name + "\"");
+            throw OperationError(OperationErrorKind::malformed, "missing_argument",
+                                 std::string("missing argument \"") + name + "\"");
         return fallback;
     }
     if (!arguments[name].is_string())
-        throw ParamsError(std::string("argument \"") + name + "\" must be a string");
+        throw OperationError(OperationErrorKind::malformed, "bad_type",
+                             std::string("argument \"") + name + "\" must be a string");
     return arguments[name].get<std::string>();
 }
 
@@ -160,7 +182,7 @@ json execute_content(const json& answer) {
 
 class McpResource : public RestResource {
   public:
-    explicit McpResource(AgentService& service) : service_(service) {}
+    explicit McpResource(AgentService& service) : operations_(service.operations()) {}
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
 
     void get(RequestContext&, Responder respond) override {
@@ -212,8 +234,6 @@ class McpResource : public RestResource {
     }
 
   private:
-    using Reply = std::function<void(std::optional<json>)>;
-
     void handle(const json& message, const std::string& client, Reply reply) {
         if (!message.is_object() || message.value("jsonrpc", "") != "2.0" || !message.contains("method") ||
             !message["method"].is_string()) {
@@ -257,10 +277,9 @@ class McpResource : public RestResource {
             if (!arguments.is_object())
                 return reply(rpc_error(id, invalid_params, "params.arguments must be an object"));
             try {
-                call_tool(params["name"].get<std::string>(), arguments, client,
-                          [id, reply](json result) { reply(rpc_result(id, std::move(result))); });
-            } catch (const ParamsError& error) {
-                reply(rpc_error(id, invalid_params, error.what()));
+                call_tool(params["name"].get<std::string>(), arguments, Caller{client, "mcp"}, id, reply);
+            } catch (const OperationError& error) {
+                reply(tool_refusal(id, error));
             } catch (const std::exception& error) {
                 reply(rpc_result(id, tool_text(error.what(), true)));
             }
@@ -269,158 +288,111 @@ class McpResource : public RestResource {
         reply(rpc_error(id, method_not_found, "Method not found: " + method));
     }
 
-    // Finds the named session or creates it with the default limits.
-    void with_session(const std::string& name, const std::string& client,
-                      std::function<void(std::shared_ptr<AgentSession>)> use,
-                      std::function<void(json)> done) {
-        if (auto session = service_.sessions().find(name))
-            return use(session);
-        service_.sessions().create(
-            name, service_.config().default_limits, client,
-            [this, name, use, done](std::shared_ptr<AgentSession> session, std::optional<HttpError> error) {
-                // Two calls for a new name at once: the second finds the session the first is creating.
-                if (error && error->status() == http::status::conflict)
-                    session = service_.sessions().find(name);
-                if (!session) {
-                    return done(tool_text(
-                        std::string("cannot create the session: ") + (error ? error->what() : "gone"), true));
-                }
-                session->ensure_kernel([session, use, done](std::optional<std::string> failure) {
-                    if (failure)
-                        return done(tool_text("the session has no kernel: " + *failure, true));
-                    use(session);
-                });
-            });
+    // Runs `use` on the named session (created on first use of a name); a refusal, there or thrown by
+    // `use`, is the tool's answer.
+    void on_session(const std::string& name, const Caller& caller, const json& id, const Reply& reply,
+                    std::function<void(const SessionPtr&)> use) {
+        operations_.session_or_create(name, caller,
+                                      [id, reply, use = std::move(use)](Outcome<SessionPtr> outcome) {
+                                          if (!outcome.ok())
+                                              return reply(tool_refusal(id, outcome.error()));
+                                          try {
+                                              use(outcome.value());
+                                          } catch (const OperationError& error) {
+                                              reply(tool_refusal(id, error));
+                                          }
+                                      });
     }
 
-    void with_files(const std::string& name, const std::string& client,
-                    std::function<json(sandbox::Workspace&)> action, std::function<void(json)> done) {
-        with_session(
-            name, client,
-            [action, done](std::shared_ptr<AgentSession> session) {
-                session->touch();
-                session->ensure_kernel([session, action, done](std::optional<std::string> error) {
-                    if (error || !session->workspace())
-                        return done(tool_text("the session has no kernel: " + error.value_or("?"), true));
-                    try {
-                        sandbox::Workspace workspace(*session->workspace());
-                        done(action(workspace));
-                    } catch (const std::exception& failure) {
-                        done(tool_text(failure.what(), true));
-                    }
-                });
-            },
-            done);
-    }
-
-    void call_tool(const std::string& tool, const json& arguments, const std::string& client,
-                   std::function<void(json)> done) {
+    // Arguments are checked before the session is looked up or created, so a malformed call creates nothing.
+    void call_tool(const std::string& tool, const json& arguments, const Caller& caller, const json& id,
+                   const Reply& reply) {
         const std::string name = string_argument(arguments, "session", false, "default");
         if (tool == "run_python") {
-            ExecuteRequest request;
-            request.code = string_argument(arguments, "code", true);
-            request.client_address = client;
-            request.client_kind = "mcp";
-            if (arguments.contains("timeout_s") && !arguments["timeout_s"].is_null()) {
-                if (!arguments["timeout_s"].is_number() || arguments["timeout_s"].get<double>() <= 0)
-                    throw ParamsError("timeout_s must be a positive number");
-                request.timeout_s = arguments["timeout_s"].get<double>();
-            }
-            return with_session(
-                name, client,
-                [request, done](std::shared_ptr<AgentSession> session) mutable {
-                    request.timeout_s = std::min(
-                        request.timeout_s > 0 ? request.timeout_s : session->record().limits.timeout_s,
-                        session->record().limits.timeout_s);
-                    ExecuteHandlers handlers;
-                    handlers.on_done = [done](json answer) { done(execute_content(answer)); };
-                    session->execute(std::move(request), std::move(handlers));
-                },
-                done);
+            const ExecuteArguments parsed = AgentOperations::parse_execute_arguments(arguments);
+            return on_session(name, caller, id, reply,
+                              [this, parsed, caller, id, reply](const SessionPtr& session) {
+                                  ExecuteHandlers handlers;
+                                  handlers.on_done = [id, reply](json answer) {
+                                      reply(rpc_result(id, execute_content(answer)));
+                                  };
+                                  operations_.execute(session, parsed, caller, std::move(handlers));
+                              });
         }
         if (tool == "list_files") {
-            return with_files(
-                name, client,
-                [](sandbox::Workspace& workspace) {
-                    json files = json::array();
-                    std::string text;
-                    for (const auto& entry : workspace.list()) {
-                        if (entry.is_directory)
-                            continue;
-                        files.push_back({{"path", entry.path}, {"size", entry.size}});
-                        text += entry.path + "\t" + std::to_string(entry.size) + " bytes\n";
-                    }
-                    if (text.empty())
-                        text = "(the workspace is empty)\n";
-                    json result = tool_text(text, false);
-                    result["structuredContent"] = {{"files", files}};
-                    return result;
-                },
-                done);
+            return on_session(name, caller, id, reply, [this, id, reply](const SessionPtr& session) {
+                operations_.list_files(
+                    session, rendered<std::vector<WorkspaceFile>>(
+                                 id, reply, [](const std::vector<WorkspaceFile>& found) {
+                                     json files = json::array();
+                                     std::string text;
+                                     for (const WorkspaceFile& file : found) {
+                                         files.push_back({{"path", file.path}, {"size", file.size}});
+                                         text += file.path + "\t" + std::to_string(file.size) + " bytes\n";
+                                     }
+                                     if (text.empty())
+                                         text = "(the workspace is empty)\n";
+                                     json result = tool_text(text, false);
+                                     result["structuredContent"] = {{"files", files}};
+                                     return result;
+                                 }));
+            });
         }
         if (tool == "upload_file") {
-            const std::string path =
-                string_argument(arguments, "path", true);  // the Workspace refuses escapes
+            const std::string path = workspace_path(string_argument(arguments, "path", true));
             std::string bytes;
             if (arguments.contains("content_base64") && !arguments["content_base64"].is_null())
                 bytes = decode_base64_argument(string_argument(arguments, "content_base64", true));
             else
                 bytes = string_argument(arguments, "content", true);
-            const std::uint64_t cap = service_.config().max_file_bytes;
+            const std::size_t size = bytes.size();
             auto shared_bytes = std::make_shared<std::string>(std::move(bytes));
-            return with_files(
-                name, client,
-                [path, shared_bytes, cap](sandbox::Workspace& workspace) {
-                    workspace.write_file(path, *shared_bytes, cap);
-                    return tool_text(
-                        "wrote " + path + " (" + std::to_string(shared_bytes->size()) + " bytes)", false);
-                },
-                done);
+            return on_session(name, caller, id, reply,
+                              [this, path, shared_bytes, size, caller, id, reply](const SessionPtr& session) {
+                                  operations_.write_file(
+                                      session, path, *shared_bytes, caller,
+                                      rendered<std::string>(id, reply, [size](const std::string& relative) {
+                                          return tool_text(
+                                              "wrote " + relative + " (" + std::to_string(size) + " bytes)",
+                                              false);
+                                      }));
+                              });
         }
         if (tool == "read_file") {
-            const std::string path =
-                string_argument(arguments, "path", true);  // the Workspace refuses escapes
-            const std::uint64_t cap = service_.config().max_file_bytes;
-            return with_files(
-                name, client,
-                [path, cap](sandbox::Workspace& workspace) {
-                    const std::string bytes = workspace.read_file(path, cap);
-                    if (is_valid_utf8(bytes)) {
-                        return tool_text(shield_text(bytes, max_read_bytes, path).text, false);
-                    }
-                    if (bytes.size() > max_read_bytes)
-                        return tool_text(
-                            path + " is a binary file of " + std::to_string(bytes.size()) +
-                                " bytes, too large to return inline; process it with run_python instead",
-                            true);
-                    json result = {{"content", json::array({{{"type", "resource"},
-                                                             {"resource",
-                                                              {{"uri", "file:///workspace/" + path},
-                                                               {"mimeType", "application/octet-stream"},
-                                                               {"blob", base64_encode(bytes)}}}}})},
-                                   {"isError", false}};
-                    return result;
-                },
-                done);
+            const std::string path = workspace_path(string_argument(arguments, "path", true));
+            return on_session(name, caller, id, reply, [this, path, id, reply](const SessionPtr& session) {
+                operations_.read_file(
+                    session, path, rendered<std::string>(id, reply, [path](const std::string& bytes) {
+                        if (is_valid_utf8(bytes))
+                            return tool_text(shield_text(bytes, max_read_bytes, path).text, false);
+                        if (bytes.size() > max_read_bytes)
+                            return tool_text(
+                                path + " is a binary file of " + std::to_string(bytes.size()) +
+                                    " bytes, too large to return inline; process it with run_python instead",
+                                true);
+                        return json{{"content", json::array({{{"type", "resource"},
+                                                              {"resource",
+                                                               {{"uri", "file:///workspace/" + path},
+                                                                {"mimeType", "application/octet-stream"},
+                                                                {"blob", base64_encode(bytes)}}}}})},
+                                    {"isError", false}};
+                    }));
+            });
         }
         if (tool == "reset_session") {
-            return with_session(
-                name, client,
-                [client, done](std::shared_ptr<AgentSession> session) {
-                    session->reset(client, [done](std::optional<std::string> error) {
-                        if (error)
-                            return done(tool_text("reset failed: " + *error, true));
-                        done(tool_text(
+            return on_session(name, caller, id, reply, [this, caller, id, reply](const SessionPtr& session) {
+                operations_.reset(
+                    session, caller, rendered<SessionPtr>(id, reply, [](const SessionPtr&) {
+                        return tool_text(
                             "the session's interpreter was restarted; files in its workspace are kept",
-                            false));
-                    });
-                },
-                done);
+                            false);
+                    }));
+            });
         }
-        throw ParamsError("unknown tool: " + tool);
+        throw OperationError(OperationErrorKind::malformed, "unknown_tool", "unknown tool: " + tool);
     }
 
-    AgentService& service_;
+    AgentOperations& operations_;
 };
 
 }  // namespace

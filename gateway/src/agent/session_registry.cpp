@@ -29,7 +29,7 @@ bool valid_session_name(std::string_view name) {
     return !looks_like_kernel_id(name);  // ids and names share one namespace in URLs
 }
 
-AgentSessionRegistry::AgentSessionRegistry(SessionServices& services)
+AgentSessionRegistry::AgentSessionRegistry(AgentSessionServices& services)
     : services_(services), expiry_timer_(services.io) {}
 
 AgentSessionRegistry::~AgentSessionRegistry() {

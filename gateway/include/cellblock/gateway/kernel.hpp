@@ -51,11 +51,14 @@ std::string_view kernel_state_name(KernelState state);
 
 class Kernel;
 
-// The per-session_id ZMQ sockets and the offline buffer.
-class KernelSession {
+// One client's link to a kernel, keyed by the Jupyter session_id it connects with (a WebSocket client's, or
+// an agent session's): its own DEALER sockets (shell, control, stdin) with that routing identity, and the
+// buffer of messages kept while no client is attached. Not a /api/sessions session (JupyterSessionManager)
+// nor an agent session (agent::AgentSession).
+class KernelClientLink {
   public:
-    KernelSession(std::string session_id, Kernel& kernel);
-    ~KernelSession();
+    KernelClientLink(std::string session_id, Kernel& kernel);
+    ~KernelClientLink();
     const std::string& session_id() const { return session_id_; }
     bool attached() const { return attached_client_ != nullptr; }
     // Prefix of session ids the gateway generates for clients that send no session_id.
@@ -139,8 +142,9 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void notify_clients(const std::string& text);
 
     // WebSocket sessions. Attaching a session_id that is already attached disconnects the older client.
-    std::shared_ptr<KernelSession> attach(const std::string& session_id, std::weak_ptr<KernelClient> client);
-    void detach(const std::shared_ptr<KernelSession>& session, const KernelClient* client);
+    std::shared_ptr<KernelClientLink> attach(const std::string& session_id,
+                                             std::weak_ptr<KernelClient> client);
+    void detach(const std::shared_ptr<KernelClientLink>& session, const KernelClient* client);
     // Drops detached sessions older than the configured TTL; returns how many are left.
     void expire_detached_sessions();
 
@@ -159,9 +163,9 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
         terminated_handler_ = std::move(handler);
     }
 
-    // Used by KernelSession.
+    // Used by KernelClientLink.
     std::shared_ptr<ZmqChannel> connect_dealer(int port, const std::string& identity, Channel channel,
-                                               std::weak_ptr<KernelSession> session);
+                                               std::weak_ptr<KernelClientLink> session);
     const HmacSigner& signer() const { return signer_; }
     const GatewayConfig& config() const { return config_; }
     const Logger& logger() const { return logger_; }
@@ -182,7 +186,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // `ready`: the reply proves the kernel is alive; without one, readiness is probed with kernel_info.
     void handle_replay_reply(const nlohmann::json& content, bool ready);
     // The messages a session attaching now should get first (output sent while no gateway listened).
-    void hand_backlog(KernelSession& session);
+    void hand_backlog(KernelClientLink& session);
     void watch_process();
     void broadcast(const JupyterMessage& message);
     void set_state(KernelState state) { state_ = state; }
@@ -199,7 +203,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::unique_ptr<ChildProcess> process_;
     std::shared_ptr<ZmqChannel> iopub_, probe_shell_, probe_control_;
     std::string probe_session_;
-    std::map<std::string, std::shared_ptr<KernelSession>> sessions_;
+    std::map<std::string, std::shared_ptr<KernelClientLink>> sessions_;
     KernelState state_ = KernelState::starting;
     bool ready_ = false;
     bool kernel_info_answered_ = false;

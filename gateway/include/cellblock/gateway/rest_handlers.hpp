@@ -19,7 +19,7 @@ struct GatewayServices {
     const GatewayConfig& config;
     KernelSpecRegistry& kernelspecs;
     KernelManager& kernels;
-    SessionManager& sessions;
+    JupyterSessionManager& sessions;
     StoreWriter& writer;
     const TokenAuthenticator& auth;
     const CorsPolicy& cors;

@@ -10,31 +10,31 @@
 
 namespace cellblock::gateway {
 
-struct SessionRecord {
+struct JupyterSessionRecord {
     std::string id, path, name, type, kernel_id;
     nlohmann::json to_json() const;
-    static std::optional<SessionRecord> from_json(const nlohmann::json& stored);
+    static std::optional<JupyterSessionRecord> from_json(const nlohmann::json& stored);
 };
 
-class SessionManager {
+class JupyterSessionManager {
   public:
-    explicit SessionManager(StoreWriter& writer) : writer_(writer) {}
+    explicit JupyterSessionManager(StoreWriter& writer) : writer_(writer) {}
     // Reloads the stored sessions whose kernel exists (the others are forgotten, in the store too).
     template <typename KernelExists>
     void load(KernelExists&& kernel_exists) {
         for (const nlohmann::json& stored : writer_.store().jupyter_sessions()) {
-            auto record = SessionRecord::from_json(stored);
+            auto record = JupyterSessionRecord::from_json(stored);
             if (record && kernel_exists(record->kernel_id))
                 sessions_.emplace(record->id, *record);
             else if (record)
                 forget(record->id);
         }
     }
-    SessionRecord& create(std::string path, std::string name, std::string type, std::string kernel_id);
-    SessionRecord* find(const std::string& id);
-    SessionRecord* find_by_path(const std::string& path);
+    JupyterSessionRecord& create(std::string path, std::string name, std::string type, std::string kernel_id);
+    JupyterSessionRecord* find(const std::string& id);
+    JupyterSessionRecord* find_by_path(const std::string& path);
     // Writes `record` (changed in place by a PATCH) to the store.
-    void save(const SessionRecord& record);
+    void save(const JupyterSessionRecord& record);
     bool remove(const std::string& id);
     // Sessions whose kernel is gone (deleted or culled through /api/kernels) are forgotten.
     template <typename KernelExists>
@@ -48,12 +48,12 @@ class SessionManager {
             it = sessions_.erase(it);
         }
     }
-    const std::map<std::string, SessionRecord>& all() const { return sessions_; }
+    const std::map<std::string, JupyterSessionRecord>& all() const { return sessions_; }
 
   private:
     void forget(const std::string& id);
     StoreWriter& writer_;
-    std::map<std::string, SessionRecord> sessions_;
+    std::map<std::string, JupyterSessionRecord> sessions_;
 };
 
 }  // namespace cellblock::gateway

@@ -27,7 +27,7 @@ class KernelChannelsConnection : public KernelClient,
     void reject(const std::string& reason, const std::string& parent_msg_id);
 
     std::shared_ptr<Kernel> kernel_;
-    std::shared_ptr<KernelSession> session_;
+    std::shared_ptr<KernelClientLink> session_;
     std::shared_ptr<WebSocketTransport> transport_;
     const Logger& logger_;
     std::size_t max_pending_send_bytes_;

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "cellblock/gateway/agent/agent_config.hpp"
+#include "cellblock/gateway/agent/agent_operations.hpp"
 #include "cellblock/gateway/agent/session_registry.hpp"
 #include "cellblock/gateway/rest_handlers.hpp"
 
@@ -20,7 +21,9 @@ class AgentService {
     void start();
 
     AgentSessionRegistry& sessions() { return registry_; }
-    SessionServices& services() { return session_services_; }
+    // What the REST resources and the MCP tools call: every rule of the agent API is there.
+    AgentOperations& operations() { return operations_; }
+    AgentSessionServices& services() { return session_services_; }
     GatewayServices& gateway() { return gateway_; }
     const AgentConfig& config() const { return config_; }
 
@@ -30,9 +33,13 @@ class AgentService {
   private:
     GatewayServices& gateway_;
     const AgentConfig& config_;
-    SessionServices session_services_;
+    AgentSessionServices session_services_;
     AgentSessionRegistry registry_;
+    AgentOperations operations_;
 };
+
+// The HTTP status of a refusal of the agent operations.
+http::status http_status(OperationErrorKind kind);
 
 // Registers POST /mcp (Model Context Protocol, Streamable HTTP transport answering with application/json).
 void register_mcp_endpoint(Router& router, AgentService& service);

@@ -22,8 +22,9 @@
 
 namespace cellblock::gateway::agent {
 
-// What sessions share; owned by the AgentService.
-struct SessionServices {
+// What every agent session shares (the io_context, logger, KernelManager, config and store writer); owned by
+// the AgentService.
+struct AgentSessionServices {
     boost::asio::io_context& io;
     const Logger& logger;
     KernelManager& kernels;
@@ -52,7 +53,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     using Done = std::function<void(std::optional<std::string> error)>;
 
     // `cells` is the history reloaded from the store (empty for a new session).
-    AgentSession(SessionServices& services, Record record, std::vector<nlohmann::json> cells);
+    AgentSession(AgentSessionServices& services, Record record, std::vector<nlohmann::json> cells);
     ~AgentSession() override;
 
     // Starts a kernel for the session unless it has a live one; `done` runs once it is ready.
@@ -136,12 +137,12 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void fail_every_waiter(const std::string& cause);
     nlohmann::json runtime_info() const;
 
-    SessionServices& services_;
+    AgentSessionServices& services_;
     Record record_;
     std::vector<nlohmann::json> cells_;
     std::string link_session_id_;  // our session_id on the kernel (ZMQ routing identity)
     std::shared_ptr<Kernel> kernel_;
-    std::shared_ptr<KernelSession> link_;
+    std::shared_ptr<KernelClientLink> link_;
     nlohmann::json kernel_info_;  // kernel_info_reply content of the current kernel
     std::string kernel_info_msg_id_;
     // Whether a request for the kernel is in flight; every caller of ensure_kernel waits in kernel_waiters_

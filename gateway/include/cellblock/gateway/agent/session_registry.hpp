@@ -18,7 +18,7 @@ bool valid_session_name(std::string_view name);
 
 class AgentSessionRegistry {
   public:
-    explicit AgentSessionRegistry(SessionServices& services);
+    explicit AgentSessionRegistry(AgentSessionServices& services);
     ~AgentSessionRegistry();
 
     // After KernelManager::start(): reloads the recorded sessions, each with its re-adopted kernel (or a note
@@ -40,7 +40,7 @@ class AgentSessionRegistry {
     void schedule_expiry();
     void expire_idle();
 
-    SessionServices& services_;
+    AgentSessionServices& services_;
     std::map<std::string, std::shared_ptr<AgentSession>> by_id_;
     std::map<std::string, std::string> id_by_name_;
     boost::asio::steady_timer expiry_timer_;

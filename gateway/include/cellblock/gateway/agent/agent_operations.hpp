@@ -1,0 +1,152 @@
+#pragma once
+// The agent operations, once for every transport: creating and finding sessions, executing code, files,
+// the notebook, the audit trail, reset and delete. Each operation validates its arguments with the same
+// limits, caps and audit entries whichever client asked, and answers a value or an OperationError. The REST
+// resources (agent_api.cpp) and the MCP tools (mcp_endpoint.cpp) only translate: their request into
+// arguments, the answer or the error into their wire format (as jupyter_server's handlers sit over its
+// managers).
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "cellblock/gateway/agent/session_registry.hpp"
+#include "cellblock/gateway/store.hpp"
+
+namespace cellblock::gateway::agent {
+
+// Why an operation refused, in terms each transport maps once: REST to an HTTP status
+// (agent_api.cpp), MCP to a JSON-RPC error or a tool error (mcp_endpoint.cpp).
+enum class OperationErrorKind {
+    malformed,    // an argument is missing or of the wrong type (REST 400; MCP JSON-RPC -32602)
+    refused,      // well-formed but not allowed: a limit above the session's, a path leaving the workspace,
+                  // an invalid name (REST 400; MCP tool error)
+    not_found,    // no such session or file (404)
+    conflict,     // a session of that name exists (409)
+    gone,         // the session was deleted while the operation waited (410)
+    too_large,    // a file above the size cap (413)
+    busy,         // the session's queue or the session count is at its cap (429)
+    unavailable,  // the session has no kernel (503)
+    internal,     // the gateway failed (500)
+};
+
+class OperationError : public std::runtime_error {
+  public:
+    // `reason` is the stable machine-readable word ("bad_limit", "unknown_session", ...); `detail` adds
+    // fields to the error's JSON (e.g. {"limit": "timeout_s"}).
+    OperationError(OperationErrorKind kind, std::string reason, const std::string& message,
+                   nlohmann::json detail = nlohmann::json::object())
+        : std::runtime_error(message), kind_(kind), reason_(std::move(reason)), detail_(std::move(detail)) {}
+    OperationErrorKind kind() const { return kind_; }
+    const std::string& reason() const { return reason_; }
+    const nlohmann::json& detail() const { return detail_; }
+    // {"reason", "message", ...detail}: the body of a REST error, the structured content of an MCP one.
+    nlohmann::json to_json() const;
+
+  private:
+    OperationErrorKind kind_;
+    std::string reason_;
+    nlohmann::json detail_;
+};
+
+// An operation's answer: its value or why it was refused.
+template <class Value>
+class Outcome {
+  public:
+    Outcome(Value value) : state_(std::move(value)) {}
+    Outcome(OperationError error) : state_(std::move(error)) {}
+    bool ok() const { return std::holds_alternative<Value>(state_); }
+    Value& value() { return std::get<Value>(state_); }
+    const OperationError& error() const { return std::get<OperationError>(state_); }
+
+  private:
+    std::variant<Value, OperationError> state_;
+};
+
+// Who asked: the client's address and the transport ("http", "ndjson", "mcp"), for the audit trail.
+struct Caller {
+    std::string address;
+    std::string via;
+};
+
+struct WorkspaceFile {
+    std::string path;  // relative to the workspace
+    std::uint64_t size = 0;
+};
+
+struct ExecuteArguments {
+    std::string code;
+    std::optional<double> timeout_s;  // none: the session's limits.timeout_s
+};
+
+class AgentOperations {
+  public:
+    using SessionPtr = std::shared_ptr<AgentSession>;
+    template <class Value>
+    using Then = std::function<void(Outcome<Value>)>;
+
+    AgentOperations(AgentSessionServices& services, AgentSessionRegistry& registry);
+
+    // ---- sessions
+    // `arguments`: {"name"?: string, "limits"?: {...}}; answers once the session's kernel is ready.
+    void create_session(const nlohmann::json& arguments, const Caller& caller, Then<SessionPtr> then);
+    // By id, then by name; throws OperationError not_found "unknown_session".
+    SessionPtr session(const std::string& id_or_name) const;
+    // The session of that id or name, created with the default limits on first use of a name (MCP's
+    // sessions appear on demand); an id of no session is "unknown_session" as everywhere else. Answers once
+    // the session has a kernel.
+    void session_or_create(const std::string& id_or_name, const Caller& caller, Then<SessionPtr> then);
+    std::vector<SessionPtr> sessions() const;
+    void delete_session(const SessionPtr& session, const Caller& caller, const std::string& reason);
+    // Restarts the session's interpreter (variables gone, files kept) after what is queued.
+    void reset(const SessionPtr& session, const Caller& caller, Then<SessionPtr> then);
+
+    // ---- execute
+    // Reads {"code": string, "timeout_s"?: number > 0}; throws OperationError malformed. Needs no session,
+    // so a malformed call is refused before a session is looked up or created.
+    static ExecuteArguments parse_execute_arguments(const nlohmann::json& arguments);
+    // Checks the session's queue cap and that timeout_s is within the session's limit, then queues the
+    // execute; throws OperationError when refused. `handlers.on_done` gets the answer. Returns the ticket
+    // for AgentSession::abandon.
+    std::uint64_t execute(const SessionPtr& session, const ExecuteArguments& arguments, const Caller& caller,
+                          ExecuteHandlers handlers);
+    // The same in two steps, for a transport that must commit to an answer (start a stream) between the
+    // check and the queueing: `check_execute` throws what `execute` would; `queue_checked` queues its
+    // request and must follow it in the same turn of the io_context (nothing else may queue in between).
+    ExecuteRequest check_execute(const SessionPtr& session, const ExecuteArguments& arguments,
+                                 const Caller& caller) const;
+    std::uint64_t queue_checked(const SessionPtr& session, ExecuteRequest request, ExecuteHandlers handlers);
+
+    // ---- files: each waits for the session's kernel (and so its workspace). Paths are checked by
+    // workspace_path(); writes and deletes are audited.
+    void list_files(const SessionPtr& session, Then<std::vector<WorkspaceFile>> then);
+    void read_file(const SessionPtr& session, const std::string& path, Then<std::string> then);
+    // Answers the workspace-relative path written.
+    void write_file(const SessionPtr& session, const std::string& path, std::string bytes,
+                    const Caller& caller, Then<std::string> then);
+    void delete_file(const SessionPtr& session, const std::string& path, const Caller& caller,
+                     Then<std::string> then);
+
+    // ---- history
+    // nbformat 4.5; `only_ok` leaves out cells that failed or timed out.
+    nlohmann::json notebook(const SessionPtr& session, bool only_ok) const;
+    // The audit entries matching `query` (its `session` is set here), including those still queued for
+    // the store.
+    void audit_trail(const SessionPtr& session, AuditQuery query, Then<std::vector<nlohmann::json>> then);
+
+  private:
+    AgentSessionServices& services_;
+    AgentSessionRegistry& registry_;
+};
+
+// A client's file path as a workspace-relative path: empty components collapse; throws OperationError
+// refused "bad_path" for an empty path, a leading '/', "." or ".." components and NUL bytes.
+std::string workspace_path(const std::string& path);
+
+}  // namespace cellblock::gateway::agent

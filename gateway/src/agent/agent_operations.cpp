@@ -1,0 +1,311 @@
+#include "cellblock/gateway/agent/agent_operations.hpp"
+
+#include "cellblock/gateway/agent/output_shield.hpp"
+#include "cellblock/gateway/rest_handlers.hpp"
+#include "cellblock/sandbox/sandbox.hpp"
+
+namespace cellblock::gateway::agent {
+
+using nlohmann::json;
+using Kind = OperationErrorKind;
+
+json OperationError::to_json() const {
+    json body = {{"reason", reason_}, {"message", what()}};
+    if (detail_.is_object())
+        body.update(detail_);
+    return body;
+}
+
+std::string workspace_path(const std::string& path) {
+    if (path.find('\0') != std::string::npos)
+        throw OperationError(Kind::refused, "bad_path", "file paths must not contain NUL bytes");
+    // REST's route never yields a leading '/' (the router collapses empty segments); MCP's argument can.
+    if (path.starts_with('/'))
+        throw OperationError(Kind::refused, "bad_path",
+                             "file paths are relative to the workspace (no leading '/')");
+    std::string relative;
+    for (const std::string& component : split_path(path)) {
+        if (component == "." || component == "..")
+            throw OperationError(Kind::refused, "bad_path",
+                                 "file paths must stay inside the workspace ('.' and '..' are refused)");
+        if (!relative.empty())
+            relative.push_back('/');
+        relative += component;
+    }
+    if (relative.empty())
+        throw OperationError(Kind::refused, "bad_path", "empty file path");
+    return relative;
+}
+
+namespace {
+
+// The registry answers in HTTP terms (it predates this layer); one place turns them into kinds.
+OperationError from_registry(const HttpError& error) {
+    switch (error.status()) {
+        case http::status::too_many_requests:
+            return {Kind::busy, error.reason(), error.what()};
+        case http::status::conflict:
+            return {Kind::conflict, error.reason(), error.what()};
+        case http::status::gone:
+            return {Kind::gone, error.reason(), error.what()};
+        case http::status::service_unavailable:
+            return {Kind::unavailable, error.reason(), error.what()};
+        case http::status::bad_request:
+            return {Kind::refused, error.reason(), error.what()};
+        default:
+            return {Kind::internal, error.reason().empty() ? "internal_error" : error.reason(), error.what()};
+    }
+}
+
+OperationError from_workspace(const sandbox::WorkspaceError& error) {
+    using WorkspaceKind = sandbox::WorkspaceError::Kind;
+    switch (error.kind()) {
+        case WorkspaceKind::not_found:
+            return {Kind::not_found, "file_not_found", error.what()};
+        case WorkspaceKind::too_large:
+            return {Kind::too_large, "file_too_large", error.what()};
+        case WorkspaceKind::not_regular:
+            return {Kind::refused, "not_a_regular_file", error.what()};
+        case WorkspaceKind::bad_path:
+            return {Kind::refused, "bad_path", error.what()};
+        case WorkspaceKind::io:
+            break;
+    }
+    return {Kind::internal, "workspace_error", error.what()};
+}
+
+// Runs `action` on the session's workspace once it has a kernel (and so a workspace) and answers its value
+// or the refusal.
+template <class Value>
+void on_workspace(const std::shared_ptr<AgentSession>& session, AgentOperations::Then<Value> then,
+                  std::function<Value(sandbox::Workspace&)> action) {
+    session->touch();
+    session->ensure_kernel(
+        [session, then = std::move(then), action = std::move(action)](std::optional<std::string> error) {
+            if (error)
+                return then(OperationError(Kind::unavailable, "kernel_unavailable",
+                                           "the session has no kernel: " + *error));
+            const auto root = session->workspace();
+            if (!root)
+                return then(
+                    OperationError(Kind::unavailable, "kernel_unavailable", "the session has no workspace"));
+            std::optional<Outcome<Value>> outcome;
+            try {
+                sandbox::Workspace workspace(*root);
+                outcome.emplace(action(workspace));
+            } catch (const sandbox::WorkspaceError& failure) {
+                outcome.emplace(from_workspace(failure));
+            } catch (const OperationError& failure) {
+                outcome.emplace(failure);
+            } catch (const std::exception& failure) {
+                outcome.emplace(OperationError(Kind::internal, "workspace_error", failure.what()));
+            }
+            then(std::move(*outcome));
+        });
+}
+
+}  // namespace
+
+AgentOperations::AgentOperations(AgentSessionServices& services, AgentSessionRegistry& registry)
+    : services_(services), registry_(registry) {}
+
+// ------------------------------------------------------------------------------------------------ sessions
+
+void AgentOperations::create_session(const json& arguments, const Caller& caller, Then<SessionPtr> then) {
+    std::string name;
+    if (arguments.contains("name") && !arguments["name"].is_null()) {
+        if (!arguments["name"].is_string())
+            throw OperationError(Kind::malformed, "bad_type", "name must be a string");
+        name = arguments["name"].get<std::string>();
+    }
+    AgentLimits limits;
+    try {
+        limits = parse_limits(arguments.contains("limits") ? arguments["limits"] : json(nullptr),
+                              services_.config.default_limits, services_.config.max_limits);
+    } catch (const LimitError& error) {
+        throw OperationError(Kind::refused, "bad_limit", error.what(), {{"limit", error.field()}});
+    }
+    registry_.create(name, limits, caller.address,
+                     [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
+                         if (error)
+                             return then(from_registry(*error));
+                         then(std::move(session));
+                     });
+}
+
+AgentOperations::SessionPtr AgentOperations::session(const std::string& id_or_name) const {
+    auto found = registry_.find(id_or_name);
+    if (!found)
+        throw OperationError(Kind::not_found, "unknown_session",
+                             "no agent session with id or name '" + id_or_name + "'");
+    return found;
+}
+
+void AgentOperations::session_or_create(const std::string& id_or_name, const Caller& caller,
+                                        Then<SessionPtr> then) {
+    if (auto found = registry_.find(id_or_name))
+        return then(std::move(found));
+    // Ids are made by the gateway, names by clients: an id that names no session is not created.
+    if (looks_like_kernel_id(id_or_name))
+        return then(OperationError(Kind::not_found, "unknown_session",
+                                   "no agent session with id or name '" + id_or_name + "'"));
+    registry_.create(
+        id_or_name, services_.config.default_limits, caller.address,
+        [this, id_or_name, then = std::move(then)](SessionPtr created, std::optional<HttpError> error) {
+            // Two calls for a new name at once: the second finds the session the first is creating.
+            if (error && error->status() == http::status::conflict)
+                created = registry_.find(id_or_name);
+            if (!created)
+                return then(error ? from_registry(*error)
+                                  : OperationError(Kind::gone, "session_deleted",
+                                                   "the session was deleted while it was being created"));
+            created->ensure_kernel([created, then](std::optional<std::string> failure) {
+                if (failure)
+                    return then(OperationError(Kind::unavailable, "kernel_unavailable",
+                                               "the session has no kernel: " + *failure));
+                then(created);
+            });
+        });
+}
+
+std::vector<AgentOperations::SessionPtr> AgentOperations::sessions() const {
+    return registry_.list();
+}
+
+void AgentOperations::delete_session(const SessionPtr& session, const Caller& caller,
+                                     const std::string& reason) {
+    registry_.remove(session, reason, caller.address);
+}
+
+void AgentOperations::reset(const SessionPtr& session, const Caller& caller, Then<SessionPtr> then) {
+    session->reset(caller.address, [session, then = std::move(then)](std::optional<std::string> error) {
+        if (error)
+            return then(OperationError(Kind::unavailable, "kernel_unavailable", "reset failed: " + *error));
+        then(session);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------ execute
+
+ExecuteArguments AgentOperations::parse_execute_arguments(const json& arguments) {
+    if (!arguments.contains("code"))
+        throw OperationError(Kind::malformed, "missing_code", "missing \"code\": the Python source to run");
+    if (!arguments["code"].is_string())
+        throw OperationError(Kind::malformed, "bad_type", "\"code\" must be a string");
+    ExecuteArguments parsed{arguments["code"].get<std::string>(), std::nullopt};
+    if (arguments.contains("timeout_s") && !arguments["timeout_s"].is_null()) {
+        const json& timeout = arguments["timeout_s"];
+        if (!timeout.is_number() || timeout.get<double>() <= 0)
+            throw OperationError(Kind::malformed, "bad_type",
+                                 "\"timeout_s\" must be a number greater than 0");
+        parsed.timeout_s = timeout.get<double>();
+    }
+    return parsed;
+}
+
+std::uint64_t AgentOperations::execute(const SessionPtr& session, const ExecuteArguments& arguments,
+                                       const Caller& caller, ExecuteHandlers handlers) {
+    return queue_checked(session, check_execute(session, arguments, caller), std::move(handlers));
+}
+
+ExecuteRequest AgentOperations::check_execute(const SessionPtr& session, const ExecuteArguments& arguments,
+                                              const Caller& caller) const {
+    if (session->queued() >= AgentSession::max_queued)
+        throw OperationError(
+            Kind::busy, "session_busy",
+            std::to_string(session->queued()) + " executes are already waiting in this session",
+            {{"queued", session->queued()}});
+    const double limit = session->record().limits.timeout_s;
+    if (arguments.timeout_s && *arguments.timeout_s > limit)
+        throw OperationError(Kind::refused, "bad_limit",
+                             "timeout_s = " + json(*arguments.timeout_s).dump() +
+                                 " exceeds the session's limits.timeout_s of " + json(limit).dump(),
+                             {{"limit", "timeout_s"}});
+    ExecuteRequest request;
+    request.code = arguments.code;
+    request.timeout_s = arguments.timeout_s.value_or(0);  // 0: the session's limit
+    request.client_address = caller.address;
+    request.client_kind = caller.via;
+    return request;
+}
+
+std::uint64_t AgentOperations::queue_checked(const SessionPtr& session, ExecuteRequest request,
+                                             ExecuteHandlers handlers) {
+    return session->execute(std::move(request), std::move(handlers));
+}
+
+// ------------------------------------------------------------------------------------------------ files
+
+void AgentOperations::list_files(const SessionPtr& session, Then<std::vector<WorkspaceFile>> then) {
+    on_workspace<std::vector<WorkspaceFile>>(session, std::move(then), [](sandbox::Workspace& workspace) {
+        std::vector<WorkspaceFile> files;
+        for (const auto& entry : workspace.list())
+            if (!entry.is_directory)
+                files.push_back({entry.path, entry.size});
+        return files;
+    });
+}
+
+void AgentOperations::read_file(const SessionPtr& session, const std::string& path, Then<std::string> then) {
+    const std::string relative = workspace_path(path);
+    const std::uint64_t cap = services_.config.max_file_bytes;
+    on_workspace<std::string>(session, std::move(then), [relative, cap](sandbox::Workspace& workspace) {
+        return workspace.read_file(relative, cap);
+    });
+}
+
+void AgentOperations::write_file(const SessionPtr& session, const std::string& path, std::string bytes,
+                                 const Caller& caller, Then<std::string> then) {
+    const std::string relative = workspace_path(path);
+    const std::uint64_t cap = services_.config.max_file_bytes;
+    auto shared_bytes = std::make_shared<const std::string>(std::move(bytes));
+    on_workspace<std::string>(session, std::move(then),
+                              [session, relative, cap, shared_bytes, caller](sandbox::Workspace& workspace) {
+                                  workspace.write_file(relative, *shared_bytes, cap);
+                                  session->audit({{"event", "file_put"},
+                                                  {"client", caller.address},
+                                                  {"via", caller.via},
+                                                  {"path", relative},
+                                                  {"bytes", shared_bytes->size()},
+                                                  {"sha256", sha256_hex(*shared_bytes)}});
+                                  return relative;
+                              });
+}
+
+void AgentOperations::delete_file(const SessionPtr& session, const std::string& path, const Caller& caller,
+                                  Then<std::string> then) {
+    const std::string relative = workspace_path(path);
+    on_workspace<std::string>(session, std::move(then),
+                              [session, relative, caller](sandbox::Workspace& workspace) {
+                                  workspace.remove_file(relative);
+                                  session->audit({{"event", "file_delete"},
+                                                  {"client", caller.address},
+                                                  {"via", caller.via},
+                                                  {"path", relative}});
+                                  return relative;
+                              });
+}
+
+// ------------------------------------------------------------------------------------------------ history
+
+json AgentOperations::notebook(const SessionPtr& session, bool only_ok) const {
+    return session->notebook(only_ok);
+}
+
+void AgentOperations::audit_trail(const SessionPtr& session, AuditQuery query, Then<std::vector<json>> then) {
+    query.session = session->id();
+    StoreWriter& writer = services_.writer;
+    // Entries queued for the store are included: answer once the writer has reached this point.
+    writer.after_pending([&writer, query = std::move(query), then = std::move(then)] {
+        std::vector<json> entries;
+        try {
+            entries = writer.store().audit(query);
+        } catch (const std::exception& error) {
+            return then(OperationError(Kind::internal, "audit_unreadable",
+                                       std::string("cannot read the audit trail: ") + error.what()));
+        }
+        then(std::move(entries));
+    });
+}
+
+}  // namespace cellblock::gateway::agent
