@@ -68,8 +68,15 @@ class BeastWebSocketTransport : public WebSocketTransport,
                 if (!protocol.empty())
                     response.set(beast::http::field::sec_websocket_protocol, protocol);
             }));
-        ws_.async_accept(request_, [self = this->shared_from_this(),
-                                    done = std::move(done)](beast::error_code error) { done(error); });
+        ws_.async_accept(request_,
+                         [self = this->shared_from_this(), done = std::move(done)](beast::error_code error) {
+                             if (!error) {
+                                 self->counted_open_ = true;
+                                 self->context_.metrics.websocket_accepted.increment();
+                                 self->context_.metrics.websocket_open.add(1);
+                             }
+                             done(error);
+                         });
     }
 
     void start(Handlers handlers) override {
@@ -140,19 +147,21 @@ class BeastWebSocketTransport : public WebSocketTransport,
         }
         writing_ = true;
         ws_.binary(queue_.front().second);
-        ws_.async_write(net::buffer(queue_.front().first),
-                        [self = this->shared_from_this()](beast::error_code error, std::size_t) {
-                            self->queued_bytes_ -= self->queue_.front().first.size();
-                            self->queue_.pop_front();
-                            if (error) {
-                                self->queue_.clear();
-                                self->queued_bytes_ = 0;
-                                self->writing_ = false;
-                                self->finish(error.message());
-                                return;
-                            }
-                            self->write_next();
-                        });
+        ws_.async_write(net::buffer(queue_.front().first), [self = this->shared_from_this()](
+                                                               beast::error_code error, std::size_t written) {
+            if (!error)
+                self->context_.metrics.count_streamed(GatewayMetrics::transport_websocket, written);
+            self->queued_bytes_ -= self->queue_.front().first.size();
+            self->queue_.pop_front();
+            if (error) {
+                self->queue_.clear();
+                self->queued_bytes_ = 0;
+                self->writing_ = false;
+                self->finish(error.message());
+                return;
+            }
+            self->write_next();
+        });
     }
 
     void send_close() {
@@ -172,6 +181,8 @@ class BeastWebSocketTransport : public WebSocketTransport,
         if (closed_)
             return;
         closed_ = true;
+        if (std::exchange(counted_open_, false))
+            context_.metrics.websocket_open.add(-1);
         auto on_closed = std::move(handlers_.on_closed);
         handlers_ = {};  // breaks the transport ↔ endpoint reference cycle
         if (on_closed)
@@ -195,6 +206,7 @@ class BeastWebSocketTransport : public WebSocketTransport,
     bool closed_ = false;
     bool policy_violation_ = false;
     bool internal_error_ = false;
+    bool counted_open_ = false;  // in cellblock_websocket_connections_open until finish()
     std::string close_reason_;
     Handlers handlers_;
 };
@@ -511,6 +523,9 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
             return;
         auto on_written = [self = this->shared_from_this()](beast::error_code error, std::size_t) {
             self->streaming_.writing = false;
+            if (!error && !self->streaming_.queue.empty())
+                self->context_.metrics.count_streamed(GatewayMetrics::transport_http_stream,
+                                                      self->streaming_.queue.front().size());
             if (!self->streaming_.queue.empty())
                 self->streaming_.queue.pop_front();
             if (error)
@@ -651,9 +666,10 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
 }  // namespace
 
 HttpServer::HttpServer(net::io_context& io, const Logger& logger, const GatewayConfig& config,
-                       const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors)
+                       const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors,
+                       GatewayMetrics& metrics)
     : io_(io),
-      context_{io, logger, config, router, auth, cors},
+      context_{io, logger, config, router, auth, cors, metrics},
       admission_(io, logger, config),
       acceptor_(io),
       accept_retry_(io) {

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/time_format.hpp"
 #include "cellblock/sandbox/sandbox.hpp"
 
@@ -261,6 +262,7 @@ void Kernel::start(ReadyHandler on_ready) {
         spawn();
     } catch (const std::exception& error) {
         state_ = KernelState::dead;
+        report_launch_failure(GatewayMetrics::cause_spawn_failed);
         finish_readiness(std::string("kernel failed to start: ") + error.what());
         return;
     }
@@ -571,6 +573,7 @@ void Kernel::respawn(const char* what) {
         probe_readiness();
     } catch (const std::exception& error) {
         state_ = KernelState::dead;
+        report_launch_failure(GatewayMetrics::cause_spawn_failed);
         finish_readiness(std::string(what) + ": " + error.what());
     }
 }
@@ -581,6 +584,7 @@ void Kernel::probe_readiness() {
     if (std::chrono::steady_clock::now() > launch_deadline_) {
         logger_.warn("kernel_start_timeout", {{"kernel_id", id()}});
         state_ = KernelState::dead;
+        report_launch_failure(GatewayMetrics::cause_start_timeout);
         finish_readiness("kernel did not answer kernel_info_request within " +
                          std::to_string(static_cast<int>(config_.kernel_launch_timeout)) + " s");
         if (process_)
@@ -707,6 +711,7 @@ void Kernel::on_process_exit(ProcessExit exit) {
         // Died before it ever became ready, or during a requested restart.
         logger_.warn("kernel_died_during_start", {{"kernel_id", id()}, {"exit", exit.describe()}});
         state_ = KernelState::dead;
+        report_launch_failure(GatewayMetrics::cause_exited_during_start);
         broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
         finish_readiness("kernel " + exit.describe() + " before it answered kernel_info_request");
         return;

@@ -46,16 +46,43 @@ std::optional<std::string> process_env(const std::string& name) {
 }  // namespace
 
 KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
-                             KernelSpecRegistry& registry, StoreWriter& writer)
+                             KernelSpecRegistry& registry, StoreWriter& writer, GatewayMetrics& metrics)
     : io_(io),
       logger_(logger),
       config_(config),
       registry_(registry),
       writer_(writer),
+      metrics_(metrics),
       zmq_context_(1),
       cull_timer_(io),
       pool_retry_timer_(io),
-      housekeeping_timer_(io) {}
+      housekeeping_timer_(io) {
+    kernels_by_state_ = metrics.registry.sampled_gauge(
+        "cellblock_kernels",
+        "Kernels handed out (listed in /api/kernels; warm-pool kernels excluded) by state.", "state", [this] {
+            std::vector<GaugeSample> samples;
+            for (KernelState state : {KernelState::starting, KernelState::idle, KernelState::busy,
+                                      KernelState::restarting, KernelState::dead})
+                samples.emplace_back(std::string(kernel_state_name(state)), 0.0);
+            for (const auto& [id, kernel] : kernels_)
+                for (auto& [state, count] : samples)
+                    if (state == kernel_state_name(kernel->state()))
+                        count += 1;
+            return samples;
+        });
+    pool_by_state_ = metrics.registry.sampled_gauge(
+        "cellblock_warm_pool_kernels", "Kernels in the warm pool: ready to hand out, or still starting.",
+        "state", [this] {
+            const auto ready = static_cast<double>(pool_ready_count());
+            return std::vector<GaugeSample>{{"ready", ready},
+                                            {"starting", static_cast<double>(pool_.size()) - ready}};
+        });
+    pool_target_ = metrics.registry.sampled_gauge(
+        "cellblock_warm_pool_target", "Kernels the warm pool is configured to hold (--warm-pool).", {},
+        [this] {
+            return std::vector<GaugeSample>{{{}, static_cast<double>(std::max(0, config_.warm_pool))}};
+        });
+}
 
 KernelManager::~KernelManager() {
     shutdown_all();
@@ -113,7 +140,7 @@ void KernelManager::readopt_recorded_kernels() {
         launch.last_iopub_id = record.last_iopub_id;
         auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
         every_kernel_.push_back(kernel);
-        kernel->on_spawned([this](const Kernel& respawned) { persist(respawned); });
+        watch_kernel(*kernel);
         if (record.pooled)
             pool_.push_back(kernel);
         else
@@ -245,15 +272,26 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     launch.id = new_uuid();
     launch.spec = spec;
     launch.runtime_dir = runtime_dir_;
-    launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
+    try {
+        launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
+    } catch (const std::exception&) {
+        metrics_.count_launch_failure(GatewayMetrics::cause_workspace_failed);
+        throw;
+    }
     launch.environment = kernel_environment(spec, request_env, launch.id, launch.workspace_dir);
     for (const auto& [name, value] : trusted_env)
         launch.environment[name] = value;
     auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
     std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
     every_kernel_.push_back(kernel);
-    kernel->on_spawned([this](const Kernel& spawned) { persist(spawned); });
+    watch_kernel(*kernel);
     return kernel;
+}
+
+void KernelManager::watch_kernel(Kernel& kernel) {
+    kernel.on_spawned([this](const Kernel& spawned) { persist(spawned); });
+    kernel.on_launch_failed(
+        [&metrics = metrics_](std::string_view cause) { metrics.count_launch_failure(cause); });
 }
 
 bool KernelManager::pool_can_serve(const KernelSpec& spec,
@@ -311,6 +349,9 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
         if (chosen != pool_.end() && (*chosen)->state() != KernelState::dead) {
             kernel = *chosen;
             pool_.erase(chosen);
+            metrics_.warm_pool_hits.increment();
+        } else if (config_.warm_pool > 0) {
+            metrics_.warm_pool_misses.increment();
         }
     }
     const bool from_pool = kernel != nullptr;

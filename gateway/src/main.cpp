@@ -17,6 +17,7 @@
 #include "cellblock/gateway/http_server.hpp"
 #include "cellblock/gateway/kernel_manager.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/rest_handlers.hpp"
 #include "cellblock/gateway/router.hpp"
 #include "cellblock/gateway/state_directory.hpp"
@@ -231,22 +232,25 @@ int main(int argc, char** argv) {
 
     try {
         boost::asio::io_context io(1);
+        GatewayMetrics metrics;  // before every owner that counts in it or samples for it
         StoreWriter writer(io, logger, *store);
         KernelSpecRegistry kernelspecs(config.effective_kernelspec_dirs(), config.kernel_aliases,
                                        config.default_kernel_name);
         if (!kernelspecs.find(config.default_kernel_name))
             logger.warn("default_kernelspec_missing", {{"name", config.default_kernel_name},
                                                        {"searched", config.effective_kernelspec_dirs()}});
-        KernelManager kernels(io, logger, config, kernelspecs, writer);
+        KernelManager kernels(io, logger, config, kernelspecs, writer, metrics);
         JupyterSessionManager sessions(writer);
         const TokenAuthenticator auth(*config.token);
         const CorsPolicy cors(config);
-        GatewayServices services{io, logger, config, kernelspecs, kernels, sessions, writer, auth, cors};
+        GatewayServices services{io,       logger, config, kernelspecs, kernels,
+                                 sessions, writer, auth,   cors,        metrics};
         Router router;
         register_jupyter_api(router, services);
+        register_metrics_endpoint(router, services);
         cellblock::gateway::agent::AgentService agent_service(services, agent_config);
         agent_service.register_routes(router);
-        HttpServer server(io, logger, config, router, auth, cors);
+        HttpServer server(io, logger, config, router, auth, cors, metrics);
         const std::uint16_t port = server.listen(config.ip, config.port);
         kernels.start();
         sessions.load(

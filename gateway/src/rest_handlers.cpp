@@ -322,6 +322,24 @@ class KernelChannelsResource : public RestResource {
     GatewayServices& services_;
 };
 
+// ------------------------------------------------------------------------------------------------ metrics
+
+class MetricsResource : public RestResource {
+  public:
+    explicit MetricsResource(const MetricsRegistry& registry) : registry_(registry) {}
+    void get(RequestContext& context, Responder respond) override {
+        HttpResponse response{http::status::ok, context.request.version()};
+        response.set(http::field::content_type, MetricsRegistry::content_type);
+        response.set(http::field::cache_control, "no-store");
+        response.body() = registry_.render();
+        response.prepare_payload();
+        respond(std::move(response));
+    }
+
+  private:
+    const MetricsRegistry& registry_;
+};
+
 // ------------------------------------------------------------------------------------------------ sessions
 
 json session_model(GatewayServices& services, const JupyterSessionRecord& record) {
@@ -493,6 +511,10 @@ void register_jupyter_api(Router& router, GatewayServices& services) {
     router.add("/api/kernels/{kernel_id}/channels", std::make_shared<KernelChannelsResource>(services));
     router.add("/api/sessions", std::make_shared<SessionsResource>(services));
     router.add("/api/sessions/{session_id}", std::make_shared<SessionResource>(services));
+}
+
+void register_metrics_endpoint(Router& router, GatewayServices& services) {
+    router.add("/metrics", std::make_shared<MetricsResource>(services.metrics.registry));
 }
 
 }  // namespace cellblock::gateway

@@ -20,6 +20,7 @@ test_packages=(
   python3-nbclient python3-nbformat python3-nbconvert jupyter-nbconvert jupyter-client jupyter-server python3-jupyter-server python3-notebook
   python3-websocket python3-requests python3-tornado
   chromium iproute2 procps psmisc
+  prometheus  # a real Prometheus server scrapes the gateway's /metrics (tests/gateway/test_metrics.py); promtool
 )
 # Node.js and npm may come from another source (the machine image ships them); install Debian's only if absent.
 if (( want_test_tools )) && ! command -v npm >/dev/null; then test_packages+=(nodejs npm); fi

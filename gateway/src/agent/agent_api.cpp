@@ -394,7 +394,7 @@ class AuditResource : public AgentResource {
 AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
     : gateway_(gateway),
       config_(config),
-      session_services_{gateway.io, gateway.logger, gateway.kernels, config_, gateway.writer},
+      session_services_{gateway.io, gateway.logger, gateway.kernels, config_, gateway.writer, gateway.metrics},
       registry_(session_services_),
       operations_(session_services_, registry_) {}
 

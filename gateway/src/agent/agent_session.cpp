@@ -76,6 +76,30 @@ std::map<std::string, std::string> AgentSession::kernel_limit_environment() cons
             {"CELLBLOCK_OUTPUT_BYTES", std::to_string(record_.limits.output_bytes)}};
 }
 
+AgentSession::State AgentSession::state() const {
+    if (running_ || !queue_.empty())
+        return State::busy;
+    if (kernel_wait_ != KernelWait::none)
+        return State::starting;
+    if (!kernel_ || kernel_->state() == KernelState::dead)
+        return State::without_kernel;
+    return State::idle;
+}
+
+std::string_view AgentSession::state_name(State state) {
+    switch (state) {
+        case State::starting:
+            return "starting";
+        case State::busy:
+            return "busy";
+        case State::idle:
+            return "idle";
+        case State::without_kernel:
+            return "without_kernel";
+    }
+    return "unknown";
+}
+
 std::optional<fs::path> AgentSession::workspace() const {
     if (!kernel_)
         return std::nullopt;
@@ -366,8 +390,21 @@ void AgentSession::fail_pending(Pending& pending, const std::string& ename, cons
                    {"duration_ms", 0},
                    {"truncated", false},
                    {"state_lost", false}};
+    count_execute(answer, false, false);
     if (pending.handlers.on_done)
         pending.handlers.on_done(std::move(answer));
+}
+
+void AgentSession::count_execute(const json& answer, bool interrupted_by_client, bool reached_kernel) {
+    const json& error = answer.contains("error") ? answer["error"] : json();
+    const std::string ename = error.is_object() ? error.value("ename", std::string()) : std::string();
+    const std::string_view outcome =
+        execute_outcome(answer.value("status", std::string()), ename, interrupted_by_client);
+    services_.metrics.agent_executes.with(std::string(outcome)).increment();
+    if (outcome == GatewayMetrics::outcome_sandbox_unavailable)
+        services_.metrics.count_launch_failure(GatewayMetrics::cause_sandbox_unavailable);
+    if (reached_kernel && answer.contains("duration_ms") && answer["duration_ms"].is_number())
+        services_.metrics.agent_execute_duration.observe(answer["duration_ms"].get<double>() / 1000.0);
 }
 
 void AgentSession::run_next() {
@@ -698,6 +735,7 @@ void AgentSession::finish_execute() {
     std::unique_ptr<Running> running = std::move(running_);
     json cell_outputs;
     json answer = build_answer(*running, cell_outputs);
+    count_execute(answer, running->interrupted_by_client, true);
     const ExecutionCollector& collected = *running->collector;
 
     json cell = {

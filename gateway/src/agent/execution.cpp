@@ -1,5 +1,7 @@
 #include "cellblock/gateway/agent/execution.hpp"
 
+#include "cellblock/gateway/metrics.hpp"
+
 namespace cellblock::gateway::agent {
 
 using nlohmann::json;
@@ -13,6 +15,31 @@ json parse_object(const std::string& text) {
     return parsed.is_object() ? parsed : json::object();
 }
 }  // namespace
+
+std::string_view execute_outcome(std::string_view status, std::string_view ename,
+                                 bool interrupted_by_client) {
+    using M = GatewayMetrics;
+    if (status == "ok")
+        return M::outcome_ok;
+    if (status == "timeout")
+        return M::outcome_timeout;  // also a worker killed by the time limit (WorkerDied)
+    if (interrupted_by_client)
+        return M::outcome_interrupted;
+    // The error names the agent answers carry for failures that are not the code's own (agent_session.cpp).
+    if (ename == "KernelDied")
+        return M::outcome_kernel_died;
+    if (ename == "WorkerDied")
+        return M::outcome_worker_died;
+    if (ename == "WorkerUnavailable")
+        return M::outcome_sandbox_unavailable;
+    if (ename == "KernelUnavailable")
+        return M::outcome_kernel_unavailable;
+    if (ename == "SessionClosed")
+        return M::outcome_session_closed;
+    if (ename == "ClientDisconnected")
+        return M::outcome_abandoned;
+    return M::outcome_error;
+}
 
 ExecutionCollector::ExecutionCollector(std::string msg_id, EventSink sink)
     : msg_id_(std::move(msg_id)), sink_(std::move(sink)) {}

@@ -30,7 +30,20 @@ bool valid_session_name(std::string_view name) {
 }
 
 AgentSessionRegistry::AgentSessionRegistry(AgentSessionServices& services)
-    : services_(services), expiry_timer_(services.io) {}
+    : services_(services), expiry_timer_(services.io) {
+    sessions_by_state_ = services.metrics.registry.sampled_gauge(
+        "cellblock_agent_sessions", "Agent sessions by what they are doing now.", "state", [this] {
+            std::vector<GaugeSample> samples;
+            using State = AgentSession::State;
+            for (State state : {State::starting, State::busy, State::idle, State::without_kernel})
+                samples.emplace_back(std::string(AgentSession::state_name(state)), 0.0);
+            for (const auto& [id, session] : by_id_)
+                for (auto& [state, count] : samples)
+                    if (state == AgentSession::state_name(session->state()))
+                        count += 1;
+            return samples;
+        });
+}
 
 AgentSessionRegistry::~AgentSessionRegistry() {
     expiry_timer_.cancel();

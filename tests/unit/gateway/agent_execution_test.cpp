@@ -87,3 +87,20 @@ TEST(AgentExecutionCollector, AShieldedStreamAppearsOnceWithItsReplacement) {
     EXPECT_EQ(outputs[0]["text"], "head…tail");
     EXPECT_EQ(outputs[1]["output_type"], "display_data");
 }
+
+// /metrics counts each agent execute once by how it ended (cellblock_agent_executes_total{outcome}).
+TEST(AgentExecuteOutcome, NamesHowAnExecuteEnded) {
+    EXPECT_EQ(execute_outcome("ok", "", false), "ok");
+    EXPECT_EQ(execute_outcome("error", "ZeroDivisionError", false), "error");
+    EXPECT_EQ(execute_outcome("timeout", "TimeoutError", false), "timeout");
+    EXPECT_EQ(execute_outcome("timeout", "WorkerDied", false), "timeout") << "killed by the time limit";
+    EXPECT_EQ(execute_outcome("error", "KeyboardInterrupt", true), "interrupted");
+    EXPECT_EQ(execute_outcome("ok", "", true), "ok") << "finished before the interrupt took effect";
+    EXPECT_EQ(execute_outcome("error", "KernelDied", false), "kernel_died");
+    EXPECT_EQ(execute_outcome("error", "WorkerDied", false), "worker_died");
+    EXPECT_EQ(execute_outcome("error", "WorkerUnavailable", false), "sandbox_unavailable");
+    EXPECT_EQ(execute_outcome("error", "KernelUnavailable", false), "kernel_unavailable");
+    EXPECT_EQ(execute_outcome("error", "SessionClosed", false), "session_closed");
+    EXPECT_EQ(execute_outcome("error", "ClientDisconnected", false), "abandoned");
+    EXPECT_EQ(execute_outcome("error", "", false), "error") << "an aborted or error reply without a name";
+}

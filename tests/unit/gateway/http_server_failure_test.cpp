@@ -72,7 +72,8 @@ TEST(HttpServerFailure, AnExceptionInAContinuationCostsOneRequestNotTheProcess) 
     Router router;
     router.add("/throws-later", std::make_shared<ThrowsLater>(io));
     router.add("/answers", std::make_shared<Answers>());
-    HttpServer server(io, logger, config, router, auth, cors);
+    GatewayMetrics metrics;
+    HttpServer server(io, logger, config, router, auth, cors, metrics);
     const std::uint16_t port = server.listen("127.0.0.1", 0);
 
     testing::internal::CaptureStderr();

@@ -12,6 +12,7 @@
 #include "cellblock/gateway/config.hpp"
 #include "cellblock/gateway/connection_admission.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/router.hpp"
 
 namespace cellblock::gateway {
@@ -24,12 +25,14 @@ struct HttpServerContext {
     const Router& router;
     const TokenAuthenticator& auth;
     const CorsPolicy& cors;
+    GatewayMetrics& metrics;  // WebSocket connections, bytes streamed to clients
 };
 
 class HttpServer {
   public:
     HttpServer(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
-               const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors);
+               const Router& router, const TokenAuthenticator& auth, const CorsPolicy& cors,
+               GatewayMetrics& metrics);
     // Binds and starts accepting; throws std::system_error with context. Returns the bound port (useful for
     // 0).
     std::uint16_t listen(const std::string& ip, std::uint16_t port);

@@ -125,6 +125,11 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::optional<std::string> take_progress();
     // Called after every spawn (start, restart, automatic restart): the process identity changed.
     void on_spawned(std::function<void(const Kernel&)> handler) { spawned_handler_ = std::move(handler); }
+    // Called when a start or restart of the process fails, with the cause as /metrics names it
+    // (GatewayMetrics::cause_*: spawn_failed, exited_during_start, start_timeout).
+    void on_launch_failed(std::function<void(std::string_view cause)> handler) {
+        launch_failed_handler_ = std::move(handler);
+    }
     // Runs `handler` once the kernel is ready (at once if it already is).
     void when_ready(ReadyHandler handler);
     // Gateway exit: SIGTERM now; `finish_termination` waits up to `grace` and then SIGKILLs.
@@ -190,6 +195,10 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void watch_process();
     void broadcast(const JupyterMessage& message);
     void set_state(KernelState state) { state_ = state; }
+    void report_launch_failure(std::string_view cause) const {
+        if (launch_failed_handler_)
+            launch_failed_handler_(cause);
+    }
     void connect_gateway_sockets();
 
     boost::asio::io_context& io_;
@@ -219,6 +228,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::vector<ReadyHandler> ready_handlers_;
     std::function<void(const std::string&)> terminated_handler_;
     std::function<void(const Kernel&)> spawned_handler_;
+    std::function<void(std::string_view)> launch_failed_handler_;
     std::optional<ProcessIdentity> process_identity_;
     bool released_ = false;
 

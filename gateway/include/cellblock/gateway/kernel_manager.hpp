@@ -21,6 +21,7 @@
 #include "cellblock/gateway/kernel.hpp"
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/store_writer.hpp"
 
 namespace cellblock::gateway {
@@ -42,8 +43,10 @@ class KernelManager {
   public:
     using StartHandler = std::function<void(std::variant<std::shared_ptr<Kernel>, KernelStartError>)>;
 
+    // Counts warm-pool hits and misses and launch failures in `metrics`, and registers the gauges of kernels
+    // by state and of the warm pool there (computed from this manager at scrape time).
     KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
-                  KernelSpecRegistry& registry, StoreWriter& writer);
+                  KernelSpecRegistry& registry, StoreWriter& writer, GatewayMetrics& metrics);
     ~KernelManager();
 
     // Creates the runtime directories, re-adopts the kernels recorded in the store that still run, and fills
@@ -72,6 +75,7 @@ class KernelManager {
         const std::string& kernel_id, const std::filesystem::path& workspace) const;
 
   private:
+    void watch_kernel(Kernel& kernel);  // persistence after each spawn, launch failures to the metrics
     std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec,
                                           const std::map<std::string, std::string>& request_env,
                                           const std::map<std::string, std::string>& trusted_env = {});
@@ -93,6 +97,7 @@ class KernelManager {
     const GatewayConfig& config_;
     KernelSpecRegistry& registry_;
     StoreWriter& writer_;
+    GatewayMetrics& metrics_;
     zmq::context_t zmq_context_;
     std::filesystem::path runtime_dir_;
     std::filesystem::path workspace_root_;
@@ -110,6 +115,7 @@ class KernelManager {
     std::chrono::steady_clock::time_point next_lease_renewal_;
     std::map<std::string, std::string> lost_causes_;
     bool stopping_ = false;
+    MetricsRegistry::SamplerHandle kernels_by_state_, pool_by_state_, pool_target_;
 };
 
 }  // namespace cellblock::gateway

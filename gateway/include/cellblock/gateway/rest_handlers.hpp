@@ -7,6 +7,7 @@
 #include "cellblock/gateway/kernel_manager.hpp"
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/router.hpp"
 #include "cellblock/gateway/session_manager.hpp"
 
@@ -23,11 +24,15 @@ struct GatewayServices {
     StoreWriter& writer;
     const TokenAuthenticator& auth;
     const CorsPolicy& cors;
+    GatewayMetrics& metrics;
 };
 
 // Registers /api, /api/status, /api/kernelspecs..., /kernelspecs/{name}/{file}, /api/kernels...,
 // /api/sessions... and /api/kernels/{kernel_id}/channels on `router` (paths are relative to base_url).
 void register_jupyter_api(Router& router, GatewayServices& services);
+
+// Registers GET /metrics: services.metrics in the Prometheus text format, behind the same token as the API.
+void register_metrics_endpoint(Router& router, GatewayServices& services);
 
 // Kernel ids look like UUIDs (Kernel Gateway's route regex \w+-\w+-\w+-\w+-\w+).
 bool looks_like_kernel_id(std::string_view id);

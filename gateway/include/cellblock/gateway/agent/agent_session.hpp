@@ -18,6 +18,7 @@
 #include "cellblock/gateway/kernel.hpp"
 #include "cellblock/gateway/kernel_manager.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/store_writer.hpp"
 
 namespace cellblock::gateway::agent {
@@ -30,6 +31,7 @@ struct AgentSessionServices {
     KernelManager& kernels;
     const AgentConfig& config;
     StoreWriter& writer;
+    GatewayMetrics& metrics;
 };
 
 struct ExecuteRequest {
@@ -58,8 +60,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
 
     // Starts a kernel for the session unless it has a live one; `done` runs once it is ready.
     void ensure_kernel(Done done);
-    // After a gateway restart: takes the re-adopted `kernel` (nullptr when it was lost, `lost_cause` says why)
-    // and completes the execute that was running when the gateway stopped from the kernel's record.
+    // After a gateway restart: takes the re-adopted `kernel` (nullptr when it was lost, `lost_cause` says
+    // why) and completes the execute that was running when the gateway stopped from the kernel's record.
     void resume(std::shared_ptr<Kernel> kernel, const std::string& lost_cause,
                 std::vector<InflightExecute> inflight);
     // Queues an execute; returns a ticket for `abandon`.
@@ -90,6 +92,12 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // More executes than this waiting behind the running one are refused (429) instead of piling up.
     static constexpr std::size_t max_queued = 64;
     bool closed() const { return closed_; }
+    // What the session is doing, for /metrics (cellblock_agent_sessions): its kernel is being started or
+    // readied (starting), it runs or has queued work (busy), it waits with a live kernel (idle), or it holds
+    // no kernel now (without_kernel: the next execute starts one).
+    enum class State { starting, busy, idle, without_kernel };
+    State state() const;
+    static std::string_view state_name(State state);
     std::chrono::steady_clock::time_point last_used() const;
     void touch() { last_used_ = std::chrono::steady_clock::now(); }
 
@@ -126,6 +134,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     nlohmann::json build_answer(Running& running, nlohmann::json& cell_outputs);
     std::optional<std::string> save_output(const std::string& file_name, const std::string& text);
     void fail_pending(Pending& pending, const std::string& ename, const std::string& evalue);
+    // The one metrics hook of an execute that ended: its outcome, and its duration when it reached a kernel.
+    // `reached_kernel`: the answer's duration_ms is the execute's latency (sent to the kernel until
+    // answered).
+    void count_execute(const nlohmann::json& answer, bool interrupted_by_client, bool reached_kernel);
     std::map<std::string, std::string> kernel_limit_environment() const;
     void attach_kernel(std::shared_ptr<Kernel> kernel);
     // Sends nothing: follows an execute the previous gateway sent (its answer goes to the history only).

@@ -6,11 +6,17 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cellblock/gateway/jupyter_message.hpp"
 
 namespace cellblock::gateway::agent {
+
+// How an agent execute ended, as /metrics counts it (cellblock_agent_executes_total{outcome}), from its
+// answer's `status` and error name and whether its client went away while it ran: one of the
+// GatewayMetrics::outcome_* values.
+std::string_view execute_outcome(std::string_view status, std::string_view ename, bool interrupted_by_client);
 
 class ExecutionCollector {
   public:

@@ -44,6 +44,7 @@ class AgentSessionRegistry {
     std::map<std::string, std::shared_ptr<AgentSession>> by_id_;
     std::map<std::string, std::string> id_by_name_;
     boost::asio::steady_timer expiry_timer_;
+    MetricsRegistry::SamplerHandle sessions_by_state_;  // cellblock_agent_sessions, sampled from by_id_
 };
 
 }  // namespace cellblock::gateway::agent
