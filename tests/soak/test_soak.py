@@ -54,6 +54,7 @@ FAULT_RATE = float(os.environ.get("CELLBLOCK_SOAK_FAULT_RATE", "0.06"))
 SEED = int(os.environ.get("CELLBLOCK_SOAK_SEED", str(secrets.randbits(32))))
 CHAOS_INTERVAL_S = float(os.environ.get("CELLBLOCK_SOAK_CHAOS_INTERVAL", "2.5"))
 REPORT = os.environ.get("CELLBLOCK_SOAK_REPORT")
+PROGRESS = bool(os.environ.get("CELLBLOCK_SOAK_PROGRESS"))  # a line per 10 clients, and failures as they happen
 WARM_POOL = 2
 
 # Generous bounds for a loaded 2-core machine: they say "did not hang", not "was fast".
@@ -548,6 +549,22 @@ def kernel_roots(soak: Soak) -> list:
     return [p for p in matching if p.ppid not in pids]
 
 
+def kernel_files(soak: Soak) -> dict:
+    """Kernel ids that have a connection file in the runtime directory / a workspace in the state directory."""
+    runtime = {path.name[len("kernel-"):-len(".json")] for path in soak.runtime_dir.glob("kernel-*.json")}
+    workspaces = soak.server.state_dir / "workspaces"
+    return {"runtime": runtime, "workspaces": {path.name for path in workspaces.iterdir()}}
+
+
+def warm_files(soak: Soak) -> dict:
+    ids = set()
+    for kernel in kernel_roots(soak):
+        found = re.search(r"kernel-([0-9a-f-]{36})\.json", kernel.cmdline)
+        assert found, f"no connection file on the command line of {kernel}"
+        ids.add(found.group(1))
+    return {"runtime": ids, "workspaces": ids}
+
+
 def settled(soak: Soak) -> dict:
     """Waits for the warm pool to be full again and the gateway's descriptor count to stop moving."""
     wait_for(lambda: len(kernel_roots(soak)) == WARM_POOL, timeout=GONE_TIMEOUT_S,
@@ -577,11 +594,18 @@ def run_tasks(soak: Soak, sessions: int, ws_clients: int) -> list:
         while ws_index < ws_clients:
             tasks[pool.submit(soak.ws_client, ws_index)] = f"WebSocket client {ws_index}"
             ws_index += 1
-        for future in concurrent.futures.as_completed(tasks):
+        started = time.monotonic()
+        for done, future in enumerate(concurrent.futures.as_completed(tasks), 1):
             try:
                 future.result()
             except Exception:  # noqa: BLE001  every task's failure is reported, not only the first
                 failures.append(f"{tasks[future]}: {traceback.format_exc(limit=4)}")
+                if PROGRESS:
+                    print(failures[-1], file=sys.stderr, flush=True)
+            if PROGRESS and done % 10 == 0:
+                figures = {k: v for k, v in vars(soak.figures).items() if k != "lock"}
+                print(f"soak progress: {done}/{len(tasks)} clients after {time.monotonic() - started:.0f} s, "
+                      f"{len(failures)} failed, {figures}", file=sys.stderr, flush=True)
     return failures
 
 
@@ -609,6 +633,10 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
             soak.stop_chaos.set()
             chaos.join()
         duration_s = time.monotonic() - started
+        if REPORT:
+            Path(REPORT).write_text(json.dumps({"seed": SEED, "duration_s": duration_s, "failures": failures,
+                                                **{k: v for k, v in vars(soak.figures).items() if k != "lock"}},
+                                               indent=2) + "\n")
         server.assert_alive()
         assert not failures, f"{len(failures)} of {SESSIONS + WS_CLIENTS} clients failed (seed {SEED}):\n" + \
             "\n".join(failures[:10]) + f"\n{server.log_tail()}"
@@ -626,6 +654,9 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
         assert not left, f"processes of deleted sessions still running: {[str(p) for p in left]}"
         server.http.close()
         after = settled(soak)
+        # A deleted kernel's connection file, sockets, log and workspace (the user's files) go with it.
+        wait_for(lambda: kernel_files(soak) == warm_files(soak), timeout=GONE_TIMEOUT_S,
+                 what="only the warm-pool kernels' files to be left")
         for _ in range(60):  # closing connections and shutting kernels down ends in the io thread, soon after
             if after["fds"] <= baseline["fds"] + FD_TOLERANCE and \
                     after["rss_kib"] <= baseline["rss_kib"] + RSS_TOLERANCE_KIB:
@@ -648,3 +679,5 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
     # The gateway stopped its warm-pool kernels; nothing of the run is left on the host.
     left = wait_until_gone(soak.kernel_processes(), GONE_TIMEOUT_S)
     assert not left, f"processes left after the gateway stopped: {[str(p) for p in left]}"
+    assert kernel_files(soak) == {"runtime": set(), "workspaces": set()}, \
+        f"files of kernels left after the gateway stopped: {kernel_files(soak)}"
