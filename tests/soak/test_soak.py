@@ -240,7 +240,7 @@ class Soak:
                     check_answer(run, answer)
                 self.figures.add(agent_executes=1, worker_kills=mode == "kill", ndjson_drops=mode == "drop",
                                  chaos_hits=run.worker_died and mode != "kill")
-            self.check_notebook_and_audit(http, base, executed)
+            self.check_notebook_and_audit(http, base, executed, target)
         finally:
             with self.targets_lock:
                 self.targets.pop(index, None)
@@ -286,7 +286,7 @@ class Soak:
         assert end["stdout"] == stdout, f"{token}: streamed {stdout!r} but the answer says {end['stdout']!r}"
         return end
 
-    def check_notebook_and_audit(self, http, base, executed):
+    def check_notebook_and_audit(self, http, base, executed, target):
         def notebook_cells():
             notebook = http.get(f"{base}/notebook", timeout=ANSWER_TIMEOUT_S)
             assert notebook.status_code == 200, notebook.text
@@ -298,6 +298,9 @@ class Soak:
         while len(cells) < len(executed) and time.monotonic() < deadline:
             time.sleep(0.2)
             cells = notebook_cells()
+        # Random kills after the last answer the session read: they may have hit that last execute if its client
+        # went away (it was still being interrupted).
+        tail_chaos = target.take_window()
         sources = [cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"]) for cell in cells]
         assert sources == [run.code for run in executed], \
             f"{base}: the notebook does not hold each execute once, in order: {sources}"
@@ -311,7 +314,7 @@ class Soak:
                 assert ename in ("WorkerDied", "WorkerUnavailable") and stdout == run.stdout, \
                     f"{where}: {cell['outputs']}"
             elif run.mode == "drop":
-                later_chaos = executed[position + 1].chaos if position + 1 < len(executed) else 0
+                later_chaos = executed[position + 1].chaos if position + 1 < len(executed) else tail_chaos
                 if ename == "WorkerDied" and (run.chaos or later_chaos):
                     run.worker_died = True  # a random kill took the worker while it was being interrupted
                 else:
