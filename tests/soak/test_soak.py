@@ -559,6 +559,19 @@ def kernel_files(soak: Soak) -> dict:
     return {"runtime": runtime, "workspaces": {path.name for path in workspaces.iterdir()}}
 
 
+def leftover_report(soak: Soak) -> str:
+    """The kernels whose files are left, with what the gateway logged about each (for the diagnosis)."""
+    found = kernel_files(soak)
+    warm = warm_files(soak)["runtime"] if soak.server.process.poll() is None else set()
+    lines = soak.server.log_path.read_text(errors="replace").splitlines()
+    report = []
+    for kernel_id in sorted((found["runtime"] | found["workspaces"]) - warm):
+        logged = [line for line in lines if kernel_id in line][-15:]
+        report.append(f"kernel {kernel_id} (connection file: {kernel_id in found['runtime']}, workspace: "
+                      f"{kernel_id in found['workspaces']}); gateway log:\n  " + "\n  ".join(logged))
+    return "\n".join(report)
+
+
 def warm_files(soak: Soak) -> dict:
     ids = set()
     for kernel in kernel_roots(soak):
@@ -619,7 +632,7 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
     server = AgentGateway(tmp_path / "state", tmp_path / "gateway.log", "--runtime-dir", str(runtime_dir),
                           "--warm-pool", str(WARM_POOL), "--max-kernels", str(2 * CONCURRENCY + 16),
                           "--agent-max-sessions", str(2 * CONCURRENCY + 16), "--agent-keepalive", "0.5",
-                          "--agent-interrupt-grace", "2")
+                          "--agent-interrupt-grace", "2", "--log-level", "info")
     soak = Soak(server, runtime_dir)
     try:
         # Warm-up: the same paths once, so what the gateway allocates lazily (and keeps) is part of the baseline.
@@ -658,8 +671,11 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
         server.http.close()
         after = settled(soak)
         # A deleted kernel's connection file, sockets, log and workspace (the user's files) go with it.
-        wait_for(lambda: kernel_files(soak) == warm_files(soak), timeout=GONE_TIMEOUT_S,
-                 what="only the warm-pool kernels' files to be left")
+        try:
+            wait_for(lambda: kernel_files(soak) == warm_files(soak), timeout=GONE_TIMEOUT_S,
+                     what="only the warm-pool kernels' files to be left")
+        except AssertionError as timed_out:
+            raise AssertionError(f"{timed_out}: {leftover_report(soak)}") from None
         for _ in range(60):  # closing connections and shutting kernels down ends in the io thread, soon after
             if after["fds"] <= baseline["fds"] + FD_TOLERANCE and \
                     after["rss_kib"] <= baseline["rss_kib"] + RSS_TOLERANCE_KIB:
@@ -683,4 +699,4 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
     left = wait_until_gone(soak.kernel_processes(), GONE_TIMEOUT_S)
     assert not left, f"processes left after the gateway stopped: {[str(p) for p in left]}"
     assert kernel_files(soak) == {"runtime": set(), "workspaces": set()}, \
-        f"files of kernels left after the gateway stopped: {kernel_files(soak)}"
+        f"files of kernels left after the gateway stopped: {leftover_report(soak)}"
