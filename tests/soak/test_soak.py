@@ -25,6 +25,7 @@ import random
 import re
 import secrets
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -582,16 +583,21 @@ def warm_files(soak: Soak) -> dict:
 
 
 def settled(soak: Soak) -> dict:
-    """Waits for the warm pool to be full again and the gateway's descriptor count to stop moving."""
-    wait_for(lambda: len(kernel_roots(soak)) == WARM_POOL, timeout=GONE_TIMEOUT_S,
-             what=f"exactly the {WARM_POOL} warm-pool kernels to be running")
+    """Waits for the warm pool to be full again (each kernel with its worker started, so no start-up pipes are
+    open) and the gateway's descriptor count to stay put for 3 s."""
+
+    def pool_ready():
+        roots = kernel_roots(soak)
+        return len(roots) == WARM_POOL and all(any(p.is_worker for p in descendants(root.pid)) for root in roots)
+
+    wait_for(pool_ready, timeout=GONE_TIMEOUT_S,
+             what=f"exactly the {WARM_POOL} warm-pool kernels to be running, each with its worker")
     pid = soak.server.process.pid
-    last = None
-    for _ in range(100):
-        now = open_fds(pid)
-        if now == last:
+    readings = []
+    for _ in range(200):
+        readings = (readings + [open_fds(pid)])[-6:]
+        if len(readings) == 6 and len(set(readings)) == 1:
             break
-        last = now
         time.sleep(0.5)
     return {"rss_kib": rss_kib(pid), "fds": open_fds(pid), "kernels": len(kernel_roots(soak))}
 
@@ -700,3 +706,10 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
     assert not left, f"processes left after the gateway stopped: {[str(p) for p in left]}"
     assert kernel_files(soak) == {"runtime": set(), "workspaces": set()}, \
         f"files of kernels left after the gateway stopped: {leftover_report(soak)}"
+    # Stopped and forgotten (gateway/README.md): the store remembers no kernel, the warm pool's included.
+    store = sqlite3.connect(f"file:{server.state_dir / 'store.sqlite3'}?mode=ro", uri=True)
+    try:
+        remembered = [row[0] for row in store.execute("SELECT id FROM kernels")]
+    finally:
+        store.close()
+    assert remembered == [], f"the store still records kernels the gateway stopped: {remembered}"
