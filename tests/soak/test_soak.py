@@ -413,10 +413,13 @@ class Observer:
             self.error = ended
 
     def finish(self):
-        """The session was deleted: its kernel is shut down, which ends the watching connection."""
+        """The session was deleted: its kernel is shut down, which ends the watching connection. The watcher then
+        closes its socket, as a browser does (one that keeps it open after the close handshake keeps the deleted
+        kernel's files on disk for a while: tests/soak/README.md)."""
         self.thread.join(GONE_TIMEOUT_S)
-        if self.thread.is_alive():
-            self.socket.close()
+        alive = self.thread.is_alive()
+        self.socket.ws.shutdown()  # the close handshake is done (or the thread is stuck): just close the socket
+        if alive:
             self.thread.join(10)
             raise AssertionError(f"the watcher of {self.prefix} was not disconnected when its session was deleted")
 
