@@ -490,9 +490,11 @@ void KernelManager::shutdown_all() {
     cull_timer_.cancel();
     pool_retry_timer_.cancel();
     housekeeping_timer_.cancel();
+    // Taken before the pool lets go of its kernels: a pooled kernel is stopped and forgotten like the others
+    // (dropped first, it would die in its destructor and stay recorded in the store).
+    const auto all = live_kernels();
     pool_.clear();
     kernels_.clear();
-    const auto all = live_kernels();
     for (const auto& kernel : all) {
         kernel->begin_termination();
         forget(kernel->id());
