@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs every Debian package cellblock needs to build, run and test (idempotent, quiet, with progress).
-# Usage: install-deps.sh [--with-test-tools]   (the test tools add Jupyter peers, Chromium and Node clients)
+# Usage: install-deps.sh [--with-test-tools]   (the test tools add Jupyter peers, Chromium, Node clients and
+# clang-16 with its sanitizer and libFuzzer runtimes for share/scripts/sanitize.sh)
 set -euo pipefail
 
 want_test_tools=0
@@ -20,6 +21,7 @@ test_packages=(
   python3-nbclient python3-nbformat python3-nbconvert jupyter-nbconvert jupyter-client jupyter-server python3-jupyter-server python3-notebook
   python3-websocket python3-requests python3-tornado
   chromium iproute2 procps psmisc
+  clang-16 libclang-rt-16-dev llvm-16
 )
 # Node.js and npm may come from another source (the machine image ships them); install Debian's only if absent.
 if (( want_test_tools )) && ! command -v npm >/dev/null; then test_packages+=(nodejs npm); fi
