@@ -145,6 +145,9 @@ def websocket_message():
     write("websocket_message", "interrupt_control", text + compact(
         legacy_envelope("interrupt_request", {}, channel="control")))
     write("websocket_message", "iopub_refused", text + compact(legacy_envelope("status", {}, channel="iopub")))
+    # Regression: a float date past system_clock's range overflowed its integer conversion (UBSan).
+    write("websocket_message", "regression_date_overflow",
+          text + b'{"header":{"msg_type":"kernel_info_request","date":1e300},"channel":"shell"}')
     write("websocket_message", "legacy_binary_comm", b"\x01" + legacy_binary(
         legacy_envelope("comm_msg", {"comm_id": "c1", "data": {"buffer_paths": [["x"]]}}), [b"\x01\x02\x03\x04"]))
     write("websocket_message", "legacy_binary_no_buffers", b"\x01" + legacy_binary(
