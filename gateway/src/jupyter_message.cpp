@@ -72,8 +72,11 @@ void normalize_header(json& header, JupyterMessage& message) {
     auto date = header.find("date");
     if (date == header.end() || !date->is_string()) {
         // Missing (OpenHands) or an epoch float (GatewayKernelClient): the kernel wants an ISO string.
-        if (date != header.end() && date->is_number()) {
-            const double epoch_seconds = date->get<double>();
+        // A number past what system_clock can hold would overflow its integer conversion (undefined
+        // behaviour; tests/fuzz/websocket_message): outside 1970..2100 it counts as missing.
+        constexpr double latest_epoch_seconds = 4102444800.0;  // 2100-01-01T00:00:00Z
+        const double epoch_seconds = date != header.end() && date->is_number() ? date->get<double>() : -1.0;
+        if (epoch_seconds >= 0.0 && epoch_seconds <= latest_epoch_seconds) {
             header["date"] = format_iso8601_utc(std::chrono::system_clock::time_point(
                 std::chrono::duration_cast<std::chrono::system_clock::duration>(
                     std::chrono::duration<double>(epoch_seconds))));
@@ -211,8 +214,18 @@ JupyterMessage decode_wire(Channel channel, std::vector<std::string>&& frames, c
     json header = json::parse(message.header, nullptr, false);
     if (!header.is_object())
         throw MessageError("kernel message header is not a JSON object");
-    message.msg_id = header.value("msg_id", "");
-    message.msg_type = header.value("msg_type", "");
+    // json::value() would throw type_error for a non-string field, which the callers (kernel.cpp) do not
+    // catch: a kernel's bad header must cost that message only (tests/fuzz/gateway_wire_decode).
+    const auto text_field = [&header](const char* name) -> std::string {
+        const auto found = header.find(name);
+        if (found == header.end())
+            return {};
+        if (!found->is_string())
+            throw MessageError(std::string("kernel message header.") + name + " is not a string");
+        return found->get<std::string>();
+    };
+    message.msg_id = text_field("msg_id");
+    message.msg_type = text_field("msg_type");
     return message;
 }
 

@@ -2,6 +2,7 @@
 // wrong type is an error naming the key, because a typo in a security policy must never be ignored.
 #include <cctype>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -65,6 +66,10 @@ std::uint64_t parse_size(const json& value, const std::string& where) {
     } else {
         fail(where, "'" + text + "' has an unknown unit (use K, M or G)");
     }
+    // 15 digits times a GiB passes 2^64: wrapped, "999999999999999G" would be a tiny limit.
+    if (number > std::numeric_limits<std::uint64_t>::max() / unit) {
+        fail(where, "'" + text + "' is too large");
+    }
     return number * unit;
 }
 
@@ -73,6 +78,27 @@ std::uint64_t parse_count(const json& value, const std::string& where) {
         fail(where, "must be a non-negative integer");
     }
     return value.get<std::uint64_t>();
+}
+
+// A host uid (or a count of them): truncated to uid_t, 4294968296 would silently become uid 1000.
+uid_t parse_uid(const json& value, const std::string& where) {
+    const auto number = parse_count(value, where);
+    if (number > 0xFFFFFFFEULL) {
+        fail(where, "is past the largest valid uid (4294967294)");
+    }
+    return static_cast<uid_t>(number);
+}
+
+// Seconds or cores as a non-negative number, bounded so that converting it to the kernel's integer units
+// (milliseconds, cgroup quota microseconds) cannot overflow.
+double parse_bounded_number(const json& value, const std::string& where, double largest) {
+    if (!value.is_number() || value.get<double>() < 0) {
+        fail(where, "must be a non-negative number");
+    }
+    if (value.get<double>() > largest) {
+        fail(where, "must be at most " + std::to_string(static_cast<std::uint64_t>(largest)));
+    }
+    return value.get<double>();
 }
 
 bool parse_bool(const json& value, const std::string& where) {
@@ -111,10 +137,7 @@ ResourceLimits parse_limits(const json& object, const std::string& where, Resour
         } else if (key == "pids") {
             limits.pids = parse_count(value, at);
         } else if (key == "cpu_cores") {
-            if (!value.is_number() || value.get<double>() < 0) {
-                fail(at, "must be a non-negative number");
-            }
-            limits.cpu_cores = value.get<double>();
+            limits.cpu_cores = parse_bounded_number(value, at, 1 << 20);
         } else if (key == "open_files") {
             limits.open_files = parse_count(value, at);
             if (limits.open_files < 16) {
@@ -127,11 +150,8 @@ ResourceLimits parse_limits(const json& object, const std::string& where, Resour
         } else if (key == "cpu_seconds") {
             limits.cpu_seconds = parse_count(value, at);
         } else if (key == "wall_clock_seconds") {
-            if (!value.is_number() || value.get<double>() < 0) {
-                fail(at, "must be a non-negative number");
-            }
-            limits.wall_clock =
-                std::chrono::milliseconds(static_cast<std::int64_t>(value.get<double>() * 1000));
+            const double seconds = parse_bounded_number(value, at, 1e12);  // 31,000 years
+            limits.wall_clock = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
         } else if (key == "output") {
             limits.output_bytes = parse_size(value, at);
         }
@@ -218,10 +238,10 @@ Policy Policy::from_json(const json& root) {
         if (key == "uid_range") {
             reject_unknown_keys(value, key, {"first", "count"});
             if (value.contains("first")) {
-                policy.uid_first = static_cast<uid_t>(parse_count(value.at("first"), "uid_range.first"));
+                policy.uid_first = parse_uid(value.at("first"), "uid_range.first");
             }
             if (value.contains("count")) {
-                policy.uid_count = static_cast<uid_t>(parse_count(value.at("count"), "uid_range.count"));
+                policy.uid_count = parse_uid(value.at("count"), "uid_range.count");
             }
         } else if (key == "inside_uid") {
             const auto uid = parse_count(value, key);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs every Debian package cellblock needs to build, run and test (idempotent, quiet, with progress).
-# Usage: install-deps.sh [--with-test-tools]   (the test tools add Jupyter peers, Chromium and Node clients)
+# Usage: install-deps.sh [--with-test-tools]   (the test tools add Jupyter peers, Chromium, Node clients and
+# clang-16 with its sanitizer and libFuzzer runtimes for share/scripts/sanitize.sh)
 set -euo pipefail
 
 want_test_tools=0
@@ -21,6 +22,7 @@ test_packages=(
   python3-websocket python3-requests python3-tornado
   chromium iproute2 procps psmisc
   prometheus  # a real Prometheus server scrapes the gateway's /metrics (tests/gateway/test_metrics.py); promtool
+  clang-16 libclang-rt-16-dev llvm-16  # the ASan+UBSan build and the libFuzzer targets (tests/fuzz)
 )
 # Node.js and npm may come from another source (the machine image ships them); install Debian's only if absent.
 if (( want_test_tools )) && ! command -v npm >/dev/null; then test_packages+=(nodejs npm); fi

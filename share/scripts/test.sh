@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds cellblock and runs the whole test suite through ctest: units, the sandbox's hostile battery, kernel
-# conformance and integration, the gateway with real clients, notebooks, and benchmark smoke runs.
+# conformance and integration, the gateway with real clients, notebooks, and benchmark smoke runs; then the
+# units again and the fuzz targets in an ASan + UBSan build (share/scripts/sanitize.sh).
 # Usage (as root): share/scripts/test.sh [extra ctest arguments...]
 #
 # Every registered suite runs or fails: nothing is skipped (tests/README.md, skip policy). The suite runs with a
@@ -55,4 +56,9 @@ not_run = [case.get("name") for case in cases if case.get("status") not in ("run
 if not_run:
     sys.exit("[test] tests that ctest did not run (skipped or disabled) fail the suite: " + ", ".join(not_run))
 EOF
+
+# The hardening run, whatever the suite above gave: a clang-16 build under ASan + UBSan of the units and the
+# libFuzzer targets, the units with leak checking and each fuzz target for a few seconds (tests/fuzz/README.md).
+echo "[test] sanitizer build: units and fuzz targets under ASan + UBSan ($build/sanitize)"
+bash share/scripts/sanitize.sh "$build/sanitize" || status=1
 exit "$status"

@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
+#include <chrono>
 #include <cstdint>
+
+#include "cellblock/gateway/time_format.hpp"
 
 using namespace cellblock::gateway;
 using nlohmann::json;
@@ -10,8 +14,8 @@ using nlohmann::json;
 namespace {
 JupyterMessage sample(std::vector<std::string> buffers = {}) {
     JupyterMessage message = make_message(Channel::iopub, "display_data",
-                                          {{"data", {{"text/plain", "42"}}}, {"metadata", json::object()}}, "s1",
-                                          {{"msg_id", "parent-1"}});
+                                          {{"data", {{"text/plain", "42"}}}, {"metadata", json::object()}},
+                                          "s1", {{"msg_id", "parent-1"}});
     message.buffers = std::move(buffers);
     return message;
 }
@@ -43,7 +47,8 @@ TEST(LegacyFormat, BinaryEnvelopeOnlyWithBuffers) {
     ASSERT_TRUE(frame.binary);
     const std::string& data = frame.payload;
     ASSERT_EQ(be32(data, 0), 3u);  // 1 + number of buffers
-    const std::uint32_t json_start = be32(data, 4), first_buffer = be32(data, 8), second_buffer = be32(data, 12);
+    const std::uint32_t json_start = be32(data, 4), first_buffer = be32(data, 8),
+                        second_buffer = be32(data, 12);
     EXPECT_EQ(json_start, 16u);
     json decoded = json::parse(data.substr(json_start, first_buffer - json_start));
     EXPECT_EQ(decoded["channel"], "iopub");
@@ -81,6 +86,19 @@ TEST(LegacyFormat, EpochFloatDateBecomesIsoString) {
     EXPECT_EQ(json::parse(message.header)["date"], "2023-11-14T22:13:20.500000Z");
 }
 
+TEST(LegacyFormat, EpochDateOutsideTheClockIsReplacedByNow) {
+    // 1e300 s would overflow system_clock's integer duration (undefined behaviour;
+    // tests/fuzz/websocket_message).
+    for (const char* date : {"1e300", "-1e300", "1e10", "-5"}) {
+        JupyterMessage message = decode_legacy_text(
+            std::string(R"({"header":{"msg_id":"m","msg_type":"kernel_info_request","date":)") + date + "}}");
+        const auto parsed = parse_iso8601_utc(json::parse(message.header)["date"].get<std::string>());
+        ASSERT_TRUE(parsed.has_value()) << date;
+        EXPECT_LT(std::chrono::abs(std::chrono::system_clock::now() - *parsed), std::chrono::minutes(10))
+            << date;
+    }
+}
+
 TEST(LegacyFormat, InfersChannelFromMessageType) {
     EXPECT_EQ(decode_legacy_text(R"({"header":{"msg_type":"input_reply"}})").channel, Channel::stdin_);
     EXPECT_EQ(decode_legacy_text(R"({"header":{"msg_type":"interrupt_request"}})").channel, Channel::control);
@@ -102,7 +120,8 @@ TEST(LegacyFormat, RejectsMalformedMessages) {
 namespace {
 std::uint64_t le64(const std::string& data, std::size_t at) {
     std::uint64_t value = 0;
-    for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<unsigned char>(data[at + static_cast<std::size_t>(i)]);
+    for (int i = 7; i >= 0; --i)
+        value = (value << 8) | static_cast<unsigned char>(data[at + static_cast<std::size_t>(i)]);
     return value;
 }
 }  // namespace
@@ -114,7 +133,8 @@ TEST(V1Format, LayoutFollowsTheSpec) {
     const std::uint64_t count = le64(data, 0);
     ASSERT_EQ(count, 7u);  // k + 2 with k = 4 parts + 1 buffer
     std::vector<std::uint64_t> offsets;
-    for (std::uint64_t i = 0; i < count; ++i) offsets.push_back(le64(data, 8 * (i + 1)));
+    for (std::uint64_t i = 0; i < count; ++i)
+        offsets.push_back(le64(data, 8 * (i + 1)));
     EXPECT_EQ(offsets[0], 8 * (5 + 3));
     EXPECT_EQ(offsets.back(), data.size());
     EXPECT_EQ(data.substr(offsets[0], offsets[1] - offsets[0]), "iopub");
@@ -135,13 +155,27 @@ TEST(V1Format, ClientFramesRoundTrip) {
 }
 
 TEST(V1Format, RejectsTruncatedAndInconsistentFrames) {
-    std::string frame = encode_v1(make_message(Channel::shell, "kernel_info_request", json::object(), "s")).payload;
+    std::string frame =
+        encode_v1(make_message(Channel::shell, "kernel_info_request", json::object(), "s")).payload;
     EXPECT_THROW(decode_v1(frame.substr(0, 20)), MessageError);
     EXPECT_THROW(decode_v1(frame.substr(0, frame.size() - 3)), MessageError);
     std::string huge_count = frame;
     huge_count[7] = '\x7f';
     EXPECT_THROW(decode_v1(huge_count), MessageError);
     EXPECT_THROW(decode_v1(""), MessageError);
+}
+
+TEST(WireFormat, NonStringHeaderFieldIsAMessageError) {
+    // The callers in kernel.cpp catch MessageError only: anything else escapes the ZMQ read handler
+    // (tests/fuzz/gateway_wire_decode).
+    HmacSigner signer(random_hex(32));
+    for (const char* header :
+         {R"({"msg_id":7,"msg_type":"status"})", R"({"msg_id":"m","msg_type":["status"]})"}) {
+        const std::array<std::string_view, 4> parts = {header, "{}", "{}", R"({"execution_state":"idle"})"};
+        std::vector<std::string> frames = {"<IDS|MSG>", signer.sign(parts)};
+        frames.insert(frames.end(), parts.begin(), parts.end());
+        EXPECT_THROW(decode_wire(Channel::iopub, std::move(frames), signer), MessageError) << header;
+    }
 }
 
 TEST(WireFormat, SignedRoundTripAndSignatureCheck) {

@@ -75,6 +75,28 @@ TEST(Policy, HostRootIsNeverHandedOut) {
     EXPECT_NE(error_of(json::parse(R"({"inside_uid": 0})")).find("inside_uid"), std::string::npos);
 }
 
+TEST(Policy, ValuesPastTheirTypeAreRefusedNotTruncated) {
+    // Spotted while writing tests/fuzz/sandbox_policy, whose invariants guard them: 4294968296 was handed out
+    // as host uid 1000, "999999999999999G" wrapped to a small limit, and huge seconds/cores overflowed their
+    // integer conversion.
+    EXPECT_NE(error_of(json::parse(R"({"uid_range": {"first": 4294968296, "count": 10}})"))
+                  .find("uid_range.first: is past the largest valid uid"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"uid_range": {"first": 100000, "count": 4294967297}})"))
+                  .find("uid_range.count: is past the largest valid uid"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"memory": "999999999999999G"}})")).find("is too large"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"wall_clock_seconds": 1e300}})"))
+                  .find("limits.wall_clock_seconds: must be at most"),
+              std::string::npos);
+    EXPECT_NE(error_of(json::parse(R"({"limits": {"cpu_cores": 1e300}})"))
+                  .find("limits.cpu_cores: must be at most"),
+              std::string::npos);
+    const auto largest = sb::Policy::from_json(json::parse(R"({"limits": {"memory": "17179869183G"}})"));
+    EXPECT_EQ(largest.limits.memory_bytes, 17179869183ULL << 30);
+}
+
 TEST(Policy, MountsNeedValidTypesAndAbsoluteTargets) {
     EXPECT_NE(error_of(json::parse(R"({"mounts": [{"type": "overlay", "target": "/x"}]})"))
                   .find("'overlay' is not one of"),

@@ -1,0 +1,225 @@
+#!/usr/bin/python3
+"""Writes the seed corpora in tests/fuzz/corpus/<target>/ (run from anywhere; rewrites the seeds it owns).
+
+Seeds are small real messages: what JupyterLab, jupyter_client, OpenHands-style clients and the worker send,
+signed with the keys the fuzz targets use, so the fuzzers start past the signature checks. The keys below must
+match kernel_wire_verifier.cpp and gateway_wire_decode.cpp."""
+import hashlib
+import hmac
+import json
+import pathlib
+import shutil
+import struct
+
+HERE = pathlib.Path(__file__).resolve().parent
+KERNEL_KEY = b"0b8d3c4e-6f1a-4c2b-9e7d-5a3f2c1b0d9e"
+GATEWAY_KEY = b"7c2e9a41-3b5d-4f60-8e1a-2d9c7b3f5e80"
+SEP = b"\x1e"
+DELIM = b"<IDS|MSG>"
+
+
+def compact(value):
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def header(msg_type, msg_id="8a1f3b2c-7d4e-4f6a-9b0c-1d2e3f4a5b6c", session="c0ffee00-1111-2222-3333-444455556666"):
+    return {"msg_id": msg_id, "msg_type": msg_type, "session": session, "username": "agent",
+            "date": "2026-11-30T12:00:00.000000Z", "version": "5.3"}
+
+
+def signed(key, parts):
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.hexdigest().encode()
+
+
+def wire(key, identities, msg_type, content, parent=None, metadata=None, buffers=(), bad_signature=False):
+    parts = [compact(header(msg_type)), compact(parent or {}), compact(metadata or {}), compact(content)]
+    signature = b"0" * 64 if bad_signature else signed(key, parts)
+    return SEP.join(list(identities) + [DELIM, signature] + parts + list(buffers))
+
+
+def write(target, name, data):
+    folder = HERE / "corpus" / target
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(data)
+
+
+EXECUTE = {"code": "import pandas as pd\nprint(pd.__version__)", "silent": False, "store_history": True,
+           "user_expressions": {}, "allow_stdin": True, "stop_on_error": True}
+PARENT = header("execute_request")
+
+
+def kernel_wire_verifier():
+    ident = [b"\x00k\x8bEg"]
+    # mode 0: checked exactly as received (valid signatures made with the target's key)
+    write("kernel_wire_verifier", "execute_request", b"\x00" + wire(KERNEL_KEY, ident, "execute_request", EXECUTE))
+    write("kernel_wire_verifier", "kernel_info_request",
+          b"\x00" + wire(KERNEL_KEY, ident, "kernel_info_request", {}))
+    write("kernel_wire_verifier", "shutdown_request",
+          b"\x00" + wire(KERNEL_KEY, ident, "shutdown_request", {"restart": False}))
+    write("kernel_wire_verifier", "input_reply", b"\x00" + wire(KERNEL_KEY, ident, "input_reply", {"value": "42"}))
+    write("kernel_wire_verifier", "cellblock_replay_request",
+          b"\x00" + wire(KERNEL_KEY, ident, "cellblock_replay_request", {"after": 0}))
+    write("kernel_wire_verifier", "bad_signature",
+          b"\x00" + wire(KERNEL_KEY, ident, "execute_request", EXECUTE, bad_signature=True))
+    write("kernel_wire_verifier", "no_delimiter", b"\x00" + SEP.join([b"id", b"sig", b"{}", b"{}", b"{}", b"{}"]))
+    # mode 1: the target re-signs, so the header parsing behind the HMAC is reached
+    write("kernel_wire_verifier", "resigned_comm_msg_with_buffer", b"\x01" + wire(
+        KERNEL_KEY, ident, "comm_msg", {"comm_id": "c1", "data": {"method": "update"}}, buffers=[b"\x00\x01\x02\xff"]))
+    write("kernel_wire_verifier", "resigned_header_not_object",
+          b"\x01" + SEP.join(ident + [DELIM, b"", b"[\"msg_type\"]", b"{}", b"{}", b"{}"]))
+    # mode 2: no key (signing disabled)
+    write("kernel_wire_verifier", "keyless_execute",
+          b"\x02" + SEP.join([DELIM, b"", compact(header("execute_request")), b"{}", b"{}", compact(EXECUTE)]))
+
+
+def gateway_wire_decode():
+    def w(*args, **kwargs):
+        return wire(GATEWAY_KEY, [], *args, parent=PARENT, **kwargs)
+    # mode byte: bit 0 re-sign, bit 1 no key, bits 2-3 channel (0 shell, 1 control, 2 stdin, 3 iopub)
+    iopub = 3 << 2
+    write("gateway_wire_decode", "status_busy", bytes([iopub]) + w("status", {"execution_state": "busy"}))
+    write("gateway_wire_decode", "stream", bytes([iopub]) + w("stream", {"name": "stdout", "text": "0.1.0\n"}))
+    write("gateway_wire_decode", "display_data_png", bytes([iopub]) + w(
+        "display_data", {"data": {"text/plain": "<Figure>", "image/png": "iVBORw0KGgo="}, "metadata": {},
+                         "transient": {"display_id": "d1"}}))
+    write("gateway_wire_decode", "comm_msg_buffers", bytes([iopub]) + w(
+        "comm_msg", {"comm_id": "c1", "data": {"buffer_paths": [["a"]]}}, buffers=[b"\x00" * 8, b"\xff\xfe"]))
+    write("gateway_wire_decode", "execute_reply", bytes([0]) + w(
+        "execute_reply", {"status": "ok", "execution_count": 3, "user_expressions": {}, "payload": []}))
+    write("gateway_wire_decode", "kernel_info_reply_control", bytes([1 << 2]) + w(
+        "kernel_info_reply", {"status": "ok", "protocol_version": "5.3", "implementation": "cellblock",
+                              "language_info": {"name": "python", "version": "3.11.2"}}))
+    write("gateway_wire_decode", "input_request_stdin", bytes([2 << 2]) + w(
+        "input_request", {"prompt": "name? ", "password": False}))
+    write("gateway_wire_decode", "bad_signature", bytes([iopub]) + w(
+        "status", {"execution_state": "idle"}, bad_signature=True))
+    write("gateway_wire_decode", "resigned_msg_id_number", bytes([iopub | 1]) + SEP.join(
+        [DELIM, b"", b'{"msg_id":7,"msg_type":"status"}', b"{}", b"{}", b'{"execution_state":"idle"}']))
+    write("gateway_wire_decode", "keyless_stream", bytes([iopub | 2]) + SEP.join(
+        [DELIM, b"", compact(header("stream")), b"{}", b"{}", b'{"name":"stderr","text":"x"}']))
+
+
+def legacy_envelope(msg_type, content, **extra):
+    envelope = {"header": header(msg_type), "parent_header": {}, "metadata": {}, "content": content,
+                "buffers": [], "channel": "shell"}
+    envelope.update(extra)
+    return envelope
+
+
+def legacy_binary(envelope, buffers):
+    body = compact(envelope)
+    count = 1 + len(buffers)
+    offsets, position = [], 4 * (count + 1)
+    for part in [body] + list(buffers):
+        offsets.append(position)
+        position += len(part)
+    return struct.pack(">I", count) + b"".join(struct.pack(">I", o) for o in offsets) + body + b"".join(buffers)
+
+
+def v1(channel, msg_type, content, buffers=()):
+    parts = [channel.encode(), compact(header(msg_type)), b"{}", b"{}", compact(content)] + list(buffers)
+    count = len(parts) + 1
+    offsets, position = [], 8 * (count + 1)
+    offsets.append(position)
+    for part in parts:
+        position += len(part)
+        offsets.append(position)
+    return struct.pack("<Q", count) + b"".join(struct.pack("<Q", o) for o in offsets) + b"".join(parts)
+
+
+def websocket_message():
+    text = b"\x00"
+    write("websocket_message", "jupyterlab_execute", text + compact(legacy_envelope("execute_request", EXECUTE)))
+    write("websocket_message", "openhands_minimal", text + compact(
+        {"header": {"msg_type": "execute_request"}, "parent_header": {}, "metadata": {},
+         "content": {"code": "1+1", "silent": False}}))
+    float_date = legacy_envelope("kernel_info_request", {})
+    float_date["header"]["date"] = 1764504000.25
+    del float_date["channel"]
+    write("websocket_message", "gateway_client_float_date", text + compact(float_date))
+    write("websocket_message", "input_reply_stdin", text + compact(
+        legacy_envelope("input_reply", {"value": "yes"}, channel="stdin")))
+    write("websocket_message", "interrupt_control", text + compact(
+        legacy_envelope("interrupt_request", {}, channel="control")))
+    write("websocket_message", "iopub_refused", text + compact(legacy_envelope("status", {}, channel="iopub")))
+    # Regression: a float date past system_clock's range overflowed its integer conversion (UBSan).
+    write("websocket_message", "regression_date_overflow",
+          text + b'{"header":{"msg_type":"kernel_info_request","date":1e300},"channel":"shell"}')
+    write("websocket_message", "legacy_binary_comm", b"\x01" + legacy_binary(
+        legacy_envelope("comm_msg", {"comm_id": "c1", "data": {"buffer_paths": [["x"]]}}), [b"\x01\x02\x03\x04"]))
+    write("websocket_message", "legacy_binary_no_buffers", b"\x01" + legacy_binary(
+        legacy_envelope("complete_request", {"code": "pd.", "cursor_pos": 3}), []))
+    write("websocket_message", "v1_execute", b"\x02" + v1("shell", "execute_request", EXECUTE))
+    write("websocket_message", "v1_comm_buffers", b"\x02" + v1(
+        "shell", "comm_msg", {"comm_id": "c1", "data": {}}, [b"\xde\xad\xbe\xef", b""]))
+    write("websocket_message", "v1_no_channel", b"\x02" + v1("", "inspect_request", {"code": "len", "cursor_pos": 3}))
+
+
+def router():
+    paths = [
+        "/api", "/api/status", "/api/kernelspecs", "/api/kernelspecs/cellblock-python",
+        "/kernelspecs/cellblock-python/logo-64x64.png",
+        "/api/kernels?token=3f2a", "/api/kernels/6b1c1f9e-2d3a-4b5c-8d7e-9f0a1b2c3d4e",
+        "/api/kernels/6b1c1f9e-2d3a-4b5c-8d7e-9f0a1b2c3d4e/channels?session_id=c0ffee00-1111&token=abc%20def",
+        "/api/kernels/6b1c1f9e-2d3a-4b5c-8d7e-9f0a1b2c3d4e/interrupt",
+        "/api/kernels/6b1c1f9e-2d3a-4b5c-8d7e-9f0a1b2c3d4e/restart",
+        "/api/sessions/s%2D1", "/agent/v1/sessions", "/agent/v1/sessions/sales-analysis/execute",
+        "/agent/v1/sessions/sales-analysis/files/data/sales%20q1.csv",
+        "/agent/v1/sessions/s/files/r%C3%A9sum%C3%A9.txt?download=1&x=a+b",
+        "/agent/v1/sessions/s/files/a%2Fb", "/agent/v1/sessions/s/files/..%2F..%2Fetc/passwd",
+        "/api/kernels/%00", "/api/kernels/%zz", "/agent/v1/sessions/s%", "/mcp", "//api//kernels//",
+        "/agent/v1/sessions/s/notebook?format=ipynb", "/agent/v1/sessions/s/audit?limit=10&&=x&limit=2",
+    ]
+    for index, path in enumerate(paths):
+        write("router", f"path{index:02d}", path.encode())
+
+
+def frame(message):
+    body = compact(message)
+    return struct.pack(">I", len(body)) + body
+
+
+def worker_stream():
+    ready = frame({"type": "ready", "python": "3.11.2", "ipython": "8.5.0", "pid": 1})
+    display = frame({"type": "display_data", "data": {"text/plain": "x", "image/png": "iVBOR"}, "metadata": {},
+                     "transient": {"display_id": "a"}})
+    reply = frame({"type": "reply", "id": "r1", "content": {"status": "ok", "user_expressions": {}, "payload": []}})
+    error = frame({"type": "error", "ename": "ZeroDivisionError", "evalue": "division by zero",
+                   "traceback": ["\x1b[0;31mZeroDivisionError\x1b[0m"]})
+    write("worker_stream", "ready_display_reply", b"\x03\x07" + ready + display + reply)
+    write("worker_stream", "error_reply_one_byte_chunks", b"\x00\x00" + error + reply)
+    write("worker_stream", "input_request", b"\x05\x3f" + frame({"type": "input_request", "prompt": "? ",
+                                                                 "password": False}))
+    write("worker_stream", "stdout_utf8_split", b"\x02\x01" + "caf\u00e9 \u2603 \U0001F600 done\n".encode())
+    write("worker_stream", "stdout_invalid_utf8", b"\x01\x02" + b"ok \xc3\x28 \xed\xa0\x80 \xf4\x90\x80\x80 \xe2\x82")
+    write("worker_stream", "frame_without_type", b"\x10\x10" + frame({"id": "r1"}))
+    write("worker_stream", "oversized_length", b"\x04\x04" + b"\x7f\xff\xff\xff{}")
+
+
+def sandbox_policy():
+    repo_policy = HERE.parents[1] / "share" / "cellblock" / "sandbox-policy.json"
+    write("sandbox_policy", "shipped_policy", repo_policy.read_bytes())
+    write("sandbox_policy", "small", compact({
+        "uid_range": {"first": 300000, "count": 100}, "inside_uid": 1000, "hostname": "box",
+        "mounts": [{"type": "bind", "source": "/usr", "target": "/usr"},
+                   {"type": "tmpfs", "target": "/tmp", "size": "64M"},
+                   {"type": "symlink", "source": "usr/bin", "target": "/bin"},
+                   {"type": "file", "target": "/etc/passwd", "content": "u:x:1000:1000::/:/bin/sh\n"},
+                   {"type": "proc", "target": "/proc"}, {"type": "dev", "target": "/dev", "size": 65536}],
+        "environment": ["PATH=/usr/bin:/bin", "HOME=/workspace"],
+        "limits": {"memory": "512M", "pids": 64, "cpu_cores": 1.5, "open_files": 256, "file_size": "1G",
+                   "cpu_seconds": 600, "wall_clock_seconds": 3600, "output": 1048576},
+        "seccomp": True, "network_loopback": True}))
+    write("sandbox_policy", "uid_past_32_bits", compact({"uid_range": {"first": 4294968296, "count": 10}}))
+    write("sandbox_policy", "size_wraps", compact({"limits": {"memory": "999999999999999G"}}))
+    write("sandbox_policy", "unknown_key", compact({"limit": {"memory": "1G"}}))
+
+
+if __name__ == "__main__":
+    for target in ["kernel_wire_verifier", "gateway_wire_decode", "websocket_message", "router", "worker_stream",
+                   "sandbox_policy"]:
+        shutil.rmtree(HERE / "corpus" / target, ignore_errors=True)
+        globals()[target]()
