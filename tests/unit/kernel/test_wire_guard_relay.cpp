@@ -118,6 +118,13 @@ class WireGuardRelay : public ::testing::Test {
         reply.insert(reply.end(), {"<IDS|MSG>", "", header, request[d + 2], "{}", content.dump()});
         return reply;
     }
+    // xeus publishing a status for `request` (as the fake xeus ROUTER received it).
+    void xeus_status(const Frames& request, const std::string& state) {
+        const std::size_t d = delimiter_of(request);
+        const std::string header = json{{"msg_id", "s-" + state}, {"msg_type", "status"}}.dump();
+        send(xeus_iopub, {"status", "<IDS|MSG>", "", header, request[d + 2], "{}",
+                          json{{"execution_state", state}}.dump()});
+    }
     bool signature_valid(const Frames& frames) {
         const std::size_t d = delimiter_of(frames);
         return signer.verify(frames[d + 1], {frames[d + 2], frames[d + 3], frames[d + 4], frames[d + 5]});
@@ -168,22 +175,16 @@ TEST_F(WireGuardRelay, IdleThatOvertakesItsReplyWaitsForIt) {
     send(client_shell, signed_message("kernel_info_request", json::object(), "k1"));
     const Frames k1 = receive(xeus_shell);
     ASSERT_FALSE(k1.empty());
-    const auto status = [&](const Frames& request, const char* state) {
-        const std::size_t d = delimiter_of(request);
-        const std::string header = json{{"msg_id", std::string("s-") + state}, {"msg_type", "status"}}.dump();
-        send(xeus_iopub, {"status", "<IDS|MSG>", "", header, request[d + 2], "{}",
-                          json{{"execution_state", state}}.dump()});
-    };
-    status(k1, "busy");
-    status(k1, "idle");
+    xeus_status(k1, "busy");
+    xeus_status(k1, "idle");
     ::usleep(100000);  // the guard has read the idle before the reply exists
     send(xeus_shell, xeus_reply(k1, "kernel_info_reply", {{"status", "ok"}}));
     send(client_shell, signed_message("execute_request", {{"code", "1"}}, "e1"));
     const Frames e1 = receive(xeus_shell);
     ASSERT_FALSE(e1.empty());
     send(xeus_shell, xeus_reply(e1, "execute_reply", {{"status", "ok"}}));
-    status(e1, "busy");
-    status(e1, "idle");
+    xeus_status(e1, "busy");
+    xeus_status(e1, "idle");
     std::vector<std::string> replies;
     for (Frames reply = receive(client_shell); !reply.empty(); reply = receive(client_shell, 300)) {
         replies.push_back(json::parse(reply[delimiter_of(reply) + 2])["msg_type"]);
@@ -212,10 +213,7 @@ TEST_F(WireGuardLongHold, CommMessageIdleIsNotHeld) {
     send(client_shell, signed_message("comm_msg", {{"comm_id", "c"}, {"data", json::object()}}, "c1"));
     const Frames request = receive(xeus_shell);
     ASSERT_FALSE(request.empty());
-    const std::size_t d = delimiter_of(request);
-    const std::string header = json{{"msg_id", "idle"}, {"msg_type", "status"}}.dump();
-    send(xeus_iopub,
-         {"status", "<IDS|MSG>", "", header, request[d + 2], "{}", R"({"execution_state":"idle"})"});
+    xeus_status(request, "idle");
     const Frames idle = receive(client_iopub, 5000);
     ASSERT_FALSE(idle.empty()) << "the comm message's idle was held waiting for a reply that never comes";
     EXPECT_EQ(json::parse(idle[delimiter_of(idle) + 3])["msg_id"], "c1");
@@ -226,10 +224,7 @@ TEST_F(WireGuardRelay, IdleWithoutReplyIsReleased) {
     send(client_shell, signed_message("execute_request", {{"code", "1"}}, "lost"));
     const Frames request = receive(xeus_shell);
     ASSERT_FALSE(request.empty());
-    const std::size_t d = delimiter_of(request);
-    const std::string header = json{{"msg_id", "idle"}, {"msg_type", "status"}}.dump();
-    send(xeus_iopub,
-         {"status", "<IDS|MSG>", "", header, request[d + 2], "{}", R"({"execution_state":"idle"})"});
+    xeus_status(request, "idle");
     const Frames idle = receive(client_iopub, 3000);
     ASSERT_FALSE(idle.empty());
     EXPECT_EQ(json::parse(idle[delimiter_of(idle) + 3])["msg_id"], "lost");
