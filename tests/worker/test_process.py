@@ -113,11 +113,13 @@ def test_malformed_frame_ends_the_worker_cleanly(worker):
 def test_orphaned_zombies_are_reaped(make_worker):
     worker = make_worker(subreaper=True)  # as pid 1 of its namespace, the worker inherits orphans
     spawn = worker.execute("import subprocess\n"
-                           "orphan = int(subprocess.run(['sh', '-c', 'sleep 0.2 & echo $!'], capture_output=True,"
-                           " text=True).stdout)\norphan").assert_ok()
+                           "orphan = int(subprocess.run(['sh', '-c', 'sleep 600 >/dev/null 2>&1 & echo $!'],"
+                           " capture_output=True, text=True).stdout)\norphan").assert_ok()
     orphan = int(spawn.result["data"]["text/plain"])
-    # Positive control: the orphan exits on its own and stays a zombie of the worker (its new parent) while no
-    # request is answered, so it is the worker's reaping, not some other parent, that makes it disappear.
+    # The orphan ends only after that request was answered (the worker reaps then, too), whatever the load.
+    os.kill(orphan, signal.SIGKILL)
+    # Positive control: the orphan stays a zombie of the worker (its new parent) while no request is answered, so
+    # it is the worker's reaping, not some other parent, that makes it disappear.
     _wait_for_state(orphan, lambda state: state == "Z", "the orphan to exit and become the worker's zombie")
     worker.execute("pass").assert_ok()  # the worker reaps right after answering a request
     _wait_for_state(orphan, lambda state: state is None, "the worker to reap its orphaned zombie")
