@@ -191,7 +191,8 @@ test('interrupt stops time.sleep(600) with KeyboardInterrupt', async () => {
   // Interrupt only once the code is really running (it printed), as a user pressing the stop button would.
   await withTimeout(new Promise((resolve) => {
     const timer = setInterval(() => {
-      if (streamText(iopub).includes('sleeping')) { clearInterval(timer); resolve(); }
+      // The whole line: print writes 'sleeping' and '\n' separately, and an interrupt between them is legal.
+      if (streamText(iopub).includes('sleeping\n')) { clearInterval(timer); resolve(); }
     }, 50);
   }), 'the sleeping cell to print');
   await withTimeout(kernel.interrupt(), 'POST /api/kernels/{id}/interrupt');
