@@ -15,7 +15,7 @@ from conftest import AgentGateway
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
 import broken_kernels  # noqa: E402
-from host_processes import descendants, is_running, wait_for, wait_until_gone, with_cmdline  # noqa: E402
+from host_processes import descendants, is_running, kernel_tree, wait_for, wait_until_gone  # noqa: E402
 
 # Generous bounds for a loaded 2-core machine: these say "it did not hang", not "it was fast".
 ANSWER_TIMEOUT_S = 60
@@ -42,12 +42,7 @@ def make_gateway(tmp_path):
 def kernel_processes(server, kernel_id=None):
     """The gateway's kernel processes (their command line names a connection file in the gateway's runtime
     directory) with everything below them: the confined worker and the sandbox's own processes."""
-    marker = f"{server.runtime_dir}/kernel-{kernel_id or ''}"
-    found = []
-    for kernel in with_cmdline(marker):
-        found.append(kernel)
-        found.extend(descendants(kernel.pid))
-    return found
+    return kernel_tree(server.runtime_dir, kernel_id or "")
 
 
 def workers_of(server, kernel_id):

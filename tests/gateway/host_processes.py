@@ -71,6 +71,16 @@ def with_cmdline(fragment: str) -> list:
     return [p for p in process_table().values() if fragment in p.cmdline]
 
 
+def kernel_tree(runtime_dir, kernel_id: str = "") -> list:
+    """A gateway's kernel processes (their command line names a connection file in its runtime directory; all of
+    them when `kernel_id` is empty) with everything below them: the confined worker and the sandbox's processes."""
+    found = []
+    for kernel in with_cmdline(f"{runtime_dir}/kernel-{kernel_id}"):
+        found.append(kernel)
+        found.extend(descendants(kernel.pid))
+    return found
+
+
 def is_running(process: HostProcess) -> bool:
     """The same process (pid and start time) still exists and is not a zombie."""
     read = _read(process.pid)

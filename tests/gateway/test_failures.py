@@ -15,7 +15,7 @@ import websocket
 
 import broken_kernels
 from gateway_harness import TOKEN, Gateway, gateway_binary, outputs
-from host_processes import descendants, wait_for, wait_until_gone, with_cmdline
+from host_processes import descendants, kernel_tree, wait_for, wait_until_gone
 
 GONE_TIMEOUT_S = 60
 
@@ -43,12 +43,7 @@ def launch(tmp_path):
 
 
 def kernel_processes(gateway, kernel_id=None):
-    marker = f"{gateway.runtime_dir}/kernel-{kernel_id or ''}"
-    found = []
-    for kernel in with_cmdline(marker):
-        found.append(kernel)
-        found.extend(descendants(kernel.pid))
-    return found
+    return kernel_tree(gateway.runtime_dir, kernel_id or "")
 
 
 def main_kernel_process(gateway, kernel_id):

@@ -39,7 +39,7 @@ import websocket
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "gateway"))
 from gateway_harness import KernelSocket  # noqa: E402
-from host_processes import descendants, wait_for, wait_until_gone, with_cmdline  # noqa: E402
+from host_processes import descendants, kernel_tree, wait_for, wait_until_gone, with_cmdline  # noqa: E402
 
 # The agent suite's gateway harness (tests/agent/conftest.py), under a name that cannot clash with other conftests.
 _spec = importlib.util.spec_from_file_location("agent_conftest", HERE.parent / "agent" / "conftest.py")
@@ -167,12 +167,7 @@ class Soak:
     # ---------------------------------------------------------------------------------------------- host side
 
     def kernel_processes(self, kernel_id: str = "") -> list:
-        marker = f"{self.runtime_dir}/kernel-{kernel_id}"
-        found = []
-        for kernel in with_cmdline(marker):
-            found.append(kernel)
-            found.extend(descendants(kernel.pid))
-        return found
+        return kernel_tree(self.runtime_dir, kernel_id)
 
     def chaos(self, interval_s: float) -> None:
         """SIGKILLs the worker of a random live agent session every interval, whatever it is doing."""
