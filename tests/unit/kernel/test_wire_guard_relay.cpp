@@ -66,7 +66,7 @@ class WireGuardRelay : public ::testing::Test {
         guard = std::make_unique<WireGuard>(
             connection,
             PrivateEndpoints{base + "-shell", base + "-control", base + "-stdin", base + "-iopub"},
-            GuardActions{[this] { ++interrupts; }, [this] { ++shutdowns; },
+            GuardActions{[this](const std::vector<std::string>&) { ++interrupts; }, [this] { ++shutdowns; },
                          [this](std::chrono::duration<double> idle) {
                              idle_at_expiry = idle.count();
                              ++lease_expiries;

@@ -103,6 +103,15 @@ class FrameChannel:
     def fileno(self):
         return self._fd
 
+    def request_waiting(self):
+        """Bytes of a frame are buffered or readable (called from the SIGINT handler: never raises)."""
+        if self._received:
+            return True
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+        except OSError:
+            return False
+
     def send(self, message):
         payload = encode_frame_payload(message)
         if len(payload) > MAX_FRAME_BYTES:
