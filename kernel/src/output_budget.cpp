@@ -1,5 +1,7 @@
 #include "output_budget.hpp"
 
+#include <algorithm>
+
 #include "utf8_decoder.hpp"
 
 namespace cellblock::kernel {
@@ -13,6 +15,16 @@ std::string_view utf8_suffix(std::string_view text, std::size_t max_bytes) noexc
         ++start;
     }
     return text.substr(start);
+}
+
+std::uint64_t effective_output_limit(std::optional<std::uint64_t> requested,
+                                     std::uint64_t own_limit) noexcept {
+    constexpr std::uint64_t ceiling = 256u << 20;
+    if (!requested || own_limit == 0) {
+        return own_limit;
+    }
+    const std::uint64_t most = std::max(own_limit, ceiling);
+    return *requested == 0 ? most : std::min(*requested, most);
 }
 
 OutputBudget::OutputBudget(std::uint64_t limit_bytes)

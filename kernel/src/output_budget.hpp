@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -45,6 +46,12 @@ class OutputBudget {
     bool text_omitted_ = false;
     std::array<Tail, 2> tails_;
 };
+
+// The output limit of an execute whose client asked for `requested` bytes: more than the kernel's own
+// limit is granted (the agent API saves whole outputs), up to max(own, 256 MiB) so the kernel's tail
+// buffers stay bounded; 0 asks for that ceiling. A kernel without a limit (own == 0) stays without one.
+std::uint64_t effective_output_limit(std::optional<std::uint64_t> requested,
+                                     std::uint64_t own_limit) noexcept;
 
 // Longest suffix of `text` (valid UTF-8) that is at most `max_bytes` long and starts on a code point.
 std::string_view utf8_suffix(std::string_view text, std::size_t max_bytes) noexcept;

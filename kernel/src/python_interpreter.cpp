@@ -578,7 +578,7 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
                                                  bool allow_stdin) try {
     const std::string msg_id = parent_msg_id(parent_header());
     const ExecuteOptions options = controls_.take_options(msg_id);
-    Exchange exchange(options.output_bytes.value_or(settings_.limits.output_bytes));
+    Exchange exchange(effective_output_limit(options.output_bytes, settings_.limits.output_bytes));
     exchange.msg_id = msg_id;
     exchange.publish = !silent;
     exchange.allow_stdin = allow_stdin;

@@ -77,5 +77,14 @@ TEST(OutputBudget, ZeroMeansUnlimited) {
     EXPECT_FALSE(budget.truncated());
 }
 
+TEST(OutputBudget, AClientMayAskForMoreOutputUpToACeiling) {
+    EXPECT_EQ(effective_output_limit(std::nullopt, 1000), 1000u);
+    EXPECT_EQ(effective_output_limit(32u << 20, 1u << 20), 32u << 20) << "the agent API's disk limit";
+    EXPECT_EQ(effective_output_limit(100, 1000), 100u);
+    EXPECT_EQ(effective_output_limit(1ull << 40, 1u << 20), 256u << 20) << "bounded";
+    EXPECT_EQ(effective_output_limit(0, 1u << 20), 256u << 20) << "no 'unlimited' for the asking";
+    EXPECT_EQ(effective_output_limit(5, 0), 0u) << "a kernel without a limit stays without one";
+}
+
 }  // namespace
 }  // namespace cellblock::kernel
