@@ -46,7 +46,8 @@ class InterruptGate:
         """`request_waiting()` says whether request bytes are buffered or readable on the channel."""
         self._request_waiting = request_waiting
 
-    def request_started(self):
+    def frame_taken(self):
+        """A frame left the channel's buffer: until request_finished(), an interrupt belongs to it."""
         self._request_in_hand = True
 
     def request_finished(self):
@@ -82,9 +83,8 @@ class InterruptGate:
     @contextlib.contextmanager
     def frame_io(self):
         """Keep SIGINT out of a frame read/write (blocked for this thread, deferred if another thread gets it)."""
-        if threading.current_thread() is not self._main_thread or not self._accepting:
-            # Only the main thread runs Python signal handlers, so a user thread needs no deferral; outside
-            # user code the handler never raises, so there is nothing to defer either.
+        if threading.current_thread() is not self._main_thread:
+            # Only the main thread runs Python signal handlers, so a user thread needs no deferral.
             yield
             return
         previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT_ONLY)

@@ -98,14 +98,14 @@ def _serve(channel, handlers, reaper, gate):
             return 0
         request_id = request.get("id")
         if request.get("type") == "input_reply" or request_id is None:
+            gate.request_finished()  # nothing in hand after all: a late interrupt must not hit the next request
             continue  # a late answer to an interrupted prompt, or nothing that could be answered
-        gate.request_started()
         content = _answer(handlers, request)
         try:
-            channel.send({"type": "reply", "id": request_id, "content": content})
+            channel.send({"type": "reply", "id": request_id, "content": content}, finishes_request=True)
         except FrameTooLarge as error:
-            channel.send({"type": "reply", "id": request_id, "content": _error_content("FrameTooLarge", str(error))})
-        gate.request_finished()
+            channel.send({"type": "reply", "id": request_id, "content": _error_content("FrameTooLarge", str(error))},
+                         finishes_request=True)
         try:
             reaper.reap()
         except OSError:
