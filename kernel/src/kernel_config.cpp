@@ -82,6 +82,9 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
     if (auto value = environment("CELLBLOCK_MEMORY_MB")) {
         config.limits.memory_mb = static_cast<std::uint64_t>(parse_number("CELLBLOCK_MEMORY_MB", *value));
     }
+    if (auto value = environment("CELLBLOCK_INTERRUPT_GRACE_S")) {
+        config.limits.interrupt_grace_s = parse_number("CELLBLOCK_INTERRUPT_GRACE_S", *value);
+    }
     if (auto value = environment("CELLBLOCK_OUTPUT_BYTES")) {
         config.limits.output_bytes =
             static_cast<std::uint64_t>(parse_number("CELLBLOCK_OUTPUT_BYTES", *value));

@@ -17,8 +17,8 @@
 
 #include <CLI/CLI.hpp>
 #include <array>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -200,7 +200,8 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
 
     auto history = std::make_unique<HistoryManager>();
     HistoryManager& history_ref = *history;
-    auto interpreter = std::make_unique<PythonInterpreter>(supervisor, history_ref, settings);
+    RequestControls controls;
+    auto interpreter = std::make_unique<PythonInterpreter>(supervisor, history_ref, controls, settings);
     PythonInterpreter& interpreter_ref = *interpreter;
 
     // xeus listens on private ipc endpoints inside the 0700 runtime directory, unsigned; the wire guard
@@ -223,21 +224,26 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
                          std::move(interpreter), xeus::make_xserver_control_main, std::move(history), nullptr,
                          xeus::make_null_debugger, nl::json::object(), nl::json::error_handler_t::replace);
 
-    WireGuard guard(connection,
-                    {endpoint(private_config.m_shell_port), endpoint(private_config.m_control_port),
-                     endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
-                    {[&supervisor] { supervisor.interrupt(); }, [&exit_path] { exit_path.leave(0); },
-                     [&exit_path, &lease_cleanup_dir](std::chrono::duration<double>) {
-                         exit_path.leave(lease_expired_exit_status, lease_cleanup_dir);
-                     }},
-                    guard_options);
+    WireGuard guard(
+        connection,
+        {endpoint(private_config.m_shell_port), endpoint(private_config.m_control_port),
+         endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
+        {[&controls](const std::vector<std::string>& unanswered) { controls.interrupt(unanswered); },
+         [&exit_path] { exit_path.leave(0); },
+         [&exit_path, &lease_cleanup_dir](std::chrono::duration<double>) {
+             exit_path.leave(lease_expired_exit_status, lease_cleanup_dir);
+         },
+         [&controls](const std::string& msg_id, const nlohmann::json& metadata) {
+             controls.post_options(msg_id, parse_execute_options(metadata));
+         }},
+        guard_options);
     interpreter_ref.set_input_releaser([&guard] { guard.interrupt_pending_input(); });
     // Only now, with every socket bound, start the worker (so a bad port fails fast and leaves nothing).
     supervisor.start();
     guard.start();
     SignalRouter signals(
-        [&supervisor, &guard] {
-            supervisor.interrupt();
+        [&controls, &guard] {
+            controls.interrupt({});
             guard.interrupt_pending_input();
         },
         [&exit_path](int) { exit_path.leave(0); });

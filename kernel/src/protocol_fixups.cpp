@@ -41,4 +41,20 @@ Fixup fix_outbound(WireChannel channel, std::string_view msg_type, nlohmann::jso
     return Fixup::unchanged;
 }
 
+bool move_outcome_to_metadata(nlohmann::json& content, nlohmann::json& metadata) {
+    if (!content.is_object()) {
+        return false;
+    }
+    const auto found = content.find("cellblock");
+    if (found == content.end()) {
+        return false;
+    }
+    if (!metadata.is_object()) {
+        metadata = nlohmann::json::object();
+    }
+    metadata["cellblock"] = std::move(*found);
+    content.erase("cellblock");
+    return true;
+}
+
 }  // namespace cellblock::kernel

@@ -22,4 +22,10 @@ enum class Fixup {
 // - IOPub "interrupt": a xeus-only message; clients' schema validators reject it.
 Fixup fix_outbound(WireChannel channel, std::string_view msg_type, nlohmann::json& content);
 
+// execute_reply: the interpreter puts what happened (outcome, state_lost, output_truncated) in the
+// content's "cellblock" member, because xeus 2.4.1 gives it no say over reply metadata; it belongs in
+// metadata.cellblock. Returns true if content and metadata were changed (metadata that is not an object
+// is replaced).
+bool move_outcome_to_metadata(nlohmann::json& content, nlohmann::json& metadata);
+
 }  // namespace cellblock::kernel

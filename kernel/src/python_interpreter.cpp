@@ -16,6 +16,7 @@
 #include <xeus/xinput.hpp>
 
 #include "logging.hpp"
+#include "output_budget.hpp"
 
 namespace cellblock::kernel {
 namespace {
@@ -72,18 +73,21 @@ class InputWatchdog {
 
 // Everything one request to the worker needs and produces.
 struct PythonInterpreter::Exchange {
+    explicit Exchange(std::uint64_t output_limit = 0) : output(output_limit) {}
+    std::string msg_id;    // of the client's request (interrupts are addressed by it)
     bool publish = false;  // execute and not silent: outputs go to IOPub
     bool allow_stdin = false;
     int execution_count = 0;
-    double timeout_s = 0;          // 0 = no limit
-    std::uint64_t output_cap = 0;  // 0 = unlimited
-    std::uint64_t published_bytes = 0;
-    bool truncated = false;
+    double timeout_s = 0;  // 0 = no limit
+    OutputBudget output;
     bool error_published = false;
-    bool timed_out = false;  // SIGINT sent because the time limit passed
-    bool killed_for_timeout = false;
+    bool timed_out = false;    // SIGINT sent because the time limit passed
+    bool interrupted = false;  // SIGINT sent because a client asked
+    // Why the worker is to be killed if it is still busy at kill_at (the first of the two causes).
+    enum class KillCause { none, time_limit, interrupt } kill_cause = KillCause::none;
+    bool killed = false;
     Clock::time_point deadline = Clock::time_point::max();  // the time limit
-    Clock::time_point kill_at = Clock::time_point::max();   // after the timeout's interrupt
+    Clock::time_point kill_at = Clock::time_point::max();   // an interrupt's grace period ends
     std::optional<std::string> result_text;                 // text/plain of execute_result, for history
     bool stdout_open = true;                                // until the pipe reports end of file
     bool stderr_open = true;
@@ -96,32 +100,101 @@ struct PythonInterpreter::Exchange {
 
 struct PythonInterpreter::Ending {
     enum class Kind { reply, worker_died, unavailable } kind = Kind::unavailable;
-    nl::json content;    // the worker's reply content
-    std::string reason;  // why the worker died / was unavailable
+    nl::json content;                 // the worker's reply content
+    std::string reason;               // why the worker died / was unavailable
+    bool memory_limit = false;        // the worker was killed by its memory limit
+    bool earlier_state_lost = false;  // the worker that ran earlier cells is gone (died while idle)
 };
 
+namespace {
+
+// Ends a request's claim on interrupts however run() leaves.
+class RunningRequest {
+  public:
+    RunningRequest(RequestControls& controls, const std::string& msg_id) : controls_(controls) {
+        controls_.begin(msg_id);
+    }
+    ~RunningRequest() { controls_.end(); }
+    RunningRequest(const RunningRequest&) = delete;
+    RunningRequest& operator=(const RunningRequest&) = delete;
+
+  private:
+    RequestControls& controls_;
+};
+
+// Fields a worker frame must have with the right type; anything else is a protocol error (PROTOCOL.md:
+// user code can write to the channel fd, so a frame may be anything).
+const nl::json& object_field(const nl::json& message, const char* name) {
+    static const nl::json empty = nl::json::object();
+    const auto found = message.find(name);
+    if (found == message.end() || found->is_null()) {
+        return empty;
+    }
+    if (!found->is_object()) {
+        throw ProtocolError(std::string("worker frame field '") + name + "' is not an object");
+    }
+    return *found;
+}
+
+std::string string_field(const nl::json& message, const char* name, const std::string& fallback) {
+    const auto found = message.find(name);
+    if (found == message.end() || found->is_null()) {
+        return fallback;
+    }
+    if (!found->is_string()) {
+        throw ProtocolError(std::string("worker frame field '") + name + "' is not a string");
+    }
+    return found->get<std::string>();
+}
+
+bool bool_field(const nl::json& message, const char* name) {
+    const auto found = message.find(name);
+    if (found == message.end() || found->is_null()) {
+        return false;
+    }
+    if (!found->is_boolean()) {
+        throw ProtocolError(std::string("worker frame field '") + name + "' is not a boolean");
+    }
+    return found->get<bool>();
+}
+
+}  // namespace
+
 PythonInterpreter::PythonInterpreter(WorkerSupervisor& supervisor, HistoryManager& history,
-                                     InterpreterSettings settings)
-    : supervisor_(supervisor), history_(history), settings_(std::move(settings)) {
+                                     RequestControls& controls, InterpreterSettings settings)
+    : supervisor_(supervisor), history_(history), controls_(controls), settings_(std::move(settings)) {
     // Without this, xeus::blocking_input_request talks to a mock interpreter and returns "".
     xeus::register_interpreter(this);
 }
 
 void PythonInterpreter::publish_text(const std::string& name, const std::string& text, Exchange& exchange) {
-    if (!exchange.publish || text.empty() || exchange.truncated) {
+    if (!exchange.publish || text.empty()) {
         return;
     }
-    if (exchange.output_cap != 0 && exchange.published_bytes + text.size() > exchange.output_cap) {
-        const auto room = static_cast<std::size_t>(exchange.output_cap - exchange.published_bytes);
-        const auto part = utf8_prefix(text, room);
-        if (!part.empty()) {
-            publish_stream(name, std::string(part));
+    const auto stream = name == "stderr" ? OutputStream::stderr_stream : OutputStream::stdout_stream;
+    const std::string live = exchange.output.admit_text(stream, text);
+    if (!live.empty()) {
+        publish_stream(name, live);
+    }
+}
+
+void PythonInterpreter::publish_tails(Exchange& exchange) {
+    flush_text(exchange);
+    if (!exchange.publish) {
+        return;
+    }
+    for (const auto stream : {OutputStream::stdout_stream, OutputStream::stderr_stream}) {
+        const std::string tail = exchange.output.take_tail(stream);
+        if (!tail.empty()) {
+            publish_stream(stream == OutputStream::stderr_stream ? "stderr" : "stdout", tail);
         }
-        note_truncation(exchange);
-        return;
     }
-    exchange.published_bytes += text.size();
-    publish_stream(name, text);
+    if (const auto dropped = exchange.output.dropped_rich(); dropped > 0) {
+        publish_stream("stderr",
+                       "\n[cellblock] Output truncated: " + std::to_string(dropped) +
+                           " rich output(s) (displays, results) were left out (the output limit is " +
+                           std::to_string(exchange.output.limit_bytes()) + " bytes per execute).\n");
+    }
 }
 
 void PythonInterpreter::queue_text(const std::string& name, const std::string& text, Exchange& exchange) {
@@ -150,31 +223,24 @@ void PythonInterpreter::flush_text(Exchange& exchange) {
     publish_text(exchange.pending_name, text, exchange);
 }
 
-void PythonInterpreter::note_truncation(Exchange& exchange) {
-    if (exchange.truncated) {
-        return;
-    }
-    exchange.truncated = true;
-    exchange.published_bytes = exchange.output_cap;
-    publish_stream("stderr", "\n[cellblock] Output truncated: this cell produced more than " +
-                                 std::to_string(exchange.output_cap) +
-                                 " bytes of output; the rest was discarded (the code kept running).\n");
-}
-
 bool PythonInterpreter::admit_rich_output(const nl::json& data, Exchange& exchange) {
-    if (!exchange.publish || exchange.truncated) {
+    if (!exchange.publish) {
         return false;
     }
-    if (exchange.output_cap == 0) {
+    if (exchange.output.limit_bytes() == 0) {
         return true;
     }
-    const std::size_t size = data.dump(-1, ' ', false, nl::json::error_handler_t::replace).size();
-    if (exchange.published_bytes + size > exchange.output_cap) {
-        note_truncation(exchange);
-        return false;
+    return exchange.output.admit_rich(data.dump(-1, ' ', false, nl::json::error_handler_t::replace).size());
+}
+
+void PythonInterpreter::interrupt_worker(LiveWorker& worker, Exchange& exchange) {
+    exchange.interrupted = true;
+    worker.signal(SIGINT);
+    log_event(LogLevel::info, "execution_interrupted", {{"msg_id", exchange.msg_id}});
+    if (exchange.kill_cause == Exchange::KillCause::none) {
+        exchange.kill_cause = Exchange::KillCause::interrupt;
+        exchange.kill_at = Clock::now() + to_duration(settings_.limits.interrupt_grace_s);
     }
-    exchange.published_bytes += size;
-    return true;
 }
 
 void PythonInterpreter::read_stream(LiveWorker& worker, bool is_stderr, Exchange& exchange) {
@@ -222,8 +288,8 @@ void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json&
                                              Exchange& exchange) {
     nl::json answer = {{"type", "input_reply"}};
     if (exchange.allow_stdin && exchange.publish) {
-        const std::string prompt = message.value("prompt", std::string());
-        const bool password = message.value("password", false);
+        const std::string prompt = string_field(message, "prompt", std::string());
+        const bool password = bool_field(message, "password");
         // Blocks the shell thread until the client answers on stdin (xeus 2.4.1 has no cancel), so the
         // time limit is enforced by a watchdog that interrupts the worker and has the wire guard answer
         // the prompt with "".
@@ -237,9 +303,17 @@ void PythonInterpreter::answer_input_request(LiveWorker& worker, const nl::json&
         answer["value"] = xeus::blocking_input_request(prompt, password);
         if (watchdog && watchdog->stop()) {
             exchange.timed_out = true;
-            exchange.kill_at = Clock::now() + to_duration(settings_.limits.interrupt_grace_s);
+            if (exchange.kill_cause == Exchange::KillCause::none) {
+                exchange.kill_cause = Exchange::KillCause::time_limit;
+                exchange.kill_at = Clock::now() + to_duration(settings_.limits.interrupt_grace_s);
+            }
             log_event(LogLevel::info, "execution_timeout",
                       {{"timeout_s", exchange.timeout_s}, {"while", "input"}});
+        }
+        // An interrupt_request released the prompt: interrupt the worker before it gets the answer, so
+        // KeyboardInterrupt is raised in input() itself.
+        if (controls_.take_interrupt(exchange.msg_id)) {
+            interrupt_worker(worker, exchange);
         }
     } else {
         answer["error"] = "this frontend does not support input requests (allow_stdin is false)";
@@ -255,44 +329,51 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
         return true;
     }
     if (type == "display_data" || type == "update_display_data") {
-        nl::json data = message.value("data", nl::json::object());
+        nl::json data = object_field(message, "data");
+        nl::json metadata = object_field(message, "metadata");
+        nl::json transient = object_field(message, "transient");
         if (!admit_rich_output(data, exchange)) {
             return false;
         }
-        nl::json metadata = message.value("metadata", nl::json::object());
-        nl::json transient = message.value("transient", nl::json::object());
         if (type == "display_data") {
             display_data(std::move(data), std::move(metadata), std::move(transient));
         } else {
             update_display_data(std::move(data), std::move(metadata), std::move(transient));
         }
     } else if (type == "clear_output") {
+        const bool wait = bool_field(message, "wait");
         if (exchange.publish) {
-            clear_output(message.value("wait", false));
+            clear_output(wait);
         }
     } else if (type == "execute_result") {
-        nl::json data = message.value("data", nl::json::object());
+        nl::json data = object_field(message, "data");
+        nl::json metadata = object_field(message, "metadata");
         if (data.contains("text/plain") && data["text/plain"].is_string()) {
             exchange.result_text = data["text/plain"].get<std::string>();
         }
         if (!admit_rich_output(data, exchange)) {
             return false;
         }
-        publish_execution_result(exchange.execution_count, std::move(data),
-                                 message.value("metadata", nl::json::object()));
+        publish_execution_result(exchange.execution_count, std::move(data), std::move(metadata));
     } else if (type == "error") {
+        std::string ename = string_field(message, "ename", "Error");
+        std::string evalue = string_field(message, "evalue", std::string());
+        const auto traceback = message.find("traceback");
+        if (traceback != message.end() && !traceback->is_array() && !traceback->is_null()) {
+            throw ProtocolError("worker frame field 'traceback' is not an array");
+        }
         if (!exchange.publish) {
             return false;
         }
-        std::string ename = message.value("ename", std::string("Error"));
-        std::string evalue = message.value("evalue", std::string());
         if (exchange.timed_out) {
             ename = "TimeoutError";
             evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) +
                      " s and was interrupted";
         }
-        publish_execution_error(ename, evalue,
-                                traceback_lines(message.value("traceback", nl::json::array())));
+        publish_execution_error(
+            ename, evalue,
+            traceback_lines(traceback != message.end() && traceback->is_array() ? *traceback
+                                                                                : nl::json::array()));
         exchange.error_published = true;
     } else if (type == "input_request") {
         flush_text(exchange);
@@ -304,6 +385,7 @@ bool PythonInterpreter::handle_worker_message(LiveWorker& worker, nl::json& mess
 }
 
 PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exchange) {
+    const RunningRequest running(controls_, exchange.msg_id);
     std::string error;
     auto worker = supervisor_.acquire(settings_.worker_start_timeout, error);
     // A worker that died while idle (a background thread hit the memory limit, say) is replaced before
@@ -320,8 +402,10 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
     if (!worker) {
         return {Ending::Kind::unavailable, nullptr, error};
     }
+    bool earlier_state_lost = false;
     if (exchange.publish) {
         if (auto note = supervisor_.take_lost_state_note()) {
+            earlier_state_lost = true;
             publish_stream("stderr",
                            "[cellblock] The Python worker was restarted (the previous one was " + *note +
                                "); variables, imports and other state from earlier cells are gone.\n");
@@ -338,6 +422,10 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
     if (!channel_open) {
         worker->kill();  // it is gone or going; the pidfd tells why
     }
+    // An interrupt that arrived before the request reached the worker belongs to it.
+    if (controls_.take_interrupt(exchange.msg_id)) {
+        interrupt_worker(*worker, exchange);
+    }
     std::array<char, read_chunk_bytes> buffer{};
 
     while (true) {
@@ -346,15 +434,22 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
             exchange.timed_out = true;
             log_event(LogLevel::info, "execution_timeout", {{"timeout_s", exchange.timeout_s}});
             worker->signal(SIGINT);
-            exchange.kill_at = now + to_duration(settings_.limits.interrupt_grace_s);
+            if (exchange.kill_cause == Exchange::KillCause::none) {
+                exchange.kill_cause = Exchange::KillCause::time_limit;
+                exchange.kill_at = now + to_duration(settings_.limits.interrupt_grace_s);
+            }
         }
-        if (exchange.timed_out && !exchange.killed_for_timeout && now >= exchange.kill_at) {
-            exchange.killed_for_timeout = true;
+        if (exchange.kill_cause != Exchange::KillCause::none && !exchange.killed && now >= exchange.kill_at) {
+            exchange.killed = true;
+            log_event(LogLevel::warning, "worker_kill_after_interrupt",
+                      {{"grace_s", settings_.limits.interrupt_grace_s},
+                       {"cause", exchange.kill_cause == Exchange::KillCause::time_limit ? "time_limit"
+                                                                                        : "interrupt"}});
             worker->kill();
         }
-        auto next_event = exchange.timed_out ? exchange.kill_at : exchange.deadline;
-        if (exchange.killed_for_timeout) {
-            next_event = never;
+        auto next_event = exchange.timed_out ? never : exchange.deadline;
+        if (exchange.kill_cause != Exchange::KillCause::none && !exchange.killed) {
+            next_event = std::min(next_event, exchange.kill_at);
         }
         next_event = std::min(next_event, exchange.flush_at);
         int wait_ms = -1;
@@ -362,10 +457,11 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
             wait_ms = static_cast<int>(std::max<long long>(
                 0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
         }
-        std::array<pollfd, 4> fds = {{{channel_open ? worker->channel_fd() : -1, POLLIN, 0},
+        std::array<pollfd, 5> fds = {{{channel_open ? worker->channel_fd() : -1, POLLIN, 0},
                                       {exchange.stdout_open ? worker->stdout_fd() : -1, POLLIN, 0},
                                       {exchange.stderr_open ? worker->stderr_fd() : -1, POLLIN, 0},
-                                      {worker->pidfd(), POLLIN, 0}}};
+                                      {worker->pidfd(), POLLIN, 0},
+                                      {controls_.wakeup_fd(), POLLIN, 0}}};
         const int ready = ::poll(fds.data(), fds.size(), wait_ms);
         if (ready < 0) {
             if (errno == EINTR) {
@@ -385,17 +481,24 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
                         // Text read before the frame was written before it: publish it first.
                         flush_text(exchange);
                         if (handle_worker_message(*worker, *message, exchange)) {
-                            if (message->value("id", std::uint64_t{0}) != id) {
-                                log_event(LogLevel::warning, "stale_worker_reply",
-                                          {{"id", message->value("id", 0)}});
+                            const auto reply_id = message->find("id");
+                            if (reply_id == message->end() || !reply_id->is_number_unsigned()) {
+                                throw ProtocolError("worker reply without a numeric id");
+                            }
+                            if (reply_id->get<std::uint64_t>() != id) {
+                                log_event(LogLevel::warning, "stale_worker_reply", {{"id", *reply_id}});
                                 continue;
                             }
                             // Output of children or C code that raced with the reply still belongs here.
                             drain_streams(*worker, exchange);
-                            return {Ending::Kind::reply, message->value("content", nl::json::object()), {}};
+                            Ending ending{Ending::Kind::reply, object_field(*message, "content"), {}};
+                            ending.earlier_state_lost = earlier_state_lost;
+                            return ending;
                         }
                     }
-                } catch (const ProtocolError& failure) {
+                } catch (const std::exception& failure) {
+                    // ProtocolError, or a field of the wrong type (nlohmann::json::type_error): either way
+                    // the channel cannot be trusted any more.
                     log_event(LogLevel::error, "worker_protocol_error", {{"error", failure.what()}});
                     killed_for_protocol = true;
                     channel_open = false;
@@ -420,32 +523,70 @@ PythonInterpreter::Ending PythonInterpreter::run(nl::json request, Exchange& exc
         if (Clock::now() >= exchange.flush_at) {
             flush_text(exchange);
         }
+        if (fds[4].revents & POLLIN) {
+            controls_.drain_wakeup();
+            if (controls_.take_interrupt(exchange.msg_id)) {
+                interrupt_worker(*worker, exchange);
+            }
+        }
         if (fds[3].revents != 0) {
             drain_streams(*worker, exchange);
             const auto outcome = supervisor_.retire(worker);
             std::string reason = outcome.describe();
-            if (exchange.killed_for_timeout) {
+            if (exchange.killed && exchange.kill_cause == Exchange::KillCause::time_limit) {
                 reason = "killed by the time limit (the cell ran longer than " +
                          seconds_text(exchange.timeout_s) + " s and did not stop within " +
                          seconds_text(settings_.limits.interrupt_grace_s) + " s of the interrupt)";
+            } else if (exchange.killed) {
+                reason = "killed because the code did not stop within " +
+                         seconds_text(settings_.limits.interrupt_grace_s) + " s of the interrupt";
             } else if (killed_for_protocol) {
                 reason = "killed after a protocol error on the worker channel";
             }
             log_event(LogLevel::warning, "worker_died", {{"reason", reason}});
-            return {Ending::Kind::worker_died, nullptr, reason};
+            Ending ending{Ending::Kind::worker_died, nullptr, reason};
+            ending.memory_limit =
+                outcome.reason == sandbox::Outcome::Reason::memory_limit && !exchange.killed;
+            ending.earlier_state_lost = earlier_state_lost;
+            return ending;
         }
     }
 }
 
+namespace {
+
+std::string parent_msg_id(const nl::json& parent_header) {
+    if (parent_header.is_object()) {
+        const auto found = parent_header.find("msg_id");
+        if (found != parent_header.end() && found->is_string()) {
+            return found->get<std::string>();
+        }
+    }
+    return {};
+}
+
+// What the execute_reply's metadata says happened (the wire guard moves it there from the content;
+// xeus 2.4.1 gives interpreters no say over reply metadata).
+nl::json outcome_metadata(std::string_view outcome, bool state_lost, bool output_truncated) {
+    return {{"outcome", outcome}, {"state_lost", state_lost}, {"output_truncated", output_truncated}};
+}
+
+}  // namespace
+
 nl::json PythonInterpreter::execute_request_impl(int execution_counter, const std::string& code, bool silent,
                                                  bool store_history, nl::json user_expressions,
                                                  bool allow_stdin) try {
-    Exchange exchange;
+    const std::string msg_id = parent_msg_id(parent_header());
+    const ExecuteOptions options = controls_.take_options(msg_id);
+    Exchange exchange(effective_output_limit(options.output_bytes, settings_.limits.output_bytes));
+    exchange.msg_id = msg_id;
     exchange.publish = !silent;
     exchange.allow_stdin = allow_stdin;
     exchange.execution_count = execution_counter;
     exchange.timeout_s = settings_.limits.timeout_s;
-    exchange.output_cap = settings_.limits.output_bytes;
+    if (options.timeout_s && (exchange.timeout_s <= 0 || *options.timeout_s < exchange.timeout_s)) {
+        exchange.timeout_s = *options.timeout_s;  // a client may ask for less time, never for more
+    }
 
     nl::json request = {
         {"type", "execute"},
@@ -456,48 +597,79 @@ nl::json PythonInterpreter::execute_request_impl(int execution_counter, const st
         {"allow_stdin", allow_stdin},
         {"execution_count", execution_counter}};
     const Ending ending = run(std::move(request), exchange);
+    publish_tails(exchange);
 
     if (store_history && !silent) {
         history_.record(execution_counter, code, exchange.result_text);
     }
+    const bool truncated = exchange.output.truncated();
 
     if (ending.kind != Ending::Kind::reply) {
-        const std::string ename =
-            ending.kind == Ending::Kind::worker_died ? "WorkerDied" : "WorkerUnavailable";
-        const std::string evalue = ending.kind == Ending::Kind::worker_died
-                                       ? ending.reason + "; the next execution starts a fresh Python worker"
-                                       : ending.reason;
+        std::string ename = ending.kind == Ending::Kind::worker_died ? "WorkerDied" : "WorkerUnavailable";
+        std::string evalue = ending.kind == Ending::Kind::worker_died
+                                 ? ending.reason + "; the next execution starts a fresh Python worker"
+                                 : ending.reason;
+        std::string_view outcome = "worker_unavailable";
+        if (ending.kind == Ending::Kind::worker_died) {
+            outcome = "worker_died";
+            if (exchange.killed && exchange.kill_cause == Exchange::KillCause::time_limit) {
+                outcome = "time_limit";
+            } else if (exchange.killed) {
+                outcome = "interrupted";
+                ename = "KeyboardInterrupt";
+                evalue = "the code did not stop within " + seconds_text(settings_.limits.interrupt_grace_s) +
+                         " s of the interrupt, so the Python worker was killed; the next execution starts a "
+                         "fresh one (variables and imports are gone)";
+            } else if (ending.memory_limit) {
+                outcome = "memory_limit";
+            }
+        }
         const std::vector<std::string> traceback = {ename + ": " + evalue};
         if (!silent) {
             publish_execution_error(ename, evalue, traceback);
         }
-        return make_error_reply(ename, evalue, traceback);
+        nl::json reply = make_error_reply(ename, evalue, traceback);
+        reply["cellblock"] = outcome_metadata(
+            outcome, ending.kind == Ending::Kind::worker_died || ending.earlier_state_lost, truncated);
+        return reply;
     }
     const nl::json& content = ending.content;
     if (content.value("status", std::string("error")) == "ok") {
-        return make_execute_ok_reply(content.value("payload", nl::json::array()),
-                                     content.value("user_expressions", nl::json::object()));
+        nl::json reply = make_execute_ok_reply(content.value("payload", nl::json::array()),
+                                               content.value("user_expressions", nl::json::object()));
+        reply["cellblock"] =
+            outcome_metadata(truncated ? "output_limit" : "ok", ending.earlier_state_lost, truncated);
+        return reply;
     }
     std::string ename = content.value("ename", std::string("Error"));
     std::string evalue = content.value("evalue", std::string());
     nl::json traceback = content.value("traceback", nl::json::array());
+    std::string_view outcome = "error";
     if (exchange.timed_out) {
+        outcome = "time_limit";
         ename = "TimeoutError";
         evalue = "the cell exceeded the time limit of " + seconds_text(exchange.timeout_s) +
                  " s and was interrupted";
+    } else if (exchange.interrupted && ename == "KeyboardInterrupt") {
+        outcome = "interrupted";
     }
     if (!exchange.error_published && !silent) {
         publish_execution_error(ename, evalue, traceback_lines(traceback));
     }
-    return make_error_reply(ename, evalue, traceback);
+    nl::json reply = make_error_reply(ename, evalue, traceback);
+    reply["cellblock"] = outcome_metadata(outcome, ending.earlier_state_lost, truncated);
+    return reply;
 } catch (const std::exception& failure) {
     // xeus swallows exceptions from handlers and then sends no reply at all; answer with an error instead.
     log_event(LogLevel::error, "execute_failed", {{"error", failure.what()}});
-    return make_error_reply("KernelError", failure.what());
+    nl::json reply = make_error_reply("KernelError", failure.what());
+    reply["cellblock"] = outcome_metadata("error", false, false);
+    return reply;
 }
 
 nl::json PythonInterpreter::complete_request_impl(const std::string& code, int cursor_pos) try {
     Exchange exchange;
+    exchange.msg_id = parent_msg_id(parent_header());
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending = run({{"type", "complete"}, {"code", code}, {"cursor_pos", cursor_pos}}, exchange);
     if (ending.kind == Ending::Kind::reply && ending.content.is_object() &&
@@ -513,6 +685,7 @@ nl::json PythonInterpreter::complete_request_impl(const std::string& code, int c
 nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cursor_pos,
                                                  int detail_level) try {
     Exchange exchange;
+    exchange.msg_id = parent_msg_id(parent_header());
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending =
         run({{"type", "inspect"}, {"code", code}, {"cursor_pos", cursor_pos}, {"detail_level", detail_level}},
@@ -529,6 +702,7 @@ nl::json PythonInterpreter::inspect_request_impl(const std::string& code, int cu
 
 nl::json PythonInterpreter::is_complete_request_impl(const std::string& code) try {
     Exchange exchange;
+    exchange.msg_id = parent_msg_id(parent_header());
     exchange.timeout_s = std::chrono::duration<double>(settings_.assist_timeout).count();
     const Ending ending = run({{"type", "is_complete"}, {"code", code}}, exchange);
     if (ending.kind == Ending::Kind::reply && ending.content.is_object() &&

@@ -15,6 +15,7 @@
 #include "history_manager.hpp"
 #include "kernel_config.hpp"
 #include "reply_builders.hpp"
+#include "request_controls.hpp"
 #include "worker_supervisor.hpp"
 
 namespace cellblock::kernel {
@@ -28,7 +29,8 @@ struct InterpreterSettings {
 
 class PythonInterpreter final : public xeus::xinterpreter {
   public:
-    PythonInterpreter(WorkerSupervisor& supervisor, HistoryManager& history, InterpreterSettings settings);
+    PythonInterpreter(WorkerSupervisor& supervisor, HistoryManager& history, RequestControls& controls,
+                      InterpreterSettings settings);
 
     // How to answer a pending input_request with "" (the wire guard's); used when the time limit passes
     // while the shell thread waits for input. Set before the kernel starts.
@@ -54,13 +56,15 @@ class PythonInterpreter final : public xeus::xinterpreter {
     void flush_text(Exchange& exchange);
     void publish_text(const std::string& name, const std::string& text, Exchange& exchange);
     bool admit_rich_output(const nl::json& data, Exchange& exchange);
-    void note_truncation(Exchange& exchange);
+    void publish_tails(Exchange& exchange);
+    void interrupt_worker(LiveWorker& worker, Exchange& exchange);
     // Returns true if `message` is the reply that ends the exchange.
     bool handle_worker_message(LiveWorker& worker, nl::json& message, Exchange& exchange);
     void answer_input_request(LiveWorker& worker, const nl::json& message, Exchange& exchange);
 
     WorkerSupervisor& supervisor_;
     HistoryManager& history_;
+    RequestControls& controls_;
     InterpreterSettings settings_;
     std::uint64_t next_request_id_ = 0;
     std::function<void()> input_releaser_;

@@ -92,6 +92,9 @@ bool might_need_fixup(WireChannel channel, std::string_view msg_type, std::strin
     if (msg_type == "interrupt_reply") {
         return true;
     }
+    if (msg_type == "execute_reply" && content.find("\"cellblock\"") != std::string_view::npos) {
+        return true;  // the outcome moves to the metadata
+    }
     // Cheap pre-filter so large replies are not parsed: only error replies without ename are rewritten.
     return content.find("\"error\"") != std::string_view::npos &&
            content.find("\"ename\"") == std::string_view::npos;
@@ -411,9 +414,22 @@ void WireGuard::relay_inbound(int channel_index) {
     }
     if (verdict.msg_type == "interrupt_request") {
         if (actions_.interrupt) {
-            actions_.interrupt();
+            std::vector<std::string> unanswered;
+            if (!awaiting_reply_.empty()) {
+                unanswered.push_back(awaiting_reply_.front());
+            }
+            actions_.interrupt(unanswered);
         }
         release_pending_input();
+    }
+    if (channel_index == shell && verdict.msg_type == "execute_request" && actions_.execute_metadata) {
+        const std::string_view metadata_text = view(frames[verdict.delimiter + 4]);
+        if (metadata_text.find("\"cellblock\"") != std::string_view::npos) {
+            const auto metadata = nlohmann::json::parse(metadata_text, nullptr, false);
+            if (metadata.is_object()) {
+                actions_.execute_metadata(parent_msg_id(view(frames[verdict.delimiter + 2])), metadata);
+            }
+        }
     }
     if (channel_index == shell && verdict.msg_type.ends_with("_request")) {
         if (awaiting_reply_.size() >= awaiting_reply_capacity) {
@@ -458,12 +474,26 @@ void WireGuard::relay_outbound(int channel_index) {
         return;  // xeus-only message
     }
     bool aborted = false;
-    if (fixable_content && !fixable_content->is_discarded() &&
-        fix_outbound(channel, msg_type, *fixable_content) == Fixup::modified) {
-        aborted = fixable_content->value("status", std::string()) == "aborted";
-        const std::string text =
-            fixable_content->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-        frames[d + 5] = zmq::message_t(text.data(), text.size());
+    if (fixable_content && !fixable_content->is_discarded()) {
+        bool content_changed = false;
+        if (fix_outbound(channel, msg_type, *fixable_content) == Fixup::modified) {
+            aborted = fixable_content->value("status", std::string()) == "aborted";
+            content_changed = true;
+        }
+        if (channel == WireChannel::shell && msg_type == "execute_reply") {
+            auto metadata = nlohmann::json::parse(view(frames[d + 4]), nullptr, false);
+            if (move_outcome_to_metadata(*fixable_content, metadata)) {
+                content_changed = true;
+                const std::string text =
+                    metadata.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+                frames[d + 4] = zmq::message_t(text.data(), text.size());
+            }
+        }
+        if (content_changed) {
+            const std::string text =
+                fixable_content->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+            frames[d + 5] = zmq::message_t(text.data(), text.size());
+        }
     }
     const SignedParts parts = {view(frames[d + 2]), view(frames[d + 3]), view(frames[d + 4]),
                                view(frames[d + 5])};

@@ -61,11 +61,15 @@ class InboundVerifier {
 };
 
 struct GuardActions {
-    std::function<void()> interrupt;  // an interrupt_request arrived (message-mode interrupt)
+    // An interrupt_request arrived (message-mode interrupt); `unanswered` holds the msg_id of the oldest
+    // shell request forwarded to xeus and not answered yet (the one running or about to run), if any.
+    std::function<void(const std::vector<std::string>& unanswered)> interrupt;
     // A shutdown_request was answered and the reply flushed; the process should stop now.
     std::function<void()> shutdown;
     // The lease expired (already logged, sockets closed); the process should stop the worker and exit.
     std::function<void(std::chrono::duration<double> idle)> lease_expired;
+    // A verified execute_request whose metadata has a "cellblock" member (per-execute limits).
+    std::function<void(const std::string& msg_id, const nlohmann::json& metadata)> execute_metadata;
 };
 
 struct GuardOptions {

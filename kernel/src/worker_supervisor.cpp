@@ -314,18 +314,6 @@ sandbox::Outcome WorkerSupervisor::retire(const std::shared_ptr<LiveWorker>& wor
     return result;
 }
 
-void WorkerSupervisor::interrupt() {
-    std::shared_ptr<LiveWorker> worker;
-    {
-        std::lock_guard lock(mutex_);
-        worker = current_;
-    }
-    if (worker) {
-        log_event(LogLevel::debug, "worker_interrupt", {{"worker_pid", worker->pid()}});
-        worker->signal(SIGINT);
-    }
-}
-
 void WorkerSupervisor::shutdown() {
     std::shared_ptr<LiveWorker> worker;
     {

@@ -94,8 +94,6 @@ class WorkerSupervisor {
     // it ended, and start a replacement in the background.
     sandbox::Outcome retire(const std::shared_ptr<LiveWorker>& worker);
 
-    // Thread-safe, from the signal thread and the wire guard.
-    void interrupt();
     // Kills the current worker and stops relaunching (kernel shutdown). Thread-safe, idempotent.
     void shutdown();
 

@@ -81,15 +81,21 @@ def test_rich_outputs(kernel):
     assert run.of_type("update_display_data")[0]["content"]["data"]["text/plain"] == "'second'"
 
 
-def test_large_output_is_capped_with_a_visible_note(kernel):
+def test_large_output_keeps_its_head_and_tail_with_a_visible_note(kernel):
+    # The default limit is 1 MiB per execute: the first half is streamed, then each stream keeps its last
+    # quarter, published at the end after a note of how much was left out (the end of a log is where the
+    # error is).
     started = time.monotonic()
-    run = kernel.execute("print('x' * 20_000_000)\n'finished'", timeout=120)
+    run = kernel.execute("print('x' * 20_000_000)\nprint('THE END')\n'finished'", timeout=120)
     assert run.content["status"] == "ok"
     out = run.stream_text("stdout")
     assert 0 < len(out) <= 1_100_000, len(out)
-    assert "truncated" in run.stream_text("stderr")
-    # Past the cap nothing more is published, not even the cell's result (the code still ran to its end).
-    assert run.of_type("execute_result") == [], run.of_type("execute_result")
+    assert out.startswith("xxxx") and out.endswith("xxx\nTHE END\n"), out[-200:]
+    note = re.search(r"\[cellblock\] Output truncated: (\d+) bytes of this stream were left out here", out)
+    assert note, out[500_000:600_000]
+    assert int(note.group(1)) > 18_000_000, note.group(0)
+    assert run.reply["metadata"]["cellblock"] == {"outcome": "output_limit", "state_lost": False,
+                                                  "output_truncated": True}
     assert time.monotonic() - started < 60
 
 

@@ -69,6 +69,8 @@ def test_worker_crash_is_reported_and_the_next_cell_gets_a_fresh_worker(fresh_ke
     assert run.content["ename"] == "WorkerDied"
     assert reason in run.content["evalue"], run.content["evalue"]
     assert run.of_type("error")[0]["content"]["ename"] == "WorkerDied"
+    assert run.reply["metadata"]["cellblock"]["outcome"] == "worker_died"
+    assert run.reply["metadata"]["cellblock"]["state_lost"] is True
 
     after = k.execute("'doomed' in dir()")
     assert "state" in after.stream_text("stderr") and "gone" in after.stream_text("stderr")
@@ -82,6 +84,8 @@ def test_memory_bomb_names_the_memory_limit(fresh_kernel):
     assert run.content["status"] == "error"
     assert run.content["ename"] == "WorkerDied", run.content
     assert "memory limit" in run.content["evalue"], run.content
+    assert run.reply["metadata"]["cellblock"] == {"outcome": "memory_limit", "state_lost": True,
+                                                  "output_truncated": False}
     assert k.execute("1 + 1").content["status"] == "ok"
 
 
@@ -91,6 +95,8 @@ def test_timeout_interrupts_then_kills(fresh_kernel):
     assert run.content["status"] == "error"
     assert run.content["ename"] == "TimeoutError"
     assert "time limit" in run.content["evalue"]
+    assert run.reply["metadata"]["cellblock"] == {"outcome": "time_limit", "state_lost": False,
+                                                  "output_truncated": False}
     assert k.execute("survivor = 1").content["status"] == "ok"
 
     # A prompt nobody answers is bound by the same limit.
@@ -105,6 +111,8 @@ def test_timeout_interrupts_then_kills(fresh_kernel):
     run = k.execute(stubborn, timeout=60)
     assert run.content["ename"] == "WorkerDied"
     assert "time limit" in run.content["evalue"]
+    assert run.reply["metadata"]["cellblock"] == {"outcome": "time_limit", "state_lost": True,
+                                                  "output_truncated": False}
     assert time.monotonic() - started < 20
     assert k.execute("1 + 1").content["status"] == "ok"
 

@@ -42,6 +42,20 @@ def test_sigint_interrupts_sleep_and_keeps_state(worker):
     assert worker.execute("kept").result["data"]["text/plain"] == "'still here'"
 
 
+def test_sigint_sent_with_the_request_is_not_lost(worker):
+    # The kernel interrupts right after it forwarded a request, before the worker can have started the code:
+    # the interrupt belongs to that request (it is not an idle worker's), so the 600 s sleep never runs out.
+    worker.execute("kept = 3").assert_ok()
+    for attempt in range(10):  # each one races the worker's read of the request differently
+        worker.send({"type": "execute", "id": f"early-{attempt}", "code": "import time\ntime.sleep(600)",
+                     "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False})
+        worker.interrupt()
+        frames = _reply_after(worker, timeout=60)
+        assert frames[-1]["id"] == f"early-{attempt}"
+        assert frames[-1]["content"]["ename"] == "KeyboardInterrupt", frames[-1]
+    assert worker.execute("kept").result["data"]["text/plain"] == "3"
+
+
 def test_sigint_while_idle_is_harmless(worker):
     worker.execute("counter = 5").assert_ok()
     for _ in range(5):

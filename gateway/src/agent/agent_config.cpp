@@ -100,6 +100,7 @@ json AgentConfig::to_json() const {
             {"default_limits", default_limits.to_json()},
             {"max_limits", max_limits.to_json()},
             {"inline_output_bytes", inline_output_bytes},
+            {"saved_output_bytes", saved_output_bytes},
             {"interrupt_grace_s", interrupt_grace_s},
             {"keepalive_s", keepalive_s},
             {"max_file_bytes", max_file_bytes},
@@ -126,6 +127,11 @@ void add_agent_options(CLI::App& app, AgentConfig& config) {
     app.add_option("--agent-inline-output-bytes", config.inline_output_bytes,
                    "bytes of each output returned inline; the rest is saved in the workspace")
         ->check(CLI::Range(256, 64 << 20))
+        ->group(group);
+    app.add_option(
+           "--agent-saved-output-bytes", config.saved_output_bytes,
+           "most output of one execute saved in the workspace (the kernel keeps head and tail beyond it)")
+        ->check(CLI::PositiveNumber)
         ->group(group);
     app.add_option("--agent-interrupt-grace", config.interrupt_grace_s,
                    "seconds an interrupted execute may take to stop before its kernel is restarted")

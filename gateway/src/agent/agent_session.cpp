@@ -16,6 +16,10 @@ namespace {
 // Where the full text of shielded outputs goes, relative to the workspace (the code's cwd).
 constexpr std::string_view saved_output_dir = ".cellblock/outputs";
 constexpr std::size_t audit_preview_bytes = 512;
+// The kernel enforces an execute's time limit (it gets the limit in the request's metadata) and answers
+// within its own grace period; the gateway's timer is only a safety net for a kernel that does not, this much
+// later.
+constexpr double safety_net_margin_s = 30;
 
 std::chrono::milliseconds seconds_to_ms(double seconds) {
     return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0));
@@ -237,13 +241,14 @@ void AgentSession::resume_execute(const InflightExecute& inflight) {
     }
     if (!running_ || !running_->collector)
         return;  // answered from the record
-    // Still running in the kernel: the breaker gets what is left of its time.
+    // Still running in the kernel, which enforces the limit: the safety net gets what is left of its time.
     const double timeout_s =
         running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
     const auto elapsed = std::chrono::steady_clock::now() - running.started;
     const auto left =
         std::max(std::chrono::milliseconds(0),
-                 seconds_to_ms(timeout_s) - std::chrono::duration_cast<std::chrono::milliseconds>(elapsed));
+                 seconds_to_ms(timeout_s + services_.config.interrupt_grace_s + safety_net_margin_s) -
+                     std::chrono::duration_cast<std::chrono::milliseconds>(elapsed));
     std::weak_ptr<AgentSession> weak = weak_from_this();
     deadline_timer_.expires_after(left);
     deadline_timer_.async_wait([weak](const boost::system::error_code& error) {
@@ -390,16 +395,17 @@ void AgentSession::fail_pending(Pending& pending, const std::string& ename, cons
                    {"duration_ms", 0},
                    {"truncated", false},
                    {"state_lost", false}};
-    count_execute(answer, false, false);
+    count_execute(answer, "", false, false);
     if (pending.handlers.on_done)
         pending.handlers.on_done(std::move(answer));
 }
 
-void AgentSession::count_execute(const json& answer, bool interrupted_by_client, bool reached_kernel) {
+void AgentSession::count_execute(const json& answer, std::string_view kernel_outcome,
+                                 bool interrupted_by_client, bool reached_kernel) {
     const json& error = answer.contains("error") ? answer["error"] : json();
     const std::string ename = error.is_object() ? error.value("ename", std::string()) : std::string();
     const std::string_view outcome =
-        execute_outcome(answer.value("status", std::string()), ename, interrupted_by_client);
+        execute_outcome(answer.value("status", std::string()), kernel_outcome, ename, interrupted_by_client);
     services_.metrics.agent_executes.with(std::string(outcome)).increment();
     if (outcome == GatewayMetrics::outcome_sandbox_unavailable)
         services_.metrics.count_launch_failure(GatewayMetrics::cause_sandbox_unavailable);
@@ -476,6 +482,16 @@ void AgentSession::start_execute(Pending pending) {
                                            {"allow_stdin", false},
                                            {"stop_on_error", true}},
                                           link_session_id_);
+    const double timeout_s =
+        running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
+    // The kernel owns the limits (kernel/README.md, "Outcomes, limits and interrupts"): this call's time
+    // limit, and enough output for the saved file.
+    request.metadata =
+        json{{"cellblock",
+              {{"timeout_s", timeout_s},
+               {"output_bytes",
+                std::max<std::uint64_t>(record_.limits.output_bytes, services_.config.saved_output_bytes)}}}}
+            .dump();
     std::weak_ptr<AgentSession> weak = weak_from_this();
     running.collector = std::make_unique<ExecutionCollector>(request.msg_id, [weak](const json& event) {
         auto self = weak.lock();
@@ -494,9 +510,8 @@ void AgentSession::start_execute(Pending pending) {
                                      {"started", format_iso8601_utc(running.started_wall)}}}](
             SessionStore& store) { store.put_inflight(inflight); });
     link_->send(std::move(request));
-    const double timeout_s =
-        running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
-    deadline_timer_.expires_after(seconds_to_ms(timeout_s));
+    deadline_timer_.expires_after(
+        seconds_to_ms(timeout_s + services_.config.interrupt_grace_s + safety_net_margin_s));
     deadline_timer_.async_wait([weak](const boost::system::error_code& error) {
         if (error)
             return;
@@ -672,17 +687,25 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
                                             : std::exchange(state_lost_cause_, std::string())) +
                  "): variables, imports and workspace files from earlier executes are gone";
     const std::string ename = error.is_object() ? error.value("ename", "") : "";
-    if (ename == "TimeoutError")
-        status = "timeout";
-    if (ename == "WorkerDied") {
+    const double timeout_s =
+        running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s : record_.limits.timeout_s;
+    // What happened is the kernel's word (execute_reply metadata), never a guess from the error's text: a
+    // cell that raises its own TimeoutError (a socket timeout) is an error like any other.
+    if (collected.kernel_state_lost())
         state_lost = true;
-        if (error.value("evalue", "").find("time limit") != std::string::npos)
-            status = "timeout";
+    if (collected.kernel_outcome() == "time_limit") {
+        status = "timeout";
+        const std::string text = collected.kernel_state_lost()
+                                     ? "the code ran longer than " + json(timeout_s).dump() +
+                                           " s and ignored the interrupt; the Python worker was killed and "
+                                           "restarted, so all state "
+                                           "(variables, imports) was lost"
+                                     : "the code ran longer than " + json(timeout_s).dump() +
+                                           " s and was interrupted; the session's state is kept";
+        error = {{"ename", "TimeoutError"}, {"evalue", text}, {"traceback", "TimeoutError: " + text}};
     }
     if (running.timed_out) {
         status = "timeout";
-        const double timeout_s = running.pending.request.timeout_s > 0 ? running.pending.request.timeout_s
-                                                                       : record_.limits.timeout_s;
         if (running.kernel_restarted) {
             state_lost = true;
             const std::string text =
@@ -708,6 +731,15 @@ json AgentSession::build_answer(Running& running, json& cell_outputs) {
         notice = "interrupted because the client disconnected";
     if (state_lost && notice.empty())
         notice = "the kernel was restarted: variables and imports from earlier executes are gone";
+    if (collected.kernel_truncated()) {
+        const std::string limit = std::to_string(
+            std::max<std::uint64_t>(record_.limits.output_bytes, services_.config.saved_output_bytes));
+        const std::string saved_note =
+            "the output exceeded the " + limit +
+            "-byte limit for saved output: only its first and last bytes were kept "
+            "(a marker in the text says how much was left out)";
+        notice = notice.empty() ? saved_note : notice + "; " + saved_note;
+    }
 
     cell_outputs = collected.notebook_outputs(stdout_shielded, stderr_shielded);
     json answer = {{"session", record_.id},
@@ -735,7 +767,7 @@ void AgentSession::finish_execute() {
     std::unique_ptr<Running> running = std::move(running_);
     json cell_outputs;
     json answer = build_answer(*running, cell_outputs);
-    count_execute(answer, running->interrupted_by_client, true);
+    count_execute(answer, running->collector->kernel_outcome(), running->interrupted_by_client, true);
     const ExecutionCollector& collected = *running->collector;
 
     json cell = {

@@ -7,36 +7,40 @@ namespace cellblock::gateway::agent {
 using nlohmann::json;
 
 namespace {
-// The kernel's note when its per-execute output cap is reached (kernel/src/python_interpreter.cpp).
-constexpr std::string_view kernel_truncation_note = "[cellblock] Output truncated";
-
 json parse_object(const std::string& text) {
     json parsed = json::parse(text, nullptr, false);
     return parsed.is_object() ? parsed : json::object();
 }
 }  // namespace
 
-std::string_view execute_outcome(std::string_view status, std::string_view ename,
-                                 bool interrupted_by_client) {
+std::string_view execute_outcome(std::string_view status, std::string_view kernel_outcome,
+                                 std::string_view gateway_ename, bool interrupted_by_client) {
     using M = GatewayMetrics;
     if (status == "ok")
         return M::outcome_ok;
     if (status == "timeout")
-        return M::outcome_timeout;  // also a worker killed by the time limit (WorkerDied)
+        return M::outcome_timeout;  // the kernel's time limit, or the gateway's safety net
     if (interrupted_by_client)
         return M::outcome_interrupted;
-    // The error names the agent answers carry for failures that are not the code's own (agent_session.cpp).
-    if (ename == "KernelDied")
+    if (!kernel_outcome.empty()) {
+        // The kernel said what happened; the error's name is the code's business (a class of the user's
+        // may well be called WorkerDied).
+        if (kernel_outcome == "worker_died" || kernel_outcome == "memory_limit")
+            return M::outcome_worker_died;
+        if (kernel_outcome == "worker_unavailable")
+            return M::outcome_sandbox_unavailable;
+        if (kernel_outcome == "interrupted")
+            return M::outcome_interrupted;
+        return M::outcome_error;
+    }
+    // Answers the gateway made itself, without a kernel reply (agent_session.cpp).
+    if (gateway_ename == "KernelDied")
         return M::outcome_kernel_died;
-    if (ename == "WorkerDied")
-        return M::outcome_worker_died;
-    if (ename == "WorkerUnavailable")
-        return M::outcome_sandbox_unavailable;
-    if (ename == "KernelUnavailable")
+    if (gateway_ename == "KernelUnavailable")
         return M::outcome_kernel_unavailable;
-    if (ename == "SessionClosed")
+    if (gateway_ename == "SessionClosed")
         return M::outcome_session_closed;
-    if (ename == "ClientDisconnected")
+    if (gateway_ename == "ClientDisconnected")
         return M::outcome_abandoned;
     return M::outcome_error;
 }
@@ -48,8 +52,6 @@ void ExecutionCollector::on_stream(bool is_stderr, const std::string& text) {
     std::string& target = is_stderr ? stderr_ : stdout_;
     const std::size_t begin = target.size();
     target += text;
-    if (is_stderr && text.find(kernel_truncation_note) != std::string::npos)
-        kernel_truncated_ = true;
     if (!items_.empty() && items_.back().kind == OutputItem::Kind::stream &&
         items_.back().is_stderr == is_stderr) {
         items_.back().end = target.size();
@@ -75,6 +77,19 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
         const json content = parse_object(message.content);
         reply_seen_ = true;
         reply_status_ = content.value("status", std::string("error"));
+        const json metadata = parse_object(message.metadata);
+        if (const auto cellblock = metadata.find("cellblock");
+            cellblock != metadata.end() && cellblock->is_object()) {
+            const auto outcome = cellblock->find("outcome");
+            if (outcome != cellblock->end() && outcome->is_string())
+                kernel_outcome_ = outcome->get<std::string>();
+            const auto flag = [&](const char* name) {
+                const auto found = cellblock->find(name);
+                return found != cellblock->end() && found->is_boolean() && found->get<bool>();
+            };
+            kernel_state_lost_ = flag("state_lost");
+            kernel_truncated_ = flag("output_truncated");
+        }
         if (content.contains("execution_count") && content["execution_count"].is_number_integer())
             execution_count_ = content["execution_count"].get<int>();
         // An error reply without an IOPub error message (rare) still reports the error.

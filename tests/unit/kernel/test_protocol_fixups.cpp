@@ -49,3 +49,26 @@ TEST(ProtocolFixups, XeusInterruptBroadcastIsDropped) {
 
 }  // namespace
 }  // namespace cellblock::kernel
+
+namespace cellblock::kernel {
+namespace {
+
+TEST(ProtocolFixups, ExecuteOutcomeMovesFromContentToMetadata) {
+    nlohmann::json content = {{"status", "ok"}, {"cellblock", {{"outcome", "ok"}, {"state_lost", false}}}};
+    nlohmann::json metadata = {{"started", "t"}};
+    EXPECT_TRUE(move_outcome_to_metadata(content, metadata));
+    EXPECT_FALSE(content.contains("cellblock"));
+    EXPECT_EQ(metadata["cellblock"]["outcome"], "ok");
+    EXPECT_EQ(metadata["started"], "t") << "other metadata is kept";
+
+    nlohmann::json discarded = nlohmann::json::value_t::discarded;
+    nlohmann::json again = {{"cellblock", {{"outcome", "error"}}}};
+    EXPECT_TRUE(move_outcome_to_metadata(again, discarded));
+    EXPECT_EQ(discarded["cellblock"]["outcome"], "error");
+
+    nlohmann::json plain = {{"status", "ok"}};
+    EXPECT_FALSE(move_outcome_to_metadata(plain, metadata));
+}
+
+}  // namespace
+}  // namespace cellblock::kernel

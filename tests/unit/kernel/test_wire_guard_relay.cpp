@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <zmq_addon.hpp>
 
 #include "message_signer.hpp"
@@ -66,10 +68,19 @@ class WireGuardRelay : public ::testing::Test {
         guard = std::make_unique<WireGuard>(
             connection,
             PrivateEndpoints{base + "-shell", base + "-control", base + "-stdin", base + "-iopub"},
-            GuardActions{[this] { ++interrupts; }, [this] { ++shutdowns; },
+            GuardActions{[this](const std::vector<std::string>& unanswered) {
+                             std::lock_guard lock(actions_mutex);
+                             interrupted_requests = unanswered;
+                             ++interrupts;
+                         },
+                         [this] { ++shutdowns; },
                          [this](std::chrono::duration<double> idle) {
                              idle_at_expiry = idle.count();
                              ++lease_expiries;
+                         },
+                         [this](const std::string& msg_id, const json& metadata) {
+                             std::lock_guard lock(actions_mutex);
+                             execute_metadata[msg_id] = metadata;
                          }},
             options);
         guard->start();
@@ -143,6 +154,9 @@ class WireGuardRelay : public ::testing::Test {
     std::unique_ptr<WireGuard> guard;
     GuardOptions options;
     std::atomic<int> interrupts{0}, shutdowns{0}, lease_expiries{0};
+    std::mutex actions_mutex;
+    std::vector<std::string> interrupted_requests;  // what the last interrupt was addressed to
+    std::map<std::string, json> execute_metadata;   // execute_request metadata with a "cellblock" member
     std::atomic<double> idle_at_expiry{0};
 };
 
@@ -276,6 +290,37 @@ TEST_F(WireGuardRelay, InterruptRequestIsActedOnAndReplyGetsStatus) {
     const Frames reply = receive(client_control);
     ASSERT_FALSE(reply.empty());
     EXPECT_EQ(json::parse(reply[delimiter_of(reply) + 5])["status"], "ok");
+}
+
+// The interrupt is addressed to the request xeus has not answered yet (running, or about to run), so the
+// kernel can keep it for a request whose code has not started; per-execute limits reach the kernel by msg_id.
+TEST_F(WireGuardRelay, InterruptIsAddressedToTheUnansweredRequestAndLimitsArePosted) {
+    Frames request = signed_message("execute_request", {{"code", "1"}}, "run-1");
+    const json metadata = {{"cellblock", {{"timeout_s", 3}}}};
+    request[4] = metadata.dump();  // delimiter, signature, header, parent_header, metadata, content
+    request[1] = signer.sign({request[2], request[3], request[4], request[5]});
+    send(client_shell, request);
+    const Frames at_xeus = receive(xeus_shell);
+    ASSERT_FALSE(at_xeus.empty());
+    send(client_control, signed_message("interrupt_request", json::object(), "i3"));
+    ASSERT_FALSE(receive(xeus_control).empty());
+    {
+        std::lock_guard lock(actions_mutex);
+        EXPECT_EQ(interrupted_requests, (std::vector<std::string>{"run-1"}));
+        ASSERT_EQ(execute_metadata.count("run-1"), 1u);
+        EXPECT_EQ(execute_metadata["run-1"], metadata);
+    }
+    // The interpreter's outcome travels in the content; clients get it in the metadata, signed.
+    send(xeus_shell,
+         xeus_reply(at_xeus, "execute_reply",
+                    {{"status", "ok"}, {"cellblock", {{"outcome", "ok"}, {"state_lost", false}}}}));
+    xeus_status(at_xeus, "idle");
+    const Frames reply = receive(client_shell);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_TRUE(signature_valid(reply));
+    const std::size_t d = delimiter_of(reply);
+    EXPECT_EQ(json::parse(reply[d + 5]), (json{{"status", "ok"}}));
+    EXPECT_EQ(json::parse(reply[d + 4])["cellblock"]["outcome"], "ok");
 }
 
 // The fixup path rebuilds the content frame; what is signed, sent and recorded is the rebuilt frame, and

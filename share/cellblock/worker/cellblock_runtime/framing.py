@@ -103,7 +103,16 @@ class FrameChannel:
     def fileno(self):
         return self._fd
 
-    def send(self, message):
+    def request_waiting(self):
+        """Bytes of a frame are buffered or readable (called from the SIGINT handler: never raises)."""
+        if self._received:
+            return True
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+        except OSError:
+            return False
+
+    def send(self, message, finishes_request=False):
         payload = encode_frame_payload(message)
         if len(payload) > MAX_FRAME_BYTES:
             raise FrameTooLarge(
@@ -115,6 +124,11 @@ class FrameChannel:
         # ...and the kernel must have read it, so text written after the frame can never overtake it.
         self._wait_until_streams_are_read()
         with self._send_lock, self._gate.frame_io():
+            if finishes_request:
+                # Before the reply can reach the kernel (which may answer it with the next request and an
+                # interrupt for that one at once), and with SIGINT held back: an interrupt that arrives from
+                # here on is a late one for this request, unless the next request is already waiting.
+                self._gate.request_finished()
             view = memoryview(frame)
             while view:
                 written = os.write(self._fd, view)
@@ -154,6 +168,9 @@ class FrameChannel:
         if len(self._received) < end:
             return None
         payload = bytes(self._received[_HEADER.size:end])
+        # Before the bytes leave the buffer: at every moment either they are waiting or a frame is in hand,
+        # so a SIGINT that arrives in between is kept for the request (InterruptGate).
+        self._gate.frame_taken()
         del self._received[:end]
         try:
             message = json.loads(payload)
@@ -175,13 +192,18 @@ class FrameChannel:
                     message = self._complete_frame()
                 if message is not None:
                     return message
-                if interruptible:
-                    select.select([self._fd], [], [])
+                # Wait with SIGINT deliverable (outside user code its handler never raises), then read and
+                # decode with it held back: a SIGINT is either seen while nothing is waiting (a late one,
+                # dropped) or while bytes or a frame are in hand (kept for that request).
+                select.select([self._fd], [], [])
                 with self._gate.frame_io():
                     chunk = os.read(self._fd, _READ_CHUNK)
                     if not chunk:
                         raise ChannelClosed()
                     self._received += chunk
+                    message = self._complete_frame()
+                if message is not None:
+                    return message
 
     def poll_frame(self):
         """Return a frame that is already readable without blocking, else None."""

@@ -1,8 +1,11 @@
 """SIGINT disposition for a worker that must never lose protocol framing to an interrupt.
 
-While idle the worker ignores SIGINT. While a request runs, SIGINT raises KeyboardInterrupt in the main
-thread, except while the main thread is in the middle of a frame read or write: then the interrupt is
-remembered and raised right after the frame is complete. Blocking SIGINT with pthread_sigmask alone is
+While a request runs, SIGINT raises KeyboardInterrupt in the main thread, except while the main thread is
+in the middle of a frame read or write: then the interrupt is remembered and raised right after the frame
+is complete. Outside user code the handler never raises: a SIGINT that arrives while a request is in hand
+(received, not yet answered) or already waiting on the channel belongs to that request and is raised as
+soon as its code starts; one that arrives while nothing is pending (a late interrupt for a request that
+was just answered) is dropped. Blocking SIGINT with pthread_sigmask alone is
 not enough, because a signal delivered to another (user) thread still trips CPython's pending flag and
 the handler would run between two partial writes of one frame.
 """
@@ -24,6 +27,10 @@ class InterruptGate:
         self._accepting = False
         self._handler = self._on_sigint  # one bound method, so it can be recognised later
         self._user_handler = None  # a SIGINT handler installed by user code, kept for later requests
+        self._idle_handler = self._on_idle_sigint
+        self._request_in_hand = False
+        self._early = False  # an interrupt for the request in hand arrived before its code started
+        self._request_waiting = lambda: False  # set by the channel: unread request bytes?
 
     def _on_sigint(self, signum, frame):
         if self._frame_depth > 0:
@@ -31,9 +38,27 @@ class InterruptGate:
             return
         signal.default_int_handler(signum, frame)
 
+    def _on_idle_sigint(self, signum, frame):
+        if self._request_in_hand or self._request_waiting():
+            self._early = True
+
+    def watch_requests(self, request_waiting):
+        """`request_waiting()` says whether request bytes are buffered or readable on the channel."""
+        self._request_waiting = request_waiting
+
+    def frame_taken(self):
+        """A frame left the channel's buffer: until request_finished(), an interrupt belongs to it."""
+        self._request_in_hand = True
+
+    def request_finished(self):
+        """The reply was sent: an interrupt that comes now was meant for it, not for the next request."""
+        self._request_in_hand = False
+        self._early = False
+
     def ignore_interrupts(self):
+        """Outside user code: SIGINT never raises (see the module docstring)."""
         self._accepting = False
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, self._idle_handler)
 
     @contextlib.contextmanager
     def interruptible(self):
@@ -42,9 +67,11 @@ class InterruptGate:
         self._accepting = True
         signal.signal(signal.SIGINT, self._user_handler or self._handler)
         try:
+            if self._early:
+                self._early = False
+                raise KeyboardInterrupt
             yield
         finally:
-            # Once SIG_IGN is installed CPython drops a still-pending SIGINT instead of running the handler.
             current = signal.getsignal(signal.SIGINT)
             self.ignore_interrupts()
             if current is self._handler or current is signal.default_int_handler or current is None:

@@ -37,6 +37,7 @@ def _start(worker_dir):
     from .stdin import StdinForwarder
 
     channel = FrameChannel(CHANNEL_FD, gate)
+    gate.watch_requests(channel.request_waiting)
     shell = create_shell(OutputRoute(channel))
     stdin_forwarder = StdinForwarder(channel)
     stdin_forwarder.install()
@@ -48,7 +49,7 @@ def _start(worker_dir):
     # every runtime module is imported by now.
     sys.path[:] = ["" if entry == worker_dir else entry for entry in sys.path]
     sys.argv = [""]
-    return channel, handlers, reaper
+    return channel, handlers, reaper, gate
 
 
 def _error_content(ename, evalue):
@@ -77,7 +78,7 @@ def _answer(handlers, request):
         return _internal_error_content(error)
 
 
-def _serve(channel, handlers, reaper):
+def _serve(channel, handlers, reaper, gate):
     from IPython.core.release import version as ipython_version
 
     from .framing import ChannelClosed, FrameTooLarge, ProtocolError
@@ -97,12 +98,14 @@ def _serve(channel, handlers, reaper):
             return 0
         request_id = request.get("id")
         if request.get("type") == "input_reply" or request_id is None:
+            gate.request_finished()  # nothing in hand after all: a late interrupt must not hit the next request
             continue  # a late answer to an interrupted prompt, or nothing that could be answered
         content = _answer(handlers, request)
         try:
-            channel.send({"type": "reply", "id": request_id, "content": content})
+            channel.send({"type": "reply", "id": request_id, "content": content}, finishes_request=True)
         except FrameTooLarge as error:
-            channel.send({"type": "reply", "id": request_id, "content": _error_content("FrameTooLarge", str(error))})
+            channel.send({"type": "reply", "id": request_id, "content": _error_content("FrameTooLarge", str(error))},
+                         finishes_request=True)
         try:
             reaper.reap()
         except OSError:
@@ -110,8 +113,8 @@ def _serve(channel, handlers, reaper):
 
 
 def main(worker_dir):
-    channel, handlers, reaper = _start(worker_dir)
+    channel, handlers, reaper, gate = _start(worker_dir)
     try:
-        return _serve(channel, handlers, reaper)
+        return _serve(channel, handlers, reaper, gate)
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the kernel went away while we were writing

@@ -118,7 +118,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
         std::unique_ptr<ExecutionCollector> collector;
         std::chrono::steady_clock::time_point started;
         std::chrono::system_clock::time_point started_wall;
-        bool timed_out = false;         // our deadline passed and the kernel was interrupted
+        bool timed_out =
+            false;  // the safety net passed (the kernel did not enforce the limit) and it was interrupted
         bool kernel_restarted = false;  // still running after the grace period: the kernel was restarted
         bool interrupted_by_client = false;
         std::string kernel_failure;  // the kernel died or went away during the execute
@@ -137,7 +138,9 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // The one metrics hook of an execute that ended: its outcome, and its duration when it reached a kernel.
     // `reached_kernel`: the answer's duration_ms is the execute's latency (sent to the kernel until
     // answered).
-    void count_execute(const nlohmann::json& answer, bool interrupted_by_client, bool reached_kernel);
+    // `kernel_outcome`: the kernel's execute_reply metadata cellblock.outcome ("" when no reply came).
+    void count_execute(const nlohmann::json& answer, std::string_view kernel_outcome,
+                       bool interrupted_by_client, bool reached_kernel);
     std::map<std::string, std::string> kernel_limit_environment() const;
     void attach_kernel(std::shared_ptr<Kernel> kernel);
     // Sends nothing: follows an execute the previous gateway sent (its answer goes to the history only).

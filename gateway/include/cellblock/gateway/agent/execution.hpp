@@ -13,10 +13,12 @@
 
 namespace cellblock::gateway::agent {
 
-// How an agent execute ended, as /metrics counts it (cellblock_agent_executes_total{outcome}), from its
-// answer's `status` and error name and whether its client went away while it ran: one of the
-// GatewayMetrics::outcome_* values.
-std::string_view execute_outcome(std::string_view status, std::string_view ename, bool interrupted_by_client);
+// How an agent execute ended, as /metrics counts it (cellblock_agent_executes_total{outcome}): one of the
+// GatewayMetrics::outcome_* values. From the answer's `status`, the kernel's own word on what happened
+// (execute_reply metadata cellblock.outcome; empty when no reply came), whether its client went away while
+// it ran, and, only for answers the gateway made itself (no kernel reply), the gateway's error name.
+std::string_view execute_outcome(std::string_view status, std::string_view kernel_outcome,
+                                 std::string_view gateway_ename, bool interrupted_by_client);
 
 class ExecutionCollector {
   public:
@@ -43,7 +45,11 @@ class ExecutionCollector {
     const std::string& reply_status() const {
         return reply_status_;
     }  // "ok", "error", "aborted" or "" (none yet)
-    // The kernel's own output cap cut this execution's output short.
+    // From the execute_reply's metadata.cellblock (kernel/README.md, "Outcomes"): what happened ("" when
+    // the reply had none), whether the worker's state was lost, whether the kernel's output limit left
+    // output out.
+    const std::string& kernel_outcome() const { return kernel_outcome_; }
+    bool kernel_state_lost() const { return kernel_state_lost_; }
     bool kernel_truncated() const { return kernel_truncated_; }
 
     // nbformat 4 outputs in order. Consecutive stream pieces of one name are merged; a stream whose text is
@@ -66,6 +72,8 @@ class ExecutionCollector {
     nlohmann::json result_, displays_ = nlohmann::json::array(), error_;
     std::optional<int> execution_count_;
     std::string reply_status_;
+    std::string kernel_outcome_;
+    bool kernel_state_lost_ = false;
     std::vector<OutputItem> items_;
     bool busy_seen_ = false, reply_seen_ = false, idle_seen_ = false, kernel_truncated_ = false;
 };
