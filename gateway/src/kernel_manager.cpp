@@ -57,6 +57,8 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       cull_timer_(io),
       pool_retry_timer_(io),
       housekeeping_timer_(io) {
+    provisioners_["local"] = make_local_provisioner(io);
+    provisioners_["slurm"] = make_slurm_provisioner(io, zmq_context_, logger, config);
     kernels_by_state_ = metrics.registry.sampled_gauge(
         "cellblock_kernels",
         "Kernels handed out (listed in /api/kernels; warm-pool kernels excluded) by state.", "state", [this] {
@@ -131,6 +133,7 @@ void KernelManager::readopt_recorded_kernels() {
         launch.spec = *spec;
         launch.runtime_dir = runtime_dir_;
         launch.workspace_dir = record.workspace_dir;
+        launch.provisioner = provisioners_.at("local");  // only local kernels are recorded with a process
         for (const auto& [name, value] : record.environment.items())
             if (value.is_string())
                 launch.environment[name] = value.get<std::string>();
@@ -271,6 +274,7 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     KernelLaunch launch;
     launch.id = new_uuid();
     launch.spec = spec;
+    launch.provisioner = provisioner_for(spec);
     launch.runtime_dir = runtime_dir_;
     try {
         launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
@@ -286,6 +290,21 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     every_kernel_.push_back(kernel);
     watch_kernel(*kernel);
     return kernel;
+}
+
+std::shared_ptr<Provisioner> KernelManager::provisioner_for(const KernelSpec& spec) const {
+    std::string name = config_.provisioner;
+    if (spec.spec.contains("metadata") && spec.spec["metadata"].is_object()) {
+        const json& metadata = spec.spec["metadata"];
+        if (metadata.contains("cellblock") && metadata["cellblock"].is_object() &&
+            metadata["cellblock"].contains("provisioner") && metadata["cellblock"]["provisioner"].is_string())
+            name = metadata["cellblock"]["provisioner"].get<std::string>();
+    }
+    auto found = provisioners_.find(name);
+    if (found == provisioners_.end())
+        throw std::invalid_argument("kernelspec " + spec.name + ": unknown provisioner '" + name +
+                                    "' (local or slurm)");
+    return found->second;
 }
 
 void KernelManager::watch_kernel(Kernel& kernel) {

@@ -1,0 +1,195 @@
+"""Kernels as Slurm jobs through a gateway with `--provisioner slurm`, on the real two-node test cluster.
+
+Every kernel is one batch job named cellblock-<kernel_id>; the kernel binds ephemeral TCP ports on its node and
+reports them to the gateway's launch registry over CurveZMQ with a one-time token (gateway/README.md)."""
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
+from gateway_harness import Gateway, outputs  # noqa: E402
+
+JOB_TIMEOUT = 60
+
+
+def jobs_named(cluster, kernel_id):
+    """{job id: state} of the jobs named after the kernel (ended ones included while Slurm remembers them)."""
+    jobs = {}
+    for line in cluster.squeue("-t", "all", "--name", f"cellblock-{kernel_id}", "-o", "%i %T").splitlines():
+        job_id, state = line.split()
+        jobs[job_id] = state
+    return jobs
+
+
+def live_jobs(cluster, kernel_id):
+    return {job: state for job, state in jobs_named(cluster, kernel_id).items()
+            if state in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")}
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def slurm_gateway(slurm_cluster, request):
+    marker = request.node.get_closest_marker("gateway_args")
+    arguments = list(marker.args) if marker else []
+    gateway = Gateway("--provisioner", "slurm", *arguments, warm_pool=0, env=slurm_cluster.environment)
+    yield gateway
+    gateway.stop()
+
+
+def test_a_kernel_is_a_job_that_executes_keeps_state_interrupts_restarts_and_is_deleted(slurm_cluster,
+                                                                                         slurm_gateway):
+    model = slurm_gateway.start_kernel(name="python3")
+    kernel_id = model["id"]
+    jobs = live_jobs(slurm_cluster, kernel_id)
+    assert list(jobs.values()) == ["RUNNING"], jobs
+    first_job = next(iter(jobs))
+    assert model["provisioner"]["name"] == "slurm" and model["provisioner"]["job_id"] == first_job
+
+    socket = slurm_gateway.connect(kernel_id)
+    try:
+        assert outputs(socket.execute("import socket\nx = 41\nprint('ran')")) == "ran\n"
+        assert outputs(socket.execute("x + 1")) == "42"
+
+        # Interrupt: a sleeping cell ends with KeyboardInterrupt.
+        msg_id = socket.send("execute_request", {"code": "import time\ntime.sleep(120)", "silent": False})
+        socket.replies_to(msg_id, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "busy")
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert slurm_gateway.post(f"/api/kernels/{kernel_id}/interrupt").status_code == 204
+        reply = socket.replies_to(msg_id, lambda m: m["msg_type"] == "execute_reply", timeout=30)[-1]
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - started < 30
+        assert outputs(socket.execute("x")) == "41", "the interrupt must not lose the kernel's state"
+
+        # Restart: a new job (new ports, key), the same kernel id, and this WebSocket keeps working.
+        response = slurm_gateway.post(f"/api/kernels/{kernel_id}/restart")
+        assert response.status_code == 200, response.text
+        assert jobs_named(slurm_cluster, kernel_id)[first_job] != "RUNNING"
+        second = live_jobs(slurm_cluster, kernel_id)
+        assert len(second) == 1 and first_job not in second, second
+        messages = socket.execute("x", timeout=60)
+        assert any(m["msg_type"] == "error" and m["content"]["ename"] == "NameError" for m in messages)
+        assert outputs(socket.execute("6 * 7")) == "42"
+    finally:
+        socket.close()
+
+    assert slurm_gateway.delete(f"/api/kernels/{kernel_id}").status_code == 204
+    wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the kernel's job to leave squeue")
+    assert slurm_gateway.get(f"/api/kernels/{kernel_id}").status_code == 404
+
+
+def test_scancel_is_reported_to_clients_as_a_dead_kernel_with_the_cause(slurm_cluster, slurm_gateway):
+    kernel_id = slurm_gateway.start_kernel(name="python3")["id"]
+    (job_id,) = live_jobs(slurm_cluster, kernel_id)
+    socket = slurm_gateway.connect(kernel_id)
+    try:
+        assert outputs(socket.execute("1 + 1")) == "2"
+        subprocess.run(["scancel", job_id], env=slurm_cluster.environment, check=True, timeout=20)
+        notes, dead = [], False
+        deadline = time.monotonic() + 30
+        while not dead and time.monotonic() < deadline:
+            message = socket.recv(timeout=deadline - time.monotonic())
+            if message["msg_type"] == "stream":
+                notes.append(message["content"]["text"])
+            dead = message["msg_type"] == "status" and message["content"]["execution_state"] == "dead"
+        assert dead, notes
+        assert any("CANCELLED" in note and job_id in note for note in notes), notes
+    finally:
+        socket.close()
+    model = slurm_gateway.get(f"/api/kernels/{kernel_id}").json()
+    assert model["execution_state"] == "dead"
+    time.sleep(2)
+    assert not live_jobs(slurm_cluster, kernel_id), "a cancelled kernel must not be resubmitted"
+
+
+def test_a_job_slurm_cannot_place_fails_with_slurms_reason(slurm_cluster, tmp_path):
+    config = tmp_path / "gateway.json"
+    config.write_text(json.dumps({"slurm_mem_mb": 64 * 1024}))
+    gateway = Gateway("--provisioner", "slurm", "--config", str(config), warm_pool=0, env=slurm_cluster.environment)
+    try:
+        started = time.monotonic()
+        response = gateway.post("/api/kernels", json={"name": "python3"})
+        assert response.status_code == 500, response.text
+        assert "Requested node configuration is not available" in response.json()["message"]
+        assert time.monotonic() - started < 30
+    finally:
+        gateway.stop()
+
+
+def test_a_pending_job_fails_after_the_launch_timeout_with_slurms_reason(slurm_cluster, tmp_path):
+    # Both one-CPU nodes busy: the kernel's job stays pending (Reason=Resources).
+    blockers = []
+    for node in slurm_cluster.nodes:
+        result = subprocess.run(["sbatch", "--parsable", "-w", node, "--job-name", "blocker"],
+                                input="#!/bin/sh\nsleep 300\n", env=slurm_cluster.environment,
+                                capture_output=True, text=True, timeout=30, check=True)
+        blockers.append(result.stdout.strip())
+    config = tmp_path / "gateway.json"
+    config.write_text(json.dumps({"kernel_launch_timeout": 8}))
+    gateway = Gateway("--provisioner", "slurm", "--config", str(config), warm_pool=0, env=slurm_cluster.environment)
+    try:
+        wait_for(lambda: slurm_cluster.squeue("-t", "RUNNING", "--name", "blocker", "-o", "%i").split() and
+                 len(slurm_cluster.squeue("-t", "RUNNING", "--name", "blocker", "-o", "%i").split()) == 2,
+                 30, "the blockers to run")
+        answer = {}
+        thread = threading.Thread(target=lambda: answer.update(
+            response=gateway.post("/api/kernels", json={"name": "python3"})))
+        started = time.monotonic()
+        thread.start()
+        pending = wait_for(lambda: [line for line in slurm_cluster.squeue("-o", "%j %T").splitlines()
+                                    if line.startswith("cellblock-") and line.endswith("PENDING")],
+                           20, "the kernel's job to be pending")
+        assert pending
+        thread.join(60)
+        assert "response" in answer, "no answer from the gateway:\n" + "".join(gateway.output)
+        response = answer["response"]
+        elapsed = time.monotonic() - started
+        assert response.status_code == 500, response.text
+        message = response.json()["message"]
+        assert "within 8 s" in message and "pending" in message and "Resources" in message, message
+        assert 7 <= elapsed < 40, elapsed
+        wait_for(lambda: not [line for line in slurm_cluster.squeue("-o", "%j").splitlines()
+                              if line.startswith("cellblock-")], 20, "the pending job to be cancelled")
+    finally:
+        gateway.stop()
+        subprocess.run(["scancel", *blockers], env=slurm_cluster.environment, timeout=20)
+        wait_for(lambda: not slurm_cluster.squeue("--name", "blocker", "-o", "%i").strip(), 30, "blockers to end")
+
+
+def test_the_warm_pool_holds_slurm_jobs(slurm_cluster):
+    gateway = Gateway("--provisioner", "slurm", warm_pool=1, env=slurm_cluster.environment)
+    try:
+        def pool_jobs():
+            return [line.split()[0] for line in slurm_cluster.squeue("-t", "RUNNING", "-o", "%j").splitlines()
+                    if line.startswith("cellblock-")]
+        (pooled_name,) = wait_for(pool_jobs, 60, "a warm-pool job")
+        time.sleep(3)  # let it finish starting
+        started = time.monotonic()
+        model = gateway.start_kernel(name="python3")
+        took = time.monotonic() - started
+        assert f"cellblock-{model['id']}" == pooled_name, "the request must get the pooled job's kernel"
+        socket = gateway.connect(model["id"])
+        try:
+            assert outputs(socket.execute("2 + 3")) == "5"
+        finally:
+            socket.close()
+        assert took < 5, took
+        wait_for(lambda: len(pool_jobs()) == 2, 60, "the pool to submit its replacement job")
+    finally:
+        gateway.stop()
+    wait_for(lambda: not [line for line in slurm_cluster.squeue("-o", "%j").splitlines()
+                          if line.startswith("cellblock-")], 30, "the gateway's jobs to be cancelled at exit")
