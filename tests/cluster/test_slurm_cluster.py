@@ -6,7 +6,7 @@ from slurm_cluster import SlurmCluster
 
 
 def sbatch(cluster, *arguments, script="#!/bin/sh\nsleep 300\n"):
-    result = subprocess.run(["sbatch", "--parsable", *arguments], input=script, env=cluster.environment,
+    result = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", *arguments], input=script, env=cluster.environment,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
@@ -38,7 +38,7 @@ def test_both_nodes_run_jobs_and_scancel_ends_one(slurm_cluster):
 
 
 def test_a_job_larger_than_any_node_is_refused_with_slurms_reason(slurm_cluster):
-    result = subprocess.run(["sbatch", "--parsable", "--mem", "64G"], input="#!/bin/sh\ntrue\n",
+    result = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--mem", "64G"], input="#!/bin/sh\ntrue\n",
                             env=slurm_cluster.environment, capture_output=True, text=True, timeout=30)
     assert result.returncode != 0
     assert "Requested node configuration is not available" in result.stderr
