@@ -467,14 +467,31 @@ void Kernel::watch_process() {
     });
 }
 
-void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
+void Kernel::adopt(const KernelRecord& record, ReadyHandler on_ready) {
     ready_handlers_.push_back(std::move(on_ready));
+    const ProcessIdentity& process = record.process;
     try {
-        connect_gateway_sockets();
-        process_ = adopt_local_process(io_, process.pid);
-        // The pidfd now pins the process; a pid reused since the identity was read is caught here.
-        if (!process.alive())
-            throw std::runtime_error("process " + std::to_string(process.pid) + " is no longer the kernel");
+        if (reports_connection()) {
+            const json& where = record.provisioner;
+            const json& ports = where.at("ports");
+            endpoints_.tcp_ip = where.at("ip").get<std::string>();
+            endpoints_.tcp_ports = {0,
+                                    ports.at(0).get<int>(),
+                                    ports.at(1).get<int>(),
+                                    ports.at(2).get<int>(),
+                                    ports.at(3).get<int>(),
+                                    ports.at(4).get<int>()};
+            endpoints_.curve_server_key = where.at("curve_public_key").get<std::string>();
+            process_ = launch_.provisioner->adopt(where, id(), launch_.runtime_dir);
+            connect_gateway_sockets();
+        } else {
+            connect_gateway_sockets();
+            process_ = adopt_local_process(io_, process.pid);
+            // The pidfd now pins the process; a pid reused since the identity was read is caught here.
+            if (!process.alive())
+                throw std::runtime_error("process " + std::to_string(process.pid) +
+                                         " is no longer the kernel");
+        }
     } catch (const std::exception& error) {
         if (process_)
             process_->release();  // not ours to kill: it may be a stranger that reused the pid
@@ -483,7 +500,8 @@ void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
         finish_readiness(std::string("cannot re-adopt the kernel: ") + error.what());
         return;
     }
-    process_identity_ = process;
+    if (!reports_connection())
+        process_identity_ = process;
     watch_process();
     replay_phase_ = ReplayPhase::pending;
     replay_after_id_ = last_iopub_id_;
@@ -493,7 +511,7 @@ void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
     launch_deadline_ =
         std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<long long>(config_.kernel_launch_timeout * 1000));
-    logger_.info("kernel_adopting", {{"kernel_id", id()}, {"pid", process.pid}});
+    logger_.info("kernel_adopting", {{"kernel_id", id()}, {"instance", process_->describe()}});
     // No kernel_info probe: it would wait behind a cell that is still running on the shell thread. The wire
     // guard answers the record request on control at once; it goes out once the IOPub subscription (an ipc
     // connect) has had time to reach the kernel, and what arrives live meanwhile is merged by msg_id.
@@ -541,6 +559,15 @@ KernelRecord Kernel::record(bool pooled) const {
     record.pooled = pooled;
     record.last_iopub_id = last_iopub_id_;
     record.created = launch_.created;
+    if (reports_connection() && process_ && !endpoints_.tcp_ip.empty()) {
+        record.provisioner = process_->describe();
+        record.provisioner["ip"] = endpoints_.tcp_ip;
+        record.provisioner["ports"] = {
+            endpoints_.tcp_ports[KernelEndpoints::shell], endpoints_.tcp_ports[KernelEndpoints::iopub],
+            endpoints_.tcp_ports[KernelEndpoints::stdin_], endpoints_.tcp_ports[KernelEndpoints::control],
+            endpoints_.tcp_ports[KernelEndpoints::heartbeat]};
+        record.provisioner["curve_public_key"] = endpoints_.curve_server_key;
+    }
     return record;
 }
 
@@ -835,7 +862,9 @@ void Kernel::on_process_exit(InstanceExit exit) {
         state_ = KernelState::dead;
         report_launch_failure(GatewayMetrics::cause_exited_during_start);
         broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
-        finish_readiness("kernel " + exit.cause + " before it answered kernel_info_request");
+        finish_readiness(exit.ended_externally
+                             ? exit.cause
+                             : "kernel " + exit.cause + " before it answered kernel_info_request");
         return;
     }
     logger_.warn("kernel_died", {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});

@@ -116,7 +116,8 @@ void KernelManager::readopt_recorded_kernels() {
             forget_lost_kernel(record, "its kernelspec " + record.spec_name + " is no longer installed");
             continue;
         }
-        if (!record.process.alive()) {
+        const std::string provisioner_name = record.provisioner.value("name", std::string("local"));
+        if (provisioner_name == "local" && !record.process.alive()) {
             std::string cause = record.process.boot_id != ProcessIdentity::of(::getpid())->boot_id
                                     ? "the machine restarted since the kernel was started"
                                     : "the kernel process ended while no gateway was running";
@@ -133,7 +134,12 @@ void KernelManager::readopt_recorded_kernels() {
         launch.spec = *spec;
         launch.runtime_dir = runtime_dir_;
         launch.workspace_dir = record.workspace_dir;
-        launch.provisioner = provisioners_.at("local");  // only local kernels are recorded with a process
+        auto provisioner = provisioners_.find(provisioner_name);
+        if (provisioner == provisioners_.end()) {
+            forget_lost_kernel(record, "its provisioner " + provisioner_name + " is unknown to this gateway");
+            continue;
+        }
+        launch.provisioner = provisioner->second;
         for (const auto& [name, value] : record.environment.items())
             if (value.is_string())
                 launch.environment[name] = value.get<std::string>();
@@ -149,7 +155,7 @@ void KernelManager::readopt_recorded_kernels() {
         else
             adopt(kernel);
         std::weak_ptr<Kernel> weak = kernel;
-        kernel->adopt(record.process, [this, weak, record](std::optional<std::string> error) {
+        kernel->adopt(record, [this, weak, record](std::optional<std::string> error) {
             if (!error)
                 return;
             auto failed = weak.lock();

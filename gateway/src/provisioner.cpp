@@ -305,6 +305,8 @@ class SlurmProvisioner final : public Provisioner, public std::enable_shared_fro
     std::string_view name() const override { return "slurm"; }
     bool reports_connection() const override { return true; }
     std::unique_ptr<KernelInstance> launch(const InstanceLaunch& launch, Connected connected) override;
+    std::unique_ptr<KernelInstance> adopt(const json& record, const std::string& kernel_id,
+                                          const fs::path& runtime_dir) override;
 
     void cancel(JobState& job) {
         job.cancel_requested = true;
@@ -425,11 +427,11 @@ std::unique_ptr<KernelInstance> SlurmProvisioner::launch(const InstanceLaunch& l
     std::weak_ptr<JobState> weak_job = job;
     job->token = registry_->expect(
         [weak_job, connected = std::move(connected)](std::variant<ReportedConnection, std::string> result) {
-            auto job = weak_job.lock();
-            if (!job || job->ended)
+            auto reporting = weak_job.lock();
+            if (!reporting || reporting->ended)
                 return;
             if (auto* connection = std::get_if<ReportedConnection>(&result))
-                job->host = connection->host;
+                reporting->host = connection->host;
             connected(std::move(result));
         });
 
@@ -498,6 +500,22 @@ std::unique_ptr<KernelInstance> SlurmProvisioner::launch(const InstanceLaunch& l
             self->submitted(job, succeeded, output);
     });
     logger_.info("kernel_job_submitting", {{"kernel_id", launch.kernel_id}});
+    return std::make_unique<SlurmJob>(shared_from_this(), job);
+}
+
+std::unique_ptr<KernelInstance> SlurmProvisioner::adopt(const json& record, const std::string& kernel_id,
+                                                        const fs::path& runtime_dir) {
+    ensure_started(runtime_dir);
+    auto job = std::make_shared<JobState>();
+    job->kernel_id = kernel_id;
+    job->job_id = record.at("job_id").get<std::string>();
+    if (job->job_id.empty())
+        throw std::runtime_error("the record has no Slurm job id");
+    job->host = record.value("host", std::string());
+    job->state = "RUNNING";  // until the first poll says otherwise
+    watched_[job->job_id] = job;
+    schedule_poll();
+    logger_.info("kernel_job_adopting", {{"kernel_id", kernel_id}, {"job_id", job->job_id}});
     return std::make_unique<SlurmJob>(shared_from_this(), job);
 }
 

@@ -134,7 +134,7 @@ def test_a_pending_job_fails_after_the_launch_timeout_with_slurms_reason(slurm_c
     # Both one-CPU nodes busy: the kernel's job stays pending (Reason=Resources).
     blockers = []
     for node in slurm_cluster.nodes:
-        result = subprocess.run(["sbatch", "--parsable", "-w", node, "--job-name", "blocker"],
+        result = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "-w", node, "--job-name", "blocker"],
                                 input="#!/bin/sh\nsleep 300\n", env=slurm_cluster.environment,
                                 capture_output=True, text=True, timeout=30, check=True)
         blockers.append(result.stdout.strip())
@@ -193,3 +193,96 @@ def test_the_warm_pool_holds_slurm_jobs(slurm_cluster):
         gateway.stop()
     wait_for(lambda: not [line for line in slurm_cluster.squeue("-o", "%j").splitlines()
                           if line.startswith("cellblock-")], 30, "the gateway's jobs to be cancelled at exit")
+
+
+def kernel_process_of(kernel_id):
+    """The pid of the cellblock-kernel process serving `kernel_id` (found by its environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"cellblock-kernel" in command.split(b"\0")[0] and f"KERNEL_ID={kernel_id}".encode() in environ.split(b"\0"):
+            return int(entry.name)
+    return None
+
+
+def listening_ports(pid):
+    output = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ports = []
+    for line in output.splitlines():
+        if f"pid={pid}," in line:
+            ports.append(int(line.split()[3].rsplit(":", 1)[1]))
+    return ports
+
+
+def test_a_plain_zmq_client_on_the_kernels_ports_reads_nothing(slurm_cluster, slurm_gateway):
+    """The kernel's TCP ports serve CurveZMQ only: a client without the kernel's public key, subscribed to every
+    port while the kernel prints, receives nothing (host-side check of what a wire listener could get)."""
+    import zmq
+
+    kernel_id = slurm_gateway.start_kernel(name="python3")["id"]
+    pid = wait_for(lambda: kernel_process_of(kernel_id), 10, "the kernel process")
+    ports = listening_ports(pid)
+    assert len(ports) == 5, ports
+    context = zmq.Context()
+    subscribers = []
+    try:
+        for port in ports:
+            subscriber = context.socket(zmq.SUB)
+            subscriber.setsockopt(zmq.LINGER, 0)
+            subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+            subscriber.connect(f"tcp://127.0.0.1:{port}")
+            subscribers.append(subscriber)
+        time.sleep(1)
+        socket = slurm_gateway.connect(kernel_id)
+        try:
+            text = outputs(socket.execute("for i in range(20):\n    print('secret-output', i)"))
+            assert "secret-output 19" in text, "the gateway itself must get the output"
+        finally:
+            socket.close()
+        poller = zmq.Poller()
+        for subscriber in subscribers:
+            poller.register(subscriber, zmq.POLLIN)
+        assert dict(poller.poll(2000)) == {}, "a client without the kernel's Curve key received messages"
+    finally:
+        for subscriber in subscribers:
+            subscriber.close()
+        context.term()
+
+
+def test_a_slurm_kernel_is_readopted_by_the_next_gateway_with_its_state(slurm_cluster, tmp_path):
+    """SIGTERM leaves the job running; the next gateway on the same state directory finds it by the job id in
+    its store, reconnects over CurveZMQ and the kernel's variables are still there."""
+    state_dir = tmp_path / "state"
+    first = Gateway("--provisioner", "slurm", warm_pool=0, env=slurm_cluster.environment, state_dir=state_dir,
+                    keep_kernels=True)
+    try:
+        kernel_id = first.start_kernel(name="python3")["id"]
+        (job_id,) = live_jobs(slurm_cluster, kernel_id)
+        socket = first.connect(kernel_id)
+        try:
+            socket.execute("kept = 'across gateways'")
+        finally:
+            socket.close()
+    finally:
+        first.stop()
+    assert live_jobs(slurm_cluster, kernel_id) == {job_id: "RUNNING"}, "SIGTERM must leave the job running"
+
+    second = Gateway("--provisioner", "slurm", warm_pool=0, env=slurm_cluster.environment, state_dir=state_dir)
+    try:
+        model = wait_for(lambda: (lambda r: r.status_code == 200 and r.json())(
+            second.get(f"/api/kernels/{kernel_id}")), 30, "the kernel to be re-adopted")
+        assert model["provisioner"]["job_id"] == job_id
+        socket = second.connect(kernel_id)
+        try:
+            assert outputs(socket.execute("print(kept)")) == "across gateways\n"
+        finally:
+            socket.close()
+        assert second.delete(f"/api/kernels/{kernel_id}").status_code == 204
+        wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the re-adopted job to end")
+    finally:
+        second.stop()

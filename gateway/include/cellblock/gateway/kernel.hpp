@@ -122,7 +122,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // endpoints): connects, probes readiness like start(), then fetches the kernel's record of what it sent
     // while no gateway listened (cellblock_replay_request) before `on_ready` runs. Clients that attach soon
     // after get what they missed; `replayed_for` gives an interrupted execute its complete output.
-    void adopt(const ProcessIdentity& process, ReadyHandler on_ready);
+    // A kernel that reported its connection (slurm) is re-adopted by its record's job and endpoints.
+    void adopt(const KernelRecord& record, ReadyHandler on_ready);
     // Gateway exit that keeps the kernel running for the next gateway: closes this side's sockets and lets
     // the process (and its files) outlive this object.
     void release();

@@ -86,6 +86,13 @@ class Provisioner {
     virtual bool reports_connection() const = 0;
     // Throws (std::system_error, std::runtime_error) when the launch cannot even begin.
     virtual std::unique_ptr<KernelInstance> launch(const InstanceLaunch& launch, Connected connected) = 0;
+    // A kernel an earlier gateway launched here, from its record (KernelRecord::provisioner); throws when it
+    // cannot be (a local process is adopted by pid instead: adopt_local_process).
+    virtual std::unique_ptr<KernelInstance> adopt(const nlohmann::json& record, const std::string& kernel_id,
+                                                  const std::filesystem::path& runtime_dir) {
+        (void)record, (void)kernel_id, (void)runtime_dir;
+        throw std::runtime_error(std::string(name()) + " kernels cannot be re-adopted");
+    }
 };
 
 std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io);
