@@ -3,6 +3,7 @@
 Every kernel is one batch job named cellblock-<kernel_id>; the kernel binds ephemeral TCP ports on its node and
 reports them to the gateway's launch registry over CurveZMQ with a one-time token (gateway/README.md)."""
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -286,3 +287,27 @@ def test_a_slurm_kernel_is_readopted_by_the_next_gateway_with_its_state(slurm_cl
         wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the re-adopted job to end")
     finally:
         second.stop()
+
+
+def test_a_kernelspec_chooses_slurm_on_a_local_gateway(slurm_cluster, tmp_path):
+    """metadata.cellblock.provisioner: one kernelspec runs on Slurm while the gateway's default stays local."""
+    installed = Path(os.environ["CELLBLOCK_PREFIX"]) / "share" / "jupyter" / "kernels" / "cellblock-python"
+    spec = json.loads((installed / "kernel.json").read_text())
+    spec["metadata"]["cellblock"]["provisioner"] = "slurm"
+    spec["display_name"] = "Python 3 (cellblock on Slurm)"
+    (tmp_path / "kernels" / "cellblock-slurm").mkdir(parents=True)
+    (tmp_path / "kernels" / "cellblock-slurm" / "kernel.json").write_text(json.dumps(spec))
+    gateway = Gateway("--kernelspec-dir", str(tmp_path / "kernels"), warm_pool=0, env=slurm_cluster.environment)
+    try:
+        on_slurm = gateway.start_kernel(name="cellblock-slurm")["id"]
+        local = gateway.start_kernel(name="python3")["id"]
+        assert list(live_jobs(slurm_cluster, on_slurm).values()) == ["RUNNING"]
+        assert live_jobs(slurm_cluster, local) == {}
+        for kernel_id in (on_slurm, local):
+            socket = gateway.connect(kernel_id)
+            try:
+                assert outputs(socket.execute("3 * 3")) == "9"
+            finally:
+                socket.close()
+    finally:
+        gateway.stop()
