@@ -311,3 +311,27 @@ def test_a_kernelspec_chooses_slurm_on_a_local_gateway(slurm_cluster, tmp_path):
                 socket.close()
     finally:
         gateway.stop()
+
+
+def test_an_agent_session_on_slurm_gets_its_limits_as_job_resources_and_kernel_died_on_scancel(slurm_cluster,
+                                                                                                slurm_gateway):
+    session = slurm_gateway.post("/agent/v1/sessions", json={"limits": {"memory_mb": 300}})
+    assert session.status_code == 201, session.text
+    session_id = session.json()["id"]
+    answer = slurm_gateway.post(f"/agent/v1/sessions/{session_id}/execute", json={"code": "6 * 7"}).json()
+    assert answer["status"] == "ok" and answer["result"]["text/plain"] == "42", answer
+    jobs = [line.split() for line in slurm_cluster.squeue("-o", "%i %j").splitlines()]
+    (job_id,) = [job for job, name in jobs if name.startswith("cellblock-")]
+    # The session's memory limit (the worker's) plus the kernel process's own overhead (256 MiB).
+    assert slurm_cluster.scontrol_job(job_id)["MinMemoryNode"] == "556M"
+
+    answers = {}
+    worker = threading.Thread(target=lambda: answers.update(slow=slurm_gateway.post(
+        f"/agent/v1/sessions/{session_id}/execute", json={"code": "import time\ntime.sleep(120)"}).json()))
+    worker.start()
+    time.sleep(2)
+    subprocess.run(["scancel", job_id], env=slurm_cluster.environment, check=True, timeout=20)
+    worker.join(60)
+    slow = answers["slow"]
+    assert slow["status"] == "error" and slow["error"]["ename"] == "KernelDied", slow
+    assert slow["state_lost"] is True
