@@ -108,7 +108,19 @@ void GatewayConfig::merge_json(const json& j) {
                                                    "state_dir",
                                                    "orphan_timeout",
                                                    "shutdown_kernels_on_exit",
-                                                   "log_level"};
+                                                   "log_level",
+                                                   "provisioner",
+                                                   "launch_registry_ip",
+                                                   "slurm_partition",
+                                                   "slurm_account",
+                                                   "slurm_qos",
+                                                   "slurm_constraint",
+                                                   "slurm_time_limit",
+                                                   "slurm_cpus_per_task",
+                                                   "slurm_mem_mb",
+                                                   "slurm_memory_overhead_mb",
+                                                   "slurm_job_output",
+                                                   "slurm_poll_interval"};
     for (const auto& [key, value] : j.items()) {
         if (key.starts_with("_"))
             continue;  // comments
@@ -165,6 +177,18 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "orphan_timeout", orphan_timeout);
     take(j, "shutdown_kernels_on_exit", shutdown_kernels_on_exit);
     take(j, "log_level", log_level);
+    take(j, "provisioner", provisioner);
+    take(j, "launch_registry_ip", launch_registry_ip);
+    take(j, "slurm_partition", slurm_partition);
+    take(j, "slurm_account", slurm_account);
+    take(j, "slurm_qos", slurm_qos);
+    take(j, "slurm_constraint", slurm_constraint);
+    take(j, "slurm_time_limit", slurm_time_limit);
+    take(j, "slurm_cpus_per_task", slurm_cpus_per_task);
+    take(j, "slurm_mem_mb", slurm_mem_mb);
+    take(j, "slurm_memory_overhead_mb", slurm_memory_overhead_mb);
+    take(j, "slurm_job_output", slurm_job_output);
+    take(j, "slurm_poll_interval", slurm_poll_interval);
 }
 
 void GatewayConfig::merge_file(const std::string& path) {
@@ -232,6 +256,17 @@ void GatewayConfig::merge_environment(
     number("CELLBLOCK_GATEWAY_ORPHAN_TIMEOUT", orphan_timeout);
     boolean("CELLBLOCK_GATEWAY_SHUTDOWN_KERNELS_ON_EXIT", shutdown_kernels_on_exit);
     text("CELLBLOCK_GATEWAY_LOG_LEVEL", log_level);
+    text("CELLBLOCK_GATEWAY_PROVISIONER", provisioner);
+    text("CELLBLOCK_GATEWAY_LAUNCH_REGISTRY_IP", launch_registry_ip);
+    text("CELLBLOCK_GATEWAY_SLURM_PARTITION", slurm_partition);
+    text("CELLBLOCK_GATEWAY_SLURM_ACCOUNT", slurm_account);
+    text("CELLBLOCK_GATEWAY_SLURM_QOS", slurm_qos);
+    text("CELLBLOCK_GATEWAY_SLURM_CONSTRAINT", slurm_constraint);
+    text("CELLBLOCK_GATEWAY_SLURM_TIME_LIMIT", slurm_time_limit);
+    number("CELLBLOCK_GATEWAY_SLURM_CPUS_PER_TASK", slurm_cpus_per_task);
+    number("CELLBLOCK_GATEWAY_SLURM_MEM_MB", slurm_mem_mb);
+    text("CELLBLOCK_GATEWAY_SLURM_JOB_OUTPUT", slurm_job_output);
+    number("CELLBLOCK_GATEWAY_SLURM_POLL_INTERVAL", slurm_poll_interval);
 }
 
 json GatewayConfig::to_json() const {
@@ -256,6 +291,18 @@ json GatewayConfig::to_json() const {
               {"state_dir", state_dir},
               {"orphan_timeout", orphan_timeout},
               {"shutdown_kernels_on_exit", shutdown_kernels_on_exit},
+              {"provisioner", provisioner},
+              {"launch_registry_ip", launch_registry_ip},
+              {"slurm",
+               {{"partition", slurm_partition},
+                {"account", slurm_account},
+                {"qos", slurm_qos},
+                {"constraint", slurm_constraint},
+                {"time_limit", slurm_time_limit},
+                {"cpus_per_task", slurm_cpus_per_task},
+                {"mem_mb", slurm_mem_mb},
+                {"job_output", slurm_job_output},
+                {"poll_interval", slurm_poll_interval}}},
               {"tls", !certfile.empty()}};
     return j;
 }

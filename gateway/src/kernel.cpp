@@ -164,6 +164,17 @@ Kernel::Kernel(boost::asio::io_context& io, zmq::context_t& zmq_context, const L
     if (launch_.created.empty())
         launch_.created = format_iso8601_utc(std::chrono::system_clock::now());
     last_iopub_id_ = launch_.last_iopub_id;
+    if (!launch_.provisioner)
+        throw std::invalid_argument("kernel " + launch_.id + " has no provisioner");
+    if (reports_connection()) {
+        // This gateway's CurveZMQ client keys towards this kernel (the kernel authenticates messages by HMAC;
+        // Curve makes the link unreadable on the wire).
+        std::array<char, 41> public_key{}, secret_key{};
+        if (zmq_curve_keypair(public_key.data(), secret_key.data()) != 0)
+            throw std::runtime_error(std::string("zmq_curve_keypair: ") + zmq_strerror(zmq_errno()));
+        curve_client_public_ = public_key.data();
+        curve_client_secret_ = secret_key.data();
+    }
 }
 
 Kernel::~Kernel() {
@@ -187,11 +198,19 @@ Kernel::~Kernel() {
 }
 
 json Kernel::model() const {
-    return {{"id", launch_.id},
-            {"name", launch_.spec.name},
-            {"last_activity", format_iso8601_utc(last_activity_)},
-            {"execution_state", kernel_state_name(state_)},
-            {"connections", connections_}};
+    json model = {{"id", launch_.id},
+                  {"name", launch_.spec.name},
+                  {"last_activity", format_iso8601_utc(last_activity_)},
+                  {"execution_state", kernel_state_name(state_)},
+                  {"connections", connections_}};
+    // Where a kernel not local to the gateway runs, and while it starts, what it waits for (a pending job's
+    // reason from Slurm).
+    if (reports_connection() && process_) {
+        model["provisioner"] = process_->describe();
+        if (state_ == KernelState::starting || state_ == KernelState::restarting)
+            model["provisioner"]["waiting_for"] = process_->waiting_for();
+    }
+    return model;
 }
 
 void Kernel::write_connection_file() {
@@ -231,7 +250,8 @@ void Kernel::connect_gateway_sockets() {
                 self->logger_.warn("kernel_message_rejected",
                                    {{"kernel_id", self->id()}, {"error", error.what()}});
             }
-        });
+        },
+        socket_setup());
     probe_session_ = "cellblock-gateway-" + random_hex(8);
     auto probe_handler = [weak](Channel channel) {
         return [weak, channel](std::vector<std::string>&& frames) {
@@ -248,17 +268,19 @@ void Kernel::connect_gateway_sockets() {
     };
     probe_shell_ = ZmqChannel::connect(io_, zmq_context_, zmq::socket_type::dealer,
                                        endpoints_.endpoint(KernelEndpoints::shell), probe_session_,
-                                       probe_handler(Channel::shell));
+                                       probe_handler(Channel::shell), socket_setup());
     probe_control_ = ZmqChannel::connect(io_, zmq_context_, zmq::socket_type::dealer,
                                          endpoints_.endpoint(KernelEndpoints::control), probe_session_,
-                                         probe_handler(Channel::control));
+                                         probe_handler(Channel::control), socket_setup());
 }
 
 void Kernel::start(ReadyHandler on_ready) {
     ready_handlers_.push_back(std::move(on_ready));
     try {
-        write_connection_file();
-        connect_gateway_sockets();
+        if (!reports_connection()) {
+            write_connection_file();
+            connect_gateway_sockets();
+        }
         spawn();
     } catch (const std::exception& error) {
         state_ = KernelState::dead;
@@ -266,6 +288,92 @@ void Kernel::start(ReadyHandler on_ready) {
         finish_readiness(std::string("kernel failed to start: ") + error.what());
         return;
     }
+    if (reports_connection())
+        await_report();
+    else
+        probe_readiness();
+}
+
+ZmqChannel::SocketSetup Kernel::socket_setup() const {
+    if (endpoints_.curve_server_key.empty())
+        return {};
+    return [server = endpoints_.curve_server_key, client_public = curve_client_public_,
+            client_secret = curve_client_secret_](zmq::socket_t& socket) {
+        socket.set(zmq::sockopt::curve_serverkey, server);
+        socket.set(zmq::sockopt::curve_publickey, client_public);
+        socket.set(zmq::sockopt::curve_secretkey, client_secret);
+    };
+}
+
+void Kernel::await_report() {
+    probe_timer_.expires_at(launch_deadline_);
+    probe_timer_.async_wait([weak = weak_from_this()](const boost::system::error_code& error) {
+        if (error)
+            return;
+        auto self = weak.lock();
+        if (!self || self->ready_ || self->shutting_down_)
+            return;
+        const std::string waiting = self->process_ ? self->process_->waiting_for() : std::string();
+        self->logger_.warn("kernel_start_timeout", {{"kernel_id", self->id()}, {"waiting_for", waiting}});
+        self->state_ = KernelState::dead;
+        self->report_launch_failure(GatewayMetrics::cause_start_timeout);
+        if (self->process_)
+            self->process_->signal(SIGKILL);
+        self->finish_readiness("the kernel did not report its connection within " +
+                               std::to_string(static_cast<int>(self->config_.kernel_launch_timeout)) + " s" +
+                               (waiting.empty() ? std::string() : ": " + waiting));
+    });
+}
+
+void Kernel::on_connected(std::uint64_t generation, std::variant<ReportedConnection, std::string> result) {
+    if (generation != launch_generation_ || shutting_down_ || released_ || state_ == KernelState::dead)
+        return;
+    if (auto* failure = std::get_if<std::string>(&result)) {
+        probe_timer_.cancel();
+        state_ = KernelState::dead;
+        report_launch_failure(GatewayMetrics::cause_spawn_failed);
+        if (process_)
+            process_->signal(SIGKILL);
+        finish_readiness(*failure);
+        return;
+    }
+    const ReportedConnection& connection = std::get<ReportedConnection>(result);
+    endpoints_.tcp_ip = connection.ip;
+    endpoints_.tcp_ports = {
+        0, connection.shell, connection.iopub, connection.stdin_, connection.control, connection.heartbeat};
+    endpoints_.curve_server_key = connection.curve_public_key;
+    signer_ = HmacSigner(connection.key);
+    logger_.info("kernel_reported", {{"kernel_id", id()},
+                                     {"host", connection.host},
+                                     {"ip", connection.ip},
+                                     {"shell_port", connection.shell}});
+    // A restart reached a new process (new ports, key): every socket to the old one is replaced.
+    for (auto* channel : {&iopub_, &probe_shell_, &probe_control_})
+        if (*channel)
+            (*channel)->close();
+    try {
+        connect_gateway_sockets();
+        for (auto& [session_id, session] : sessions_) {
+            for (auto* channel : {&session->shell_, &session->control_, &session->stdin_})
+                if (*channel)
+                    (*channel)->close();
+            session->shell_ = connect_dealer(KernelEndpoints::shell, session_id, Channel::shell, session);
+            session->control_ =
+                connect_dealer(KernelEndpoints::control, session_id, Channel::control, session);
+            session->stdin_ = connect_dealer(KernelEndpoints::stdin_, session_id, Channel::stdin_, session);
+        }
+    } catch (const std::exception& error) {
+        probe_timer_.cancel();
+        state_ = KernelState::dead;
+        report_launch_failure(GatewayMetrics::cause_spawn_failed);
+        if (process_)
+            process_->signal(SIGKILL);
+        finish_readiness(std::string("cannot connect to the reported kernel: ") + error.what());
+        return;
+    }
+    if (spawned_handler_)
+        spawned_handler_(*this);
+    probe_timer_.cancel();
     probe_readiness();
 }
 
@@ -288,7 +396,7 @@ void Kernel::begin_termination() {
         if (auto client = session->client_.lock())
             client->disconnect("gateway shutting down");
     if (process_)
-        process_->signal_group(SIGTERM);
+        process_->signal(SIGTERM);
 }
 
 void Kernel::close_sockets() {
@@ -327,19 +435,30 @@ void Kernel::spawn() {
     const std::string output_file = logger_.enabled(LogLevel::debug)
                                         ? std::string()
                                         : (launch_.runtime_dir / ("kernel-" + id() + ".log")).string();
-    process_ = std::make_unique<ChildProcess>(io_, argv, launch_.environment, launch_.workspace_dir.string(),
-                                              output_file);
+    InstanceLaunch instance{
+        id(), argv, launch_.environment, launch_.workspace_dir, output_file, launch_.runtime_dir};
+    const std::uint64_t generation = ++launch_generation_;
+    process_.reset();
+    process_ =
+        launch_.provisioner->launch(instance, [weak = weak_from_this(), this_io = &io_, generation](
+                                                  std::variant<ReportedConnection, std::string> result) {
+            boost::asio::post(*this_io, [weak, generation, result = std::move(result)]() mutable {
+                if (auto self = weak.lock())
+                    self->on_connected(generation, std::move(result));
+            });
+        });
     logger_.info("kernel_spawned",
-                 {{"kernel_id", id()}, {"pid", process_->pid()}, {"spec", launch_.spec.name}});
-    process_identity_ = ProcessIdentity::of(process_->pid());
+                 {{"kernel_id", id()}, {"instance", process_->describe()}, {"spec", launch_.spec.name}});
+    process_identity_ = process_->process_identity();
     watch_process();
-    if (spawned_handler_)
+    // A reporting kernel is recorded once it reported (on_connected): only then is it reachable.
+    if (spawned_handler_ && !reports_connection())
         spawned_handler_(*this);
 }
 
 void Kernel::watch_process() {
     std::weak_ptr<Kernel> weak = weak_from_this();
-    process_->on_exit([weak, this_io = &io_](ProcessExit exit) {
+    process_->on_exit([weak, this_io = &io_](InstanceExit exit) {
         // Deferred: the ChildProcess that reports the exit may be replaced by the handler.
         boost::asio::post(*this_io, [weak, exit] {
             if (auto self = weak.lock())
@@ -348,14 +467,31 @@ void Kernel::watch_process() {
     });
 }
 
-void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
+void Kernel::adopt(const KernelRecord& record, ReadyHandler on_ready) {
     ready_handlers_.push_back(std::move(on_ready));
+    const ProcessIdentity& process = record.process;
     try {
-        connect_gateway_sockets();
-        process_ = std::make_unique<ChildProcess>(io_, ChildProcess::Adopt{}, process.pid);
-        // The pidfd now pins the process; a pid reused since the identity was read is caught here.
-        if (!process.alive())
-            throw std::runtime_error("process " + std::to_string(process.pid) + " is no longer the kernel");
+        if (reports_connection()) {
+            const json& where = record.provisioner;
+            const json& ports = where.at("ports");
+            endpoints_.tcp_ip = where.at("ip").get<std::string>();
+            endpoints_.tcp_ports = {0,
+                                    ports.at(0).get<int>(),
+                                    ports.at(1).get<int>(),
+                                    ports.at(2).get<int>(),
+                                    ports.at(3).get<int>(),
+                                    ports.at(4).get<int>()};
+            endpoints_.curve_server_key = where.at("curve_public_key").get<std::string>();
+            process_ = launch_.provisioner->adopt(where, id(), launch_.runtime_dir);
+            connect_gateway_sockets();
+        } else {
+            connect_gateway_sockets();
+            process_ = adopt_local_process(io_, process.pid);
+            // The pidfd now pins the process; a pid reused since the identity was read is caught here.
+            if (!process.alive())
+                throw std::runtime_error("process " + std::to_string(process.pid) +
+                                         " is no longer the kernel");
+        }
     } catch (const std::exception& error) {
         if (process_)
             process_->release();  // not ours to kill: it may be a stranger that reused the pid
@@ -364,7 +500,8 @@ void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
         finish_readiness(std::string("cannot re-adopt the kernel: ") + error.what());
         return;
     }
-    process_identity_ = process;
+    if (!reports_connection())
+        process_identity_ = process;
     watch_process();
     replay_phase_ = ReplayPhase::pending;
     replay_after_id_ = last_iopub_id_;
@@ -374,7 +511,7 @@ void Kernel::adopt(const ProcessIdentity& process, ReadyHandler on_ready) {
     launch_deadline_ =
         std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<long long>(config_.kernel_launch_timeout * 1000));
-    logger_.info("kernel_adopting", {{"kernel_id", id()}, {"pid", process.pid}});
+    logger_.info("kernel_adopting", {{"kernel_id", id()}, {"instance", process_->describe()}});
     // No kernel_info probe: it would wait behind a cell that is still running on the shell thread. The wire
     // guard answers the record request on control at once; it goes out once the IOPub subscription (an ipc
     // connect) has had time to reach the kernel, and what arrives live meanwhile is merged by msg_id.
@@ -422,6 +559,15 @@ KernelRecord Kernel::record(bool pooled) const {
     record.pooled = pooled;
     record.last_iopub_id = last_iopub_id_;
     record.created = launch_.created;
+    if (reports_connection() && process_ && !endpoints_.tcp_ip.empty()) {
+        record.provisioner = process_->describe();
+        record.provisioner["ip"] = endpoints_.tcp_ip;
+        record.provisioner["ports"] = {
+            endpoints_.tcp_ports[KernelEndpoints::shell], endpoints_.tcp_ports[KernelEndpoints::iopub],
+            endpoints_.tcp_ports[KernelEndpoints::stdin_], endpoints_.tcp_ports[KernelEndpoints::control],
+            endpoints_.tcp_ports[KernelEndpoints::heartbeat]};
+        record.provisioner["curve_public_key"] = endpoints_.curve_server_key;
+    }
     return record;
 }
 
@@ -570,7 +716,10 @@ void Kernel::hand_backlog(KernelClientLink& session) {
 void Kernel::respawn(const char* what) {
     try {
         spawn();
-        probe_readiness();
+        if (reports_connection())
+            await_report();
+        else
+            probe_readiness();
     } catch (const std::exception& error) {
         state_ = KernelState::dead;
         report_launch_failure(GatewayMetrics::cause_spawn_failed);
@@ -588,7 +737,7 @@ void Kernel::probe_readiness() {
         finish_readiness("kernel did not answer kernel_info_request within " +
                          std::to_string(static_cast<int>(config_.kernel_launch_timeout)) + " s");
         if (process_)
-            process_->signal_group(SIGKILL);
+            process_->signal(SIGKILL);
         return;
     }
     // One kernel_info_request goes out at once (libzmq queues it until the kernel binds). Once it is
@@ -690,7 +839,7 @@ void Kernel::notify_clients(const std::string& text) {
     broadcast(make_message(Channel::iopub, "stream", {{"name", "stderr"}, {"text", text}}, probe_session_));
 }
 
-void Kernel::on_process_exit(ProcessExit exit) {
+void Kernel::on_process_exit(InstanceExit exit) {
     if (shutting_down_) {
         shutdown_timer_.cancel();
         if (terminated_handler_)
@@ -709,14 +858,24 @@ void Kernel::on_process_exit(ProcessExit exit) {
     }
     if (!ready_handlers_.empty()) {
         // Died before it ever became ready, or during a requested restart.
-        logger_.warn("kernel_died_during_start", {{"kernel_id", id()}, {"exit", exit.describe()}});
+        logger_.warn("kernel_died_during_start", {{"kernel_id", id()}, {"exit", exit.cause}});
         state_ = KernelState::dead;
         report_launch_failure(GatewayMetrics::cause_exited_during_start);
         broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
-        finish_readiness("kernel " + exit.describe() + " before it answered kernel_info_request");
+        finish_readiness(exit.ended_externally
+                             ? exit.cause
+                             : "kernel " + exit.cause + " before it answered kernel_info_request");
         return;
     }
-    logger_.warn("kernel_died", {{"kernel_id", id()}, {"exit", exit.describe()}, {"was_ready", was_ready}});
+    logger_.warn("kernel_died", {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
+    if (exit.ended_externally) {
+        // The scheduler or an operator ended it (scancel, time limit, preemption, node failure): clients are
+        // told why, and it is not started again behind the operator's back.
+        state_ = KernelState::dead;
+        notify_clients("[cellblock-gateway] the kernel died: " + exit.cause + "\n");
+        broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
+        return;
+    }
     if (config_.autorestart && restarts_ < config_.restart_limit) {
         ++restarts_;
         state_ = KernelState::restarting;
@@ -746,11 +905,15 @@ void Kernel::on_process_exit(ProcessExit exit) {
 
 void Kernel::interrupt() {
     touch();
-    if (launch_.spec.interrupt_mode() == "message") {
-        probe_control_->send(encode_wire(
-            make_message(Channel::control, "interrupt_request", json::object(), probe_session_), signer_));
+    // A reporting kernel (slurm) is interrupted by message: its wire guard acts on interrupt_request, and no
+    // scheduler round trip is needed.
+    if (launch_.spec.interrupt_mode() == "message" || reports_connection()) {
+        if (probe_control_)
+            probe_control_->send(encode_wire(
+                make_message(Channel::control, "interrupt_request", json::object(), probe_session_),
+                signer_));
     } else if (process_) {
-        process_->signal_group(SIGINT);
+        process_->signal(SIGINT);
     }
 }
 
@@ -765,8 +928,10 @@ void Kernel::restart(ReadyHandler on_ready) {
         return;
     }
     restart_requested_ = true;
-    probe_control_->send(encode_wire(
-        make_message(Channel::control, "shutdown_request", {{"restart", true}}, probe_session_), signer_));
+    if (probe_control_)
+        probe_control_->send(encode_wire(
+            make_message(Channel::control, "shutdown_request", {{"restart", true}}, probe_session_),
+            signer_));
     // A kernel that ignores the request is killed; the exit handler then spawns the replacement.
     shutdown_timer_.expires_after(std::chrono::milliseconds(1500));
     shutdown_timer_.async_wait([weak = weak_from_this()](const boost::system::error_code& error) {
@@ -774,7 +939,7 @@ void Kernel::restart(ReadyHandler on_ready) {
             return;
         if (auto self = weak.lock())
             if (self->process_)
-                self->process_->signal_group(SIGKILL);
+                self->process_->signal(SIGKILL);
     });
 }
 
@@ -795,15 +960,18 @@ void Kernel::shutdown(const std::string& reason) {
             terminated_handler_(id());
         return;
     }
-    probe_control_->send(encode_wire(
-        make_message(Channel::control, "shutdown_request", {{"restart", false}}, probe_session_), signer_));
+    // A kernel that never reported (a pending Slurm job) has no control socket yet: signals only.
+    if (probe_control_)
+        probe_control_->send(encode_wire(
+            make_message(Channel::control, "shutdown_request", {{"restart", false}}, probe_session_),
+            signer_));
     // Escalate: shutdown_request, then SIGTERM after 1 s, then SIGKILL after 2 s. The timers hold a strong
     // reference so the process is reaped even after the manager forgot the kernel.
     shutdown_timer_.expires_after(std::chrono::seconds(1));
     shutdown_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& error) {
         if (error || !self->process_ || !self->process_->running())
             return;
-        self->process_->signal_group(SIGTERM);
+        self->process_->signal(SIGTERM);
         self->shutdown_timer_.expires_after(std::chrono::seconds(1));
         self->shutdown_timer_.async_wait([self](const boost::system::error_code& second_error) {
             if (second_error)
@@ -838,7 +1006,8 @@ std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& 
                 self->logger_.warn("kernel_message_rejected",
                                    {{"kernel_id", self->id()}, {"error", error.what()}});
             }
-        });
+        },
+        socket_setup());
 }
 
 std::shared_ptr<KernelClientLink> Kernel::attach(const std::string& session_id,

@@ -57,6 +57,8 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       cull_timer_(io),
       pool_retry_timer_(io),
       housekeeping_timer_(io) {
+    provisioners_["local"] = make_local_provisioner(io);
+    provisioners_["slurm"] = make_slurm_provisioner(io, zmq_context_, logger, config);
     kernels_by_state_ = metrics.registry.sampled_gauge(
         "cellblock_kernels",
         "Kernels handed out (listed in /api/kernels; warm-pool kernels excluded) by state.", "state", [this] {
@@ -114,7 +116,8 @@ void KernelManager::readopt_recorded_kernels() {
             forget_lost_kernel(record, "its kernelspec " + record.spec_name + " is no longer installed");
             continue;
         }
-        if (!record.process.alive()) {
+        const std::string provisioner_name = record.provisioner.value("name", std::string("local"));
+        if (provisioner_name == "local" && !record.process.alive()) {
             std::string cause = record.process.boot_id != ProcessIdentity::of(::getpid())->boot_id
                                     ? "the machine restarted since the kernel was started"
                                     : "the kernel process ended while no gateway was running";
@@ -131,6 +134,12 @@ void KernelManager::readopt_recorded_kernels() {
         launch.spec = *spec;
         launch.runtime_dir = runtime_dir_;
         launch.workspace_dir = record.workspace_dir;
+        auto provisioner = provisioners_.find(provisioner_name);
+        if (provisioner == provisioners_.end()) {
+            forget_lost_kernel(record, "its provisioner " + provisioner_name + " is unknown to this gateway");
+            continue;
+        }
+        launch.provisioner = provisioner->second;
         for (const auto& [name, value] : record.environment.items())
             if (value.is_string())
                 launch.environment[name] = value.get<std::string>();
@@ -146,7 +155,7 @@ void KernelManager::readopt_recorded_kernels() {
         else
             adopt(kernel);
         std::weak_ptr<Kernel> weak = kernel;
-        kernel->adopt(record.process, [this, weak, record](std::optional<std::string> error) {
+        kernel->adopt(record, [this, weak, record](std::optional<std::string> error) {
             if (!error)
                 return;
             auto failed = weak.lock();
@@ -271,6 +280,7 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     KernelLaunch launch;
     launch.id = new_uuid();
     launch.spec = spec;
+    launch.provisioner = provisioner_for(spec);
     launch.runtime_dir = runtime_dir_;
     try {
         launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
@@ -286,6 +296,21 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
     every_kernel_.push_back(kernel);
     watch_kernel(*kernel);
     return kernel;
+}
+
+std::shared_ptr<Provisioner> KernelManager::provisioner_for(const KernelSpec& spec) const {
+    std::string name = config_.provisioner;
+    if (spec.spec.contains("metadata") && spec.spec["metadata"].is_object()) {
+        const json& metadata = spec.spec["metadata"];
+        if (metadata.contains("cellblock") && metadata["cellblock"].is_object() &&
+            metadata["cellblock"].contains("provisioner") && metadata["cellblock"]["provisioner"].is_string())
+            name = metadata["cellblock"]["provisioner"].get<std::string>();
+    }
+    auto found = provisioners_.find(name);
+    if (found == provisioners_.end())
+        throw std::invalid_argument("kernelspec " + spec.name + ": unknown provisioner '" + name +
+                                    "' (local or slurm)");
+    return found->second;
 }
 
 void KernelManager::watch_kernel(Kernel& kernel) {

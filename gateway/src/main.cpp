@@ -37,7 +37,8 @@ bool same_file(int first_fd, int second_fd) {
 
 struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
-        runtime_dir, workspace_root, state_dir, log_level, default_kernel_name;
+        runtime_dir, workspace_root, state_dir, log_level, default_kernel_name, provisioner,
+        launch_registry_ip, slurm_partition, slurm_account, slurm_qos, slurm_constraint;
     std::optional<int> port, warm_pool, max_kernels;
     std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout;
     std::optional<std::size_t> max_unauthenticated_connections, max_unauthenticated_per_address, fd_reserve;
@@ -82,6 +83,12 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.cull_connected, config.cull_connected);
     set(cli.cull_busy, config.cull_busy);
     set(cli.list_kernels, config.list_kernels);
+    set(cli.provisioner, config.provisioner);
+    set(cli.launch_registry_ip, config.launch_registry_ip);
+    set(cli.slurm_partition, config.slurm_partition);
+    set(cli.slurm_account, config.slurm_account);
+    set(cli.slurm_qos, config.slurm_qos);
+    set(cli.slurm_constraint, config.slurm_constraint);
     if (!cli.kernelspec_dirs.empty())
         config.kernelspec_dirs = cli.kernelspec_dirs;
 }
@@ -145,6 +152,16 @@ int main(int argc, char** argv) {
     app.add_flag("--shutdown-kernels-on-exit", cli.shutdown_kernels_on_exit,
                  "SIGTERM stops the kernels too (by default they keep running for the next gateway; SIGINT "
                  "always stops them)");
+    app.add_option(
+           "--provisioner", cli.provisioner,
+           "where kernels run: local (default) or slurm (one batch job per kernel; see gateway/README.md)")
+        ->check(CLI::IsMember({"local", "slurm"}));
+    app.add_option("--launch-registry-ip", cli.launch_registry_ip,
+                   "address Slurm-hosted kernels report to (default 127.0.0.1)");
+    app.add_option("--slurm-partition", cli.slurm_partition, "sbatch --partition");
+    app.add_option("--slurm-account", cli.slurm_account, "sbatch --account");
+    app.add_option("--slurm-qos", cli.slurm_qos, "sbatch --qos");
+    app.add_option("--slurm-constraint", cli.slurm_constraint, "sbatch --constraint");
     app.add_option("--header-timeout", cli.header_timeout,
                    "seconds a connection that has not authenticated has to send its request headers "
                    "(default 10)")

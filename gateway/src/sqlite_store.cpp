@@ -67,7 +67,7 @@ bool ProcessIdentity::alive() const {
 
 namespace {
 
-constexpr int current_schema_version = 1;
+constexpr int current_schema_version = 2;
 
 // Each migration brings the schema from version N-1 to N; applied in order inside one transaction each.
 constexpr std::array<const char*, current_schema_version> migrations = {
@@ -88,6 +88,10 @@ constexpr std::array<const char*, current_schema_version> migrations = {
                         event TEXT NOT NULL, entry TEXT NOT NULL);
     CREATE INDEX audit_by_session ON audit (session, time);
     CREATE INDEX audit_by_event ON audit (event, time);
+    )sql",
+    // 2: where a kernel runs (KernelRecord::provisioner), so a Slurm job is re-adopted by its job id.
+    R"sql(
+    ALTER TABLE kernels ADD COLUMN provisioner TEXT NOT NULL DEFAULT '{}';
     )sql"};
 
 struct DatabaseCloser {
@@ -206,8 +210,8 @@ class SqliteStore final : public SessionStore {
         Statement(database_.get(),
                   "INSERT OR REPLACE INTO kernels (id, spec_name, key, endpoint_base, connection_file, "
                   "workspace_dir, log_file, pid, start_ticks, boot_id, pooled, last_iopub_id, created, "
-                  "environment) "
-                  "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)")
+                  "environment, provisioner) "
+                  "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)")
             .bind(1, kernel.id)
             .bind(2, kernel.spec_name)
             .bind(3, kernel.key)
@@ -222,6 +226,7 @@ class SqliteStore final : public SessionStore {
             .bind(12, kernel.last_iopub_id)
             .bind(13, kernel.created)
             .bind(14, dump(kernel.environment))
+            .bind(15, dump(kernel.provisioner))
             .run();
     }
     void remove_kernel(const std::string& kernel_id) override {
@@ -237,11 +242,12 @@ class SqliteStore final : public SessionStore {
     }
     std::vector<KernelRecord> kernels() override {
         std::lock_guard lock(mutex_);
-        Statement query(
-            database_.get(),
-            "SELECT id, spec_name, key, endpoint_base, connection_file, workspace_dir, log_file, "
-            "pid, start_ticks, boot_id, pooled, last_iopub_id, created, environment FROM kernels ORDER BY "
-            "created");
+        Statement query(database_.get(),
+                        "SELECT id, spec_name, key, endpoint_base, connection_file, workspace_dir, log_file, "
+                        "pid, start_ticks, boot_id, pooled, last_iopub_id, created, environment, provisioner "
+                        "FROM kernels "
+                        "ORDER BY "
+                        "created");
         std::vector<KernelRecord> found;
         while (query.step()) {
             KernelRecord kernel;
@@ -261,6 +267,9 @@ class SqliteStore final : public SessionStore {
             kernel.environment = json::parse(query.text(13), nullptr, false);
             if (!kernel.environment.is_object())
                 kernel.environment = json::object();
+            kernel.provisioner = json::parse(query.text(14), nullptr, false);
+            if (!kernel.provisioner.is_object())
+                kernel.provisioner = json::object();
             found.push_back(std::move(kernel));
         }
         return found;

@@ -6,8 +6,11 @@ namespace cellblock::gateway {
 
 std::shared_ptr<ZmqChannel> ZmqChannel::connect(boost::asio::io_context& io, zmq::context_t& context,
                                                 zmq::socket_type type, const std::string& endpoint,
-                                                const std::string& identity, FrameHandler on_frames) {
+                                                const std::string& identity, FrameHandler on_frames,
+                                                const SocketSetup& setup) {
     zmq::socket_t socket(context, type);
+    if (setup)
+        setup(socket);
     socket.set(zmq::sockopt::linger, 0);
     // Kernels bind late (the ipc file appears when they are up): retry every 2 ms instead of libzmq's 100 ms
     // so readiness is not quantized to the reconnect grid.
@@ -18,6 +21,19 @@ std::shared_ptr<ZmqChannel> ZmqChannel::connect(boost::asio::io_context& io, zmq
     if (type == zmq::socket_type::sub)
         socket.set(zmq::sockopt::subscribe, "");
     socket.connect(endpoint);
+    auto channel = std::make_shared<ZmqChannel>(io, std::move(socket), std::move(on_frames));
+    channel->arm();
+    return channel;
+}
+
+std::shared_ptr<ZmqChannel> ZmqChannel::bind(boost::asio::io_context& io, zmq::context_t& context,
+                                             zmq::socket_type type, const std::string& endpoint,
+                                             FrameHandler on_frames, const SocketSetup& setup) {
+    zmq::socket_t socket(context, type);
+    socket.set(zmq::sockopt::linger, 0);
+    if (setup)
+        setup(socket);
+    socket.bind(endpoint);
     auto channel = std::make_shared<ZmqChannel>(io, std::move(socket), std::move(on_frames));
     channel->arm();
     return channel;

@@ -19,6 +19,7 @@
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -34,6 +35,7 @@
 #include "connection_info.hpp"
 #include "history_manager.hpp"
 #include "kernel_config.hpp"
+#include "launch_report.hpp"
 #include "lease.hpp"
 #include "logging.hpp"
 #include "outbound_record.hpp"
@@ -142,7 +144,13 @@ class ExitPath {
     std::once_flag once_;
 };
 
-int run_kernel(const std::filesystem::path& config_file, const std::filesystem::path& connection_file) {
+// How long a reported launch waits for the registry to accept its report before the kernel gives up.
+constexpr auto launch_report_timeout = std::chrono::seconds(30);
+
+// `report`: no connection file; bind ephemeral TCP ports on the interface towards the registry, serve them
+// over CurveZMQ and report them (launch_report.hpp). Otherwise the connection file says everything.
+int run_kernel(const std::filesystem::path& config_file, const std::filesystem::path& connection_file,
+               const std::optional<ReportTarget>& report) {
     const auto environment = KernelConfig::process_environment();
     const KernelConfig config = KernelConfig::load(config_file, environment);
     const auto variable = [&environment](const char* name) { return environment(name); };
@@ -157,7 +165,15 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     if (const auto cleanup = variable("CELLBLOCK_LEASE_CLEANUP_DIR"); cleanup && guard_options.lease) {
         lease_cleanup_dir = std::filesystem::path(*cleanup);
     }
-    const ConnectionInfo connection = ConnectionInfo::load(connection_file);
+    std::optional<CurveKeyPair> curve_keys;
+    ConnectionInfo connection;
+    if (report) {
+        connection = ephemeral_connection(local_address_towards(report->endpoint));
+        curve_keys = make_curve_keypair();
+        guard_options.curve_secret_key = curve_keys->secret_key;
+    } else {
+        connection = ConnectionInfo::load(connection_file);
+    }
 
     std::optional<PrivateDirectory> own_workspace;
     std::filesystem::path workspace;
@@ -251,6 +267,32 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     // Clean up after kernels that were SIGKILLed (their runtime dir and private workspace stayed behind).
     write_owner_marker(runtime.path(), own_workspace ? own_workspace->path() : std::filesystem::path());
     sweep_abandoned_kernel_dirs("/tmp", "cbk-", runtime.path());
+    if (report) {
+        const BoundPorts ports = guard.bound_ports();
+        std::array<char, 256> hostname{};
+        ::gethostname(hostname.data(), hostname.size() - 1);
+        try {
+            send_launch_report(*report,
+                               {{"transport", "tcp"},
+                                {"ip", connection.ip},
+                                {"shell_port", ports.shell},
+                                {"control_port", ports.control},
+                                {"stdin_port", ports.stdin_channel},
+                                {"iopub_port", ports.iopub},
+                                {"hb_port", ports.heartbeat},
+                                {"key", connection.key},
+                                {"signature_scheme", connection.signature_scheme},
+                                {"curve_public_key", curve_keys->public_key},
+                                {"host", hostname.data()},
+                                {"pid", ::getpid()}},
+                               launch_report_timeout);
+        } catch (const std::exception& error) {
+            log_event(LogLevel::error, "launch_report_failed", {{"error", error.what()}});
+            exit_path.leave(1);
+        }
+        log_event(LogLevel::info, "launch_reported",
+                  {{"registry", report->endpoint}, {"ip", connection.ip}, {"shell_port", ports.shell}});
+    }
     log_event(LogLevel::info, "kernel_started", {{"shell", connection.endpoint(connection.shell_port)}});
     // xeus prints its version on std::clog at start; keep stderr for our structured log lines.
     if (!log_enabled(LogLevel::debug)) {
@@ -275,13 +317,39 @@ int main(int argc, char** argv) {
     app.add_option("--config", config_file, "kernel configuration (JSON)")
         ->required()
         ->check(CLI::ExistingFile);
-    app.add_option("-f,--connection-file", connection_file, "Jupyter connection file")
-        ->required()
-        ->check(CLI::ExistingFile);
+    auto* file_option = app.add_option("-f,--connection-file", connection_file, "Jupyter connection file")
+                            ->check(CLI::ExistingFile);
+    cellblock::kernel::ReportTarget report;
+    auto* report_option =
+        app.add_option(
+               "--report-to", report.endpoint,
+               "no connection file: bind ephemeral TCP ports (CurveZMQ) and report them to this launch "
+               "registry (tcp://host:port), with the one-time token from CELLBLOCK_REPORT_TOKEN")
+            ->excludes(file_option);
+    app.add_option("--report-server-key", report.server_public_key,
+                   "the launch registry's Curve public key (Z85)")
+        ->needs(report_option);
     CLI11_PARSE(app, argc, argv);
+    if (!*file_option && !*report_option) {
+        std::cerr << "one of --connection-file or --report-to is required\n";
+        return 1;
+    }
+    std::optional<cellblock::kernel::ReportTarget> report_target;
+    if (*report_option) {
+        // Read once and taken out of the environment: nothing the kernel starts (the worker) sees it.
+        const char* token = std::getenv("CELLBLOCK_REPORT_TOKEN");
+        if (!token || !*token || report.server_public_key.size() != 40) {
+            std::cerr
+                << "--report-to needs --report-server-key (40 Z85 characters) and CELLBLOCK_REPORT_TOKEN\n";
+            return 1;
+        }
+        report.token = token;
+        ::unsetenv("CELLBLOCK_REPORT_TOKEN");
+        report_target = report;
+    }
 
     try {
-        return cellblock::kernel::run_kernel(config_file, connection_file);
+        return cellblock::kernel::run_kernel(config_file, connection_file, report_target);
     } catch (const std::exception& error) {
         cellblock::kernel::log_event(cellblock::kernel::LogLevel::error, "kernel_start_failed",
                                      {{"error", error.what()}});

@@ -210,7 +210,15 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
     const std::array<int, 3> ports = {connection.shell_port, connection.control_port, connection.stdin_port};
     const std::array<const std::string*, 3> private_ends = {&xeus.shell, &xeus.control, &xeus.stdin_channel};
     const std::string routing_id = "cellblock-wire-guard";
+    const auto curve_server = [&options](zmq::socket_t& socket) {
+        if (!options.curve_secret_key) {
+            return;
+        }
+        socket.set(zmq::sockopt::curve_server, true);
+        socket.set(zmq::sockopt::curve_secretkey, *options.curve_secret_key);
+    };
     for (std::size_t i = 0; i < 3; ++i) {
+        curve_server(s.routers[i]);
         s.routers[i].set(zmq::sockopt::linger, linger_ms);
         // A client that reconnects under its old identity (a restarted gateway, whose predecessor's
         // connection the kernel may not have seen close yet) takes the identity over instead of being
@@ -221,6 +229,8 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
         s.dealers[i].set(zmq::sockopt::routing_id, routing_id);
         s.dealers[i].connect(*private_ends[i]);
     }
+    curve_server(s.publisher);
+    curve_server(s.heartbeat);
     s.publisher.set(zmq::sockopt::linger, linger_ms);
     s.publisher.bind(connection.endpoint(connection.iopub_port));
     s.heartbeat.set(zmq::sockopt::linger, 0);
@@ -231,6 +241,17 @@ WireGuard::WireGuard(const ConnectionInfo& connection, const PrivateEndpoints& x
     s.stop_sender.connect("inproc://wire-guard-stop");
     s.wake_receiver.bind("inproc://wire-guard-wake");
     s.wake_sender.connect("inproc://wire-guard-wake");
+}
+
+BoundPorts WireGuard::bound_ports() const {
+    const auto port_of = [](const zmq::socket_t& socket) {
+        const std::string endpoint = socket.get(zmq::sockopt::last_endpoint);
+        const auto colon = endpoint.rfind(':');
+        return colon == std::string::npos ? 0 : std::stoi(endpoint.substr(colon + 1));
+    };
+    const auto& s = *sockets_;
+    return {port_of(s.routers[0]), port_of(s.routers[1]), port_of(s.routers[2]), port_of(s.publisher),
+            port_of(s.heartbeat)};
 }
 
 WireGuard::~WireGuard() {

@@ -77,6 +77,14 @@ struct GuardOptions {
     std::optional<std::chrono::milliseconds> lease;  // none: the kernel never stops on its own
     // How long a shell reply waits for its request's idle, or an idle for its reply (see HeldReply).
     std::chrono::milliseconds reply_hold_limit{200};
+    // Set: the public sockets are CurveZMQ servers with this secret key (Z85), so only clients that know the
+    // kernel's public key connect and nothing on the wire is readable (a kernel reached over the network).
+    std::optional<std::string> curve_secret_key;
+};
+
+// The public ports as bound (the real ones when the connection asked for port 0).
+struct BoundPorts {
+    int shell = 0, control = 0, stdin_channel = 0, iopub = 0, heartbeat = 0;
 };
 
 class WireGuard {
@@ -87,6 +95,9 @@ class WireGuard {
     ~WireGuard();
     WireGuard(const WireGuard&) = delete;
     WireGuard& operator=(const WireGuard&) = delete;
+
+    // Only before start(): read from the sockets' last endpoints.
+    BoundPorts bound_ports() const;
 
     // Runs the proxy loop on its own thread until destruction, shutdown_request or lease expiry. The lease
     // starts counting here.

@@ -21,6 +21,7 @@ test_packages=(
   python3-nbclient python3-nbformat python3-nbconvert jupyter-nbconvert jupyter-client jupyter-server python3-jupyter-server python3-notebook
   python3-websocket python3-requests python3-tornado
   chromium iproute2 procps psmisc
+  slurmctld slurmd slurm-client  # a real Slurm cluster (auth/none, no munged) for kernels as jobs (tests/cluster)
   prometheus  # a real Prometheus server scrapes the gateway's /metrics (tests/gateway/test_metrics.py); promtool
   clang-16 libclang-rt-16-dev llvm-16  # the ASan+UBSan build and the libFuzzer targets (tests/fuzz)
 )

@@ -94,6 +94,60 @@ TEST(SqliteStore, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
     EXPECT_TRUE(store->kernels().empty());
 }
 
+TEST(SqliteStore, KeepsWhereAKernelRunsAndUpgradesAVersionOneStore) {
+    const fs::path directory = scratch_dir("provisioner");
+    // A store written by a gateway before kernels could run elsewhere (schema 1): its kernels come back as
+    // local ones.
+    {
+        sqlite3* raw = nullptr;
+        ASSERT_EQ(sqlite3_open((directory / "store.sqlite3").c_str(), &raw), SQLITE_OK);
+        const char* version_one = R"sql(
+            CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, applied TEXT NOT NULL);
+            INSERT INTO schema_migrations VALUES (1, 'earlier');
+            CREATE TABLE kernels (
+                id TEXT PRIMARY KEY, spec_name TEXT NOT NULL, key TEXT NOT NULL, endpoint_base TEXT NOT NULL,
+                connection_file TEXT NOT NULL, workspace_dir TEXT NOT NULL, log_file TEXT NOT NULL,
+                pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL, boot_id TEXT NOT NULL,
+                pooled INTEGER NOT NULL, last_iopub_id TEXT NOT NULL DEFAULT '', created TEXT NOT NULL,
+                environment TEXT NOT NULL);
+            CREATE TABLE jupyter_sessions (id TEXT PRIMARY KEY, model TEXT NOT NULL);
+            CREATE TABLE agent_sessions (id TEXT PRIMARY KEY, record TEXT NOT NULL);
+            CREATE TABLE cells (seq INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL, cell TEXT NOT NULL);
+            CREATE TABLE inflight_executes (session TEXT NOT NULL, msg_id TEXT NOT NULL, request TEXT NOT NULL,
+                                            PRIMARY KEY (session, msg_id));
+            CREATE TABLE audit (seq INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL, time TEXT NOT NULL,
+                                event TEXT NOT NULL, entry TEXT NOT NULL);
+            INSERT INTO kernels VALUES ('old', 'cellblock-python', 'k', '/tmp/k', '/tmp/c', '/tmp/w', '/tmp/l',
+                                        1, 2, 'boot', 0, '', '2026-11-01T00:00:00Z', '{}');
+        )sql";
+        ASSERT_EQ(sqlite3_exec(raw, version_one, nullptr, nullptr, nullptr), SQLITE_OK)
+            << sqlite3_errmsg(raw);
+        sqlite3_close(raw);
+    }
+    const json slurm = {{"name", "slurm"},
+                        {"job_id", "42"},
+                        {"host", "node7"},
+                        {"ip", "10.0.0.7"},
+                        {"ports", {5001, 5002, 5003, 5004, 5005}},
+                        {"curve_public_key", std::string(40, 'x')}};
+    {
+        auto store = open_sqlite_store(directory / "store.sqlite3");
+        auto kernels = store->kernels();
+        ASSERT_EQ(kernels.size(), 1u);
+        EXPECT_EQ(kernels[0].id, "old");
+        EXPECT_EQ(kernels[0].provisioner, json::object());
+        KernelRecord on_slurm = sample_kernel("on-slurm");
+        on_slurm.provisioner = slurm;
+        store->put_kernel(on_slurm);
+    }
+    auto store = open_sqlite_store(directory / "store.sqlite3");
+    for (const KernelRecord& kernel : store->kernels())
+        if (kernel.id == "on-slurm")
+            EXPECT_EQ(kernel.provisioner, slurm);
+    EXPECT_EQ(store->kernels().size(), 2u);
+    fs::remove_all(directory);
+}
+
 TEST(SqliteStore, RefusesAFileThatIsNotADatabaseAndLeavesItUntouched) {
     const fs::path directory = scratch_dir("corrupt");
     const fs::path file = directory / "store.sqlite3";

@@ -79,6 +79,21 @@ struct GatewayConfig {
 
     std::string log_level = "warning";
 
+    // Where kernels run (provisioner.hpp): "local" (children of the gateway) or "slurm" (one batch job per
+    // kernel); a kernelspec's metadata.cellblock.provisioner overrides it.
+    std::string provisioner = "local";
+    // The launch registry that Slurm-hosted kernels report to: an address of this host the nodes can reach.
+    std::string launch_registry_ip = "127.0.0.1";
+    // sbatch options; empty = Slurm's default.
+    std::string slurm_partition, slurm_account, slurm_qos, slurm_constraint;
+    std::string slurm_time_limit;  // --time (e.g. "8:00:00")
+    int slurm_cpus_per_task = 1;
+    int slurm_mem_mb = 0;  // --mem for kernels without a session memory limit; 0 = the partition's default
+    // Added to a session's memory limit (CELLBLOCK_MEMORY_MB, the worker's) for the kernel process itself.
+    int slurm_memory_overhead_mb = 256;
+    std::string slurm_job_output = "/dev/null";  // --output on the node (%j = job id)
+    double slurm_poll_interval = 1;              // seconds between squeue polls of the gateway's jobs
+
     // Merges the keys present in `file_json` (same names as the fields); throws std::invalid_argument.
     void merge_json(const nlohmann::json& file_json);
     void merge_file(const std::string& path);

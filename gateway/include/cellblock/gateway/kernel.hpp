@@ -4,6 +4,7 @@
 // the session_id, so the kernel's ROUTER sends replies and input_request only to the requester; IOPub arrives
 // on one SUB socket and is fanned out to every session. Sessions outlive their WebSocket for a while so a
 // reconnect with the same session_id gets the messages it missed.
+#include <array>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
 #include <deque>
@@ -18,9 +19,9 @@
 
 #include "cellblock/gateway/config.hpp"
 #include "cellblock/gateway/jupyter_message.hpp"
-#include "cellblock/gateway/kernel_process.hpp"
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
+#include "cellblock/gateway/provisioner.hpp"
 #include "cellblock/gateway/store.hpp"
 #include "cellblock/gateway/zmq_channel.hpp"
 
@@ -35,10 +36,19 @@ class KernelClient {
     virtual void disconnect(const std::string& reason) = 0;
 };
 
-// Where a kernel's sockets live. ipc:// endpoints avoid the "pick a free port, close it, hope" race entirely.
+// Where a kernel's sockets live. A local kernel: ipc:// endpoints the gateway chose (no "pick a free port,
+// close it, hope" race). A kernel that reported its connection (slurm): TCP ports it bound on its node,
+// served over CurveZMQ with its own server key.
 struct KernelEndpoints {
-    std::string base;  // ipc path prefix; endpoint of port N is ipc://<base>-<N>
-    std::string endpoint(int port) const { return "ipc://" + base + "-" + std::to_string(port); }
+    std::string base;                // ipc path prefix; endpoint of port N is ipc://<base>-<N>
+    std::string tcp_ip;              // set: tcp://<tcp_ip>:<tcp_ports[N]>
+    std::array<int, 6> tcp_ports{};  // indexed by the constants below
+    std::string curve_server_key;    // the kernel's CurveZMQ public key (Z85), with tcp
+    std::string endpoint(int port) const {
+        if (!tcp_ip.empty())
+            return "tcp://" + tcp_ip + ":" + std::to_string(tcp_ports.at(static_cast<std::size_t>(port)));
+        return "ipc://" + base + "-" + std::to_string(port);
+    }
     static constexpr int shell = 1, iopub = 2, stdin_ = 3, control = 4, heartbeat = 5;
 };
 
@@ -88,7 +98,8 @@ struct KernelLaunch {
     KernelSpec spec;
     std::map<std::string, std::string> environment;  // the full environment of the kernel process
     std::filesystem::path runtime_dir;               // private 0700 directory for connection file and sockets
-    std::filesystem::path workspace_dir;  // per-kernel CELLBLOCK_WORKSPACE, also the working directory
+    std::filesystem::path workspace_dir;       // per-kernel CELLBLOCK_WORKSPACE, also the working directory
+    std::shared_ptr<Provisioner> provisioner;  // where the process runs (provisioner.hpp)
     // Set when re-adopting a kernel started by an earlier gateway: its key, socket path prefix and creation
     // time (empty = new ones), and where the earlier gateway stopped reading IOPub.
     std::string key, endpoint_base, created, last_iopub_id;
@@ -111,7 +122,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // endpoints): connects, probes readiness like start(), then fetches the kernel's record of what it sent
     // while no gateway listened (cellblock_replay_request) before `on_ready` runs. Clients that attach soon
     // after get what they missed; `replayed_for` gives an interrupted execute its complete output.
-    void adopt(const ProcessIdentity& process, ReadyHandler on_ready);
+    // A kernel that reported its connection (slurm) is re-adopted by its record's job and endpoints.
+    void adopt(const KernelRecord& record, ReadyHandler on_ready);
     // Gateway exit that keeps the kernel running for the next gateway: closes this side's sockets and lets
     // the process (and its files) outlive this object.
     void release();
@@ -180,7 +192,13 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // spawn() + probe_readiness(); a failure marks the kernel dead and fails the waiting readiness handlers.
     void respawn(const char* what);
     void spawn();
-    void on_process_exit(ProcessExit exit);
+    // A reporting provisioner (slurm): wait for the kernel's report until the launch deadline.
+    void await_report();
+    void on_connected(std::uint64_t generation, std::variant<ReportedConnection, std::string> result);
+    bool reports_connection() const { return launch_.provisioner->reports_connection(); }
+    // CurveZMQ client keys for the sockets to a kernel that serves CurveZMQ (none for ipc).
+    ZmqChannel::SocketSetup socket_setup() const;
+    void on_process_exit(InstanceExit exit);
     void probe_readiness();
     void finish_readiness(std::optional<std::string> error);
     void handle_iopub(JupyterMessage&& message);
@@ -209,7 +227,9 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     KernelEndpoints endpoints_;
     HmacSigner signer_;
     std::filesystem::path connection_file_;
-    std::unique_ptr<ChildProcess> process_;
+    std::unique_ptr<KernelInstance> process_;
+    std::uint64_t launch_generation_ = 0;  // a report from an earlier launch is ignored
+    std::string curve_client_public_, curve_client_secret_;
     std::shared_ptr<ZmqChannel> iopub_, probe_shell_, probe_control_;
     std::string probe_session_;
     std::map<std::string, std::shared_ptr<KernelClientLink>> sessions_;

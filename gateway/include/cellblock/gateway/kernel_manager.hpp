@@ -79,6 +79,8 @@ class KernelManager {
     std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec,
                                           const std::map<std::string, std::string>& request_env,
                                           const std::map<std::string, std::string>& trusted_env = {});
+    // The kernelspec's metadata.cellblock.provisioner, else --provisioner; throws std::invalid_argument.
+    std::shared_ptr<Provisioner> provisioner_for(const KernelSpec& spec) const;
     bool pool_can_serve(const KernelSpec& spec, const std::map<std::string, std::string>& request_env) const;
     void refill_pool();
     void schedule_cull();
@@ -99,6 +101,8 @@ class KernelManager {
     StoreWriter& writer_;
     GatewayMetrics& metrics_;
     zmq::context_t zmq_context_;
+    // By name ("local", "slurm"); after the ZMQ context, so they go first (the launch registry's socket).
+    std::map<std::string, std::shared_ptr<Provisioner>> provisioners_;
     std::filesystem::path runtime_dir_;
     std::filesystem::path workspace_root_;
     bool owns_runtime_dir_ = false;

@@ -48,6 +48,10 @@ struct KernelRecord {
     bool pooled = false;        // a warm-pool kernel not yet handed out
     std::string last_iopub_id;  // the last IOPub message the gateway received (where a replay starts)
     std::string created;        // ISO 8601
+    // Where the kernel runs, for re-adoption: {} = a local process (`process` above); a kernel that reported
+    // its connection: {"name": "slurm", "job_id", "host", "ip", "ports": [shell, iopub, stdin, control, hb],
+    // "curve_public_key"}. One JSON value, so every store keeps it the same way.
+    nlohmann::json provisioner = nlohmann::json::object();
 };
 
 struct AuditQuery {

@@ -18,11 +18,19 @@ namespace cellblock::gateway {
 class ZmqChannel : public std::enable_shared_from_this<ZmqChannel> {
   public:
     using FrameHandler = std::function<void(std::vector<std::string>&& frames)>;
+    // Socket options set before connect/bind (CurveZMQ keys).
+    using SocketSetup = std::function<void(zmq::socket_t& socket)>;
 
     // `identity` (may be empty) becomes ZMQ_ROUTING_ID, i.e. how the kernel's ROUTER addresses replies.
     static std::shared_ptr<ZmqChannel> connect(boost::asio::io_context& io, zmq::context_t& context,
                                                zmq::socket_type type, const std::string& endpoint,
-                                               const std::string& identity, FrameHandler on_frames);
+                                               const std::string& identity, FrameHandler on_frames,
+                                               const SocketSetup& setup = {});
+    // A listening socket (the launch registry); `last_endpoint()` says where it ended up.
+    static std::shared_ptr<ZmqChannel> bind(boost::asio::io_context& io, zmq::context_t& context,
+                                            zmq::socket_type type, const std::string& endpoint,
+                                            FrameHandler on_frames, const SocketSetup& setup = {});
+    std::string last_endpoint() const { return socket_.get(zmq::sockopt::last_endpoint); }
     ~ZmqChannel();
     ZmqChannel(const ZmqChannel&) = delete;
     ZmqChannel& operator=(const ZmqChannel&) = delete;

@@ -1,0 +1,337 @@
+"""Kernels as Slurm jobs through a gateway with `--provisioner slurm`, on the real two-node test cluster.
+
+Every kernel is one batch job named cellblock-<kernel_id>; the kernel binds ephemeral TCP ports on its node and
+reports them to the gateway's launch registry over CurveZMQ with a one-time token (gateway/README.md)."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
+from gateway_harness import Gateway, outputs  # noqa: E402
+
+JOB_TIMEOUT = 60
+
+
+def jobs_named(cluster, kernel_id):
+    """{job id: state} of the jobs named after the kernel (ended ones included while Slurm remembers them)."""
+    jobs = {}
+    for line in cluster.squeue("-t", "all", "--name", f"cellblock-{kernel_id}", "-o", "%i %T").splitlines():
+        job_id, state = line.split()
+        jobs[job_id] = state
+    return jobs
+
+
+def live_jobs(cluster, kernel_id):
+    return {job: state for job, state in jobs_named(cluster, kernel_id).items()
+            if state in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")}
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def slurm_gateway(slurm_cluster, request):
+    marker = request.node.get_closest_marker("gateway_args")
+    arguments = list(marker.args) if marker else []
+    gateway = Gateway("--provisioner", "slurm", *arguments, warm_pool=0, env=slurm_cluster.environment)
+    yield gateway
+    gateway.stop()
+
+
+def test_a_kernel_is_a_job_that_executes_keeps_state_interrupts_restarts_and_is_deleted(slurm_cluster,
+                                                                                         slurm_gateway):
+    model = slurm_gateway.start_kernel(name="python3")
+    kernel_id = model["id"]
+    jobs = live_jobs(slurm_cluster, kernel_id)
+    assert list(jobs.values()) == ["RUNNING"], jobs
+    first_job = next(iter(jobs))
+    assert model["provisioner"]["name"] == "slurm" and model["provisioner"]["job_id"] == first_job
+
+    socket = slurm_gateway.connect(kernel_id)
+    try:
+        assert outputs(socket.execute("import socket\nx = 41\nprint('ran')")) == "ran\n"
+        assert outputs(socket.execute("x + 1")) == "42"
+
+        # Interrupt: a sleeping cell ends with KeyboardInterrupt.
+        msg_id = socket.send("execute_request", {"code": "import time\ntime.sleep(120)", "silent": False})
+        socket.replies_to(msg_id, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "busy")
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert slurm_gateway.post(f"/api/kernels/{kernel_id}/interrupt").status_code == 204
+        reply = socket.replies_to(msg_id, lambda m: m["msg_type"] == "execute_reply", timeout=30)[-1]
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - started < 30
+        assert outputs(socket.execute("x")) == "41", "the interrupt must not lose the kernel's state"
+
+        # Restart: a new job (new ports, key), the same kernel id, and this WebSocket keeps working.
+        response = slurm_gateway.post(f"/api/kernels/{kernel_id}/restart")
+        assert response.status_code == 200, response.text
+        assert jobs_named(slurm_cluster, kernel_id)[first_job] != "RUNNING"
+        second = live_jobs(slurm_cluster, kernel_id)
+        assert len(second) == 1 and first_job not in second, second
+        messages = socket.execute("x", timeout=60)
+        assert any(m["msg_type"] == "error" and m["content"]["ename"] == "NameError" for m in messages)
+        assert outputs(socket.execute("6 * 7")) == "42"
+    finally:
+        socket.close()
+
+    assert slurm_gateway.delete(f"/api/kernels/{kernel_id}").status_code == 204
+    wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the kernel's job to leave squeue")
+    assert slurm_gateway.get(f"/api/kernels/{kernel_id}").status_code == 404
+
+
+def test_scancel_is_reported_to_clients_as_a_dead_kernel_with_the_cause(slurm_cluster, slurm_gateway):
+    kernel_id = slurm_gateway.start_kernel(name="python3")["id"]
+    (job_id,) = live_jobs(slurm_cluster, kernel_id)
+    socket = slurm_gateway.connect(kernel_id)
+    try:
+        assert outputs(socket.execute("1 + 1")) == "2"
+        subprocess.run(["scancel", job_id], env=slurm_cluster.environment, check=True, timeout=20)
+        notes, dead = [], False
+        deadline = time.monotonic() + 30
+        while not dead and time.monotonic() < deadline:
+            message = socket.recv(timeout=deadline - time.monotonic())
+            if message["msg_type"] == "stream":
+                notes.append(message["content"]["text"])
+            dead = message["msg_type"] == "status" and message["content"]["execution_state"] == "dead"
+        assert dead, notes
+        assert any("CANCELLED" in note and job_id in note for note in notes), notes
+    finally:
+        socket.close()
+    model = slurm_gateway.get(f"/api/kernels/{kernel_id}").json()
+    assert model["execution_state"] == "dead"
+    time.sleep(2)
+    assert not live_jobs(slurm_cluster, kernel_id), "a cancelled kernel must not be resubmitted"
+
+
+def test_a_job_slurm_cannot_place_fails_with_slurms_reason(slurm_cluster, tmp_path):
+    config = tmp_path / "gateway.json"
+    config.write_text(json.dumps({"slurm_mem_mb": 64 * 1024}))
+    gateway = Gateway("--provisioner", "slurm", "--config", str(config), warm_pool=0, env=slurm_cluster.environment)
+    try:
+        started = time.monotonic()
+        response = gateway.post("/api/kernels", json={"name": "python3"})
+        assert response.status_code == 500, response.text
+        assert "Requested node configuration is not available" in response.json()["message"]
+        assert time.monotonic() - started < 30
+    finally:
+        gateway.stop()
+
+
+def test_a_pending_job_fails_after_the_launch_timeout_with_slurms_reason(slurm_cluster, tmp_path):
+    # Both one-CPU nodes busy: the kernel's job stays pending (Reason=Resources).
+    blockers = []
+    for node in slurm_cluster.nodes:
+        result = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "-w", node, "--job-name", "blocker"],
+                                input="#!/bin/sh\nsleep 300\n", env=slurm_cluster.environment,
+                                capture_output=True, text=True, timeout=30, check=True)
+        blockers.append(result.stdout.strip())
+    config = tmp_path / "gateway.json"
+    config.write_text(json.dumps({"kernel_launch_timeout": 8}))
+    gateway = Gateway("--provisioner", "slurm", "--config", str(config), warm_pool=0, env=slurm_cluster.environment)
+    try:
+        wait_for(lambda: slurm_cluster.squeue("-t", "RUNNING", "--name", "blocker", "-o", "%i").split() and
+                 len(slurm_cluster.squeue("-t", "RUNNING", "--name", "blocker", "-o", "%i").split()) == 2,
+                 30, "the blockers to run")
+        answer = {}
+        thread = threading.Thread(target=lambda: answer.update(
+            response=gateway.post("/api/kernels", json={"name": "python3"})))
+        started = time.monotonic()
+        thread.start()
+        pending = wait_for(lambda: [line for line in slurm_cluster.squeue("-o", "%j %T").splitlines()
+                                    if line.startswith("cellblock-") and line.endswith("PENDING")],
+                           20, "the kernel's job to be pending")
+        assert pending
+        thread.join(60)
+        assert "response" in answer, "no answer from the gateway:\n" + "".join(gateway.output)
+        response = answer["response"]
+        elapsed = time.monotonic() - started
+        assert response.status_code == 500, response.text
+        message = response.json()["message"]
+        assert "within 8 s" in message and "pending" in message and "Resources" in message, message
+        assert 7 <= elapsed < 40, elapsed
+        wait_for(lambda: not [line for line in slurm_cluster.squeue("-o", "%j").splitlines()
+                              if line.startswith("cellblock-")], 20, "the pending job to be cancelled")
+    finally:
+        gateway.stop()
+        subprocess.run(["scancel", *blockers], env=slurm_cluster.environment, timeout=20)
+        wait_for(lambda: not slurm_cluster.squeue("--name", "blocker", "-o", "%i").strip(), 30, "blockers to end")
+
+
+def test_the_warm_pool_holds_slurm_jobs(slurm_cluster):
+    gateway = Gateway("--provisioner", "slurm", warm_pool=1, env=slurm_cluster.environment)
+    try:
+        def pool_jobs():
+            return [line.split()[0] for line in slurm_cluster.squeue("-t", "RUNNING", "-o", "%j").splitlines()
+                    if line.startswith("cellblock-")]
+        (pooled_name,) = wait_for(pool_jobs, 60, "a warm-pool job")
+        time.sleep(3)  # let it finish starting
+        started = time.monotonic()
+        model = gateway.start_kernel(name="python3")
+        took = time.monotonic() - started
+        assert f"cellblock-{model['id']}" == pooled_name, "the request must get the pooled job's kernel"
+        socket = gateway.connect(model["id"])
+        try:
+            assert outputs(socket.execute("2 + 3")) == "5"
+        finally:
+            socket.close()
+        assert took < 5, took
+        wait_for(lambda: len(pool_jobs()) == 2, 60, "the pool to submit its replacement job")
+    finally:
+        gateway.stop()
+    wait_for(lambda: not [line for line in slurm_cluster.squeue("-o", "%j").splitlines()
+                          if line.startswith("cellblock-")], 30, "the gateway's jobs to be cancelled at exit")
+
+
+def kernel_process_of(kernel_id):
+    """The pid of the cellblock-kernel process serving `kernel_id` (found by its environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"cellblock-kernel" in command.split(b"\0")[0] and f"KERNEL_ID={kernel_id}".encode() in environ.split(b"\0"):
+            return int(entry.name)
+    return None
+
+
+def listening_ports(pid):
+    output = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ports = []
+    for line in output.splitlines():
+        if f"pid={pid}," in line:
+            ports.append(int(line.split()[3].rsplit(":", 1)[1]))
+    return ports
+
+
+def test_a_plain_zmq_client_on_the_kernels_ports_reads_nothing(slurm_cluster, slurm_gateway):
+    """The kernel's TCP ports serve CurveZMQ only: a client without the kernel's public key, subscribed to every
+    port while the kernel prints, receives nothing (host-side check of what a wire listener could get)."""
+    import zmq
+
+    kernel_id = slurm_gateway.start_kernel(name="python3")["id"]
+    pid = wait_for(lambda: kernel_process_of(kernel_id), 10, "the kernel process")
+    ports = listening_ports(pid)
+    assert len(ports) == 5, ports
+    context = zmq.Context()
+    subscribers = []
+    try:
+        for port in ports:
+            subscriber = context.socket(zmq.SUB)
+            subscriber.setsockopt(zmq.LINGER, 0)
+            subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+            subscriber.connect(f"tcp://127.0.0.1:{port}")
+            subscribers.append(subscriber)
+        time.sleep(1)
+        socket = slurm_gateway.connect(kernel_id)
+        try:
+            text = outputs(socket.execute("for i in range(20):\n    print('secret-output', i)"))
+            assert "secret-output 19" in text, "the gateway itself must get the output"
+        finally:
+            socket.close()
+        poller = zmq.Poller()
+        for subscriber in subscribers:
+            poller.register(subscriber, zmq.POLLIN)
+        assert dict(poller.poll(2000)) == {}, "a client without the kernel's Curve key received messages"
+    finally:
+        for subscriber in subscribers:
+            subscriber.close()
+        context.term()
+
+
+def test_a_slurm_kernel_is_readopted_by_the_next_gateway_with_its_state(slurm_cluster, tmp_path):
+    """SIGTERM leaves the job running; the next gateway on the same state directory finds it by the job id in
+    its store, reconnects over CurveZMQ and the kernel's variables are still there."""
+    state_dir = tmp_path / "state"
+    first = Gateway("--provisioner", "slurm", warm_pool=0, env=slurm_cluster.environment, state_dir=state_dir,
+                    keep_kernels=True)
+    try:
+        kernel_id = first.start_kernel(name="python3")["id"]
+        (job_id,) = live_jobs(slurm_cluster, kernel_id)
+        socket = first.connect(kernel_id)
+        try:
+            socket.execute("kept = 'across gateways'")
+        finally:
+            socket.close()
+    finally:
+        first.stop()
+    assert live_jobs(slurm_cluster, kernel_id) == {job_id: "RUNNING"}, "SIGTERM must leave the job running"
+
+    second = Gateway("--provisioner", "slurm", warm_pool=0, env=slurm_cluster.environment, state_dir=state_dir)
+    try:
+        model = wait_for(lambda: (lambda r: r.status_code == 200 and r.json())(
+            second.get(f"/api/kernels/{kernel_id}")), 30, "the kernel to be re-adopted")
+        assert model["provisioner"]["job_id"] == job_id
+        socket = second.connect(kernel_id)
+        try:
+            assert outputs(socket.execute("print(kept)")) == "across gateways\n"
+        finally:
+            socket.close()
+        assert second.delete(f"/api/kernels/{kernel_id}").status_code == 204
+        wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the re-adopted job to end")
+    finally:
+        second.stop()
+
+
+def test_a_kernelspec_chooses_slurm_on_a_local_gateway(slurm_cluster, tmp_path):
+    """metadata.cellblock.provisioner: one kernelspec runs on Slurm while the gateway's default stays local."""
+    installed = Path(os.environ["CELLBLOCK_PREFIX"]) / "share" / "jupyter" / "kernels" / "cellblock-python"
+    spec = json.loads((installed / "kernel.json").read_text())
+    spec["metadata"]["cellblock"]["provisioner"] = "slurm"
+    spec["display_name"] = "Python 3 (cellblock on Slurm)"
+    (tmp_path / "kernels" / "cellblock-slurm").mkdir(parents=True)
+    (tmp_path / "kernels" / "cellblock-slurm" / "kernel.json").write_text(json.dumps(spec))
+    gateway = Gateway("--kernelspec-dir", str(tmp_path / "kernels"), warm_pool=0, env=slurm_cluster.environment)
+    try:
+        on_slurm = gateway.start_kernel(name="cellblock-slurm")["id"]
+        local = gateway.start_kernel(name="python3")["id"]
+        assert list(live_jobs(slurm_cluster, on_slurm).values()) == ["RUNNING"]
+        assert live_jobs(slurm_cluster, local) == {}
+        for kernel_id in (on_slurm, local):
+            socket = gateway.connect(kernel_id)
+            try:
+                assert outputs(socket.execute("3 * 3")) == "9"
+            finally:
+                socket.close()
+    finally:
+        gateway.stop()
+
+
+def test_an_agent_session_on_slurm_gets_its_limits_as_job_resources_and_kernel_died_on_scancel(slurm_cluster,
+                                                                                                slurm_gateway):
+    session = slurm_gateway.post("/agent/v1/sessions", json={"limits": {"memory_mb": 300}})
+    assert session.status_code == 201, session.text
+    session_id = session.json()["id"]
+    answer = slurm_gateway.post(f"/agent/v1/sessions/{session_id}/execute", json={"code": "6 * 7"}).json()
+    assert answer["status"] == "ok" and answer["result"]["text/plain"] == "42", answer
+    jobs = [line.split() for line in slurm_cluster.squeue("-o", "%i %j").splitlines()]
+    (job_id,) = [job for job, name in jobs if name.startswith("cellblock-")]
+    # The session's memory limit (the worker's) plus the kernel process's own overhead (256 MiB).
+    assert slurm_cluster.scontrol_job(job_id)["MinMemoryNode"] == "556M"
+
+    answers = {}
+    worker = threading.Thread(target=lambda: answers.update(slow=slurm_gateway.post(
+        f"/agent/v1/sessions/{session_id}/execute", json={"code": "import time\ntime.sleep(120)"}).json()))
+    worker.start()
+    time.sleep(2)
+    subprocess.run(["scancel", job_id], env=slurm_cluster.environment, check=True, timeout=20)
+    worker.join(60)
+    slow = answers["slow"]
+    assert slow["status"] == "error" and slow["error"]["ename"] == "KernelDied", slow
+    assert slow["state_lost"] is True
