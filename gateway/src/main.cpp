@@ -37,7 +37,7 @@ bool same_file(int first_fd, int second_fd) {
 
 struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
-        runtime_dir, workspace_root, state_dir, log_level, default_kernel_name;
+        runtime_dir, workspace_root, state_dir, store, log_level, default_kernel_name;
     std::optional<int> port, warm_pool, max_kernels;
     std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout;
     std::optional<std::size_t> max_unauthenticated_connections, max_unauthenticated_per_address, fd_reserve;
@@ -65,6 +65,7 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.runtime_dir, config.runtime_dir);
     set(cli.workspace_root, config.workspace_root);
     set(cli.state_dir, config.state_dir);
+    set(cli.store, config.store);
     set(cli.orphan_timeout, config.orphan_timeout);
     set(cli.header_timeout, config.header_timeout);
     set(cli.max_unauthenticated_connections, config.max_unauthenticated_connections);
@@ -137,6 +138,9 @@ int main(int argc, char** argv) {
         "--state-dir", cli.state_dir,
         "the store, kernels' sockets and workspaces; kernels survive a gateway restart on the same "
         "one (default $XDG_STATE_HOME/cellblock or ~/.local/state/cellblock)");
+    app.add_option("--store", cli.store,
+                   "the session store: empty = SQLite in the state directory (default); postgresql://... = "
+                   "a PostgreSQL store shared by several gateways (CELLBLOCK_GATEWAY_STORE)");
     app.add_option(
            "--orphan-timeout", cli.orphan_timeout,
            "seconds a kernel keeps running without a gateway before it stops itself (default 600; 0 = "
@@ -223,7 +227,8 @@ int main(int argc, char** argv) {
             throw std::runtime_error("runtime directory path " + config.runtime_dir +
                                      " is too long for ipc sockets (at most 85 characters): choose a shorter "
                                      "--state-dir or --runtime-dir");
-        store = open_sqlite_store(state->store_file());
+        store =
+            config.store.empty() ? open_sqlite_store(state->store_file()) : open_postgres_store(config.store);
     } catch (const std::exception& error) {
         logger.error("cannot_start", {{"error", error.what()}});
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
