@@ -717,7 +717,7 @@ void Kernel::on_process_exit(ProcessExit exit) {
         return;
     }
     logger_.warn("kernel_died", {{"kernel_id", id()}, {"exit", exit.describe()}, {"was_ready", was_ready}});
-    if (config_.autorestart && restarts_ < config_.restart_limit) {
+    if (config_.autorestart && restarts_ < config_.restart_limit && (!may_restart_ || may_restart_(*this))) {
         ++restarts_;
         state_ = KernelState::restarting;
         broadcast(

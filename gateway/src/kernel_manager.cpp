@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/asio/post.hpp>
 #include <cstdlib>
 #include <fstream>
@@ -57,6 +58,10 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       cull_timer_(io),
       pool_retry_timer_(io),
       housekeeping_timer_(io) {
+    std::array<char, 256> host{};
+    if (::gethostname(host.data(), host.size() - 1) != 0)
+        host = {};
+    owner_ = std::string(host.data()) + ":" + config.state_dir;
     kernels_by_state_ = metrics.registry.sampled_gauge(
         "cellblock_kernels",
         "Kernels handed out (listed in /api/kernels; warm-pool kernels excluded) by state.", "state", [this] {
@@ -109,6 +114,9 @@ void KernelManager::start() {
 
 void KernelManager::readopt_recorded_kernels() {
     for (const KernelRecord& record : writer_.store().kernels()) {
+        // Another gateway's kernel (a shared store): it is attached on demand, never taken at start.
+        if (!record.owner.empty() && record.owner != owner_)
+            continue;
         auto spec = registry_.find(record.spec_name);
         if (!spec) {
             forget_lost_kernel(record, "its kernelspec " + record.spec_name + " is no longer installed");
@@ -126,42 +134,89 @@ void KernelManager::readopt_recorded_kernels() {
             forget_lost_kernel(record, cause);
             continue;
         }
-        KernelLaunch launch;
-        launch.id = record.id;
-        launch.spec = *spec;
-        launch.runtime_dir = runtime_dir_;
-        launch.workspace_dir = record.workspace_dir;
-        for (const auto& [name, value] : record.environment.items())
-            if (value.is_string())
-                launch.environment[name] = value.get<std::string>();
-        launch.key = record.key;
-        launch.endpoint_base = record.endpoint_base;
-        launch.created = record.created;
-        launch.last_iopub_id = record.last_iopub_id;
-        auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
-        every_kernel_.push_back(kernel);
-        watch_kernel(*kernel);
-        if (record.pooled)
-            pool_.push_back(kernel);
-        else
-            adopt(kernel);
-        std::weak_ptr<Kernel> weak = kernel;
-        kernel->adopt(record.process, [this, weak, record](std::optional<std::string> error) {
-            if (!error)
-                return;
-            auto failed = weak.lock();
-            logger_.warn("kernel_readoption_failed", {{"kernel_id", record.id}, {"error", *error}});
-            lost_causes_[record.id] = *error;
-            if (!failed)
-                return;
-            std::erase(pool_, failed);
-            kernels_.erase(record.id);
-            failed->shutdown("the kernel could not be re-adopted");
-            forget(record.id);
-        });
+        attach_recorded(record, *spec);
     }
     if (!every_kernel_.empty())
         logger_.info("kernels_readopting", {{"count", every_kernel_.size()}});
+}
+
+std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& record, const KernelSpec& spec) {
+    KernelLaunch launch;
+    launch.id = record.id;
+    launch.spec = spec;
+    launch.runtime_dir = runtime_dir_;
+    launch.workspace_dir = record.workspace_dir;
+    for (const auto& [name, value] : record.environment.items())
+        if (value.is_string())
+            launch.environment[name] = value.get<std::string>();
+    launch.key = record.key;
+    launch.endpoint_base = record.endpoint_base;
+    launch.created = record.created;
+    launch.last_iopub_id = record.last_iopub_id;
+    auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
+    std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
+    every_kernel_.push_back(kernel);
+    watch_kernel(*kernel);
+    if (record.pooled)
+        pool_.push_back(kernel);
+    else
+        adopt(kernel);
+    std::weak_ptr<Kernel> weak = kernel;
+    kernel->adopt(record.process, [this, weak, id = record.id](std::optional<std::string> error) {
+        if (!error)
+            return;
+        auto failed = weak.lock();
+        logger_.warn("kernel_readoption_failed", {{"kernel_id", id}, {"error", *error}});
+        lost_causes_[id] = *error;
+        if (!failed)
+            return;
+        std::erase(pool_, failed);
+        kernels_.erase(id);
+        failed->shutdown("the kernel could not be re-adopted");
+        forget(id);
+    });
+    return kernel;
+}
+
+std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_id) {
+    auto held = find(kernel_id);
+    if (held && (held->state() != KernelState::dead || !writer_.store().shared()))
+        return held;
+    if (stopping_ || !writer_.store().shared() || shut_down_here_.contains(kernel_id))
+        return held;
+    if (held) {
+        // Dead here: another gateway deleted it (then it is gone) or restarted it (then the store names
+        // the new process, attached below).
+        kernels_.erase(kernel_id);
+        held->shutdown("the kernel ended through another gateway");
+    }
+    std::optional<KernelRecord> record;
+    try {
+        record = writer_.store().kernel(kernel_id);
+    } catch (const std::exception& error) {
+        logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", error.what()}});
+        return nullptr;
+    }
+    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out.
+    if (!record || record->pooled || !record->process.alive())
+        return nullptr;
+    auto spec = registry_.find(record->spec_name);
+    if (!spec)
+        return nullptr;
+    logger_.info("kernel_attached_from_store", {{"kernel_id", kernel_id}, {"owner", record->owner}});
+    return attach_recorded(*record, *spec);
+}
+
+bool KernelManager::known(const std::string& kernel_id) const {
+    if (find(kernel_id))
+        return true;
+    if (!writer_.store().shared() || shut_down_here_.contains(kernel_id))
+        return false;
+    try {
+        return writer_.store().kernel(kernel_id).has_value();
+    } catch (const std::exception&) {
+        return true;  // unknown: a session is not dropped because the store did not answer
+    }
 }
 
 void KernelManager::forget_lost_kernel(const KernelRecord& record, const std::string& cause) {
@@ -188,7 +243,9 @@ void KernelManager::persist(const Kernel& kernel) {
     const bool pooled = std::any_of(pool_.begin(), pool_.end(), [&kernel](const auto& pooled_kernel) {
         return pooled_kernel.get() == &kernel;
     });
-    writer_.submit([record = kernel.record(pooled)](SessionStore& store) { store.put_kernel(record); });
+    KernelRecord record = kernel.record(pooled);
+    record.owner = owner_;
+    writer_.submit([record = std::move(record)](SessionStore& store) { store.put_kernel(record); });
 }
 
 void KernelManager::forget(const std::string& kernel_id) {
@@ -290,6 +347,21 @@ std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
 
 void KernelManager::watch_kernel(Kernel& kernel) {
     kernel.on_spawned([this](const Kernel& spawned) { persist(spawned); });
+    if (writer_.store().shared())
+        kernel.on_unexpected_exit([this](const Kernel& died) {
+            // Deleted through another gateway (its record is gone), or already restarted by one (the record
+            // names another process): restarting it here would resurrect it or run it twice.
+            try {
+                auto record = writer_.store().kernel(died.id());
+                if (!record || record->process != died.record(false).process) {
+                    logger_.info("kernel_gone_elsewhere", {{"kernel_id", died.id()}});
+                    return false;
+                }
+            } catch (const std::exception& error) {
+                logger_.error("store_read_failed", {{"kernel_id", died.id()}, {"error", error.what()}});
+            }
+            return true;
+        });
     kernel.on_launch_failed(
         [&metrics = metrics_](std::string_view cause) { metrics.count_launch_failure(cause); });
 }
@@ -451,6 +523,7 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
         return false;
     auto kernel = found->second;
     kernels_.erase(found);
+    shut_down_here_.insert(kernel_id);
     kernel->shutdown(reason);
     forget(kernel_id);
     return true;

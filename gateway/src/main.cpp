@@ -258,8 +258,7 @@ int main(int argc, char** argv) {
         HttpServer server(io, logger, config, router, auth, cors, metrics);
         const std::uint16_t port = server.listen(config.ip, config.port);
         kernels.start();
-        sessions.load(
-            [&kernels](const std::string& kernel_id) { return kernels.find(kernel_id) != nullptr; });
+        sessions.load([&kernels](const std::string& kernel_id) { return kernels.known(kernel_id); });
         agent_service.start();
 
         // SIGTERM (a service manager's stop or restart, an upgrade) leaves the kernels running for the next

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <variant>
 
@@ -54,6 +55,14 @@ class KernelManager {
     void start();
     void start_kernel(const KernelStartRequest& request, StartHandler on_started);
     std::shared_ptr<Kernel> find(const std::string& kernel_id) const;
+    // find(), and on a shared store (another gateway's kernels): a kernel recorded there whose process runs
+    // on this machine is attached on demand (re-adopted as after a restart, without taking it from its
+    // gateway). nullptr when unknown, pooled by another gateway, shut down here, or no longer running.
+    std::shared_ptr<Kernel> find_or_attach(const std::string& kernel_id);
+    // Held here or (shared store) recorded in the store: a Jupyter session of it is not stale.
+    bool known(const std::string& kernel_id) const;
+    // This gateway in kernel records ("host:state dir"): it re-adopts its own kernels after a restart.
+    const std::string& owner() const { return owner_; }
     // Returns false for an unknown id.
     bool shutdown_kernel(const std::string& kernel_id, const std::string& reason = "kernel shut down");
     // Stops everything, synchronously: SIGTERM to all kernels, a short grace period, then SIGKILL.
@@ -85,6 +94,8 @@ class KernelManager {
     void cull();
     void adopt(const std::shared_ptr<Kernel>& kernel);
     void readopt_recorded_kernels();
+    // A Kernel for `record`'s running process, re-adopted (probe and record fetch); pooled or handed out.
+    std::shared_ptr<Kernel> attach_recorded(const KernelRecord& record, const KernelSpec& spec);
     void forget_lost_kernel(const KernelRecord& record, const std::string& cause);
     void persist(const Kernel& kernel);
     void forget(const std::string& kernel_id);
@@ -114,6 +125,9 @@ class KernelManager {
     boost::asio::steady_timer housekeeping_timer_;  // progress to the store, lease renewals
     std::chrono::steady_clock::time_point next_lease_renewal_;
     std::map<std::string, std::string> lost_causes_;
+    std::string owner_;
+    // Shut down by this gateway: never attached again from the store (its removal there is asynchronous).
+    std::set<std::string> shut_down_here_;
     bool stopping_ = false;
     MetricsRegistry::SamplerHandle kernels_by_state_, pool_by_state_, pool_target_;
 };
