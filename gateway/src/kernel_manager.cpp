@@ -187,8 +187,7 @@ std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_
     if (held) {
         // Dead here: another gateway deleted it (then it is gone) or restarted it (then the store names
         // the new process, attached below).
-        kernels_.erase(kernel_id);
-        held->shutdown("the kernel ended through another gateway");
+        let_go(held, "the kernel ended through another gateway");
     }
     std::optional<KernelRecord> record;
     try {
@@ -204,7 +203,44 @@ std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_
     if (!spec)
         return nullptr;
     logger_.info("kernel_attached_from_store", {{"kernel_id", kernel_id}, {"owner", record->owner}});
+    if (record->owner != owner_)
+        attached_from_others_.insert(kernel_id);
     return attach_recorded(*record, *spec);
+}
+
+void KernelManager::restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel::ReadyHandler on_ready) {
+    if (!writer_.store().shared())
+        return kernel->restart(std::move(on_ready));
+    const std::string lease = "kernel-restart:" + kernel->id();
+    bool held = false;
+    try {
+        held = writer_.store().try_lease(lease);
+    } catch (const std::exception& error) {
+        logger_.error("store_read_failed", {{"kernel_id", kernel->id()}, {"error", error.what()}});
+    }
+    if (!held)
+        return on_ready(std::string("the kernel is being restarted through another gateway"));
+    kernel->restart([this, lease, on_ready = std::move(on_ready)](std::optional<std::string> error) {
+        // The new process is recorded (persisted at spawn) before another gateway may restart it.
+        writer_.after_pending([this, lease] { release_lease(lease); });
+        on_ready(std::move(error));
+    });
+}
+
+void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason) {
+    if (auto found = kernels_.find(kernel->id()); found != kernels_.end() && found->second == kernel)
+        kernels_.erase(found);
+    std::erase(pool_, kernel);
+    kernel->shutdown(reason);  // disconnects its clients; its process is gone or not ours
+    kernel->release();         // keeps the files the live process (or its gateway) uses
+}
+
+void KernelManager::release_lease(const std::string& lease) {
+    try {
+        writer_.store().release_lease(lease);
+    } catch (const std::exception& error) {
+        logger_.error("store_write_failed", {{"lease", lease}, {"error", error.what()}});
+    }
 }
 
 bool KernelManager::known(const std::string& kernel_id) const {
@@ -349,17 +385,35 @@ void KernelManager::watch_kernel(Kernel& kernel) {
     kernel.on_spawned([this](const Kernel& spawned) { persist(spawned); });
     if (writer_.store().shared())
         kernel.on_unexpected_exit([this](const Kernel& died) {
-            // Deleted through another gateway (its record is gone), or already restarted by one (the record
-            // names another process): restarting it here would resurrect it or run it twice.
+            // Being restarted through another gateway (its restart lease is taken), deleted through one (its
+            // record is gone) or restarted by one already (the record names another process): restarting it
+            // here would run it twice or resurrect it. Such a kernel stays dead here; the next request for
+            // it attaches what the store records (find_or_attach).
+            const std::string lease = "kernel-restart:" + died.id();
+            auto let_go_later = [this, &died](const char* why) {
+                logger_.info("kernel_ended_elsewhere", {{"kernel_id", died.id()}, {"why", why}});
+                boost::asio::post(io_, [this, id = died.id(), why] {
+                    if (auto held = find(id); held && held->state() == KernelState::dead)
+                        let_go(held, why);
+                });
+                return false;
+            };
             try {
+                if (!writer_.store().try_lease(lease))
+                    return let_go_later("restarted through another gateway");
                 auto record = writer_.store().kernel(died.id());
                 if (!record || record->process != died.record(false).process) {
-                    logger_.info("kernel_gone_elsewhere", {{"kernel_id", died.id()}});
-                    return false;
+                    writer_.store().release_lease(lease);
+                    return let_go_later(record ? "restarted through another gateway"
+                                               : "deleted through another gateway");
                 }
             } catch (const std::exception& error) {
                 logger_.error("store_read_failed", {{"kernel_id", died.id()}, {"error", error.what()}});
+                return false;
             }
+            // Held until the new process is recorded: the respawn (right after this returns) queues it.
+            boost::asio::post(
+                io_, [this, lease] { writer_.after_pending([this, lease] { release_lease(lease); }); });
             return true;
         });
     kernel.on_launch_failed(
@@ -565,7 +619,14 @@ void KernelManager::shutdown_all() {
     housekeeping_timer_.cancel();
     // Taken before the pool lets go of its kernels: a pooled kernel is stopped and forgotten like the others
     // (dropped first, it would die in its destructor and stay recorded in the store).
-    const auto all = live_kernels();
+    auto all = live_kernels();
+    // Other gateways' kernels held here keep running for them.
+    std::erase_if(all, [this](const std::shared_ptr<Kernel>& kernel) {
+        if (!attached_from_others_.contains(kernel->id()) || shut_down_here_.contains(kernel->id()))
+            return false;
+        kernel->release();
+        return true;
+    });
     pool_.clear();
     kernels_.clear();
     for (const auto& kernel : all) {

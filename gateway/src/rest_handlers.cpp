@@ -260,7 +260,7 @@ class KernelRestartResource : public RestResource {
         if (!kernel)
             return respond(kernel_not_found(context.param("kernel_id")));
         // Answers once the restarted kernel replied to kernel_info_request, as Jupyter does.
-        kernel->restart([respond, kernel](std::optional<std::string> error) {
+        services_.kernels.restart_kernel(kernel, [respond, kernel](std::optional<std::string> error) {
             if (error) {
                 respond(json_error(http::status::internal_server_error,
                                    "Exception restarting kernel: " + *error));

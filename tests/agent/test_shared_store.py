@@ -104,6 +104,20 @@ def kernel_pids(directory: Path) -> list:
     return found
 
 
+def kernel_processes(kernel_id: str) -> list:
+    """Processes started for `kernel_id` (its connection file kernel-<id>.json is on the command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if f"kernel-{kernel_id}.json".encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 def result_text(answer: dict) -> str:
     assert answer["status"] == "ok", answer
     return (answer.get("result") or {}).get("text/plain", "")
@@ -126,14 +140,20 @@ class Channels:
                                                  "user_expressions": {}, "allow_stdin": False,
                                                  "stop_on_error": True}, "buffers": []}))
         seen, deadline = [], time.monotonic() + timeout_s
+        self.socket.settimeout(5)  # short reads: pings alone must not keep recv() waiting past the deadline
         while time.monotonic() < deadline:
-            message = json.loads(self.socket.recv())
+            try:
+                message = json.loads(self.socket.recv())
+            except websocket.WebSocketTimeoutException:
+                continue
             if message.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             seen.append(message)
-            if message["msg_type"] == "execute_reply":
+            # As frontends do: done when the reply and the IOPub idle of this request both arrived.
+            if any(m["msg_type"] == "execute_reply" for m in seen) and any(
+                    m["msg_type"] == "status" and m["content"].get("execution_state") == "idle" for m in seen):
                 return seen
-        raise AssertionError(f"no execute_reply within {timeout_s} s: {[m['msg_type'] for m in seen]}")
+        raise AssertionError(f"no execute_reply and idle within {timeout_s} s: {[m['msg_type'] for m in seen]}")
 
     def close(self):
         self.socket.close()
@@ -229,17 +249,58 @@ def test_a_deletion_through_one_gateway_is_seen_by_the_other(pair):
     response = b.request("POST", "/agent/v1/sessions/doomed/execute", json={"code": "1"})
     assert response.status_code == 404, response.text
 
-    # A Jupyter kernel held by both, deleted through A: B does not restart it.
+    # A Jupyter kernel held by both (B has run code on it), deleted through A: B does not restart it, and no
+    # process of it runs on the host afterwards.
     created = a.request("POST", "/api/kernels", json={"name": "cellblock-python"})
     assert created.status_code == 201, created.text
     jupyter_kernel = created.json()["id"]
-    assert b.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 200
+    channels = Channels(b, jupyter_kernel)
+    assert any(m["msg_type"] == "execute_result" for m in channels.execute("3 * 3"))
+    assert kernel_processes(jupyter_kernel), "the kernel's process is not visible on the host"
     assert a.request("DELETE", f"/api/kernels/{jupyter_kernel}").status_code == 204
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and b.request("GET", f"/api/kernels/{jupyter_kernel}").status_code != 404:
+    while time.monotonic() < deadline and kernel_processes(jupyter_kernel):
         time.sleep(0.2)
-    assert b.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 404
-    time.sleep(2)  # long enough for a wrongly restarted kernel to come back
+    time.sleep(3)  # long enough for a wrongly restarted kernel to come back
+    assert not kernel_processes(jupyter_kernel), "the deleted kernel runs again"
+    channels.close()
     assert b.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 404
     assert a.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 404
     assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+    assert not kernel_processes(kernel_id), "the deleted session's kernel still runs"
+
+
+def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(pair):
+    """A kernel both gateways hold is restarted through A (an agent reset, a Jupyter restart): B sees its process
+    end and must not start a second one; it serves the new process instead."""
+    a, b = pair
+    a.create_session("reset-me")
+    assert result_text(a.execute("reset-me", "x = 1\nx")) == "1"
+    assert result_text(b.execute("reset-me", "x")) == "1"
+    session_kernel = a.request("GET", "/agent/v1/sessions/reset-me").json()["kernel_id"]
+    created = a.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert created.status_code == 201, created.text
+    jupyter_kernel = created.json()["id"]
+    channels = Channels(b, jupyter_kernel)
+    assert any(m["msg_type"] == "execute_result" for m in channels.execute("k = 5\nk"))
+    channels.close()
+    before = {kernel: kernel_processes(kernel) for kernel in (session_kernel, jupyter_kernel)}
+    assert all(len(pids) == 1 for pids in before.values()), before
+
+    assert a.request("POST", "/agent/v1/sessions/reset-me/reset").status_code in (200, 204)
+    restarted = a.request("POST", f"/api/kernels/{jupyter_kernel}/restart")
+    assert restarted.status_code == 200, restarted.text
+    time.sleep(3)  # long enough for a second restart (by B) to have started
+    for kernel in (session_kernel, jupyter_kernel):
+        pids = kernel_processes(kernel)
+        assert len(pids) == 1 and pids != before[kernel], f"{kernel}: {before[kernel]} before, {pids} after"
+
+    answer = b.execute("reset-me", "'x' in globals()")
+    assert result_text(answer) == "False"
+    channels = Channels(b, jupyter_kernel)
+    replies = channels.execute("'k' in globals()")
+    channels.close()
+    assert any(m["msg_type"] == "execute_result" and m["content"]["data"]["text/plain"] == "False" for m in replies), [
+        (m["msg_type"], m["content"]) for m in replies]
+    for kernel in (session_kernel, jupyter_kernel):
+        assert len(kernel_processes(kernel)) == 1, kernel

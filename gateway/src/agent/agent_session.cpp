@@ -121,12 +121,24 @@ void AgentSession::ensure_kernel(Done done) {
     if (kernel_ &&
         (kernel_->state() == KernelState::dead || services_.kernels.find(kernel_->id()) != kernel_)) {
         // Deleted through /api/kernels, culled, or dead past its restart limit. A dead kernel still
-        // registered would hold a max_kernels slot and its workspace forever: it goes.
+        // registered would hold a max_kernels slot and its workspace forever: it goes. On a shared store it
+        // may have been restarted through another gateway: then its new process is attached instead.
         auto gone = std::exchange(kernel_, nullptr);
         link_ = nullptr;
-        if (services_.kernels.find(gone->id()) == gone)
+        if (services_.writer.store().shared()) {
+            if (auto again = services_.kernels.find_or_attach(gone->id());
+                again && again != gone && again->state() != KernelState::dead)
+                attach_kernel(again);  // the state is gone: the next answer says so
+        } else if (services_.kernels.find(gone->id()) == gone) {
             services_.kernels.shutdown_kernel(gone->id(), "dead past its restart limit");
+        }
+    } else if (!kernel_ && !let_go_kernel_id_.empty() && services_.writer.store().shared()) {
+        // Let go here because another gateway restarted it: the session stays on it.
+        if (auto again = services_.kernels.find_or_attach(let_go_kernel_id_);
+            again && again->state() != KernelState::dead)
+            attach_kernel(again);
     }
+    let_go_kernel_id_.clear();
     std::weak_ptr<AgentSession> weak = weak_from_this();
     if (kernel_) {
         kernel_wait_ = KernelWait::readying;
@@ -495,7 +507,7 @@ void AgentSession::release_execute_lease() {
 void AgentSession::start_reset(Pending pending) {
     auto shared_pending = std::make_shared<Pending>(std::move(pending));
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    kernel_->restart([weak, shared_pending](std::optional<std::string> error) {
+    services_.kernels.restart_kernel(kernel_, [weak, shared_pending](std::optional<std::string> error) {
         auto self = weak.lock();
         if (!self)
             return;
@@ -582,7 +594,7 @@ void AgentSession::on_grace_expired() {
     services_.logger.warn("agent_execute_kernel_restart", {{"session", id()}});
     running_->kernel_restarted = true;
     if (kernel_)
-        kernel_->restart([](std::optional<std::string>) {});
+        services_.kernels.restart_kernel(kernel_, [](std::optional<std::string>) {});
     finish_execute();
 }
 
@@ -613,6 +625,8 @@ void AgentSession::deliver(const JupyterMessage& message) {
 }
 
 void AgentSession::disconnect(const std::string& reason) {
+    if (kernel_ && !closed_)
+        let_go_kernel_id_ = kernel_->id();
     kernel_ = nullptr;
     link_ = nullptr;
     if (running_ && running_->collector) {

@@ -59,6 +59,10 @@ class KernelManager {
     // on this machine is attached on demand (re-adopted as after a restart, without taking it from its
     // gateway). nullptr when unknown, pooled by another gateway, shut down here, or no longer running.
     std::shared_ptr<Kernel> find_or_attach(const std::string& kernel_id);
+    // Restarts `kernel` (Kernel::restart). On a shared store only one gateway restarts a kernel at a time
+    // (the kernel's restart lease, also taken before an automatic restart): a restart that finds it taken
+    // fails at once, and the other gateways re-attach the new process instead of restarting it again.
+    void restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel::ReadyHandler on_ready);
     // Held here or (shared store) recorded in the store: a Jupyter session of it is not stale.
     bool known(const std::string& kernel_id) const;
     // This gateway in kernel records ("host:state dir"): it re-adopts its own kernels after a restart.
@@ -99,6 +103,11 @@ class KernelManager {
     void forget_lost_kernel(const KernelRecord& record, const std::string& cause);
     void persist(const Kernel& kernel);
     void forget(const std::string& kernel_id);
+    void release_lease(const std::string& lease);
+    // Drops a kernel this gateway held for other gateways (shared store) without stopping its process or
+    // removing its files (sockets, workspace): its clients here are disconnected and reconnect to what the
+    // store records.
+    void let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason);
     void schedule_housekeeping();
     void flush_progress();
     std::vector<std::shared_ptr<Kernel>> live_kernels() const;
@@ -128,6 +137,9 @@ class KernelManager {
     std::string owner_;
     // Shut down by this gateway: never attached again from the store (its removal there is asynchronous).
     std::set<std::string> shut_down_here_;
+    // Attached from the store, started by another gateway: at this gateway's exit they are let go, not
+    // stopped.
+    std::set<std::string> attached_from_others_;
     bool stopping_ = false;
     MetricsRegistry::SamplerHandle kernels_by_state_, pool_by_state_, pool_target_;
 };

@@ -173,6 +173,9 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     boost::asio::steady_timer deadline_timer_;
     boost::asio::steady_timer lease_timer_;
     bool holds_execute_lease_ = false;
+    // The kernel this gateway let go of (disconnect): on a shared store the session stays on it if it runs
+    // on.
+    std::string let_go_kernel_id_;
     std::uint64_t next_ticket_ = 1;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
