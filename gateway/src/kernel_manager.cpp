@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/time_format.hpp"
 
 extern char** environ;
 
@@ -281,6 +282,7 @@ void KernelManager::persist(const Kernel& kernel) {
     });
     KernelRecord record = kernel.record(pooled);
     record.owner = owner_;
+    record.last_activity = format_iso8601_utc(kernel.last_activity());
     writer_.submit([record = std::move(record)](SessionStore& store) { store.put_kernel(record); });
 }
 
@@ -314,6 +316,8 @@ void KernelManager::schedule_housekeeping() {
         if (error)
             return;
         flush_progress();
+        if (writer_.store().shared() && config_.cull_idle_timeout > 0)
+            share_activity();
         const auto now = std::chrono::steady_clock::now();
         if (config_.orphan_timeout > 0 && now >= next_lease_renewal_) {
             for (const auto& kernel : live_kernels())
@@ -656,7 +660,76 @@ void KernelManager::schedule_cull() {
     });
 }
 
+void KernelManager::share_activity() {
+    const auto now = std::chrono::system_clock::now();
+    std::erase_if(activity_shared_, [this](const auto& entry) { return !kernels_.contains(entry.first); });
+    for (const auto& [id, kernel] : kernels_) {
+        auto active = kernel->last_activity();
+        // Kept in use by what the cull rules spare (connected clients, running code): recorded as active now.
+        if ((kernel->connections() > 0 && !config_.cull_connected) ||
+            (kernel->state() == KernelState::busy && !config_.cull_busy))
+            active = now;
+        auto& shared = activity_shared_[id];
+        if (active - shared < std::chrono::seconds(1))
+            continue;
+        shared = active;
+        writer_.submit([id, when = format_iso8601_utc(active)](SessionStore& store) {
+            store.set_kernel_activity(id, when);
+        });
+    }
+}
+
+void KernelManager::cull_shared() {
+    for (const auto& [id, kernel] : kernels_)
+        kernel->expire_detached_sessions();
+    if (!cull_leader_) {
+        try {
+            cull_leader_ = writer_.store().try_lease("cull-leader");
+        } catch (const std::exception& error) {
+            logger_.error("store_read_failed", {{"lease", "cull-leader"}, {"error", error.what()}});
+        }
+        if (!cull_leader_)
+            return;
+        logger_.info("cull_leader", {{"owner", owner_}});
+    }
+    const auto now = std::chrono::system_clock::now();
+    const auto idle_limit =
+        std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));
+    std::vector<KernelRecord> records;
+    try {
+        records = writer_.store().kernels();
+    } catch (const std::exception& error) {
+        logger_.error("store_read_failed", {{"error", error.what()}});
+        return;
+    }
+    for (const KernelRecord& record : records) {
+        if (record.pooled || shut_down_here_.contains(record.id))
+            continue;
+        auto active = parse_iso8601_utc(record.last_activity).value_or(now);  // unknown: not idle
+        if (auto held = find(record.id)) {
+            if (held->connections() > 0 && !config_.cull_connected)
+                continue;
+            if (held->state() == KernelState::busy && !config_.cull_busy)
+                continue;
+            active = std::max(active, held->last_activity());
+        }
+        if (now - active < idle_limit)
+            continue;
+        auto kernel = find_or_attach(record.id);
+        if (!kernel)
+            continue;  // not running: its own gateway forgets it
+        const auto idle_seconds = std::chrono::duration_cast<std::chrono::seconds>(now - active).count();
+        logger_.info("kernel_culled", {{"kernel_id", record.id}, {"idle_seconds", idle_seconds}});
+        kernel->notify_clients("[cellblock-gateway] kernel " + record.id + " is being shut down after " +
+                               std::to_string(idle_seconds) + " s of inactivity (cull_idle_timeout)\n");
+        shutdown_kernel(record.id,
+                        "kernel culled after " + std::to_string(idle_seconds) + " s of inactivity");
+    }
+}
+
 void KernelManager::cull() {
+    if (writer_.store().shared())
+        return cull_shared();
     const auto now = std::chrono::system_clock::now();
     const auto idle_limit =
         std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));

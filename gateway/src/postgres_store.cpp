@@ -157,6 +157,14 @@ class PostgresStore final : public SessionStore {
             run(c, "UPDATE kernels SET last_iopub_id = $2 WHERE id = $1", {kernel_id, last_iopub_id});
         });
     }
+    void set_kernel_activity(const std::string& kernel_id, const std::string& last_activity) override {
+        with_connection([&](PGconn* c) {
+            run(c,
+                "UPDATE kernels SET extra = jsonb_set(extra, '{last_activity}', to_jsonb($2::text)) WHERE id "
+                "= $1",
+                {kernel_id, last_activity});
+        });
+    }
     std::vector<KernelRecord> kernels() override { return kernel_rows("ORDER BY created", {}); }
     std::optional<KernelRecord> kernel(const std::string& kernel_id) override {
         auto found = kernel_rows("WHERE id = $1", {kernel_id});

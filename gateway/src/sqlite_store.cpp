@@ -240,6 +240,14 @@ class SqliteStore final : public SessionStore {
             .bind(2, last_iopub_id)
             .run();
     }
+    void set_kernel_activity(const std::string& kernel_id, const std::string& last_activity) override {
+        std::lock_guard lock(mutex_);
+        Statement(database_.get(),
+                  "UPDATE kernels SET extra = json_set(extra, '$.last_activity', ?2) WHERE id = ?1")
+            .bind(1, kernel_id)
+            .bind(2, last_activity)
+            .run();
+    }
     std::vector<KernelRecord> kernels() override { return kernel_rows("ORDER BY created", {}); }
     std::optional<KernelRecord> kernel(const std::string& kernel_id) override {
         auto found = kernel_rows("WHERE id = ?1", {kernel_id});

@@ -66,18 +66,19 @@ def postgres():
 
 
 @pytest.fixture
-def pair(postgres, tmp_path):
-    """Gateways A and B over the shared store; kernels outlive a killed gateway (as in production)."""
+def start_pair(postgres, tmp_path):
+    """Starts gateways A and B over the shared store (with extra arguments); kernels outlive a killed gateway (as
+    in production)."""
     gateways = []
 
-    def start(name):
+    def start(name, extra):
         gateway = AgentGateway(tmp_path / f"state-{name}", tmp_path / f"{name}.log", "--store", postgres.url,
-                               "--warm-pool", "0", keep_kernels=True)
+                               "--warm-pool", "0", *extra, keep_kernels=True)
         gateways.append(gateway)
         return gateway
 
     try:
-        yield start("a"), start("b")
+        yield lambda *extra: (start("a", extra), start("b", extra))
     finally:
         for gateway in gateways:
             gateway.stop()
@@ -116,6 +117,11 @@ def kernel_processes(kernel_id: str) -> list:
         except OSError:
             continue
     return found
+
+
+@pytest.fixture
+def pair(start_pair):
+    return start_pair()
 
 
 def result_text(answer: dict) -> str:
@@ -304,3 +310,30 @@ def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(pair):
         (m["msg_type"], m["content"]) for m in replies]
     for kernel in (session_kernel, jupyter_kernel):
         assert len(kernel_processes(kernel)) == 1, kernel
+
+
+def test_culling_happens_once_from_the_activity_of_every_gateway(start_pair):
+    """Culling after 4 idle seconds on both gateways: a kernel started through A and kept in use through B only is not
+    culled (A alone would see it idle); once nobody uses it, exactly one gateway culls it."""
+    a, b = start_pair("--cull-idle-timeout", "4", "--cull-interval", "0.5", "--log-level", "info")
+    created = a.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert created.status_code == 201, created.text
+    kernel_id = created.json()["id"]
+    for _ in range(8):  # 8 s of use through B, one short WebSocket at a time
+        channels = Channels(b, kernel_id)
+        assert any(m["msg_type"] == "execute_result" for m in channels.execute("1 + 1"))
+        channels.close()
+        time.sleep(1)
+    assert kernel_processes(kernel_id), "culled while in use through the other gateway"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and kernel_processes(kernel_id):
+        time.sleep(0.5)
+    assert not kernel_processes(kernel_id), "an idle kernel was not culled"
+    culls = [gateway for gateway in (a, b)
+             if f'"kernel_culled"' in gateway.log_path.read_text() and kernel_id in gateway.log_path.read_text()]
+    logs = [line for gateway in (a, b) for line in gateway.log_path.read_text().splitlines()
+            if "kernel_culled" in line and kernel_id in line]
+    assert len(logs) == 1, logs
+    assert len(culls) == 1
+    assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+    assert b.request("GET", f"/api/kernels/{kernel_id}").status_code == 404

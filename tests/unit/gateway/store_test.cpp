@@ -82,6 +82,7 @@ TEST_P(StoreContract, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
         store->put_kernel(kernel);
         store->put_kernel(sample_kernel("k2"));
         store->set_kernel_progress("k1", "msg-7");
+        store->set_kernel_activity("k1", "2026-12-01T10:05:00.000000Z");
         store->put_agent_session({{"id", "s1"}, {"name", "alpha"}, {"kernel_id", "k1"}});
         store->put_agent_session({{"id", "s1"}, {"name", "alpha"}, {"kernel_id", "k2"}});
         store->append_cell("s1", {{"source", "x = 1"}});
@@ -106,6 +107,7 @@ TEST_P(StoreContract, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
     EXPECT_EQ(k1->environment.value("PATH", ""), "/usr/bin");
     EXPECT_EQ(k1->process, *ProcessIdentity::of(::getpid()));
     EXPECT_EQ(k1->owner, "host:/state/a");
+    EXPECT_EQ(k1->last_activity, "2026-12-01T10:05:00.000000Z");
     EXPECT_EQ(store->kernel("k2")->owner, "");
     EXPECT_FALSE(store->kernel("k3").has_value());
     ASSERT_EQ(store->agent_sessions().size(), 1u);

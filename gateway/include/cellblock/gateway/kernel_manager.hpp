@@ -96,6 +96,10 @@ class KernelManager {
     void refill_pool();
     void schedule_cull();
     void cull();
+    // Shared store: only the gateway holding the cull-leader lease culls, over every kernel in the store,
+    // from the activity all gateways record there (share_activity, with the housekeeping).
+    void cull_shared();
+    void share_activity();
     void adopt(const std::shared_ptr<Kernel>& kernel);
     void readopt_recorded_kernels();
     // A Kernel for `record`'s running process, re-adopted (probe and record fetch); pooled or handed out.
@@ -140,6 +144,8 @@ class KernelManager {
     // Attached from the store, started by another gateway: at this gateway's exit they are let go, not
     // stopped.
     std::set<std::string> attached_from_others_;
+    std::map<std::string, std::chrono::system_clock::time_point> activity_shared_;  // last written, by kernel
+    bool cull_leader_ = false;
     bool stopping_ = false;
     MetricsRegistry::SamplerHandle kernels_by_state_, pool_by_state_, pool_target_;
 };

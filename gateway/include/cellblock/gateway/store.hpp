@@ -51,18 +51,22 @@ struct KernelRecord {
     // The gateway that started the kernel and re-adopts it after its own restart ("host:state dir"); other
     // gateways on a shared store attach it on demand. Empty in records of gateways before the shared store.
     std::string owner;
+    // When a client last used the kernel through any gateway (ISO 8601; shared stores: culling is decided
+    // from it by one gateway, the cull leader). Empty = unknown.
+    std::string last_activity;
 };
 
 // Fields of KernelRecord kept in the stores' `extra` JSON column, so that adding one needs no schema
 // migration: write it in `kernel_record_extra`, read it in `read_kernel_record_extra` (both stores use
 // these).
 inline nlohmann::json kernel_record_extra(const KernelRecord& kernel) {
-    return {{"owner", kernel.owner}};
+    return {{"owner", kernel.owner}, {"last_activity", kernel.last_activity}};
 }
 inline void read_kernel_record_extra(const nlohmann::json& extra, KernelRecord& kernel) {
     if (!extra.is_object())
         return;
     kernel.owner = extra.value("owner", std::string());
+    kernel.last_activity = extra.value("last_activity", std::string());
 }
 
 struct AuditQuery {
@@ -93,6 +97,8 @@ class SessionStore {
     virtual void set_kernel_progress(const std::string& kernel_id, const std::string& last_iopub_id) = 0;
     virtual std::vector<KernelRecord> kernels() = 0;
     virtual std::optional<KernelRecord> kernel(const std::string& kernel_id) = 0;
+    // Sets the record's last_activity (only this field).
+    virtual void set_kernel_activity(const std::string& kernel_id, const std::string& last_activity) = 0;
 
     // /api/sessions models, keyed by session id.
     virtual void put_jupyter_session(const std::string& id, const nlohmann::json& model) = 0;
