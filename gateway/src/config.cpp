@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <stdexcept>
 
 namespace cellblock::gateway {
@@ -106,6 +107,7 @@ void GatewayConfig::merge_json(const json& j) {
                                                    "runtime_dir",
                                                    "workspace_root",
                                                    "state_dir",
+                                                   "store",
                                                    "orphan_timeout",
                                                    "shutdown_kernels_on_exit",
                                                    "log_level",
@@ -174,6 +176,7 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "runtime_dir", runtime_dir);
     take(j, "workspace_root", workspace_root);
     take(j, "state_dir", state_dir);
+    take(j, "store", store);
     take(j, "orphan_timeout", orphan_timeout);
     take(j, "shutdown_kernels_on_exit", shutdown_kernels_on_exit);
     take(j, "log_level", log_level);
@@ -253,6 +256,7 @@ void GatewayConfig::merge_environment(
     text("CELLBLOCK_GATEWAY_RUNTIME_DIR", runtime_dir);
     text("CELLBLOCK_GATEWAY_WORKSPACE_ROOT", workspace_root);
     text("CELLBLOCK_GATEWAY_STATE_DIR", state_dir);
+    text("CELLBLOCK_GATEWAY_STORE", store);
     number("CELLBLOCK_GATEWAY_ORPHAN_TIMEOUT", orphan_timeout);
     boolean("CELLBLOCK_GATEWAY_SHUTDOWN_KERNELS_ON_EXIT", shutdown_kernels_on_exit);
     text("CELLBLOCK_GATEWAY_LOG_LEVEL", log_level);
@@ -289,6 +293,10 @@ json GatewayConfig::to_json() const {
               {"max_unauthenticated_per_address", max_unauthenticated_per_address},
               {"fd_reserve", fd_reserve},
               {"state_dir", state_dir},
+              // The password (if the URL holds one) is not printed.
+              {"store", store.empty()
+                            ? std::string("sqlite")
+                            : std::regex_replace(store, std::regex(R"(://([^:/@]*):[^@/]*@)"), "://$1:***@")},
               {"orphan_timeout", orphan_timeout},
               {"shutdown_kernels_on_exit", shutdown_kernels_on_exit},
               {"provisioner", provisioner},

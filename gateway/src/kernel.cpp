@@ -876,7 +876,7 @@ void Kernel::on_process_exit(InstanceExit exit) {
         broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
         return;
     }
-    if (config_.autorestart && restarts_ < config_.restart_limit) {
+    if (config_.autorestart && restarts_ < config_.restart_limit && (!may_restart_ || may_restart_(*this))) {
         ++restarts_;
         state_ = KernelState::restarting;
         broadcast(

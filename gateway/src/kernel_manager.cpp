@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/asio/post.hpp>
 #include <cstdlib>
 #include <fstream>
 #include <system_error>
 
 #include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/time_format.hpp"
 
 extern char** environ;
 
@@ -59,6 +61,10 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       housekeeping_timer_(io) {
     provisioners_["local"] = make_local_provisioner(io);
     provisioners_["slurm"] = make_slurm_provisioner(io, zmq_context_, logger, config);
+    std::array<char, 256> host{};
+    if (::gethostname(host.data(), host.size() - 1) != 0)
+        host = {};
+    owner_ = std::string(host.data()) + ":" + config.state_dir;
     kernels_by_state_ = metrics.registry.sampled_gauge(
         "cellblock_kernels",
         "Kernels handed out (listed in /api/kernels; warm-pool kernels excluded) by state.", "state", [this] {
@@ -111,6 +117,9 @@ void KernelManager::start() {
 
 void KernelManager::readopt_recorded_kernels() {
     for (const KernelRecord& record : writer_.store().kernels()) {
+        // Another gateway's kernel (a shared store): it is attached on demand, never taken at start.
+        if (!record.owner.empty() && record.owner != owner_)
+            continue;
         auto spec = registry_.find(record.spec_name);
         if (!spec) {
             forget_lost_kernel(record, "its kernelspec " + record.spec_name + " is no longer installed");
@@ -129,48 +138,132 @@ void KernelManager::readopt_recorded_kernels() {
             forget_lost_kernel(record, cause);
             continue;
         }
-        KernelLaunch launch;
-        launch.id = record.id;
-        launch.spec = *spec;
-        launch.runtime_dir = runtime_dir_;
-        launch.workspace_dir = record.workspace_dir;
-        auto provisioner = provisioners_.find(provisioner_name);
-        if (provisioner == provisioners_.end()) {
+        if (!provisioners_.contains(provisioner_name)) {
             forget_lost_kernel(record, "its provisioner " + provisioner_name + " is unknown to this gateway");
             continue;
         }
-        launch.provisioner = provisioner->second;
-        for (const auto& [name, value] : record.environment.items())
-            if (value.is_string())
-                launch.environment[name] = value.get<std::string>();
-        launch.key = record.key;
-        launch.endpoint_base = record.endpoint_base;
-        launch.created = record.created;
-        launch.last_iopub_id = record.last_iopub_id;
-        auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
-        every_kernel_.push_back(kernel);
-        watch_kernel(*kernel);
-        if (record.pooled)
-            pool_.push_back(kernel);
-        else
-            adopt(kernel);
-        std::weak_ptr<Kernel> weak = kernel;
-        kernel->adopt(record, [this, weak, record](std::optional<std::string> error) {
-            if (!error)
-                return;
-            auto failed = weak.lock();
-            logger_.warn("kernel_readoption_failed", {{"kernel_id", record.id}, {"error", *error}});
-            lost_causes_[record.id] = *error;
-            if (!failed)
-                return;
-            std::erase(pool_, failed);
-            kernels_.erase(record.id);
-            failed->shutdown("the kernel could not be re-adopted");
-            forget(record.id);
-        });
+        attach_recorded(record, *spec);
     }
     if (!every_kernel_.empty())
         logger_.info("kernels_readopting", {{"count", every_kernel_.size()}});
+}
+
+std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& record, const KernelSpec& spec) {
+    KernelLaunch launch;
+    launch.id = record.id;
+    launch.spec = spec;
+    launch.runtime_dir = runtime_dir_;
+    launch.workspace_dir = record.workspace_dir;
+    launch.provisioner = provisioners_.at(record.provisioner.value("name", std::string("local")));
+    for (const auto& [name, value] : record.environment.items())
+        if (value.is_string())
+            launch.environment[name] = value.get<std::string>();
+    launch.key = record.key;
+    launch.endpoint_base = record.endpoint_base;
+    launch.created = record.created;
+    launch.last_iopub_id = record.last_iopub_id;
+    auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
+    std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
+    every_kernel_.push_back(kernel);
+    watch_kernel(*kernel);
+    if (record.pooled)
+        pool_.push_back(kernel);
+    else
+        adopt(kernel);
+    std::weak_ptr<Kernel> weak = kernel;
+    kernel->adopt(record, [this, weak, id = record.id](std::optional<std::string> error) {
+        if (!error)
+            return;
+        auto failed = weak.lock();
+        logger_.warn("kernel_readoption_failed", {{"kernel_id", id}, {"error", *error}});
+        lost_causes_[id] = *error;
+        if (!failed)
+            return;
+        std::erase(pool_, failed);
+        kernels_.erase(id);
+        failed->shutdown("the kernel could not be re-adopted");
+        forget(id);
+    });
+    return kernel;
+}
+
+std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_id) {
+    auto held = find(kernel_id);
+    if (held && (held->state() != KernelState::dead || !writer_.store().shared()))
+        return held;
+    if (stopping_ || !writer_.store().shared() || shut_down_here_.contains(kernel_id))
+        return held;
+    if (held) {
+        // Dead here: another gateway deleted it (then it is gone) or restarted it (then the store names
+        // the new process, attached below).
+        let_go(held, "the kernel ended through another gateway");
+    }
+    std::optional<KernelRecord> record;
+    try {
+        record = writer_.store().kernel(kernel_id);
+    } catch (const std::exception& error) {
+        logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", error.what()}});
+        return nullptr;
+    }
+    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. Only local kernels are
+    // attached from another gateway: a Slurm job is watched (and cancelled) by the gateway that submitted it.
+    if (!record || record->pooled || record->provisioner.value("name", std::string("local")) != "local" ||
+        !record->process.alive())
+        return nullptr;
+    auto spec = registry_.find(record->spec_name);
+    if (!spec)
+        return nullptr;
+    logger_.info("kernel_attached_from_store", {{"kernel_id", kernel_id}, {"owner", record->owner}});
+    if (record->owner != owner_)
+        attached_from_others_.insert(kernel_id);
+    return attach_recorded(*record, *spec);
+}
+
+void KernelManager::restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel::ReadyHandler on_ready) {
+    if (!writer_.store().shared())
+        return kernel->restart(std::move(on_ready));
+    const std::string lease = "kernel-restart:" + kernel->id();
+    bool held = false;
+    try {
+        held = writer_.store().try_lease(lease);
+    } catch (const std::exception& error) {
+        logger_.error("store_read_failed", {{"kernel_id", kernel->id()}, {"error", error.what()}});
+    }
+    if (!held)
+        return on_ready(std::string("the kernel is being restarted through another gateway"));
+    kernel->restart([this, lease, on_ready = std::move(on_ready)](std::optional<std::string> error) {
+        // The new process is recorded (persisted at spawn) before another gateway may restart it.
+        writer_.after_pending([this, lease] { release_lease(lease); });
+        on_ready(std::move(error));
+    });
+}
+
+void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason) {
+    if (auto found = kernels_.find(kernel->id()); found != kernels_.end() && found->second == kernel)
+        kernels_.erase(found);
+    std::erase(pool_, kernel);
+    kernel->shutdown(reason);  // disconnects its clients; its process is gone or not ours
+    kernel->release();         // keeps the files the live process (or its gateway) uses
+}
+
+void KernelManager::release_lease(const std::string& lease) {
+    try {
+        writer_.store().release_lease(lease);
+    } catch (const std::exception& error) {
+        logger_.error("store_write_failed", {{"lease", lease}, {"error", error.what()}});
+    }
+}
+
+bool KernelManager::known(const std::string& kernel_id) const {
+    if (find(kernel_id))
+        return true;
+    if (!writer_.store().shared() || shut_down_here_.contains(kernel_id))
+        return false;
+    try {
+        return writer_.store().kernel(kernel_id).has_value();
+    } catch (const std::exception&) {
+        return true;  // unknown: a session is not dropped because the store did not answer
+    }
 }
 
 void KernelManager::forget_lost_kernel(const KernelRecord& record, const std::string& cause) {
@@ -197,7 +290,10 @@ void KernelManager::persist(const Kernel& kernel) {
     const bool pooled = std::any_of(pool_.begin(), pool_.end(), [&kernel](const auto& pooled_kernel) {
         return pooled_kernel.get() == &kernel;
     });
-    writer_.submit([record = kernel.record(pooled)](SessionStore& store) { store.put_kernel(record); });
+    KernelRecord record = kernel.record(pooled);
+    record.owner = owner_;
+    record.last_activity = format_iso8601_utc(kernel.last_activity());
+    writer_.submit([record = std::move(record)](SessionStore& store) { store.put_kernel(record); });
 }
 
 void KernelManager::forget(const std::string& kernel_id) {
@@ -230,6 +326,8 @@ void KernelManager::schedule_housekeeping() {
         if (error)
             return;
         flush_progress();
+        if (writer_.store().shared() && config_.cull_idle_timeout > 0)
+            share_activity();
         const auto now = std::chrono::steady_clock::now();
         if (config_.orphan_timeout > 0 && now >= next_lease_renewal_) {
             for (const auto& kernel : live_kernels())
@@ -315,6 +413,39 @@ std::shared_ptr<Provisioner> KernelManager::provisioner_for(const KernelSpec& sp
 
 void KernelManager::watch_kernel(Kernel& kernel) {
     kernel.on_spawned([this](const Kernel& spawned) { persist(spawned); });
+    if (writer_.store().shared())
+        kernel.on_unexpected_exit([this](const Kernel& died) {
+            // Being restarted through another gateway (its restart lease is taken), deleted through one (its
+            // record is gone) or restarted by one already (the record names another process): restarting it
+            // here would run it twice or resurrect it. Such a kernel stays dead here; the next request for
+            // it attaches what the store records (find_or_attach).
+            const std::string lease = "kernel-restart:" + died.id();
+            auto let_go_later = [this, &died](const char* why) {
+                logger_.info("kernel_ended_elsewhere", {{"kernel_id", died.id()}, {"why", why}});
+                boost::asio::post(io_, [this, id = died.id(), why] {
+                    if (auto held = find(id); held && held->state() == KernelState::dead)
+                        let_go(held, why);
+                });
+                return false;
+            };
+            try {
+                if (!writer_.store().try_lease(lease))
+                    return let_go_later("restarted through another gateway");
+                auto record = writer_.store().kernel(died.id());
+                if (!record || record->process != died.record(false).process) {
+                    writer_.store().release_lease(lease);
+                    return let_go_later(record ? "restarted through another gateway"
+                                               : "deleted through another gateway");
+                }
+            } catch (const std::exception& error) {
+                logger_.error("store_read_failed", {{"kernel_id", died.id()}, {"error", error.what()}});
+                return false;
+            }
+            // Held until the new process is recorded: the respawn (right after this returns) queues it.
+            boost::asio::post(
+                io_, [this, lease] { writer_.after_pending([this, lease] { release_lease(lease); }); });
+            return true;
+        });
     kernel.on_launch_failed(
         [&metrics = metrics_](std::string_view cause) { metrics.count_launch_failure(cause); });
 }
@@ -476,6 +607,7 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
         return false;
     auto kernel = found->second;
     kernels_.erase(found);
+    shut_down_here_.insert(kernel_id);
     kernel->shutdown(reason);
     forget(kernel_id);
     return true;
@@ -517,7 +649,14 @@ void KernelManager::shutdown_all() {
     housekeeping_timer_.cancel();
     // Taken before the pool lets go of its kernels: a pooled kernel is stopped and forgotten like the others
     // (dropped first, it would die in its destructor and stay recorded in the store).
-    const auto all = live_kernels();
+    auto all = live_kernels();
+    // Other gateways' kernels held here keep running for them.
+    std::erase_if(all, [this](const std::shared_ptr<Kernel>& kernel) {
+        if (!attached_from_others_.contains(kernel->id()) || shut_down_here_.contains(kernel->id()))
+            return false;
+        kernel->release();
+        return true;
+    });
     pool_.clear();
     kernels_.clear();
     for (const auto& kernel : all) {
@@ -547,7 +686,76 @@ void KernelManager::schedule_cull() {
     });
 }
 
+void KernelManager::share_activity() {
+    const auto now = std::chrono::system_clock::now();
+    std::erase_if(activity_shared_, [this](const auto& entry) { return !kernels_.contains(entry.first); });
+    for (const auto& [id, kernel] : kernels_) {
+        auto active = kernel->last_activity();
+        // Kept in use by what the cull rules spare (connected clients, running code): recorded as active now.
+        if ((kernel->connections() > 0 && !config_.cull_connected) ||
+            (kernel->state() == KernelState::busy && !config_.cull_busy))
+            active = now;
+        auto& shared = activity_shared_[id];
+        if (active - shared < std::chrono::seconds(1))
+            continue;
+        shared = active;
+        writer_.submit([id, when = format_iso8601_utc(active)](SessionStore& store) {
+            store.set_kernel_activity(id, when);
+        });
+    }
+}
+
+void KernelManager::cull_shared() {
+    for (const auto& [id, kernel] : kernels_)
+        kernel->expire_detached_sessions();
+    if (!cull_leader_) {
+        try {
+            cull_leader_ = writer_.store().try_lease("cull-leader");
+        } catch (const std::exception& error) {
+            logger_.error("store_read_failed", {{"lease", "cull-leader"}, {"error", error.what()}});
+        }
+        if (!cull_leader_)
+            return;
+        logger_.info("cull_leader", {{"owner", owner_}});
+    }
+    const auto now = std::chrono::system_clock::now();
+    const auto idle_limit =
+        std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));
+    std::vector<KernelRecord> records;
+    try {
+        records = writer_.store().kernels();
+    } catch (const std::exception& error) {
+        logger_.error("store_read_failed", {{"error", error.what()}});
+        return;
+    }
+    for (const KernelRecord& record : records) {
+        if (record.pooled || shut_down_here_.contains(record.id))
+            continue;
+        auto active = parse_iso8601_utc(record.last_activity).value_or(now);  // unknown: not idle
+        if (auto held = find(record.id)) {
+            if (held->connections() > 0 && !config_.cull_connected)
+                continue;
+            if (held->state() == KernelState::busy && !config_.cull_busy)
+                continue;
+            active = std::max(active, held->last_activity());
+        }
+        if (now - active < idle_limit)
+            continue;
+        auto kernel = find_or_attach(record.id);
+        if (!kernel)
+            continue;  // not running: its own gateway forgets it
+        const auto idle_seconds = std::chrono::duration_cast<std::chrono::seconds>(now - active).count();
+        logger_.info("kernel_culled", {{"kernel_id", record.id}, {"idle_seconds", idle_seconds}});
+        kernel->notify_clients("[cellblock-gateway] kernel " + record.id + " is being shut down after " +
+                               std::to_string(idle_seconds) + " s of inactivity (cull_idle_timeout)\n");
+        shutdown_kernel(record.id,
+                        "kernel culled after " + std::to_string(idle_seconds) + " s of inactivity");
+    }
+}
+
 void KernelManager::cull() {
+    if (writer_.store().shared())
+        return cull_shared();
     const auto now = std::chrono::system_clock::now();
     const auto idle_limit =
         std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));

@@ -37,7 +37,7 @@ bool same_file(int first_fd, int second_fd) {
 
 struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
-        runtime_dir, workspace_root, state_dir, log_level, default_kernel_name, provisioner,
+        runtime_dir, workspace_root, state_dir, store, log_level, default_kernel_name, provisioner,
         launch_registry_ip, slurm_partition, slurm_account, slurm_qos, slurm_constraint;
     std::optional<int> port, warm_pool, max_kernels;
     std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout;
@@ -66,6 +66,7 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.runtime_dir, config.runtime_dir);
     set(cli.workspace_root, config.workspace_root);
     set(cli.state_dir, config.state_dir);
+    set(cli.store, config.store);
     set(cli.orphan_timeout, config.orphan_timeout);
     set(cli.header_timeout, config.header_timeout);
     set(cli.max_unauthenticated_connections, config.max_unauthenticated_connections);
@@ -144,6 +145,9 @@ int main(int argc, char** argv) {
         "--state-dir", cli.state_dir,
         "the store, kernels' sockets and workspaces; kernels survive a gateway restart on the same "
         "one (default $XDG_STATE_HOME/cellblock or ~/.local/state/cellblock)");
+    app.add_option("--store", cli.store,
+                   "the session store: empty = SQLite in the state directory (default); postgresql://... = "
+                   "a PostgreSQL store shared by several gateways (CELLBLOCK_GATEWAY_STORE)");
     app.add_option(
            "--orphan-timeout", cli.orphan_timeout,
            "seconds a kernel keeps running without a gateway before it stops itself (default 600; 0 = "
@@ -240,7 +244,8 @@ int main(int argc, char** argv) {
             throw std::runtime_error("runtime directory path " + config.runtime_dir +
                                      " is too long for ipc sockets (at most 85 characters): choose a shorter "
                                      "--state-dir or --runtime-dir");
-        store = open_sqlite_store(state->store_file());
+        store =
+            config.store.empty() ? open_sqlite_store(state->store_file()) : open_postgres_store(config.store);
     } catch (const std::exception& error) {
         logger.error("cannot_start", {{"error", error.what()}});
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
@@ -270,8 +275,7 @@ int main(int argc, char** argv) {
         HttpServer server(io, logger, config, router, auth, cors, metrics);
         const std::uint16_t port = server.listen(config.ip, config.port);
         kernels.start();
-        sessions.load(
-            [&kernels](const std::string& kernel_id) { return kernels.find(kernel_id) != nullptr; });
+        sessions.load([&kernels](const std::string& kernel_id) { return kernels.known(kernel_id); });
         agent_service.start();
 
         // SIGTERM (a service manager's stop or restart, an upgrade) leaves the kernels running for the next

@@ -37,7 +37,7 @@ HttpResponse kernel_not_found(const std::string& id) {
 std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string& id) {
     if (!looks_like_kernel_id(id))
         return nullptr;
-    return services.kernels.find(id);
+    return services.kernels.find_or_attach(id);
 }
 
 HttpResponse created(const json& model, const std::string& location) {
@@ -225,7 +225,8 @@ class KernelResource : public RestResource {
     }
     void delete_(RequestContext& context, Responder respond) override {
         const std::string& id = context.param("kernel_id");
-        if (!looks_like_kernel_id(id) || !services_.kernels.shutdown_kernel(id))
+        // Another gateway's kernel (a shared store) is attached first, then shut down like one of ours.
+        if (!find_kernel(services_, id) || !services_.kernels.shutdown_kernel(id))
             return respond(kernel_not_found(id));
         respond(empty_response(http::status::no_content));
     }
@@ -259,7 +260,7 @@ class KernelRestartResource : public RestResource {
         if (!kernel)
             return respond(kernel_not_found(context.param("kernel_id")));
         // Answers once the restarted kernel replied to kernel_info_request, as Jupyter does.
-        kernel->restart([respond, kernel](std::optional<std::string> error) {
+        services_.kernels.restart_kernel(kernel, [respond, kernel](std::optional<std::string> error) {
             if (error) {
                 respond(json_error(http::status::internal_server_error,
                                    "Exception restarting kernel: " + *error));
@@ -351,8 +352,7 @@ json session_model(GatewayServices& services, const JupyterSessionRecord& record
 }
 
 void prune_sessions(GatewayServices& services) {
-    services.sessions.prune(
-        [&services](const std::string& id) { return services.kernels.find(id) != nullptr; });
+    services.sessions.prune([&services](const std::string& id) { return services.kernels.known(id); });
 }
 
 class SessionsResource : public RestResource {

@@ -89,9 +89,9 @@ constexpr std::array<const char*, current_schema_version> migrations = {
     CREATE INDEX audit_by_session ON audit (session, time);
     CREATE INDEX audit_by_event ON audit (event, time);
     )sql",
-    // 2: where a kernel runs (KernelRecord::provisioner), so a Slurm job is re-adopted by its job id.
+    // Fields of KernelRecord added later live in one JSON object (kernel_record_extra).
     R"sql(
-    ALTER TABLE kernels ADD COLUMN provisioner TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE kernels ADD COLUMN extra TEXT NOT NULL DEFAULT '{}';
     )sql"};
 
 struct DatabaseCloser {
@@ -210,7 +210,7 @@ class SqliteStore final : public SessionStore {
         Statement(database_.get(),
                   "INSERT OR REPLACE INTO kernels (id, spec_name, key, endpoint_base, connection_file, "
                   "workspace_dir, log_file, pid, start_ticks, boot_id, pooled, last_iopub_id, created, "
-                  "environment, provisioner) "
+                  "environment, extra) "
                   "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)")
             .bind(1, kernel.id)
             .bind(2, kernel.spec_name)
@@ -226,7 +226,7 @@ class SqliteStore final : public SessionStore {
             .bind(12, kernel.last_iopub_id)
             .bind(13, kernel.created)
             .bind(14, dump(kernel.environment))
-            .bind(15, dump(kernel.provisioner))
+            .bind(15, dump(kernel_record_extra(kernel)))
             .run();
     }
     void remove_kernel(const std::string& kernel_id) override {
@@ -240,39 +240,20 @@ class SqliteStore final : public SessionStore {
             .bind(2, last_iopub_id)
             .run();
     }
-    std::vector<KernelRecord> kernels() override {
+    void set_kernel_activity(const std::string& kernel_id, const std::string& last_activity) override {
         std::lock_guard lock(mutex_);
-        Statement query(database_.get(),
-                        "SELECT id, spec_name, key, endpoint_base, connection_file, workspace_dir, log_file, "
-                        "pid, start_ticks, boot_id, pooled, last_iopub_id, created, environment, provisioner "
-                        "FROM kernels "
-                        "ORDER BY "
-                        "created");
-        std::vector<KernelRecord> found;
-        while (query.step()) {
-            KernelRecord kernel;
-            kernel.id = query.text(0);
-            kernel.spec_name = query.text(1);
-            kernel.key = query.text(2);
-            kernel.endpoint_base = query.text(3);
-            kernel.connection_file = query.text(4);
-            kernel.workspace_dir = query.text(5);
-            kernel.log_file = query.text(6);
-            kernel.process.pid = static_cast<pid_t>(query.integer(7));
-            kernel.process.start_ticks = static_cast<std::uint64_t>(query.integer(8));
-            kernel.process.boot_id = query.text(9);
-            kernel.pooled = query.integer(10) != 0;
-            kernel.last_iopub_id = query.text(11);
-            kernel.created = query.text(12);
-            kernel.environment = json::parse(query.text(13), nullptr, false);
-            if (!kernel.environment.is_object())
-                kernel.environment = json::object();
-            kernel.provisioner = json::parse(query.text(14), nullptr, false);
-            if (!kernel.provisioner.is_object())
-                kernel.provisioner = json::object();
-            found.push_back(std::move(kernel));
-        }
-        return found;
+        Statement(database_.get(),
+                  "UPDATE kernels SET extra = json_set(extra, '$.last_activity', ?2) WHERE id = ?1")
+            .bind(1, kernel_id)
+            .bind(2, last_activity)
+            .run();
+    }
+    std::vector<KernelRecord> kernels() override { return kernel_rows("ORDER BY created", {}); }
+    std::optional<KernelRecord> kernel(const std::string& kernel_id) override {
+        auto found = kernel_rows("WHERE id = ?1", {kernel_id});
+        if (found.empty())
+            return std::nullopt;
+        return std::move(found.front());
     }
 
     void put_jupyter_session(const std::string& id, const json& model) override {
@@ -299,6 +280,12 @@ class SqliteStore final : public SessionStore {
     }
     std::vector<json> agent_sessions() override {
         return json_column("SELECT record FROM agent_sessions ORDER BY rowid", {});
+    }
+    std::optional<json> agent_session(const std::string& id) override {
+        auto found = json_column("SELECT record FROM agent_sessions WHERE id = ?1", {id});
+        if (found.empty())
+            return std::nullopt;
+        return std::move(found.front());
     }
     void append_cell(const std::string& session, const json& cell) override {
         std::lock_guard lock(mutex_);
@@ -391,7 +378,47 @@ class SqliteStore final : public SessionStore {
         }
     }
 
+    bool shared() const override { return false; }
+    // One gateway per state directory (its flock): every lease is this gateway's.
+    bool try_lease(const std::string&) override { return true; }
+    void release_lease(const std::string&) override {}
+
   private:
+    std::vector<KernelRecord> kernel_rows(const std::string& condition,
+                                          const std::vector<std::string>& parameters) {
+        std::lock_guard lock(mutex_);
+        Statement query(
+            database_.get(),
+            "SELECT id, spec_name, key, endpoint_base, connection_file, workspace_dir, log_file, "
+            "pid, start_ticks, boot_id, pooled, last_iopub_id, created, environment, extra FROM kernels " +
+                condition);
+        for (std::size_t i = 0; i < parameters.size(); ++i)
+            query.bind(static_cast<int>(i + 1), parameters[i]);
+        std::vector<KernelRecord> found;
+        while (query.step()) {
+            KernelRecord kernel;
+            kernel.id = query.text(0);
+            kernel.spec_name = query.text(1);
+            kernel.key = query.text(2);
+            kernel.endpoint_base = query.text(3);
+            kernel.connection_file = query.text(4);
+            kernel.workspace_dir = query.text(5);
+            kernel.log_file = query.text(6);
+            kernel.process.pid = static_cast<pid_t>(query.integer(7));
+            kernel.process.start_ticks = static_cast<std::uint64_t>(query.integer(8));
+            kernel.process.boot_id = query.text(9);
+            kernel.pooled = query.integer(10) != 0;
+            kernel.last_iopub_id = query.text(11);
+            kernel.created = query.text(12);
+            kernel.environment = json::parse(query.text(13), nullptr, false);
+            if (!kernel.environment.is_object())
+                kernel.environment = json::object();
+            read_kernel_record_extra(json::parse(query.text(14), nullptr, false), kernel);
+            found.push_back(std::move(kernel));
+        }
+        return found;
+    }
+
     static std::string dump(const json& value) {
         return value.dump(-1, ' ', false, json::error_handler_t::replace);
     }

@@ -10,7 +10,7 @@ want_test_tools=0
 build_packages=(
   build-essential cmake pkg-config git
   xeus-dev libzmq3-dev cppzmq-dev nlohmann-json3-dev libssl-dev uuid-dev xtl-dev
-  libseccomp-dev libboost1.74-dev libcli11-dev libsqlite3-dev
+  libseccomp-dev libboost1.74-dev libcli11-dev libsqlite3-dev libpq-dev
   libgtest-dev googletest
 )
 runtime_packages=(
@@ -22,6 +22,7 @@ test_packages=(
   python3-websocket python3-requests python3-tornado
   chromium iproute2 procps psmisc
   slurmctld slurmd slurm-client  # a real Slurm cluster (auth/none, no munged) for kernels as jobs (tests/cluster)
+  postgresql  # the shared store's tests start their own server (initdb/pg_ctl in a temporary directory)
   prometheus  # a real Prometheus server scrapes the gateway's /metrics (tests/gateway/test_metrics.py); promtool
   clang-16 libclang-rt-16-dev llvm-16  # the ASan+UBSan build and the libFuzzer targets (tests/fuzz)
 )

@@ -130,8 +130,8 @@ class SessionResource : public AgentResource {
     }
     void delete_(RequestContext& context, Responder respond) override {
         translated(respond, [&] {
-            operations_.delete_session(session(context), caller_of(context), "deleted through the agent API");
-            respond(empty_response(http::status::no_content));
+            operations_.delete_session(session(context), caller_of(context), "deleted through the agent API",
+                                       [respond] { respond(empty_response(http::status::no_content)); });
         });
     }
 };
@@ -394,7 +394,8 @@ class AuditResource : public AgentResource {
 AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
     : gateway_(gateway),
       config_(config),
-      session_services_{gateway.io, gateway.logger, gateway.kernels, config_, gateway.writer, gateway.metrics},
+      session_services_{gateway.io, gateway.logger, gateway.kernels,
+                        config_,    gateway.writer, gateway.metrics},
       registry_(session_services_),
       operations_(session_services_, registry_) {}
 

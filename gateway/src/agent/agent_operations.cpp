@@ -173,8 +173,9 @@ std::vector<AgentOperations::SessionPtr> AgentOperations::sessions() const {
 }
 
 void AgentOperations::delete_session(const SessionPtr& session, const Caller& caller,
-                                     const std::string& reason) {
+                                     const std::string& reason, std::function<void()> deleted) {
     registry_.remove(session, reason, caller.address);
+    services_.writer.after_pending(std::move(deleted));
 }
 
 void AgentOperations::reset(const SessionPtr& session, const Caller& caller, Then<SessionPtr> then) {

@@ -52,8 +52,14 @@ AgentSession::AgentSession(AgentSessionServices& services, Record record, std::v
     : services_(services),
       record_(std::move(record)),
       cells_(std::move(cells)),
-      link_session_id_(std::string(KernelClientLink::agent_prefix) + record_.id),
-      deadline_timer_(services.io) {
+      // On a shared store several gateways may hold the session at once, each with its own sockets to the
+      // kernel: a ROUTER ignores a second peer with the same identity, so each gateway's identity differs.
+      link_session_id_(std::string(KernelClientLink::agent_prefix) + record_.id +
+                       (services.writer.store().shared()
+                            ? "." + sha256_hex(services.kernels.owner()).substr(0, 8)
+                            : std::string())),
+      deadline_timer_(services.io),
+      lease_timer_(services.io) {
     had_kernel_ = !cells_.empty();
 }
 
@@ -119,12 +125,24 @@ void AgentSession::ensure_kernel(Done done) {
     if (kernel_ &&
         (kernel_->state() == KernelState::dead || services_.kernels.find(kernel_->id()) != kernel_)) {
         // Deleted through /api/kernels, culled, or dead past its restart limit. A dead kernel still
-        // registered would hold a max_kernels slot and its workspace forever: it goes.
+        // registered would hold a max_kernels slot and its workspace forever: it goes. On a shared store it
+        // may have been restarted through another gateway: then its new process is attached instead.
         auto gone = std::exchange(kernel_, nullptr);
         link_ = nullptr;
-        if (services_.kernels.find(gone->id()) == gone)
+        if (services_.writer.store().shared()) {
+            if (auto again = services_.kernels.find_or_attach(gone->id());
+                again && again != gone && again->state() != KernelState::dead)
+                attach_kernel(again);  // the state is gone: the next answer says so
+        } else if (services_.kernels.find(gone->id()) == gone) {
             services_.kernels.shutdown_kernel(gone->id(), "dead past its restart limit");
+        }
+    } else if (!kernel_ && !let_go_kernel_id_.empty() && services_.writer.store().shared()) {
+        // Let go here because another gateway restarted it: the session stays on it.
+        if (auto again = services_.kernels.find_or_attach(let_go_kernel_id_);
+            again && again->state() != KernelState::dead)
+            attach_kernel(again);
     }
+    let_go_kernel_id_.clear();
     std::weak_ptr<AgentSession> weak = weak_from_this();
     if (kernel_) {
         kernel_wait_ = KernelWait::readying;
@@ -439,21 +457,68 @@ void AgentSession::run_next() {
             });
             return;
         }
-        if (shared_pending->is_reset)
-            self->start_reset(std::move(*shared_pending));
-        else
-            self->start_execute(std::move(*shared_pending));
+        self->with_execute_lease([weak, shared_pending] {
+            auto locked = weak.lock();
+            if (!locked)
+                return;
+            if (locked->closed_ || !locked->kernel_) {
+                locked->running_.reset();
+                locked->release_execute_lease();
+                locked->fail_pending(*shared_pending, locked->closed_ ? "SessionClosed" : "KernelUnavailable",
+                                     locked->closed_ ? "the session was deleted" : "the kernel went away");
+                return locked->run_next();
+            }
+            if (shared_pending->is_reset)
+                locked->start_reset(std::move(*shared_pending));
+            else
+                locked->start_execute(std::move(*shared_pending));
+        });
     });
+}
+
+void AgentSession::with_execute_lease(std::function<void()> then) {
+    if (holds_execute_lease_)
+        return then();
+    bool held = false;
+    try {
+        held = services_.writer.store().try_lease("agent-session:" + record_.id);
+    } catch (const std::exception& error) {
+        services_.logger.error("execute_lease_failed", {{"session", id()}, {"error", error.what()}});
+    }
+    if (held) {
+        holds_execute_lease_ = true;
+        return then();
+    }
+    // Another gateway runs an execute of this session now (or the store did not answer): try again soon.
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    lease_timer_.expires_after(std::chrono::milliseconds(10));
+    lease_timer_.async_wait([weak, then = std::move(then)](const boost::system::error_code& error) mutable {
+        if (error)
+            return;
+        if (auto self = weak.lock())
+            self->with_execute_lease(std::move(then));
+    });
+}
+
+void AgentSession::release_execute_lease() {
+    if (!std::exchange(holds_execute_lease_, false))
+        return;
+    try {
+        services_.writer.store().release_lease("agent-session:" + record_.id);
+    } catch (const std::exception& error) {
+        services_.logger.error("execute_lease_failed", {{"session", id()}, {"error", error.what()}});
+    }
 }
 
 void AgentSession::start_reset(Pending pending) {
     auto shared_pending = std::make_shared<Pending>(std::move(pending));
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    kernel_->restart([weak, shared_pending](std::optional<std::string> error) {
+    services_.kernels.restart_kernel(kernel_, [weak, shared_pending](std::optional<std::string> error) {
         auto self = weak.lock();
         if (!self)
             return;
         self->running_.reset();
+        self->release_execute_lease();
         if (!error) {
             self->cells_.clear();
             self->services_.writer.submit(
@@ -544,7 +609,7 @@ void AgentSession::on_grace_expired() {
     services_.logger.warn("agent_execute_kernel_restart", {{"session", id()}});
     running_->kernel_restarted = true;
     if (kernel_)
-        kernel_->restart([](std::optional<std::string>) {});
+        services_.kernels.restart_kernel(kernel_, [](std::optional<std::string>) {});
     finish_execute();
 }
 
@@ -575,6 +640,8 @@ void AgentSession::deliver(const JupyterMessage& message) {
 }
 
 void AgentSession::disconnect(const std::string& reason) {
+    if (kernel_ && !closed_)
+        let_go_kernel_id_ = kernel_->id();
     kernel_ = nullptr;
     link_ = nullptr;
     if (running_ && running_->collector) {
@@ -588,7 +655,9 @@ void AgentSession::close(const std::string& reason) {
         return;
     closed_ = true;
     deadline_timer_.cancel();
+    lease_timer_.cancel();
     fail_every_waiter("the session was deleted");
+    release_execute_lease();
     if (auto kernel = std::exchange(kernel_, nullptr)) {
         link_ = nullptr;
         services_.kernels.shutdown_kernel(kernel->id(), reason);
@@ -766,6 +835,8 @@ void AgentSession::finish_execute() {
     deadline_timer_.cancel();
     std::unique_ptr<Running> running = std::move(running_);
     json cell_outputs;
+    // The cell is recorded (queued to the store before the lease is let go: the store's writes are ordered
+    // per gateway, and the next holder reads the history only through its own copy).
     json answer = build_answer(*running, cell_outputs);
     count_execute(answer, running->collector->kernel_outcome(), running->interrupted_by_client, true);
     const ExecutionCollector& collected = *running->collector;
@@ -824,6 +895,7 @@ void AgentSession::finish_execute() {
            {"runtime", runtime_info()}});
 
     touch();
+    release_execute_lease();
     if (running->pending.handlers.on_done)
         running->pending.handlers.on_done(std::move(answer));
     std::weak_ptr<AgentSession> weak = weak_from_this();

@@ -60,40 +60,85 @@ void AgentSessionRegistry::load_sessions() {
     for (const json& record : store.agent_sessions()) {
         if (!record.is_object() || record.value("deleted", false))
             continue;
-        try {
-            AgentSession::Record loaded{
-                record.at("id").get<std::string>(), record.at("name").get<std::string>(),
-                record.value("created", std::string()),
-                parse_limits(record.value("limits", json::object()), services_.config.default_limits,
-                             AgentLimits{1e12, UINT64_MAX / 2, UINT64_MAX / 2})};
-            if (by_id_.contains(loaded.id) || id_by_name_.contains(loaded.name))
-                continue;
-            auto session = std::make_shared<AgentSession>(services_, loaded, store.cells(loaded.id));
-            id_by_name_[loaded.name] = loaded.id;
-            by_id_[loaded.id] = session;
+        if (store.shared()) {
+            // Only sessions whose kernel this gateway re-adopted (or that have none): the others are
+            // another gateway's, loaded when a request names them.
             const std::string kernel_id = record.contains("kernel_id") && record["kernel_id"].is_string()
                                               ? record["kernel_id"].get<std::string>()
                                               : "";
-            auto inflight = store.inflight(loaded.id);
-            auto kernel = kernel_id.empty() ? nullptr : services_.kernels.find(kernel_id);
+            if (!kernel_id.empty() && !services_.kernels.find(kernel_id))
+                continue;
+        }
+        load_record(record, true);
+    }
+    if (!by_id_.empty())
+        services_.logger.info("agent_sessions_reloaded", {{"count", by_id_.size()}});
+}
+
+std::shared_ptr<AgentSession> AgentSessionRegistry::load_record(const json& record, bool at_start) {
+    SessionStore& store = services_.writer.store();
+    try {
+        AgentSession::Record loaded{
+            record.at("id").get<std::string>(), record.at("name").get<std::string>(),
+            record.value("created", std::string()),
+            parse_limits(record.value("limits", json::object()), services_.config.default_limits,
+                         AgentLimits{1e12, UINT64_MAX / 2, UINT64_MAX / 2})};
+        if (by_id_.contains(loaded.id) || id_by_name_.contains(loaded.name))
+            return nullptr;
+        auto session = std::make_shared<AgentSession>(services_, loaded, store.cells(loaded.id));
+        id_by_name_[loaded.name] = loaded.id;
+        by_id_[loaded.id] = session;
+        const std::string kernel_id = record.contains("kernel_id") && record["kernel_id"].is_string()
+                                          ? record["kernel_id"].get<std::string>()
+                                          : "";
+        // Attached on demand, the execute in flight (if any) is the other gateway's to finish.
+        auto inflight = at_start ? store.inflight(loaded.id) : std::vector<InflightExecute>{};
+        auto kernel = kernel_id.empty() ? nullptr
+                      : at_start        ? services_.kernels.find(kernel_id)
+                                        : services_.kernels.find_or_attach(kernel_id);
+        if (at_start)
             session->audit({{"event", "session_reloaded"},
                             {"kernel_id", kernel ? json(kernel_id) : json(nullptr)},
                             {"note", kernel ? "gateway restarted; the session's kernel was re-adopted"
                                             : "gateway restarted; a new kernel starts on first use"}});
-            if (kernel)
-                session->resume(kernel, "", std::move(inflight));
-            else if (!kernel_id.empty())
-                session->resume(nullptr,
-                                services_.kernels.lost_cause(kernel_id).value_or(
-                                    "the previous gateway stopped its kernels when it exited"),
-                                std::move(inflight));
-        } catch (const std::exception& failure) {
-            services_.logger.warn("agent_session_unreadable",
-                                  {{"record", record.dump()}, {"error", failure.what()}});
-        }
+        else
+            services_.logger.info("agent_session_attached_from_store",
+                                  {{"session", loaded.id}, {"kernel_id", kernel_id}});
+        if (kernel)
+            session->resume(kernel, "", std::move(inflight));
+        else if (!kernel_id.empty())
+            session->resume(nullptr,
+                            services_.kernels.lost_cause(kernel_id).value_or(
+                                at_start ? "the previous gateway stopped its kernels when it exited"
+                                         : "the kernel process is no longer running"),
+                            std::move(inflight));
+        return session;
+    } catch (const std::exception& failure) {
+        services_.logger.warn("agent_session_unreadable",
+                              {{"record", record.dump()}, {"error", failure.what()}});
+        return nullptr;
     }
-    if (!by_id_.empty())
-        services_.logger.info("agent_sessions_reloaded", {{"count", by_id_.size()}});
+}
+
+std::optional<json> AgentSessionRegistry::stored_record(const std::string& id_or_name) {
+    SessionStore& store = services_.writer.store();
+    if (!store.shared())
+        return std::nullopt;
+    try {
+        if (looks_like_kernel_id(id_or_name)) {
+            auto record = store.agent_session(id_or_name);
+            if (record && record->is_object() && !record->value("deleted", false))
+                return record;
+            return std::nullopt;
+        }
+        for (json& record : store.agent_sessions())
+            if (record.is_object() && !record.value("deleted", false) &&
+                record.value("name", std::string()) == id_or_name)
+                return std::move(record);
+    } catch (const std::exception& error) {
+        services_.logger.error("store_read_failed", {{"session", id_or_name}, {"error", error.what()}});
+    }
+    return std::nullopt;
 }
 
 void AgentSessionRegistry::create(std::string name, AgentLimits limits, const std::string& client_address,
@@ -112,7 +157,7 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const st
                               "name must be 1-64 characters of A-Z a-z 0-9 . _ - starting with a letter or "
                               "digit (and not look like a session id)",
                               "bad_name"));
-    if (id_by_name_.contains(name))
+    if (id_by_name_.contains(name) || stored_record(name))
         return done(nullptr, HttpError(http::status::conflict, "a session named " + name + " already exists",
                                        "name_taken"));
 
@@ -143,13 +188,34 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const st
     });
 }
 
-std::shared_ptr<AgentSession> AgentSessionRegistry::find(const std::string& id_or_name) const {
-    if (auto found = by_id_.find(id_or_name); found != by_id_.end())
-        return found->second;
-    if (auto named = id_by_name_.find(id_or_name); named != id_by_name_.end()) {
-        if (auto found = by_id_.find(named->second); found != by_id_.end())
-            return found->second;
+std::shared_ptr<AgentSession> AgentSessionRegistry::find(const std::string& id_or_name) {
+    std::shared_ptr<AgentSession> found;
+    if (auto by_id = by_id_.find(id_or_name); by_id != by_id_.end())
+        found = by_id->second;
+    else if (auto named = id_by_name_.find(id_or_name); named != id_by_name_.end()) {
+        if (auto by_name = by_id_.find(named->second); by_name != by_id_.end())
+            found = by_name->second;
     }
+    SessionStore& store = services_.writer.store();
+    if (!store.shared())
+        return found;
+    if (found) {
+        // Deleted through another gateway: let it go here too (its kernel is shut down already).
+        std::optional<json> record;
+        try {
+            record = store.agent_session(found->id());
+        } catch (const std::exception& error) {
+            services_.logger.error("store_read_failed", {{"session", found->id()}, {"error", error.what()}});
+            return found;
+        }
+        if (record && record->value("deleted", false)) {
+            remove(found, "deleted through another gateway", "");
+            return nullptr;
+        }
+        return found;
+    }
+    if (auto record = stored_record(id_or_name))
+        return load_record(*record, false);
     return nullptr;
 }
 

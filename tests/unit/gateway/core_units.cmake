@@ -1,5 +1,6 @@
 # GoogleTest units of the gateway core: router, auth, date format, HMAC signer, both WebSocket message formats,
-# the ZMQ wire format, kernelspec alias resolution, the SQLite store, its writer thread and the state directory lock,
+# the ZMQ wire format, kernelspec alias resolution, the SQLite and PostgreSQL stores (a server of its own), their writer
+# thread and the state directory lock,
 # the metrics registry and its Prometheus text rendering.
 add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/router_test.cpp

@@ -1,6 +1,7 @@
-// The SQLite SessionStore, the StoreWriter thread and the state directory lock: what a restarted gateway
-// relies on to find its kernels and sessions again, and what must refuse to start rather than lose or corrupt
-// them.
+// The SessionStores (SQLite, and PostgreSQL on a server the test starts itself), the StoreWriter thread and
+// the state directory lock: what a restarted gateway (or another gateway on a shared store) relies on to find
+// kernels and sessions again, and what must refuse to start rather than lose or corrupt them. The contract
+// tests (StoreContract.*) run against both implementations.
 #include "cellblock/gateway/store.hpp"
 
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/state_directory.hpp"
 #include "cellblock/gateway/store_writer.hpp"
+#include "postgres_server.hpp"
 
 using namespace cellblock::gateway;
 using nlohmann::json;
@@ -52,13 +54,37 @@ KernelRecord sample_kernel(const std::string& id) {
 }
 }  // namespace
 
-TEST(SqliteStore, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
-    const fs::path directory = scratch_dir("reopen");
+// Opens the same store again and again: a file in a scratch directory, or a database on a server of the
+// test's own.
+class StoreContract : public ::testing::TestWithParam<std::string> {
+  protected:
+    void SetUp() override {
+        if (GetParam() == "postgres")
+            server_ = std::make_unique<cellblock::test::TemporaryPostgres>();
+        else
+            directory_ = scratch_dir("contract");
+    }
+    std::unique_ptr<SessionStore> open() {
+        return server_ ? open_postgres_store(server_->url())
+                       : open_sqlite_store(directory_ / "store.sqlite3");
+    }
+    std::unique_ptr<cellblock::test::TemporaryPostgres> server_;
+    fs::path directory_;
+};
+INSTANTIATE_TEST_SUITE_P(Stores, StoreContract, ::testing::Values("sqlite", "postgres"),
+                         [](const auto& info) { return info.param; });
+
+TEST_P(StoreContract, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
     {
-        auto store = open_sqlite_store(directory / "store.sqlite3");
-        store->put_kernel(sample_kernel("k1"));
+        auto store = open();
+        KernelRecord kernel = sample_kernel("k1");
+        kernel.owner = "host:/state/a";
+        store->put_kernel(kernel);
+        store->put_kernel(sample_kernel("k2"));
         store->set_kernel_progress("k1", "msg-7");
+        store->set_kernel_activity("k1", "2026-12-01T10:05:00.000000Z");
         store->put_agent_session({{"id", "s1"}, {"name", "alpha"}, {"kernel_id", "k1"}});
+        store->put_agent_session({{"id", "s1"}, {"name", "alpha"}, {"kernel_id", "k2"}});
         store->append_cell("s1", {{"source", "x = 1"}});
         store->append_cell("s1", {{"source", "x"}});
         store->put_inflight({"s1", "m1", {{"code", "print(x)"}}});
@@ -68,17 +94,28 @@ TEST(SqliteStore, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
             {{"session", "s1"}, {"time", "2026-12-01T11:00:00.000000Z"}, {"event", "execute"}});
         store->put_jupyter_session("j1", {{"id", "j1"}, {"kernel_id", "k1"}});
     }
-    EXPECT_EQ(fs::status(directory / "store.sqlite3").permissions() & fs::perms::all,
-              fs::perms::owner_read | fs::perms::owner_write);
-    auto store = open_sqlite_store(directory / "store.sqlite3");
+    if (!server_)
+        EXPECT_EQ(fs::status(directory_ / "store.sqlite3").permissions() & fs::perms::all,
+                  fs::perms::owner_read | fs::perms::owner_write);
+    auto store = open();
     const auto kernels = store->kernels();
-    ASSERT_EQ(kernels.size(), 1u);
-    EXPECT_EQ(kernels[0].key, "secret");
-    EXPECT_EQ(kernels[0].last_iopub_id, "msg-7");
-    EXPECT_EQ(kernels[0].environment.value("PATH", ""), "/usr/bin");
-    EXPECT_EQ(kernels[0].process, *ProcessIdentity::of(::getpid()));
+    ASSERT_EQ(kernels.size(), 2u);
+    const auto k1 = store->kernel("k1");
+    ASSERT_TRUE(k1.has_value());
+    EXPECT_EQ(k1->key, "secret");
+    EXPECT_EQ(k1->last_iopub_id, "msg-7");
+    EXPECT_EQ(k1->environment.value("PATH", ""), "/usr/bin");
+    EXPECT_EQ(k1->process, *ProcessIdentity::of(::getpid()));
+    EXPECT_EQ(k1->owner, "host:/state/a");
+    EXPECT_EQ(k1->last_activity, "2026-12-01T10:05:00.000000Z");
+    EXPECT_EQ(store->kernel("k2")->owner, "");
+    EXPECT_FALSE(store->kernel("k3").has_value());
     ASSERT_EQ(store->agent_sessions().size(), 1u);
-    EXPECT_EQ(store->cells("s1").size(), 2u);
+    ASSERT_TRUE(store->agent_session("s1").has_value());
+    EXPECT_EQ(store->agent_session("s1")->value("kernel_id", ""), "k2");
+    EXPECT_FALSE(store->agent_session("s2").has_value());
+    ASSERT_EQ(store->cells("s1").size(), 2u);
+    EXPECT_EQ(store->cells("s1")[1].value("source", ""), "x");
     ASSERT_EQ(store->inflight("s1").size(), 1u);
     EXPECT_EQ(store->inflight("s1")[0].request.value("code", ""), "print(x)");
     EXPECT_EQ(store->audit({"s1", "", "", ""}).size(), 2u);
@@ -86,12 +123,109 @@ TEST(SqliteStore, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
     EXPECT_EQ(store->audit({"s1", "", "2026-12-01T10:30:00.000000Z", ""}).size(), 1u);
     EXPECT_EQ(store->audit({"s1", "", "", "2026-12-01T10:30:00.000000Z"}).size(), 1u);
     EXPECT_EQ(store->jupyter_sessions().size(), 1u);
+    store->remove_jupyter_session("j1");
     store->clear_cells("s1");
     store->remove_inflight("s1", "m1");
     store->remove_kernel("k1");
+    EXPECT_TRUE(store->jupyter_sessions().empty());
     EXPECT_TRUE(store->cells("s1").empty());
     EXPECT_TRUE(store->inflight("s1").empty());
-    EXPECT_TRUE(store->kernels().empty());
+    EXPECT_EQ(store->kernels().size(), 1u);
+}
+
+TEST_P(StoreContract, ABatchCommitsTogetherAndAFailingWriteIsRolledBackAlone) {
+    auto store = open();
+    std::vector<std::string> failures;
+    store->write_batch({[](SessionStore& s) {
+                            s.append_cell("s", {{"n", 1}});
+                        },
+                        [](SessionStore& s) {
+                            s.append_cell("s", {{"n", "half of a failed write"}});
+                            throw StoreError("disk full");
+                        },
+                        [](SessionStore& s) {
+                            s.append_cell("s", {{"n", 3}});
+                        }},
+                       [&failures](const std::exception& error) { failures.push_back(error.what()); });
+    ASSERT_EQ(failures.size(), 1u);
+    EXPECT_EQ(failures[0], "disk full");
+    auto reopened = open();
+    const auto cells = reopened->cells("s");
+    ASSERT_EQ(cells.size(), 2u);
+    EXPECT_EQ(cells[0].value("n", 0), 1);
+    EXPECT_EQ(cells[1].value("n", 0), 3);
+}
+
+TEST_P(StoreContract, StoreWriterAppliesWritesInOrderAndNotifiesAfterEverythingQueuedBefore) {
+    auto store = open();
+    boost::asio::io_context io;
+    auto work = boost::asio::make_work_guard(io);
+    const Logger logger(LogLevel::error);
+    StoreWriter writer(io, logger, *store);
+    for (int i = 0; i < 50; ++i)
+        writer.submit([i](SessionStore& s) { s.append_cell("s", {{"n", i}}); });
+    std::vector<json> seen;
+    writer.after_pending([&] {
+        seen = writer.store().cells("s");
+        io.stop();
+    });
+    io.run();
+    ASSERT_EQ(seen.size(), 50u);
+    for (int i = 0; i < 50; ++i)
+        EXPECT_EQ(seen[static_cast<std::size_t>(i)].value("n", -1), i);
+}
+
+TEST(PostgresStore, ALeaseHasOneHolderAcrossGatewaysAndEndsWithTheHoldersConnection) {
+    cellblock::test::TemporaryPostgres server;
+    auto gateway_a = open_postgres_store(server.url());
+    auto gateway_b = open_postgres_store(server.url());
+    EXPECT_TRUE(gateway_a->shared());
+    EXPECT_TRUE(gateway_a->try_lease("agent-session:s1"));
+    EXPECT_FALSE(gateway_b->try_lease("agent-session:s1"));
+    EXPECT_TRUE(gateway_b->try_lease("agent-session:s2"));
+    gateway_a->release_lease("agent-session:s1");
+    EXPECT_TRUE(gateway_b->try_lease("agent-session:s1"));
+    EXPECT_FALSE(gateway_a->try_lease("agent-session:s1"));
+    gateway_b.reset();  // the holder goes away (a killed gateway's connection ends the same way)
+    bool taken = false;
+    for (int attempt = 0; attempt < 100 && !taken; ++attempt) {
+        taken = gateway_a->try_lease("agent-session:s1");
+        if (!taken)
+            ::usleep(50000);
+    }
+    EXPECT_TRUE(taken);
+    // A batch on the writer's connection does not see or disturb the leases of the primary one.
+    gateway_a->write_batch({[](SessionStore& s) {
+                               s.append_cell("s", {{"n", 1}});
+                           }},
+                           [](const std::exception&) { FAIL(); });
+    EXPECT_EQ(gateway_a->cells("s").size(), 1u);
+}
+
+TEST(PostgresStore, ABadUrlAnUnreachableServerAndAForeignOrNewerSchemaAreRefusedWithTheReason) {
+    cellblock::test::TemporaryPostgres server;
+    auto message_of = [](const std::string& url) {
+        try {
+            open_postgres_store(url);
+        } catch (const StoreError& error) {
+            return std::string(error.what());
+        }
+        return std::string("opened");
+    };
+    EXPECT_NE(message_of("postgresql://[not a url").find("cannot connect"), std::string::npos);
+    const std::string unreachable =
+        message_of("postgresql://cellblock:hunter2@127.0.0.1:1/postgres?connect_timeout=3");
+    EXPECT_NE(unreachable.find("cannot connect"), std::string::npos) << unreachable;
+    EXPECT_EQ(unreachable.find("hunter2"), std::string::npos) << "the password was printed: " << unreachable;
+    server.psql("CREATE DATABASE other");
+    server.psql("CREATE TABLE invoices (id integer)", "other");
+    const std::string foreign = message_of(server.url("other"));
+    EXPECT_NE(foreign.find("not a cellblock store"), std::string::npos) << foreign;
+    server.psql("SELECT count(*) FROM invoices", "other");  // left as it was
+    { auto store = open_postgres_store(server.url()); }
+    server.psql("INSERT INTO schema_migrations (version, applied) VALUES (999, 'future')");
+    const std::string newer = message_of(server.url());
+    EXPECT_NE(newer.find("newer"), std::string::npos) << newer;
 }
 
 TEST(SqliteStore, KeepsWhereAKernelRunsAndUpgradesAVersionOneStore) {
@@ -141,9 +275,11 @@ TEST(SqliteStore, KeepsWhereAKernelRunsAndUpgradesAVersionOneStore) {
         store->put_kernel(on_slurm);
     }
     auto store = open_sqlite_store(directory / "store.sqlite3");
-    for (const KernelRecord& kernel : store->kernels())
-        if (kernel.id == "on-slurm")
+    for (const KernelRecord& kernel : store->kernels()) {
+        if (kernel.id == "on-slurm") {
             EXPECT_EQ(kernel.provisioner, slurm);
+        }
+    }
     EXPECT_EQ(store->kernels().size(), 2u);
     fs::remove_all(directory);
 }
@@ -186,26 +322,6 @@ TEST(SqliteStore, RefusesAnotherApplicationsDatabaseAndANewerSchema) {
     } catch (const StoreError& error) {
         EXPECT_NE(std::string(error.what()).find("newer"), std::string::npos) << error.what();
     }
-}
-
-TEST(StoreWriter, AppliesWritesInOrderAndNotifiesAfterEverythingQueuedBefore) {
-    const fs::path directory = scratch_dir("writer");
-    auto store = open_sqlite_store(directory / "store.sqlite3");
-    boost::asio::io_context io;
-    auto work = boost::asio::make_work_guard(io);
-    const Logger logger(LogLevel::error);
-    StoreWriter writer(io, logger, *store);
-    for (int i = 0; i < 50; ++i)
-        writer.submit([i](SessionStore& s) { s.append_cell("s", {{"n", i}}); });
-    std::vector<json> seen;
-    writer.after_pending([&] {
-        seen = writer.store().cells("s");
-        io.stop();
-    });
-    io.run();
-    ASSERT_EQ(seen.size(), 50u);
-    for (int i = 0; i < 50; ++i)
-        EXPECT_EQ(seen[static_cast<std::size_t>(i)].value("n", -1), i);
 }
 
 TEST(StoreWriter, AFailedWriteIsLoggedAndLaterWritesStillHappen) {

@@ -72,6 +72,9 @@ struct GatewayConfig {
     std::string state_dir;
     std::string runtime_dir;
     std::string workspace_root;
+    // Where the SessionStore lives: empty = the embedded SQLite file in state_dir; postgresql://... = a
+    // PostgreSQL store that several gateways (each with its own state_dir) share.
+    std::string store;
     // Seconds a kernel keeps running without a gateway before it stops itself; 0 = forever.
     double orphan_timeout = 600;
     // SIGTERM normally leaves kernels running for the next gateway (upgrade, restart); this stops them.

@@ -137,6 +137,11 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::optional<std::string> take_progress();
     // Called after every spawn (start, restart, automatic restart): the process identity changed.
     void on_spawned(std::function<void(const Kernel&)> handler) { spawned_handler_ = std::move(handler); }
+    // Asked before an automatic restart after the process died unexpectedly; false leaves the kernel dead
+    // (another gateway on a shared store deleted it, or restarted it itself).
+    void on_unexpected_exit(std::function<bool(const Kernel&)> may_restart) {
+        may_restart_ = std::move(may_restart);
+    }
     // Called when a start or restart of the process fails, with the cause as /metrics names it
     // (GatewayMetrics::cause_*: spawn_failed, exited_during_start, start_timeout).
     void on_launch_failed(std::function<void(std::string_view cause)> handler) {
@@ -248,6 +253,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::vector<ReadyHandler> ready_handlers_;
     std::function<void(const std::string&)> terminated_handler_;
     std::function<void(const Kernel&)> spawned_handler_;
+    std::function<bool(const Kernel&)> may_restart_;
     std::function<void(std::string_view)> launch_failed_handler_;
     std::optional<ProcessIdentity> process_identity_;
     bool released_ = false;

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <variant>
 
@@ -54,6 +55,18 @@ class KernelManager {
     void start();
     void start_kernel(const KernelStartRequest& request, StartHandler on_started);
     std::shared_ptr<Kernel> find(const std::string& kernel_id) const;
+    // find(), and on a shared store (another gateway's kernels): a kernel recorded there whose process runs
+    // on this machine is attached on demand (re-adopted as after a restart, without taking it from its
+    // gateway). nullptr when unknown, pooled by another gateway, shut down here, or no longer running.
+    std::shared_ptr<Kernel> find_or_attach(const std::string& kernel_id);
+    // Restarts `kernel` (Kernel::restart). On a shared store only one gateway restarts a kernel at a time
+    // (the kernel's restart lease, also taken before an automatic restart): a restart that finds it taken
+    // fails at once, and the other gateways re-attach the new process instead of restarting it again.
+    void restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel::ReadyHandler on_ready);
+    // Held here or (shared store) recorded in the store: a Jupyter session of it is not stale.
+    bool known(const std::string& kernel_id) const;
+    // This gateway in kernel records ("host:state dir"): it re-adopts its own kernels after a restart.
+    const std::string& owner() const { return owner_; }
     // Returns false for an unknown id.
     bool shutdown_kernel(const std::string& kernel_id, const std::string& reason = "kernel shut down");
     // Stops everything, synchronously: SIGTERM to all kernels, a short grace period, then SIGKILL.
@@ -85,11 +98,22 @@ class KernelManager {
     void refill_pool();
     void schedule_cull();
     void cull();
+    // Shared store: only the gateway holding the cull-leader lease culls, over every kernel in the store,
+    // from the activity all gateways record there (share_activity, with the housekeeping).
+    void cull_shared();
+    void share_activity();
     void adopt(const std::shared_ptr<Kernel>& kernel);
     void readopt_recorded_kernels();
+    // A Kernel for `record`'s running process, re-adopted (probe and record fetch); pooled or handed out.
+    std::shared_ptr<Kernel> attach_recorded(const KernelRecord& record, const KernelSpec& spec);
     void forget_lost_kernel(const KernelRecord& record, const std::string& cause);
     void persist(const Kernel& kernel);
     void forget(const std::string& kernel_id);
+    void release_lease(const std::string& lease);
+    // Drops a kernel this gateway held for other gateways (shared store) without stopping its process or
+    // removing its files (sockets, workspace): its clients here are disconnected and reconnect to what the
+    // store records.
+    void let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason);
     void schedule_housekeeping();
     void flush_progress();
     std::vector<std::shared_ptr<Kernel>> live_kernels() const;
@@ -118,6 +142,14 @@ class KernelManager {
     boost::asio::steady_timer housekeeping_timer_;  // progress to the store, lease renewals
     std::chrono::steady_clock::time_point next_lease_renewal_;
     std::map<std::string, std::string> lost_causes_;
+    std::string owner_;
+    // Shut down by this gateway: never attached again from the store (its removal there is asynchronous).
+    std::set<std::string> shut_down_here_;
+    // Attached from the store, started by another gateway: at this gateway's exit they are let go, not
+    // stopped.
+    std::set<std::string> attached_from_others_;
+    std::map<std::string, std::chrono::system_clock::time_point> activity_shared_;  // last written, by kernel
+    bool cull_leader_ = false;
     bool stopping_ = false;
     MetricsRegistry::SamplerHandle kernels_by_state_, pool_by_state_, pool_target_;
 };

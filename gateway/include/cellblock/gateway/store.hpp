@@ -50,9 +50,31 @@ struct KernelRecord {
     std::string created;        // ISO 8601
     // Where the kernel runs, for re-adoption: {} = a local process (`process` above); a kernel that reported
     // its connection: {"name": "slurm", "job_id", "host", "ip", "ports": [shell, iopub, stdin, control, hb],
-    // "curve_public_key"}. One JSON value, so every store keeps it the same way.
+    // "curve_public_key"}. Kept in the stores' `extra` column (below).
     nlohmann::json provisioner = nlohmann::json::object();
+    // The gateway that started the kernel and re-adopts it after its own restart ("host:state dir"); other
+    // gateways on a shared store attach it on demand. Empty in records of gateways before the shared store.
+    std::string owner;
+    // When a client last used the kernel through any gateway (ISO 8601; shared stores: culling is decided
+    // from it by one gateway, the cull leader). Empty = unknown.
+    std::string last_activity;
 };
+
+// Fields of KernelRecord kept in the stores' `extra` JSON column, so that adding one needs no schema
+// migration: write it in `kernel_record_extra`, read it in `read_kernel_record_extra` (both stores use
+// these).
+inline nlohmann::json kernel_record_extra(const KernelRecord& kernel) {
+    return {{"owner", kernel.owner}, {"last_activity", kernel.last_activity}, {"provisioner", kernel.provisioner}};
+}
+inline void read_kernel_record_extra(const nlohmann::json& extra, KernelRecord& kernel) {
+    if (!extra.is_object())
+        return;
+    kernel.owner = extra.value("owner", std::string());
+    kernel.last_activity = extra.value("last_activity", std::string());
+    kernel.provisioner = extra.value("provisioner", nlohmann::json::object());
+    if (!kernel.provisioner.is_object())
+        kernel.provisioner = nlohmann::json::object();
+}
 
 struct AuditQuery {
     std::string session;  // required
@@ -81,6 +103,9 @@ class SessionStore {
     virtual void remove_kernel(const std::string& kernel_id) = 0;
     virtual void set_kernel_progress(const std::string& kernel_id, const std::string& last_iopub_id) = 0;
     virtual std::vector<KernelRecord> kernels() = 0;
+    virtual std::optional<KernelRecord> kernel(const std::string& kernel_id) = 0;
+    // Sets the record's last_activity (only this field).
+    virtual void set_kernel_activity(const std::string& kernel_id, const std::string& last_activity) = 0;
 
     // /api/sessions models, keyed by session id.
     virtual void put_jupyter_session(const std::string& id, const nlohmann::json& model) = 0;
@@ -90,6 +115,8 @@ class SessionStore {
     // Agent session records ({id, name, created, limits, kernel_id, deleted}).
     virtual void put_agent_session(const nlohmann::json& record) = 0;
     virtual std::vector<nlohmann::json> agent_sessions() = 0;
+    // One record by session id (deleted ones included); nullopt when unknown.
+    virtual std::optional<nlohmann::json> agent_session(const std::string& id) = 0;
     // The session's notebook history, in order; `clear_cells` is a reset.
     virtual void append_cell(const std::string& session, const nlohmann::json& cell) = 0;
     virtual void clear_cells(const std::string& session) = 0;
@@ -106,11 +133,27 @@ class SessionStore {
     // Audit entries ({time, session, event, ...}), oldest first.
     virtual void append_audit(const nlohmann::json& entry) = 0;
     virtual std::vector<nlohmann::json> audit(const AuditQuery& query) = 0;
+
+    // True when other gateways may use this store at the same time (PostgreSQL): kernels and sessions this
+    // gateway does not hold are looked up here on demand, and the leases below exclude the other gateways.
+    virtual bool shared() const = 0;
+    // Leases between gateways sharing the store: `try_lease` takes the named lease for this gateway without
+    // waiting (true = held now); it is held until `release_lease` or until this gateway's connection to the
+    // store ends (a killed gateway never wedges a lease). Not re-entrant across callers of one gateway: each
+    // name has one holder in the gateway. An embedded store has one gateway and grants every lease.
+    virtual bool try_lease(const std::string& name) = 0;
+    virtual void release_lease(const std::string& name) = 0;
 };
 
 // Opens (creating if absent) the SQLite store at `file`: WAL, synchronous=FULL, schema migrated to the
 // current version. A file that is not a cellblock store, is corrupt, or comes from a newer gateway throws
 // StoreError and is left untouched.
 std::unique_ptr<SessionStore> open_sqlite_store(const std::filesystem::path& file);
+
+// Connects to the PostgreSQL store at `url` (postgresql://user@host:port/database, or a libpq keyword string)
+// and migrates its schema to the current version (one gateway at a time: an advisory lock). A bad URL, an
+// unreachable server, a database holding another application's tables or a newer schema throw StoreError
+// (the URL in messages has its password hidden).
+std::unique_ptr<SessionStore> open_postgres_store(const std::string& url);
 
 }  // namespace cellblock::gateway

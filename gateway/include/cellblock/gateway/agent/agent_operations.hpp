@@ -103,7 +103,10 @@ class AgentOperations {
     // the session has a kernel.
     void session_or_create(const std::string& id_or_name, const Caller& caller, Then<SessionPtr> then);
     std::vector<SessionPtr> sessions() const;
-    void delete_session(const SessionPtr& session, const Caller& caller, const std::string& reason);
+    // `deleted` runs once the deletion is in the store (other gateways on a shared store see it from then
+    // on).
+    void delete_session(const SessionPtr& session, const Caller& caller, const std::string& reason,
+                        std::function<void()> deleted);
     // Restarts the session's interpreter (variables gone, files kept) after what is queued.
     void reset(const SessionPtr& session, const Caller& caller, Then<SessionPtr> then);
 

@@ -127,6 +127,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     };
 
     void run_next();
+    // Runs `then` once this gateway holds the session's execute lease (other gateways on a shared store
+    // serve the same session: one execute at a time across all of them); retried every few milliseconds.
+    void with_execute_lease(std::function<void()> then);
+    void release_execute_lease();
     void start_execute(Pending pending);
     void start_reset(Pending pending);
     void on_deadline();
@@ -170,6 +174,11 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::deque<Pending> queue_;
     std::unique_ptr<Running> running_;
     boost::asio::steady_timer deadline_timer_;
+    boost::asio::steady_timer lease_timer_;
+    bool holds_execute_lease_ = false;
+    // The kernel this gateway let go of (disconnect): on a shared store the session stays on it if it runs
+    // on.
+    std::string let_go_kernel_id_;
     std::uint64_t next_ticket_ = 1;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;

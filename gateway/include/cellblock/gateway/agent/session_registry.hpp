@@ -29,14 +29,20 @@ class AgentSessionRegistry {
         std::function<void(std::shared_ptr<AgentSession> session, std::optional<HttpError> error)>;
     // Empty `name` = generated. Responds once the session's kernel is ready.
     void create(std::string name, AgentLimits limits, const std::string& client_address, CreateHandler done);
-    // By id, then by name.
-    std::shared_ptr<AgentSession> find(const std::string& id_or_name) const;
+    // By id, then by name. On a shared store also sessions another gateway created (loaded from the store,
+    // their kernel attached), and a session deleted through another gateway is let go here too.
+    std::shared_ptr<AgentSession> find(const std::string& id_or_name);
     std::vector<std::shared_ptr<AgentSession>> list() const;
     void remove(const std::shared_ptr<AgentSession>& session, const std::string& reason,
                 const std::string& client);
 
   private:
     void load_sessions();
+    // Builds the session of a stored record with its history; `at_start`: after this gateway's restart
+    // (its kernel re-adopted with the execute in flight), else attached on demand from a shared store.
+    std::shared_ptr<AgentSession> load_record(const nlohmann::json& record, bool at_start);
+    // A stored, not deleted record by id or name (shared store only).
+    std::optional<nlohmann::json> stored_record(const std::string& id_or_name);
     void schedule_expiry();
     void expire_idle();
 

@@ -1,0 +1,344 @@
+"""Many gateways, one store (issue 10): two gateways, each with its own state directory, share a PostgreSQL store
+started by this module (initdb/pg_ctl in a temporary directory, stopped at the end). Any gateway serves any session
+(no sticky sessions), a gateway killed with SIGKILL leaves its sessions working through the other one with their
+state, executes of one agent session are serialized across gateways, and a deletion through one gateway is seen by
+the other. Real gateways, real kernels, real signals; a missing PostgreSQL is a failure, never a skip."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import websocket
+
+from conftest import AgentGateway, free_port
+
+
+# ---------------------------------------------------------------------------------------------- PostgreSQL
+
+def postgres_bin() -> Path:
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not versions:
+        pytest.fail("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb): run "
+                    "share/scripts/install-deps.sh --with-test-tools (package postgresql)")
+    return versions[-1].parent
+
+
+class Postgres:
+    """A server of the test's own in a temporary directory, run as the postgres user when the test runs as root."""
+
+    def __init__(self):
+        self.bin = postgres_bin()
+        self.directory = Path(tempfile.mkdtemp(prefix="cb-pg-"))
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if os.geteuid() == 0:
+            shutil.chown(self.directory, "postgres", "postgres")
+        self.port = free_port()
+        data = self.directory / "data"
+        self._run([str(self.bin / "initdb"), "--auth=trust", "-U", "cellblock", "-D", str(data)])
+        self._run([str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.directory / "server.log"), "-o",
+                   f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1", "-w", "start"])
+        self.url = f"postgresql://cellblock@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, argv):
+        done = subprocess.run(self.as_user + argv, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{argv[0]} failed: {done.stdout}\n{done.stderr}"
+
+    def stop(self):
+        subprocess.run(self.as_user + [str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-m",
+                                       "immediate", "-w", "stop"], capture_output=True, timeout=120)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    server = Postgres()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def start_pair(postgres, tmp_path):
+    """Starts gateways A and B over the shared store (with extra arguments); kernels outlive a killed gateway (as
+    in production)."""
+    gateways = []
+
+    def start(name, extra):
+        gateway = AgentGateway(tmp_path / f"state-{name}", tmp_path / f"{name}.log", "--store", postgres.url,
+                               "--warm-pool", "0", *extra, keep_kernels=True)
+        gateways.append(gateway)
+        return gateway
+
+    try:
+        yield lambda *extra: (start("a", extra), start("b", extra))
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        # Kernels left running on purpose (keep_kernels, a killed gateway) are stopped by pid.
+        for pid in kernel_pids(tmp_path):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def kernel_pids(directory: Path) -> list:
+    """Every cellblock-kernel whose command line names a path under `directory` (its connection file)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"cellblock-kernel" in part for part in argv[:2]) and any(str(directory).encode() in a for a in argv):
+            found.append(int(entry.name))
+    return found
+
+
+def kernel_processes(kernel_id: str) -> list:
+    """Processes started for `kernel_id` (its connection file kernel-<id>.json is on the command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if f"kernel-{kernel_id}.json".encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def pair(start_pair):
+    return start_pair()
+
+
+def result_text(answer: dict) -> str:
+    assert answer["status"] == "ok", answer
+    return (answer.get("result") or {}).get("text/plain", "")
+
+
+class Channels:
+    """The Kernel Gateway /channels WebSocket (legacy JSON messages)."""
+
+    def __init__(self, gateway: AgentGateway, kernel_id: str):
+        self.session_id = uuid.uuid4().hex
+        url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id={self.session_id}"
+        self.socket = websocket.create_connection(url, header=[f"Authorization: token {gateway.token}"], timeout=60)
+
+    def execute(self, code: str, timeout_s: float = 60) -> list:
+        msg_id = uuid.uuid4().hex
+        header = {"msg_id": msg_id, "msg_type": "execute_request", "username": "test", "session": self.session_id,
+                  "date": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime()), "version": "5.3"}
+        self.socket.send(json.dumps({"header": header, "parent_header": {}, "metadata": {}, "channel": "shell",
+                                     "content": {"code": code, "silent": False, "store_history": True,
+                                                 "user_expressions": {}, "allow_stdin": False,
+                                                 "stop_on_error": True}, "buffers": []}))
+        seen, deadline = [], time.monotonic() + timeout_s
+        self.socket.settimeout(5)  # short reads: pings alone must not keep recv() waiting past the deadline
+        while time.monotonic() < deadline:
+            try:
+                message = json.loads(self.socket.recv())
+            except websocket.WebSocketTimeoutException:
+                continue
+            if message.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            seen.append(message)
+            # As frontends do: done when the reply and the IOPub idle of this request both arrived.
+            if any(m["msg_type"] == "execute_reply" for m in seen) and any(
+                    m["msg_type"] == "status" and m["content"].get("execution_state") == "idle" for m in seen):
+                return seen
+        raise AssertionError(f"no execute_reply and idle within {timeout_s} s: {[m['msg_type'] for m in seen]}")
+
+    def close(self):
+        self.socket.close()
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+def test_any_gateway_serves_any_session_and_survives_kill_9_of_the_other(pair):
+    a, b = pair
+    session = a.create_session("shared")
+    assert result_text(a.execute("shared", "x = 41\nx")) == "41"
+    # B never saw this session: it finds it in the store and attaches its kernel (started by A).
+    assert result_text(b.execute("shared", "x + 1")) == "42"
+    assert result_text(b.execute(session["id"], "x + 2")) == "43"
+
+    # NDJSON through B.
+    response = b.request("POST", "/agent/v1/sessions/shared/execute", json={"code": "print('streamed')\nx * 2"},
+                         headers={"Accept": "application/x-ndjson"}, stream=True)
+    assert response.status_code == 200, response.text
+    events = [json.loads(line) for line in response.iter_lines() if line]
+    types = [event["type"] for event in events]
+    assert types[0] == "start" and types[-1] == "end", types
+    assert any(e["type"] == "stdout" and "streamed" in e.get("text", "") for e in events), events
+    assert events[-1]["status"] == "ok" and events[-1]["result"]["text/plain"] == "82", events[-1]
+
+    # A kernel created through B, a notebook's WebSocket through A.
+    created = b.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert created.status_code == 201, created.text
+    kernel_id = created.json()["id"]
+    assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 200
+    channels = Channels(a, kernel_id)
+    replies = channels.execute("y = 6\nprint('via A', flush=True)\ny * 7")
+    channels.close()
+    assert any(m["msg_type"] == "stream" and "via A" in m["content"]["text"] for m in replies), replies
+    assert any(m["msg_type"] == "execute_result" and m["content"]["data"]["text/plain"] == "42" for m in replies)
+
+    # A second session that only A ever served, then A is killed.
+    a.create_session("only-a")
+    assert result_text(a.execute("only-a", "z = 5\nz")) == "5"
+    a.process.send_signal(signal.SIGKILL)
+    a.process.wait(timeout=30)
+
+    assert result_text(b.execute("shared", "x + 3")) == "44"
+    assert result_text(b.execute("only-a", "z * 2")) == "10"
+    channels = Channels(b, kernel_id)
+    replies = channels.execute("y * 7")
+    channels.close()
+    assert any(m["msg_type"] == "execute_result" and m["content"]["data"]["text/plain"] == "42" for m in replies)
+    b.assert_alive()
+
+
+def test_concurrent_executes_of_one_session_through_two_gateways_are_serialized(pair):
+    """Each cell records the kernel's monotonic clock when it starts and ends; A's cell runs 3 s, B's asks for a
+    2 s time limit. Serialized, B's clock starts only after A's cell: both succeed and the intervals do not
+    overlap. Without the lease, B's circuit breaker would count while A's cell runs and interrupt A's code."""
+    a, b = pair
+    a.create_session("serial")
+    result_text(a.execute("serial", "import time"))
+    result_text(b.execute("serial", "time.monotonic()"))  # B has the session attached
+    cell = "s = time.monotonic()\ntime.sleep({})\n(s, time.monotonic())"
+    answers = {}
+
+    def run(name, gateway, seconds, **extra):
+        answers[name] = gateway.execute("serial", cell.format(seconds), **extra)
+
+    threads = [threading.Thread(target=run, args=("a1", a, 3.0)),
+               threading.Thread(target=run, args=("b1", b, 1.0), kwargs={"timeout_s": 2}),
+               threading.Thread(target=run, args=("a2", a, 0.5)),
+               threading.Thread(target=run, args=("b2", b, 0.5), kwargs={"timeout_s": 2})]
+    for index, thread in enumerate(threads):
+        thread.start()
+        time.sleep(0.3 if index == 0 else 0.05)
+    for thread in threads:
+        thread.join(timeout=120)
+    intervals = []
+    for name in ("a1", "b1", "a2", "b2"):
+        text = result_text(answers[name])
+        start, end = (float(value) for value in text.strip("()").split(","))
+        intervals.append((start, end, name))
+    intervals.sort()
+    for (_, first_end, first), (second_start, _, second) in zip(intervals, intervals[1:]):
+        assert first_end <= second_start, f"{first} and {second} overlapped: {intervals}"
+
+
+def test_a_deletion_through_one_gateway_is_seen_by_the_other(pair):
+    a, b = pair
+    a.create_session("doomed")
+    assert result_text(a.execute("doomed", "1 + 1")) == "2"
+    assert result_text(b.execute("doomed", "2 + 2")) == "4"  # B holds it now too
+    kernel_id = a.request("GET", "/agent/v1/sessions/doomed").json()["kernel_id"]
+    assert a.request("DELETE", "/agent/v1/sessions/doomed").status_code in (200, 204)
+    assert b.request("GET", "/agent/v1/sessions/doomed").status_code == 404
+    response = b.request("POST", "/agent/v1/sessions/doomed/execute", json={"code": "1"})
+    assert response.status_code == 404, response.text
+
+    # A Jupyter kernel held by both (B has run code on it), deleted through A: B does not restart it, and no
+    # process of it runs on the host afterwards.
+    created = a.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert created.status_code == 201, created.text
+    jupyter_kernel = created.json()["id"]
+    channels = Channels(b, jupyter_kernel)
+    assert any(m["msg_type"] == "execute_result" for m in channels.execute("3 * 3"))
+    assert kernel_processes(jupyter_kernel), "the kernel's process is not visible on the host"
+    assert a.request("DELETE", f"/api/kernels/{jupyter_kernel}").status_code == 204
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and kernel_processes(jupyter_kernel):
+        time.sleep(0.2)
+    time.sleep(3)  # long enough for a wrongly restarted kernel to come back
+    assert not kernel_processes(jupyter_kernel), "the deleted kernel runs again"
+    channels.close()
+    assert b.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 404
+    assert a.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 404
+    assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+    assert not kernel_processes(kernel_id), "the deleted session's kernel still runs"
+
+
+def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(pair):
+    """A kernel both gateways hold is restarted through A (an agent reset, a Jupyter restart): B sees its process
+    end and must not start a second one; it serves the new process instead."""
+    a, b = pair
+    a.create_session("reset-me")
+    assert result_text(a.execute("reset-me", "x = 1\nx")) == "1"
+    assert result_text(b.execute("reset-me", "x")) == "1"
+    session_kernel = a.request("GET", "/agent/v1/sessions/reset-me").json()["kernel_id"]
+    created = a.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert created.status_code == 201, created.text
+    jupyter_kernel = created.json()["id"]
+    channels = Channels(b, jupyter_kernel)
+    assert any(m["msg_type"] == "execute_result" for m in channels.execute("k = 5\nk"))
+    channels.close()
+    before = {kernel: kernel_processes(kernel) for kernel in (session_kernel, jupyter_kernel)}
+    assert all(len(pids) == 1 for pids in before.values()), before
+
+    assert a.request("POST", "/agent/v1/sessions/reset-me/reset").status_code in (200, 204)
+    restarted = a.request("POST", f"/api/kernels/{jupyter_kernel}/restart")
+    assert restarted.status_code == 200, restarted.text
+    time.sleep(3)  # long enough for a second restart (by B) to have started
+    for kernel in (session_kernel, jupyter_kernel):
+        pids = kernel_processes(kernel)
+        assert len(pids) == 1 and pids != before[kernel], f"{kernel}: {before[kernel]} before, {pids} after"
+
+    answer = b.execute("reset-me", "'x' in globals()")
+    assert result_text(answer) == "False"
+    channels = Channels(b, jupyter_kernel)
+    replies = channels.execute("'k' in globals()")
+    channels.close()
+    assert any(m["msg_type"] == "execute_result" and m["content"]["data"]["text/plain"] == "False" for m in replies), [
+        (m["msg_type"], m["content"]) for m in replies]
+    for kernel in (session_kernel, jupyter_kernel):
+        assert len(kernel_processes(kernel)) == 1, kernel
+
+
+def test_culling_happens_once_from_the_activity_of_every_gateway(start_pair):
+    """Culling after 4 idle seconds on both gateways: only the cull leader culls. A kernel the leader never held,
+    started and kept in use through the other gateway, is not culled while in use (the leader learns of the use
+    from the store); once nobody uses it, it is culled exactly once."""
+    a, b = start_pair("--cull-idle-timeout", "4", "--cull-interval", "0.5", "--log-level", "info")
+    deadline = time.monotonic() + 30
+    leaders = []
+    while time.monotonic() < deadline and not leaders:
+        leaders = [gateway for gateway in (a, b) if '"cull_leader"' in gateway.log_path.read_text()]
+        time.sleep(0.2)
+    assert len(leaders) == 1, "no single cull leader"
+    other = b if leaders[0] is a else a
+    created = other.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert created.status_code == 201, created.text
+    kernel_id = created.json()["id"]
+    for _ in range(8):  # 8 s of use through the other gateway, one short WebSocket at a time
+        channels = Channels(other, kernel_id)
+        assert any(m["msg_type"] == "execute_result" for m in channels.execute("1 + 1"))
+        channels.close()
+        time.sleep(1)
+    assert kernel_processes(kernel_id), "culled while in use through the other gateway"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and kernel_processes(kernel_id):
+        time.sleep(0.5)
+    assert not kernel_processes(kernel_id), "an idle kernel was not culled"
+    logs = [line for gateway in (a, b) for line in gateway.log_path.read_text().splitlines()
+            if '"kernel_culled"' in line and kernel_id in line]
+    assert len(logs) == 1, logs
+    assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+    assert b.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
