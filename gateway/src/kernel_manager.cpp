@@ -205,8 +205,9 @@ std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_
         logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", error.what()}});
         return nullptr;
     }
-    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. Only local kernels are
-    // attached from another gateway: a Slurm job is watched (and cancelled) by the gateway that submitted it.
+    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. Only local kernels
+    // are attached from another gateway: a Slurm job is watched (and cancelled) by the gateway that submitted
+    // it.
     if (!record || record->pooled || record->provisioner.value("name", std::string("local")) != "local" ||
         !record->process.alive())
         return nullptr;

@@ -158,8 +158,8 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     const auto record_messages = variable("CELLBLOCK_RECORD_MESSAGES");
     const auto lease = variable("CELLBLOCK_LEASE_S");
     GuardOptions guard_options;
-    guard_options.record = RecordLimits::from_environment(record_bytes ? record_bytes->c_str() : nullptr,
-                                                          record_messages ? record_messages->c_str() : nullptr);
+    guard_options.record = RecordLimits::from_environment(
+        record_bytes ? record_bytes->c_str() : nullptr, record_messages ? record_messages->c_str() : nullptr);
     guard_options.lease = Lease::duration_from_environment(lease ? lease->c_str() : nullptr);
     std::optional<std::filesystem::path> lease_cleanup_dir;
     if (const auto cleanup = variable("CELLBLOCK_LEASE_CLEANUP_DIR"); cleanup && guard_options.lease) {

@@ -64,7 +64,9 @@ struct KernelRecord {
 // migration: write it in `kernel_record_extra`, read it in `read_kernel_record_extra` (both stores use
 // these).
 inline nlohmann::json kernel_record_extra(const KernelRecord& kernel) {
-    return {{"owner", kernel.owner}, {"last_activity", kernel.last_activity}, {"provisioner", kernel.provisioner}};
+    return {{"owner", kernel.owner},
+            {"last_activity", kernel.last_activity},
+            {"provisioner", kernel.provisioner}};
 }
 inline void read_kernel_record_extra(const nlohmann::json& extra, KernelRecord& kernel) {
     if (!extra.is_object())
