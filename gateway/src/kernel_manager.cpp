@@ -602,6 +602,19 @@ std::vector<std::shared_ptr<Kernel>> KernelManager::list() const {
     return all;
 }
 
+std::vector<std::shared_ptr<Kernel>> KernelManager::list_everywhere() {
+    if (writer_.store().shared()) {
+        try {
+            for (const KernelRecord& record : writer_.store().kernels())
+                if (!record.pooled && !kernels_.contains(record.id))
+                    find_or_attach(record.id);
+        } catch (const std::exception& error) {
+            logger_.error("store_read_failed", {{"operation", "list kernels"}, {"error", error.what()}});
+        }
+    }
+    return list();
+}
+
 bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::string& reason) {
     auto found = kernels_.find(kernel_id);
     if (found == kernels_.end())

@@ -30,6 +30,14 @@ bool looks_like_kernel_id(std::string_view id) {
 
 namespace {
 
+// A deletion is answered once it is in the store, so that another gateway on a shared store (which the client
+// may ask next) already sees it.
+void answer_once_stored(GatewayServices& services, Responder respond, HttpResponse response) {
+    services.writer.after_pending([respond = std::move(respond), response = std::move(response)]() mutable {
+        respond(std::move(response));
+    });
+}
+
 HttpResponse kernel_not_found(const std::string& id) {
     return json_error(http::status::not_found, "Kernel does not exist: " + id);
 }
@@ -191,7 +199,7 @@ class KernelsResource : public RestResource {
             return;
         }
         json models = json::array();
-        for (const auto& kernel : services_.kernels.list())
+        for (const auto& kernel : services_.kernels.list_everywhere())
             models.push_back(kernel->model());
         respond(json_response(http::status::ok, models));
     }
@@ -228,7 +236,7 @@ class KernelResource : public RestResource {
         // Another gateway's kernel (a shared store) is attached first, then shut down like one of ours.
         if (!find_kernel(services_, id) || !services_.kernels.shutdown_kernel(id))
             return respond(kernel_not_found(id));
-        respond(empty_response(http::status::no_content));
+        answer_once_stored(services_, std::move(respond), empty_response(http::status::no_content));
     }
 
   private:
@@ -344,7 +352,7 @@ class MetricsResource : public RestResource {
 // ------------------------------------------------------------------------------------------------ sessions
 
 json session_model(GatewayServices& services, const JupyterSessionRecord& record) {
-    auto kernel = services.kernels.find(record.kernel_id);
+    auto kernel = services.kernels.find_or_attach(record.kernel_id);
     json kernel_model = kernel ? kernel->model() : json{{"id", record.kernel_id}};
     return {{"id", record.id},        {"path", record.path},
             {"name", record.name},    {"type", record.type},
@@ -352,6 +360,15 @@ json session_model(GatewayServices& services, const JupyterSessionRecord& record
 }
 
 void prune_sessions(GatewayServices& services) {
+    if (services.writer.store().shared()) {
+        try {
+            services.sessions.refresh_from_store(
+                [&services](const std::string& id) { return services.kernels.known(id); });
+        } catch (const std::exception& error) {
+            services.logger.error("store_read_failed",
+                                  {{"operation", "list sessions"}, {"error", error.what()}});
+        }
+    }
     services.sessions.prune([&services](const std::string& id) { return services.kernels.known(id); });
 }
 
@@ -480,13 +497,15 @@ class SessionResource : public RestResource {
         respond(json_response(http::status::ok, session_model(services_, *record)));
     }
     void delete_(RequestContext& context, Responder respond) override {
+        prune_sessions(services_);
         JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
         if (!record)
             return respond(session_not_found(context));
         const std::string kernel_id = record->kernel_id;
         services_.sessions.remove(record->id);
-        services_.kernels.shutdown_kernel(kernel_id);
-        respond(empty_response(http::status::no_content));
+        if (services_.kernels.find_or_attach(kernel_id))
+            services_.kernels.shutdown_kernel(kernel_id);
+        answer_once_stored(services_, std::move(respond), empty_response(http::status::no_content));
     }
 
   private:

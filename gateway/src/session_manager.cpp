@@ -49,9 +49,11 @@ void JupyterSessionManager::forget(const std::string& id) {
 }
 
 bool JupyterSessionManager::remove(const std::string& id) {
-    if (sessions_.erase(id) == 0)
+    // `id` may be the erased record's own member (remove(record->id)): keep a copy past the erase.
+    const std::string removed = id;
+    if (sessions_.erase(removed) == 0)
         return false;
-    forget(id);
+    forget(removed);
     return true;
 }
 

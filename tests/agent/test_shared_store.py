@@ -342,3 +342,27 @@ def test_culling_happens_once_from_the_activity_of_every_gateway(start_pair):
     assert len(logs) == 1, logs
     assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
     assert b.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+
+
+def test_kernel_and_session_lists_are_the_same_through_every_gateway(pair):
+    """JupyterLab behind a load balancer lists /api/kernels and /api/sessions through whichever gateway answers:
+    what was created through A is listed by B, and what was deleted through A leaves B's lists."""
+    a, b = pair
+    before_b = {kernel["id"] for kernel in b.request("GET", "/api/kernels").json()}
+    created = a.request("POST", "/api/sessions", json={"path": "shared.ipynb", "type": "notebook",
+                                                      "kernel": {"name": "cellblock-python"}})
+    assert created.status_code == 201, created.text
+    session_id, kernel_id = created.json()["id"], created.json()["kernel"]["id"]
+    assert kernel_id not in before_b
+
+    listed_kernels = {kernel["id"] for kernel in b.request("GET", "/api/kernels").json()}
+    assert kernel_id in listed_kernels, "B does not list the kernel created through A"
+    listed_sessions = {session["id"]: session for session in b.request("GET", "/api/sessions").json()}
+    assert session_id in listed_sessions, "B does not list the session created through A"
+    assert listed_sessions[session_id]["kernel"]["id"] == kernel_id
+    assert listed_sessions[session_id]["path"] == "shared.ipynb"
+    assert b.request("GET", f"/api/sessions/{session_id}").status_code == 200
+
+    assert a.request("DELETE", f"/api/sessions/{session_id}").status_code == 204
+    assert session_id not in {session["id"] for session in b.request("GET", "/api/sessions").json()}
+    assert b.request("GET", f"/api/sessions/{session_id}").status_code == 404

@@ -76,6 +76,9 @@ class KernelManager {
     // Why a kernel recorded in the store could not be re-adopted at start (nullopt when it was, or unknown).
     std::optional<std::string> lost_cause(const std::string& kernel_id) const;
     std::vector<std::shared_ptr<Kernel>> list() const;
+    // list(), and on a shared store every kernel recorded there by any gateway (attached on demand, as
+    // find_or_attach), so /api/kernels answers the same through every gateway.
+    std::vector<std::shared_ptr<Kernel>> list_everywhere();
     const KernelSpecRegistry& registry() const { return registry_; }
     std::size_t pool_ready_count() const;
     const std::filesystem::path& runtime_dir() const { return runtime_dir_; }

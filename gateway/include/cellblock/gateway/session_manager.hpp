@@ -30,6 +30,19 @@ class JupyterSessionManager {
                 forget(record->id);
         }
     }
+    // On a store shared with other gateways: takes in the sessions they created (whose kernel exists) and
+    // drops those they deleted, so /api/sessions answers the same through every gateway.
+    template <typename KernelExists>
+    void refresh_from_store(KernelExists&& kernel_exists) {
+        std::map<std::string, JupyterSessionRecord> stored;
+        for (const nlohmann::json& entry : writer_.store().jupyter_sessions())
+            if (auto record = JupyterSessionRecord::from_json(entry))
+                stored.emplace(record->id, *record);
+        std::erase_if(sessions_, [&stored](const auto& held) { return !stored.contains(held.first); });
+        for (auto& [id, record] : stored)
+            if (!sessions_.contains(id) && kernel_exists(record.kernel_id))
+                sessions_.emplace(id, std::move(record));
+    }
     JupyterSessionRecord& create(std::string path, std::string name, std::string type, std::string kernel_id);
     JupyterSessionRecord* find(const std::string& id);
     JupyterSessionRecord* find_by_path(const std::string& path);
