@@ -77,6 +77,10 @@ KernelClientLink::KernelClientLink(std::string session_id, Kernel& kernel)
     : session_id_(std::move(session_id)), kernel_(kernel) {}
 
 KernelClientLink::~KernelClientLink() {
+    close();
+}
+
+void KernelClientLink::close() {
     for (auto* channel : {&shell_, &control_, &stdin_})
         if (*channel)
             (*channel)->close();
@@ -188,6 +192,16 @@ Kernel::~Kernel() {
         if (*channel)
             (*channel)->close();
     process_.reset();
+    clean_up_after_exit();
+}
+
+void Kernel::clean_up_after_exit() {
+    if (cleaned_up_ || released_)
+        return;
+    cleaned_up_ = true;
+    for (auto* channel : {&iopub_, &probe_shell_, &probe_control_})
+        if (*channel)
+            (*channel)->close();
     std::error_code ignored;
     fs::remove(connection_file_, ignored);
     fs::remove(launch_.runtime_dir / ("kernel-" + id() + ".log"), ignored);
@@ -413,6 +427,7 @@ void Kernel::finish_termination(std::chrono::milliseconds grace) {
     if (process_)
         process_->wait_for_exit(grace);
     process_.reset();
+    clean_up_after_exit();
 }
 
 void Kernel::spawn() {
@@ -842,6 +857,7 @@ void Kernel::notify_clients(const std::string& text) {
 void Kernel::on_process_exit(InstanceExit exit) {
     if (shutting_down_) {
         shutdown_timer_.cancel();
+        clean_up_after_exit();
         if (terminated_handler_)
             terminated_handler_(id());
         return;
@@ -949,13 +965,16 @@ void Kernel::shutdown(const std::string& reason) {
     shutting_down_ = true;
     probe_timer_.cancel();
     finish_readiness("kernel was shut down");
-    for (auto& [session_id, session] : sessions_)
+    for (auto& [session_id, session] : sessions_) {
         if (auto client = session->client_.lock())
             client->disconnect(reason);
+        session->close();
+    }
     sessions_.clear();
     connections_ = 0;
     state_ = KernelState::dead;
     if (!process_ || !process_->running()) {
+        clean_up_after_exit();
         if (terminated_handler_)
             terminated_handler_(id());
         return;
@@ -977,6 +996,7 @@ void Kernel::shutdown(const std::string& reason) {
             if (second_error)
                 return;
             self->process_.reset();  // SIGKILL and reap
+            self->clean_up_after_exit();
             if (self->terminated_handler_)
                 self->terminated_handler_(self->id());
         });

@@ -301,3 +301,56 @@ def test_client_certificates_signed_by_the_client_ca_are_required(launch, tmp_pa
     # Refusals cost nothing: the gateway still serves the good client.
     assert requests.get(gateway.url + "/api", headers=headers, verify=str(ca), cert=tuple(map(str, good)),
                         timeout=30).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------ a client that lingers
+
+
+def workspace_of(gateway, kernel_id):
+    return gateway.state_dir / "workspaces" / kernel_id
+
+
+def assert_files_removed(gateway, kernel_id):
+    connection_file = os.path.join(gateway.runtime_dir, f"kernel-{kernel_id}.json")
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while time.monotonic() < deadline and (os.path.exists(connection_file) or workspace_of(gateway, kernel_id).exists()):
+        time.sleep(0.2)
+    assert not os.path.exists(connection_file), "the deleted kernel's connection file is still on disk"
+    assert not workspace_of(gateway, kernel_id).exists(), "the deleted kernel's workspace is still on disk"
+    assert not kernel_processes(gateway, kernel_id)
+
+
+def test_deleted_kernel_leaves_no_files_while_a_websocket_client_lingers(launch):
+    """Soak finding: with a WebSocket client that keeps its TCP socket open after the close frame, a deleted
+    kernel's connection file (with its HMAC key) and workspace stayed on disk, and a stop never ended (the
+    client's link to the kernel kept its ZMQ sockets open, so zmq_ctx_term waited): the files stayed for good."""
+    gateway = launch()
+    kernel_id = gateway.start_kernel()["id"]
+    connection_file = os.path.join(gateway.runtime_dir, f"kernel-{kernel_id}.json")
+    client = gateway.connect(kernel_id)
+    client.execute("open('kept.txt', 'w').write('x')")
+    assert os.path.exists(connection_file)
+    assert workspace_of(gateway, kernel_id).exists(), list(gateway.state_dir.rglob("*"))[:20]
+
+    assert gateway.delete(f"/api/kernels/{kernel_id}").status_code == 204
+    # The client neither reads the close frame nor closes its socket.
+    assert_files_removed(gateway, kernel_id)
+
+    # The same through the agent API (the soak's case): the agent session's kernel, watched over /channels.
+    session = gateway.post("/agent/v1/sessions", json={}).json()
+    watcher = gateway.connect(session["kernel_id"])
+    watcher.execute("1")
+    assert gateway.delete(f"/agent/v1/sessions/{session['id']}").status_code in (200, 204)
+    assert_files_removed(gateway, session["kernel_id"])
+
+    # A stop with such a client still connected ends promptly and leaves no kernel files behind.
+    second = gateway.start_kernel()["id"]
+    lingering = gateway.connect(second)
+    lingering.execute("1")
+    gateway.process.send_signal(signal.SIGTERM)
+    # Before the fix the lingering connection's ZMQ sockets kept zmq_ctx_term (and the gateway) waiting forever.
+    assert gateway.process.wait(timeout=10) == 0, "".join(gateway.output)
+    assert not os.path.exists(os.path.join(gateway.runtime_dir, f"kernel-{second}.json"))
+    assert not workspace_of(gateway, second).exists()
+    for socket_ in (client, watcher, lingering):
+        socket_.ws.sock.close()

@@ -69,6 +69,9 @@ class KernelClientLink {
   public:
     KernelClientLink(std::string session_id, Kernel& kernel);
     ~KernelClientLink();
+    // Closes this client's ZMQ sockets (also done by the destructor; a client may hold the link past its
+    // kernel's shutdown, and open sockets keep the gateway's ZMQ context from terminating).
+    void close();
     const std::string& session_id() const { return session_id_; }
     bool attached() const { return attached_client_ != nullptr; }
     // Prefix of session ids the gateway generates for clients that send no session_id.
@@ -257,6 +260,12 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::function<void(std::string_view)> launch_failed_handler_;
     std::optional<ProcessIdentity> process_identity_;
     bool released_ = false;
+    // The gateway's sockets to the kernel, its connection file (with the HMAC key), log, ipc endpoints and
+    // workspace go when the process of a kernel that was shut down is gone, not when the last reference to
+    // this object does: a WebSocket connection that lingers after its close frame holds the object for as
+    // long as its peer keeps the socket (and an open ZMQ socket keeps the gateway from exiting).
+    void clean_up_after_exit();
+    bool cleaned_up_ = false;
 
     // Re-adoption. The phase of the record fetch is explicit, so a kernel that keeps no record (not a
     // cellblock kernel) is told apart from one whose answer is still on its way.
