@@ -243,8 +243,9 @@ void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::str
     if (auto found = kernels_.find(kernel->id()); found != kernels_.end() && found->second == kernel)
         kernels_.erase(found);
     std::erase(pool_, kernel);
+    kernel->disown_files();    // the live process (or its gateway) uses them
     kernel->shutdown(reason);  // disconnects its clients; its process is gone or not ours
-    kernel->release();         // keeps the files the live process (or its gateway) uses
+    kernel->release();
 }
 
 void KernelManager::release_lease(const std::string& lease) {

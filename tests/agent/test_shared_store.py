@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,6 +19,9 @@ import pytest
 import websocket
 
 from conftest import AgentGateway, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
+from host_processes import with_cmdline  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- PostgreSQL
@@ -92,31 +96,12 @@ def start_pair(postgres, tmp_path):
 
 def kernel_pids(directory: Path) -> list:
     """Every cellblock-kernel whose command line names a path under `directory` (its connection file)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(b"cellblock-kernel" in part for part in argv[:2]) and any(str(directory).encode() in a for a in argv):
-            found.append(int(entry.name))
-    return found
+    return [p.pid for p in with_cmdline(str(directory)) if "cellblock-kernel" in " ".join(p.cmdline.split()[:2])]
 
 
 def kernel_processes(kernel_id: str) -> list:
     """Processes started for `kernel_id` (its connection file kernel-<id>.json is on the command line)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if f"kernel-{kernel_id}.json".encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return [p.pid for p in with_cmdline(f"kernel-{kernel_id}.json")]
 
 
 @pytest.fixture

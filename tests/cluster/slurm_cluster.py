@@ -13,9 +13,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
+from host_processes import with_cmdline  # noqa: E402
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol", "sinfo")
 NODE_NAMES = ("cbnode1", "cbnode2")
@@ -39,18 +43,8 @@ def require_binaries() -> dict[str, str]:
 
 
 def processes_mentioning(text: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every process whose command line contains `text`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in command:
-            found.append((int(entry.name), command))
-    return found
+    """(pid, command line) of every live process (but this one) whose command line contains `text`."""
+    return [(p.pid, p.cmdline) for p in with_cmdline(text) if p.pid != os.getpid()]
 
 
 class SlurmCluster:

@@ -159,6 +159,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // open).
     void close_sockets();
     void interrupt();
+    // The files and workspace belong to a live process or another gateway: never removed by this object.
+    void disown_files() { cleaned_up_ = true; }
     // Restarts the process in place (same id, endpoints and key, so connected clients stay connected).
     void restart(ReadyHandler on_ready);
     // Asks the kernel to exit, then escalates to signals; clients are told `reason`.
