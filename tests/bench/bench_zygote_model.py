@@ -10,9 +10,11 @@ the workers are confined alike and the figures leave out what both paths pay per
 PSS, `bench_memory.py`). Two ways to get N ready workers, each speaking PROTOCOL.md on its own fd 3:
 
 * exec (today): fork + execve `/usr/bin/python3 cellblock_worker.py`;
-* fork (the zygote model): one template imports the worker runtime, IPython's InteractiveShell, numpy, pandas,
+* fork (the zygote model, two variants): one template imports the worker runtime, IPython's InteractiveShell, numpy, pandas,
   matplotlib (+ the inline backend), runs `gc.freeze()`; each worker is a fork of it that reseeds `random`
-  and `numpy.random` and runs the worker's own `main()` (which builds its InteractiveShell).
+  and `numpy.random` and either runs the worker's own `main()`
+  (which builds its InteractiveShell after the fork) or, `fork+shell`, finds the shell already built by the
+  template and only attaches it to its channel (the worker's `main._start` split in two).
 
 Each worker answers `1+1`; after a pause the PSS of the workers (+ the template, for fork) is summed and divided
 by N. Also: start → `ready` per worker (median, p99), the first `import pandas` in a worker, and what forking
@@ -78,7 +80,7 @@ def execute(sock, buffer, code, number):
     assert reply["content"]["status"] == "ok", reply
     return results[0] if results else None
 
-if MODE == "fork":
+if MODE in ("fork", "fork+shell"):
     os.environ.update(ENV_FOR_WORKER)
     sys.path.insert(0, WORKER_DIR)
     started = time.perf_counter()
@@ -89,6 +91,21 @@ if MODE == "fork":
     import cellblock_runtime.children, cellblock_runtime.stdin  # noqa: E401
     import IPython.core.interactiveshell  # noqa: F401
     import numpy, pandas, matplotlib, matplotlib.pyplot, matplotlib_inline.backend_inline  # noqa: E401,F401
+    if MODE == "fork+shell":
+        # The worker's own start (main._start) split in two: everything but the channel in the template.
+        from cellblock_runtime.interrupts import InterruptGate
+        from cellblock_runtime.streams import open_fd_text_stream
+        from cellblock_runtime.shell import OutputRoute, create_shell
+        from cellblock_runtime.children import ZombieReaper
+        from cellblock_runtime.requests import RequestHandlers
+        from cellblock_runtime.stdin import StdinForwarder
+        from cellblock_runtime.framing import FrameChannel
+        gate = InterruptGate()
+        gate.ignore_interrupts()
+        sys.stdout = sys.__stdout__ = open_fd_text_stream(1)
+        sys.stderr = sys.__stderr__ = open_fd_text_stream(2)
+        route = OutputRoute(None)
+        shell = create_shell(route)
     template_import_ms = (time.perf_counter() - started) * 1000
     gc.collect()
     gc.freeze()
@@ -113,7 +130,19 @@ for number in range(COUNT):
             import random
             random.seed()
             numpy.random.seed()
-            os._exit(cellblock_runtime.main.main(WORKER_DIR) or 0)
+            if MODE == "fork":
+                os._exit(cellblock_runtime.main.main(WORKER_DIR) or 0)
+            channel = FrameChannel(3, gate)
+            gate.watch_requests(channel.request_waiting)
+            route._channel = channel
+            stdin_forwarder = StdinForwarder(channel)
+            stdin_forwarder.install()
+            reaper = ZombieReaper()
+            reaper.track_popen_objects()
+            handlers = RequestHandlers(shell, gate, stdin_forwarder)
+            sys.path[:] = ["" if entry == WORKER_DIR else entry for entry in sys.path]
+            sys.argv = [""]
+            os._exit(cellblock_runtime.main._serve(channel, handlers, reaper, gate) or 0)
         finally:
             os._exit(127)
     worker_end.close()
@@ -140,7 +169,7 @@ def pss_kib(pid):
     return 0
 
 worker_pss = [pss_kib(pid) for pid, _, _ in workers]
-template_pss = pss_kib(os.getpid()) if MODE == "fork" else 0
+template_pss = pss_kib(os.getpid()) if MODE != "exec" else 0
 for pid, sock, buffer in workers:
     send(sock, {"type": "shutdown"})
     sock.close()
@@ -184,7 +213,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="cellblock-bench-zygote-"))
     try:
         results = {}
-        for mode in ("exec", "fork"):
+        for mode in ("exec", "fork", "fork+shell"):
             progress(f"{mode}: {count} workers in one sandbox")
             results[mode] = run_inside(args.prefix, mode, count, settle, workdir)
     finally:
@@ -194,17 +223,19 @@ def main() -> int:
         total = sum(result["worker_pss_kib"]) + result["template_pss_kib"]
         return Stats([total / len(result["worker_pss_kib"]) / 1024.0])
 
-    exec_result, fork_result = results["exec"], results["fork"]
-    print(f"{count} workers per path, all in one sandbox; fork: the template imported for "
-          f"{fork_result['template_import_ms']:.0f} ms before the first fork.\n")
+    ours = results["fork+shell"]
+    peers = {"fork, shell built after fork": results["fork"], "exec": results["exec"]}
+    print(f"{count} workers per path, all in one sandbox. cellblock column: fork of a template that also built the "
+          f"InteractiveShell (imports + shell: {ours['template_import_ms']:.0f} ms before the first fork).\n")
     rows = [
-        Row("worker PSS per session (fork: + template / N)", per_session_mib(fork_result),
-            {"exec": per_session_mib(exec_result)}, unit="MiB", target="≤ 10 MB with the kernel's 2.4",
-            note="one sample: sum / N"),
-        Row("start → worker `ready`", Stats(fork_result["ready_ms"]), {"exec": Stats(exec_result["ready_ms"])},
-            unit="ms", target="≤ 30 ms p50 incl. kernel + sandbox", note="sandbox setup not included"),
-        Row("first `import pandas` in a session", Stats([f[0] for f in fork_result["firsts"]]),
-            {"exec": Stats([f[0] for f in exec_result["firsts"]])}, unit="ms", target="≤ 5 ms"),
+        Row("worker PSS per session (+ template / N)", per_session_mib(ours),
+            {label: per_session_mib(r) for label, r in peers.items()}, unit="MiB",
+            target="≤ 10 MB with the kernel's 2.4", note="one sample: sum / N"),
+        Row("start → worker `ready`", Stats(ours["ready_ms"]),
+            {label: Stats(r["ready_ms"]) for label, r in peers.items()}, unit="ms",
+            target="≤ 30 ms p50 incl. kernel + sandbox", note="sandbox setup not included"),
+        Row("first `import pandas` in a session", Stats([f[0] for f in ours["firsts"]]),
+            {label: Stats([f[0] for f in r["firsts"]]) for label, r in peers.items()}, unit="ms", target="≤ 5 ms"),
     ]
     print(markdown_table("Worker zygote model: fork from a preloaded template vs exec", rows))
     print("What two workers of the same path share (first two workers, same probe cell):\n")
