@@ -13,8 +13,9 @@ PSS, `bench_memory.py`). Two ways to get N ready workers, each speaking PROTOCOL
 * fork (the zygote model, two variants): one template imports the worker runtime, IPython's InteractiveShell, numpy, pandas,
   matplotlib (+ the inline backend), runs `gc.freeze()`; each worker is a fork of it that reseeds `random`
   and `numpy.random` and either runs the worker's own `main()`
-  (which builds its InteractiveShell after the fork) or, `fork+shell`, finds the shell already built by the
-  template and only attaches it to its channel (the worker's `main._start` split in two).
+  (which builds its InteractiveShell after the fork) or, `fork+shell`, is the worker's own zygote half
+  (`cellblock_runtime/zygote.py`: `make_template` built the shell in the template, `serve_forked` redraws the
+  random state and attaches the shell to fd 3).
 
 Each worker answers `1+1`; after a pause the PSS of the workers (+ the template, for fork) is summed and divided
 by N. Also: start → `ready` per worker (median, p99), the first `import pandas` in a worker, and what forking
@@ -84,6 +85,8 @@ if MODE in ("fork", "fork+shell"):
     os.environ.update(ENV_FOR_WORKER)
     sys.path.insert(0, WORKER_DIR)
     started = time.perf_counter()
+    from cellblock_runtime import zygote
+    zygote.occupy_worker_fds()  # before any import opens a file: fds 0-3 are the workers'
     from cellblock_runtime.ipython_boot import apply_environment_defaults, install_lazy_ipython_package
     apply_environment_defaults()
     install_lazy_ipython_package()
@@ -92,20 +95,8 @@ if MODE in ("fork", "fork+shell"):
     import IPython.core.interactiveshell  # noqa: F401
     import numpy, pandas, matplotlib, matplotlib.pyplot, matplotlib_inline.backend_inline  # noqa: E401,F401
     if MODE == "fork+shell":
-        # The worker's own start (main._start) split in two: everything but the channel in the template.
-        from cellblock_runtime.interrupts import InterruptGate
-        from cellblock_runtime.streams import open_fd_text_stream
-        from cellblock_runtime.shell import OutputRoute, create_shell
-        from cellblock_runtime.children import ZombieReaper
-        from cellblock_runtime.requests import RequestHandlers
-        from cellblock_runtime.stdin import StdinForwarder
-        from cellblock_runtime.framing import FrameChannel
-        gate = InterruptGate()
-        gate.ignore_interrupts()
-        sys.stdout = sys.__stdout__ = open_fd_text_stream(1)
-        sys.stderr = sys.__stderr__ = open_fd_text_stream(2)
-        route = OutputRoute(None)
-        shell = create_shell(route)
+        prepared = zygote.make_template(WORKER_DIR)  # main.prepare + preload + gc.freeze
+        zygote.check_forkable()
     template_import_ms = (time.perf_counter() - started) * 1000
     gc.collect()
     gc.freeze()
@@ -127,22 +118,13 @@ for number in range(COUNT):
             os.closerange(4, 4096)
             if MODE == "exec":
                 os.execve(PYTHON, [PYTHON, WORKER_DIR + "/cellblock_worker.py"], ENV_FOR_WORKER)
+            if MODE == "fork+shell":
+                os._exit(zygote.serve_forked(prepared) or 0)  # redraws random state itself
             import random
             random.seed()
             numpy.random.seed()
             if MODE == "fork":
                 os._exit(cellblock_runtime.main.main(WORKER_DIR) or 0)
-            channel = FrameChannel(3, gate)
-            gate.watch_requests(channel.request_waiting)
-            route._channel = channel
-            stdin_forwarder = StdinForwarder(channel)
-            stdin_forwarder.install()
-            reaper = ZombieReaper()
-            reaper.track_popen_objects()
-            handlers = RequestHandlers(shell, gate, stdin_forwarder)
-            sys.path[:] = ["" if entry == WORKER_DIR else entry for entry in sys.path]
-            sys.argv = [""]
-            os._exit(cellblock_runtime.main._serve(channel, handlers, reaper, gate) or 0)
         finally:
             os._exit(127)
     worker_end.close()
@@ -203,6 +185,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 workers per path (smoke run)")
     parser.add_argument("--sessions", type=int, default=32, help="workers per path")
+    parser.add_argument("--density", action="store_true",
+                        help="only the fork+shell path (for a large --sessions: memory per session at that density)")
     parser.add_argument("--prefix", type=Path, default=Path(os.environ.get("CELLBLOCK_PREFIX", "/usr/local")))
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -213,7 +197,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="cellblock-bench-zygote-"))
     try:
         results = {}
-        for mode in ("exec", "fork", "fork+shell"):
+        for mode in (("fork+shell",) if args.density else ("exec", "fork", "fork+shell")):
             progress(f"{mode}: {count} workers in one sandbox")
             results[mode] = run_inside(args.prefix, mode, count, settle, workdir)
     finally:
@@ -224,7 +208,8 @@ def main() -> int:
         return Stats([total / len(result["worker_pss_kib"]) / 1024.0])
 
     ours = results["fork+shell"]
-    peers = {"fork, shell built after fork": results["fork"], "exec": results["exec"]}
+    peers = {label: results[mode] for label, mode in (("fork, shell built after fork", "fork"), ("exec", "exec"))
+             if mode in results}
     print(f"{count} workers per path, all in one sandbox. cellblock column: fork of a template that also built the "
           f"InteractiveShell (imports + shell: {ours['template_import_ms']:.0f} ms before the first fork).\n")
     rows = [
