@@ -12,12 +12,12 @@ import textwrap
 from conftest import worker_environment, worker_script
 
 DRIVER = textwrap.dedent(r"""
-    import ctypes, json, os, signal, socket, struct, sys, time
+    import ctypes, json, os, shutil, signal, socket, struct, sys, time
     worker_dir = sys.argv[1]
     sys.path.insert(0, worker_dir)
     from cellblock_runtime import zygote
     import multiprocessing.process, random
-    prepared = zygote.make_template(worker_dir, preload=("numpy", "numpy.random"))
+    prepared = zygote.make_template(worker_dir, preload=("numpy", "numpy.random", "matplotlib"))
     import numpy
     zygote.check_forkable()
     template = {"random": list(random.getstate()[1][:8]), "numpy": numpy.random.get_state()[1][:8].tolist(),
@@ -46,6 +46,9 @@ DRIVER = textwrap.dedent(r"""
             os.dup2(output_write, 2)
             os.dup2(worker_end.fileno(), 3)
             os.closerange(4, 65536)  # what run_child's close_range does
+            if index == 0:  # the fork's /tmp is a fresh tmpfs (the first one stands for it; they run at once)
+                for made_by_the_template in (os.environ["IPYTHONDIR"], os.environ["MPLCONFIGDIR"]):
+                    shutil.rmtree(made_by_the_template)
             for signo in signal.valid_signals():  # what run_child's reset does (in the kernel only)
                 if signo not in (signal.SIGKILL, signal.SIGSTOP):
                     libc.signal(ctypes.c_int(signo), ctypes.c_void_p(0))
@@ -85,16 +88,19 @@ PROBE = ("import random, numpy, multiprocessing.process, json; json.dumps({'rand
          "'authkey': multiprocessing.process.current_process().authkey.hex(), 'hash': hash('x')})")
 FDS = ("import os; fds = sorted(int(fd) for fd in os.listdir('/proc/self/fd')); "
        "[(fd, os.readlink('/proc/self/fd/%d' % fd)) for fd in fds if os.path.lexists('/proc/self/fd/%d' % fd)]")
+DIRECTORIES = ("import os, matplotlib; (sorted(os.listdir(get_ipython().profile_dir.location)), "
+               "os.path.isdir(os.environ['MPLCONFIGDIR']))")
 PIPE = ("import os; r, w = os.pipe(); os.close(r)\n"
         "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    print('broken pipe raised')\nfinally:\n    os.close(w)")
 
 
 def run_template(tmp_path, first_cells, second_cells):
     worker_dir = pathlib.Path(worker_script()).parent
+    environment = dict(worker_environment(tmp_path), IPYTHONDIR=str(tmp_path / "ipython"),
+                       MPLCONFIGDIR=str(tmp_path / "matplotlib"))
     completed = subprocess.run(
         ["/usr/bin/python3", "-c", DRIVER, str(worker_dir), json.dumps(first_cells), json.dumps(second_cells)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=worker_environment(tmp_path),
-        stdin=subprocess.DEVNULL)
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL)
     for line in completed.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -127,7 +133,7 @@ def test_two_forks_of_one_template_are_separate_sessions(tmp_path):
 
 
 def test_a_fork_has_only_its_own_fds_and_the_interpreters_signal_dispositions(tmp_path):
-    result = run_template(tmp_path, [FDS, PIPE], ["1+1"])
+    result = run_template(tmp_path, [FDS, PIPE, DIRECTORIES], ["1+1"])
     first = result["sessions"][0]
     fds = dict(eval(value(first["replies"][FDS])))
     # 0-2, the channel, and IPython's /dev/null put back at its number (the listing's own fd is gone by the
@@ -137,3 +143,5 @@ def test_a_fork_has_only_its_own_fds_and_the_interpreters_signal_dispositions(tm
     assert list(extra.values()) == ["/dev/null"], fds
     # SIGPIPE is ignored again (the confinement had reset it): a closed pipe raises instead of killing.
     assert first["replies"][PIPE]["status"] == "ok", first["replies"][PIPE]
+    # What the template's start made under its /tmp exists again in the fork's fresh one.
+    assert eval(value(first["replies"][DIRECTORIES])) == (["log", "pid", "security", "startup"], True)

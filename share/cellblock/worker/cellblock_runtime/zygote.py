@@ -101,10 +101,23 @@ def reopen_inherited_devnull():
         os.close(fresh)
 
 
+def recreate_start_directories(shell):
+    """The fork's /tmp is a fresh tmpfs, without what the template's start made there: IPython's profile
+    directory (IPYTHONDIR) and matplotlib's config directory. Make them again, as an exec'd worker's start does."""
+    profile = getattr(shell, "profile_dir", None)
+    if profile is not None:
+        os.makedirs(profile.location, exist_ok=True)
+        profile.check_dirs()
+    config_dir = os.environ.get("MPLCONFIGDIR")
+    if config_dir and "matplotlib" in sys.modules:
+        os.makedirs(config_dir, exist_ok=True)
+
+
 def serve_forked(prepared):
     """Runs in a confined fork of the template with fds 0-3 in place and every other fd closed (the
     confinement's close_range), before any code of the user's. Returns the exit status."""
     reopen_inherited_devnull()
     restore_signal_dispositions()
     redraw_session_state()
+    recreate_start_directories(prepared.shell)
     return main.serve(*main.attach(prepared))
