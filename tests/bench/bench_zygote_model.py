@@ -10,12 +10,11 @@ the workers are confined alike and the figures leave out what both paths pay per
 PSS, `bench_memory.py`). Two ways to get N ready workers, each speaking PROTOCOL.md on its own fd 3:
 
 * exec (today): fork + execve `/usr/bin/python3 cellblock_worker.py`;
-* fork (the zygote model, two variants): one template imports the worker runtime, IPython's InteractiveShell, numpy, pandas,
-  matplotlib (+ the inline backend), runs `gc.freeze()`; each worker is a fork of it that reseeds `random`
-  and `numpy.random` and either runs the worker's own `main()`
-  (which builds its InteractiveShell after the fork) or, `fork+shell`, is the worker's own zygote half
-  (`cellblock_runtime/zygote.py`: `make_template` built the shell in the template, `serve_forked` redraws the
-  random state and attaches the shell to fd 3).
+* fork (the zygote model, two variants): one template imports the worker runtime, IPython's InteractiveShell,
+  numpy, pandas, matplotlib (+ the inline backend), runs `gc.freeze()`; each worker is a fork of it that either
+  reseeds `random` and `numpy.random` and runs the worker's own `main()` (which builds its InteractiveShell after
+  the fork) or, `fork+shell`, runs the worker's own zygote half (`cellblock_runtime/zygote.py`: `make_template`
+  built the shell in the template, `serve_forked` redraws the random state and attaches the shell to fd 3).
 
 Each worker answers `1+1`; after a pause the PSS of the workers (+ the template, for fork) is summed and divided
 by N. Also: start → `ready` per worker (median, p99), the first `import pandas` in a worker, and what forking

@@ -91,7 +91,8 @@ FDS = ("import os; fds = sorted(int(fd) for fd in os.listdir('/proc/self/fd')); 
 DIRECTORIES = ("import os, matplotlib; (sorted(os.listdir(get_ipython().profile_dir.location)), "
                "os.path.isdir(os.environ['MPLCONFIGDIR']))")
 PIPE = ("import os; r, w = os.pipe(); os.close(r)\n"
-        "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    print('broken pipe raised')\nfinally:\n    os.close(w)")
+        "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    print('broken pipe raised')\n"
+        "finally:\n    os.close(w)")
 
 
 def run_template(tmp_path, first_cells, second_cells):
