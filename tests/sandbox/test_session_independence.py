@@ -3,7 +3,8 @@
 Today every worker is a fresh execve of the interpreter, so each draws its own seeds and hash secret from the
 kernel's entropy and builds its environment from the policy alone. A worker made another way (a fork of a
 preloaded template: issue 11's zygote) would inherit all of it from its template unless it is redrawn; these
-tests are the guard any such start path must pass. Each check is made on fresh kernels whose workers ran nothing
+tests are the guard any such start path must pass (a fork also shows its template's command line and start
+environment in /proc, so those are compared too). Each check is made on fresh kernels whose workers ran nothing
 else before the probe, so two workers that inherited one state would report identical values.
 """
 from __future__ import annotations
@@ -63,9 +64,11 @@ def test_two_sessions_draw_independent_random_state_and_hash_secrets(own_kernel)
         assert again[key] != a[key], f"{key} survived a worker restart: {a[key]!r}"
 
 
-def test_worker_environment_is_exactly_the_policy_environment(own_kernel):  # noqa: F811
+def test_worker_environment_and_command_line_are_exactly_the_exec_paths(own_kernel):  # noqa: F811
     kernel = own_kernel("environment", CELLBLOCK_HOSTILE_MARKER="kernel-only")
     # Host side: what the worker was started with, as /proc shows it to anyone on the host.
+    assert Path(f"/proc/{kernel.worker_pid()}/cmdline").read_bytes() == \
+        b"/usr/bin/python3\0/opt/cellblock/worker/cellblock_worker.py\0"
     raw = Path(f"/proc/{kernel.worker_pid()}/environ").read_bytes()
     started_with = dict(entry.partition("=")[::2] for entry in raw.decode().split("\0") if entry)
     assert started_with == expected_start_environment()
