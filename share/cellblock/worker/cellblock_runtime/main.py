@@ -18,8 +18,19 @@ def _internal_error_content(error):
     }
 
 
-def _start(worker_dir):
-    from .framing import FrameChannel
+class Prepared:
+    """A worker started up to, but not including, its channel: what a template can do once for many workers."""
+
+    def __init__(self, worker_dir, gate, route, shell, reaper):
+        self.worker_dir = worker_dir
+        self.gate = gate
+        self.route = route
+        self.shell = shell
+        self.reaper = reaper
+
+
+def prepare(worker_dir):
+    """Everything of the start that does not need fd 3: streams, IPython, the shell, the zombie reaper."""
     from .interrupts import InterruptGate
     from .ipython_boot import apply_environment_defaults, install_lazy_ipython_package
     from .streams import open_fd_text_stream
@@ -32,24 +43,40 @@ def _start(worker_dir):
     install_lazy_ipython_package()
 
     from .children import ZombieReaper
-    from .requests import RequestHandlers
     from .shell import OutputRoute, create_shell
-    from .stdin import StdinForwarder
 
-    channel = FrameChannel(CHANNEL_FD, gate)
-    gate.watch_requests(channel.request_waiting)
-    shell = create_shell(OutputRoute(channel))
-    stdin_forwarder = StdinForwarder(channel)
-    stdin_forwarder.install()
+    route = OutputRoute(None)
+    shell = create_shell(route)
     reaper = ZombieReaper()
     reaper.track_popen_objects()
-    handlers = RequestHandlers(shell, gate, stdin_forwarder)
+    return Prepared(worker_dir, gate, route, shell, reaper)
+
+
+def attach(prepared):
+    """Connects a prepared worker to its channel on fd 3; after this it can serve requests."""
+    from .framing import FrameChannel
+    from .requests import RequestHandlers
+    from .stdin import StdinForwarder
+
+    gate = prepared.gate
+    # Again, for a forked worker: the confinement between fork and here reset every signal disposition.
+    gate.ignore_interrupts()
+    channel = FrameChannel(CHANNEL_FD, gate)
+    gate.watch_requests(channel.request_waiting)
+    prepared.route.attach(channel)
+    stdin_forwarder = StdinForwarder(channel)
+    stdin_forwarder.install()
+    handlers = RequestHandlers(prepared.shell, gate, stdin_forwarder)
 
     # User code imports from the current directory (as in ipykernel), not from the worker's own folder;
     # every runtime module is imported by now.
-    sys.path[:] = ["" if entry == worker_dir else entry for entry in sys.path]
+    sys.path[:] = ["" if entry == prepared.worker_dir else entry for entry in sys.path]
     sys.argv = [""]
-    return channel, handlers, reaper, gate
+    return channel, handlers, prepared.reaper, gate
+
+
+def _start(worker_dir):
+    return attach(prepare(worker_dir))
 
 
 def _error_content(ename, evalue):
@@ -112,9 +139,12 @@ def _serve(channel, handlers, reaper, gate):
             pass  # fds 1/2 belong to the user's output; a failed reap is retried after the next request
 
 
-def main(worker_dir):
-    channel, handlers, reaper, gate = _start(worker_dir)
+def serve(channel, handlers, reaper, gate):
     try:
         return _serve(channel, handlers, reaper, gate)
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the kernel went away while we were writing
+
+
+def main(worker_dir):
+    return serve(*_start(worker_dir))

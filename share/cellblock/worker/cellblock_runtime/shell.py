@@ -48,6 +48,10 @@ class OutputRoute:
         self._channel = channel
         self.silent = False
 
+    def attach(self, channel):
+        """The channel, once the worker has one (a template builds the shell before it does)."""
+        self._channel = channel
+
     def publish(self, message):
         if not self.silent:
             self._channel.send(message)
