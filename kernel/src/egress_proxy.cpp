@@ -288,20 +288,26 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
             entry = std::make_shared<PendingApproval>(io);
             entry->request = {new_approval_id(), host, port, method};
             entry->timer.expires_after(policy.approval_timeout());
-            entry->timer.async_wait([this, entry](error_code error) {
-                if (!error) {
-                    decide(entry, Decision::timeout, "");
+            // Neither the timer nor the broker's callback owns the approval: the callback may outlive the
+            // proxy (a broker keeps it), and nothing of the io_context may be destroyed after it.
+            entry->timer.async_wait([this, weak_entry = std::weak_ptr(entry)](error_code error) {
+                if (const auto held = weak_entry.lock(); held && !error) {
+                    decide(held, Decision::timeout, "");
                 }
             });
             entry->waiters.push_back(std::move(waiter));
             const auto request = entry->request;
             observer.on_approval_requested(request, policy.approval_timeout().count() / 1000.0);
             std::weak_ptr<Impl> weak = weak_from_this();
-            broker.request(request, [weak, entry](Decision decision, std::string decided_by) {
+            broker.request(request, [weak, host = request.host, id = request.id](Decision decision,
+                                                                                 std::string decided_by) {
                 if (const auto self = weak.lock()) {
                     self->post_if_running(
-                        [raw = self.get(), entry, decision, decided_by = std::move(decided_by)] {
-                            raw->decide(entry, decision, decided_by);
+                        [raw = self.get(), host, id, decision, decided_by = std::move(decided_by)] {
+                            if (const auto found = raw->pending.find(host);
+                                found != raw->pending.end() && found->second->request.id == id) {
+                                raw->decide(found->second, decision, decided_by);
+                            }
                         });
                 }
             });
@@ -310,8 +316,8 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
         entry->waiters.push_back(std::move(waiter));
     }
 
-    void decide(const std::shared_ptr<PendingApproval>& entry, Decision decision,
-                const std::string& decided_by) {
+    // By value: erasing the map's entry below must not destroy the approval while it is decided.
+    void decide(std::shared_ptr<PendingApproval> entry, Decision decision, const std::string& decided_by) {
         if (entry->decided) {
             return;
         }
@@ -366,6 +372,10 @@ class Session : public std::enable_shared_from_this<Session> {
 
     ~Session() {
         record_.duration_ms = milliseconds_since(started_);
+        if (!record_.allowed && record_.rule.empty()) {
+            record_.rule = phase_ == Phase::deciding ? "held for approval when the proxy stopped"
+                                                     : "closed before the request was decided";
+        }
         try {
             log_event(record_.allowed ? LogLevel::info : LogLevel::warning, "egress_connection",
                       {{"host", record_.host},

@@ -611,6 +611,20 @@ TEST_F(EgressApprovalTest, LateAndRepeatedAnswersAreIgnored) {
     EXPECT_TRUE(again.get().starts_with("HTTP/1.1 403 Forbidden\r\n"));
 }
 
+TEST_F(EgressApprovalTest, AnAnswerAfterTheProxyIsGoneIsHarmless) {
+    auto held = get_in_background();
+    {
+        std::unique_lock lock(broker.mutex_);
+        ASSERT_TRUE(broker.changed_.wait_for(lock, 10s, [&] { return !broker.requests.empty(); }));
+    }
+    proxy.reset();  // the kernel replaced or stopped the proxy while a human was still deciding
+    EXPECT_EQ(held.get(), "");
+    EXPECT_TRUE(broker.answer(1, Decision::allow_session, "alice"));  // the broker still holds the callback
+    const auto records = recorder.wait_connections(1);
+    ASSERT_EQ(records.size(), 1u);
+    EXPECT_FALSE(records[0].allowed);
+}
+
 TEST_F(EgressProxyTest, NoDecisionWithinTheTimeoutDenies) {
     start({{"allow", json::array()}, {"ask", true}, {"ceiling", {"*.test"}}, {"approval_timeout_s", 0.5}});
     const auto started = std::chrono::steady_clock::now();
