@@ -200,12 +200,12 @@ class Session;
 class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl> {
   public:
     Impl(EgressPolicy policy_in, PinnedHosts pinned_in, ApprovalBroker& broker_in,
-         EgressObserver& observer_in, ProxyTimeouts timeouts_in)
+         EgressObserver& observer_in, ProxyLimits limits_in)
         : policy(std::move(policy_in)),
           pinned(std::move(pinned_in)),
           broker(broker_in),
           observer(observer_in),
-          timeouts(timeouts_in) {}
+          limits(limits_in) {}
 
     ~Impl() { stop(); }
 
@@ -237,6 +237,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
         }
         pending.clear();
         acceptor.reset();
+        accept_pause.reset();
         // The handlers that never ran hold the open sessions: destroying the io_context destroys them, and
         // each reports its connection once, while the observer and the policy are still alive.
         io_owner.reset();
@@ -344,9 +345,11 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     PinnedHosts pinned;
     ApprovalBroker& broker;
     EgressObserver& observer;
-    ProxyTimeouts timeouts;
+    ProxyLimits limits;
     std::optional<tcp::acceptor> acceptor;
     std::uint64_t listener_generation = 0;
+    std::optional<asio::steady_timer> accept_pause{std::in_place, io};
+    std::size_t open_sessions = 0;  // Session objects alive (on the proxy thread only)
     std::map<std::string, std::shared_ptr<PendingApproval>> pending;  // one per host
     std::thread thread;
     std::mutex stop_mutex;
@@ -368,9 +371,12 @@ class Session : public std::enable_shared_from_this<Session> {
           resolver_(proxy.io),
           deadline_(proxy.io),
           up_buffer_(relay_buffer_bytes),
-          down_buffer_(relay_buffer_bytes) {}
+          down_buffer_(relay_buffer_bytes) {
+        ++proxy_.open_sessions;
+    }
 
     ~Session() {
+        --proxy_.open_sessions;
         record_.duration_ms = milliseconds_since(started_);
         if (!record_.allowed && record_.rule.empty()) {
             record_.rule = phase_ == Phase::deciding ? "held for approval when the proxy stopped"
@@ -394,13 +400,18 @@ class Session : public std::enable_shared_from_this<Session> {
     }
 
     void start() {
-        arm(proxy_.timeouts.request_head,
-            "no complete request head within " + seconds_text(proxy_.timeouts.request_head));
+        arm(proxy_.limits.request_head,
+            "no complete request head within " + seconds_text(proxy_.limits.request_head));
         parser_.emplace();
         parser_->header_limit(max_request_head_bytes);
         http::async_read_header(
             client_, head_buffer_, *parser_,
             [self = shared_from_this()](error_code error, std::size_t) { self->on_head(error); });
+    }
+
+    void refuse_busy() {
+        refuse(http::status::service_unavailable, "too many connections open through the proxy (limit " +
+                                                      std::to_string(proxy_.limits.max_connections) + ")");
     }
 
   private:
@@ -527,8 +538,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
     void resolve() {
         phase_ = Phase::connecting;
-        arm(proxy_.timeouts.connect,
-            "could not connect to " + record_.host + " within " + seconds_text(proxy_.timeouts.connect));
+        arm(proxy_.limits.connect,
+            "could not connect to " + record_.host + " within " + seconds_text(proxy_.limits.connect));
         if (const auto* addresses = proxy_.pinned.lookup(record_.host)) {
             // The operator's own statement: these addresses are exempt from the private-address refusal.
             std::vector<tcp::endpoint> endpoints;
@@ -616,8 +627,8 @@ class Session : public std::enable_shared_from_this<Session> {
     void establish_tunnel() {
         static constexpr std::string_view established = "HTTP/1.1 200 Connection established\r\n\r\n";
         phase_ = Phase::client_hello;
-        arm(proxy_.timeouts.client_hello,
-            "no complete TLS ClientHello within " + seconds_text(proxy_.timeouts.client_hello));
+        arm(proxy_.limits.client_hello,
+            "no complete TLS ClientHello within " + seconds_text(proxy_.limits.client_hello));
         // Bytes the client sent right after the CONNECT head are the start of its ClientHello.
         const auto leftover = head_buffer_.data();
         hello_.assign(static_cast<const char*>(leftover.data()), leftover.size());
@@ -691,7 +702,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
     void forward_request() {
         phase_ = Phase::relay;
-        arm(proxy_.timeouts.idle, "no data either way for " + seconds_text(proxy_.timeouts.idle));
+        arm(proxy_.limits.idle, "no data either way for " + seconds_text(proxy_.limits.idle));
         outgoing_head_.emplace(parser_->get());
         outgoing_head_->target(origin_form_);
         outgoing_head_->set(http::field::host, host_header_value());
@@ -751,7 +762,7 @@ class Session : public std::enable_shared_from_this<Session> {
     void start_relay(bool tunnel) {
         phase_ = Phase::relay;
         tunnel_ = tunnel;
-        arm(proxy_.timeouts.idle, "no data either way for " + seconds_text(proxy_.timeouts.idle));
+        arm(proxy_.limits.idle, "no data either way for " + seconds_text(proxy_.limits.idle));
         up_ = Pipe{&client_, &upstream_, &up_buffer_, &record_.bytes_up, &upload_limit_};
         down_ = Pipe{&upstream_, &client_, &down_buffer_, &record_.bytes_down, &no_limit_};
         if (!tunnel) {
@@ -968,17 +979,29 @@ void EgressProxy::Impl::accept_next(std::uint64_t generation) {
             return;
         }
         if (error) {
+            // Out of descriptors or memory: pause instead of spinning on the same error.
             log_event(LogLevel::warning, "egress_accept_failed", {{"error", error.message()}});
+            accept_pause->expires_after(std::chrono::milliseconds(100));
+            accept_pause->async_wait([this, generation](error_code) {
+                if (generation == listener_generation && acceptor) {
+                    accept_next(generation);
+                }
+            });
+            return;
+        }
+        const auto session = std::make_shared<Session>(*this, std::move(socket));
+        if (open_sessions > limits.max_connections) {
+            session->refuse_busy();
         } else {
-            std::make_shared<Session>(*this, std::move(socket))->start();
+            session->start();
         }
         accept_next(generation);
     });
 }
 
 EgressProxy::EgressProxy(EgressPolicy policy, PinnedHosts pinned, ApprovalBroker& broker,
-                         EgressObserver& observer, ProxyTimeouts timeouts)
-    : impl_(std::make_shared<Impl>(std::move(policy), std::move(pinned), broker, observer, timeouts)) {
+                         EgressObserver& observer, ProxyLimits limits)
+    : impl_(std::make_shared<Impl>(std::move(policy), std::move(pinned), broker, observer, limits)) {
     impl_->start();
 }
 

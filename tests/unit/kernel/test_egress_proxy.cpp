@@ -259,14 +259,14 @@ class EgressProxyTest : public ::testing::Test {
 
     // Starts the proxy with `policy` (the upstream ports added to "ports" unless given) and pypi.test,
     // files.test, ask.test pinned to 127.0.0.1.
-    void start(json policy, ProxyTimeouts timeouts = {}) {
+    void start(json policy, ProxyLimits limits = {}) {
         if (!policy.contains("ports")) {
             policy["ports"] = {echo_server.port(), http_server.port()};
         }
         proxy = std::make_unique<EgressProxy>(
             EgressPolicy::parse(policy),
             PinnedHosts::parse("127.0.0.1 pypi.test files.test ask.test other.test\n", "test-hosts"), broker,
-            recorder, timeouts);
+            recorder, limits);
         proxy->serve(listening_socket(proxy_port));
     }
 
@@ -476,9 +476,9 @@ TEST_F(EgressProxyTest, OversizedRequestHeadIsRefused) {
 }
 
 TEST_F(EgressProxyTest, SilentClientIsClosedAfterTheHeadTimeout) {
-    ProxyTimeouts timeouts;
-    timeouts.request_head = 300ms;
-    start({{"allow", {"pypi.test"}}}, timeouts);
+    ProxyLimits limits;
+    limits.request_head = 300ms;
+    start({{"allow", {"pypi.test"}}}, limits);
     auto client = connect_to(proxy_port);
     send_all(client.get(), "GET http://pypi.test/ HTTP/1.1\r\n");  // never finished
     const auto started = std::chrono::steady_clock::now();
@@ -490,9 +490,9 @@ TEST_F(EgressProxyTest, SilentClientIsClosedAfterTheHeadTimeout) {
 }
 
 TEST_F(EgressProxyTest, IdleTunnelIsClosed) {
-    ProxyTimeouts timeouts;
-    timeouts.idle = 300ms;
-    start({{"allow", {"pypi.test"}}}, timeouts);
+    ProxyLimits limits;
+    limits.idle = 300ms;
+    start({{"allow", {"pypi.test"}}}, limits);
     const auto hello = fixture("tls13_pypi_test.bin");
     auto client = connect_to(proxy_port);
     send_all(client.get(), connect_line("pypi.test", echo_server.port()) + hello);
@@ -502,6 +502,22 @@ TEST_F(EgressProxyTest, IdleTunnelIsClosed) {
     const auto records = recorder.wait_connections(1);
     ASSERT_EQ(records.size(), 1u);
     EXPECT_NE(records[0].error.find("no data either way"), std::string::npos) << records[0].error;
+}
+
+TEST_F(EgressProxyTest, ConnectionsBeyondTheLimitGet503) {
+    ProxyLimits limits;
+    limits.max_connections = 2;
+    start({{"allow", {"pypi.test"}}}, limits);
+    auto first = connect_to(proxy_port);
+    auto second = connect_to(proxy_port);
+    const auto third = exchange(get_request("pypi.test", http_server.port()));
+    EXPECT_TRUE(third.starts_with("HTTP/1.1 503 Service Unavailable\r\n")) << third;
+    EXPECT_NE(third.find("too many connections open through the proxy (limit 2)"), std::string::npos)
+        << third;
+    first.reset();
+    second.reset();
+    recorder.wait_connections(3);
+    EXPECT_TRUE(exchange(get_request("pypi.test", http_server.port())).starts_with("HTTP/1.1 200 OK\r\n"));
 }
 
 TEST_F(EgressProxyTest, OutsideTheCeilingIsRefusedNeverAsked) {
