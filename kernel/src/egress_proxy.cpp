@@ -53,6 +53,7 @@ std::string_view to_string(Decision decision) {
 namespace {
 
 constexpr std::size_t relay_buffer_bytes = 64 * 1024;
+constexpr std::size_t max_response_head_bytes = 64 * 1024;
 constexpr auto refusal_linger = std::chrono::seconds(2);
 constexpr std::string_view message_prefix = "cellblock egress: ";
 
@@ -769,7 +770,65 @@ class Session : public std::enable_shared_from_this<Session> {
             upload_limit_ = body_remaining_;
         }
         pump(up_);
-        pump(down_);
+        if (tunnel) {
+            return pump(down_);
+        }
+        read_response_head();
+    }
+
+    // Plain HTTP: the client is told `Connection: close` too (this connection carries one request), then the
+    // rest of the response is streamed as it comes until the server closes.
+    void read_response_head() {
+        response_parser_.emplace();
+        response_parser_->header_limit(max_response_head_bytes);
+        http::async_read_header(upstream_, response_buffer_, *response_parser_,
+                                [self = shared_from_this()](error_code error, std::size_t) {
+                                    if (error) {
+                                        if (self->phase_ == Phase::closed) {
+                                            return;
+                                        }
+                                        // Nothing was sent to the client yet: it gets a readable 502.
+                                        return self->refuse(http::status::bad_gateway,
+                                                            "the response of " + self->record_.host +
+                                                                " is not valid HTTP (" + error.message() +
+                                                                ")",
+                                                            true);
+                                    }
+                                    self->last_activity_ = Clock::now();
+                                    self->send_response_head();
+                                });
+    }
+
+    void send_response_head() {
+        outgoing_response_.emplace(response_parser_->get());
+        outgoing_response_->set(http::field::connection, "close");
+        outgoing_response_->erase(http::field::keep_alive);
+        outgoing_response_->erase(http::field::proxy_connection);
+        response_serializer_.emplace(*outgoing_response_);
+        http::async_write_header(client_, *response_serializer_,
+                                 [self = shared_from_this()](error_code error, std::size_t written) {
+                                     if (error) {
+                                         return self->fail(error);
+                                     }
+                                     self->record_.bytes_down += written;
+                                     self->send_buffered_response();
+                                 });
+    }
+
+    // The part of the body that arrived with the response head, then the rest as it comes.
+    void send_buffered_response() {
+        if (response_buffer_.size() == 0) {
+            return pump(down_);
+        }
+        asio::async_write(client_, response_buffer_.data(),
+                          [self = shared_from_this()](error_code error, std::size_t written) {
+                              if (error) {
+                                  return self->fail(error);
+                              }
+                              self->record_.bytes_down += written;
+                              self->response_buffer_.consume(self->response_buffer_.size());
+                              self->pump(self->down_);
+                          });
     }
 
     void pump(Pipe& pipe) {
@@ -956,6 +1015,10 @@ class Session : public std::enable_shared_from_this<Session> {
     std::uint64_t body_remaining_ = 0;
     std::optional<http::request<http::empty_body>> outgoing_head_;
     std::optional<http::request_serializer<http::empty_body>> serializer_;
+    beast::flat_buffer response_buffer_{max_response_head_bytes + relay_buffer_bytes};
+    std::optional<http::response_parser<http::empty_body>> response_parser_;
+    std::optional<http::response<http::empty_body>> outgoing_response_;
+    std::optional<http::response_serializer<http::empty_body>> response_serializer_;
     std::vector<tcp::endpoint> endpoints_;
     std::string hello_;
 

@@ -175,7 +175,8 @@ void http_origin(int fd, UpstreamServer& server) {
     }
     server.remember(head + body);
     send_all(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: " +
-                     std::to_string(http_body.size()) + "\r\nConnection: close\r\n\r\n" + http_body);
+                     std::to_string(http_body.size()) +
+                     "\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\r\n" + http_body);
 }
 
 class Recorder : public EgressObserver {
@@ -371,6 +372,10 @@ TEST_F(EgressProxyTest, PlainGetIsForwardedInOriginFormWithConnectionClose) {
     const auto response = exchange(get_request("pypi.test", http_server.port(), "/simple/pkg/?x=1#frag"));
     EXPECT_TRUE(response.starts_with("HTTP/1.1 200 OK\r\n")) << response;
     EXPECT_TRUE(response.ends_with("\r\n\r\n" + http_body)) << response;
+    // One request per connection, and the client is told so although the server offered keep-alive.
+    EXPECT_NE(response.find("Connection: close\r\n"), std::string::npos) << response;
+    EXPECT_EQ(response.find("keep-alive"), std::string::npos) << response;
+    EXPECT_EQ(response.find("Keep-Alive"), std::string::npos) << response;
 
     const auto seen = http_server.received();
     EXPECT_TRUE(seen.starts_with("GET /simple/pkg/?x=1 HTTP/1.1\r\n")) << seen;
@@ -384,6 +389,14 @@ TEST_F(EgressProxyTest, PlainGetIsForwardedInOriginFormWithConnectionClose) {
     EXPECT_TRUE(records[0].allowed);
     EXPECT_EQ(records[0].bytes_up, seen.size());
     EXPECT_EQ(records[0].bytes_down, response.size());
+}
+
+TEST_F(EgressProxyTest, AServerThatDoesNotAnswerHttpGets502) {
+    start({{"allow", {"pypi.test"}}});
+    // The echo server answers a request with the request itself: not an HTTP response.
+    const auto response = exchange(get_request("pypi.test", echo_server.port()));
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 502 Bad Gateway\r\n")) << response;
+    EXPECT_NE(response.find("the response of pypi.test is not valid HTTP"), std::string::npos) << response;
 }
 
 TEST_F(EgressProxyTest, PlainPostBodyIsForwardedExactly) {
