@@ -89,6 +89,21 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.limits.output_bytes =
             static_cast<std::uint64_t>(parse_number("CELLBLOCK_OUTPUT_BYTES", *value));
     }
+    if (auto value = environment("CELLBLOCK_NETWORK_POLICY")) {
+        try {
+            auto policy = nlohmann::json::parse(*value);
+            if (!policy.is_object()) {
+                throw ConfigError("CELLBLOCK_NETWORK_POLICY must be a JSON object, got " +
+                                  std::string(policy.type_name()));
+            }
+            config.network_policy = std::move(policy);
+        } catch (const nlohmann::json::parse_error& error) {
+            throw ConfigError(std::string("CELLBLOCK_NETWORK_POLICY is not valid JSON: ") + error.what());
+        }
+    }
+    if (auto value = environment("CELLBLOCK_EGRESS_HOSTS")) {
+        config.egress_hosts = std::filesystem::path(*value);
+    }
     return config;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -31,9 +32,15 @@ struct KernelConfig {
     std::filesystem::path workspace_root;            // where private workspaces are created
     std::optional<std::filesystem::path> workspace;  // CELLBLOCK_WORKSPACE: use this directory as is
     ExecutionLimits limits;
+    // The session's network policy (CELLBLOCK_NETWORK_POLICY: a JSON object, checked in detail by
+    // egress::EgressPolicy::parse) and the operator's pinned names (CELLBLOCK_EGRESS_HOSTS: a hosts(5)
+    // file). No policy (unset or empty) = no network at all: workers get no listener and no inet sockets.
+    std::optional<nlohmann::json> network_policy;
+    std::optional<std::filesystem::path> egress_hosts;
 
-    // Reads `file`, then applies CELLBLOCK_WORKSPACE, CELLBLOCK_TIMEOUT_S, CELLBLOCK_MEMORY_MB and
-    // CELLBLOCK_OUTPUT_BYTES from `environment`. Throws ConfigError naming the file and the field.
+    // Reads `file`, then applies CELLBLOCK_WORKSPACE, CELLBLOCK_TIMEOUT_S, CELLBLOCK_MEMORY_MB,
+    // CELLBLOCK_OUTPUT_BYTES, CELLBLOCK_NETWORK_POLICY and CELLBLOCK_EGRESS_HOSTS from `environment`.
+    // Throws ConfigError naming the file and the field.
     using EnvironmentLookup = std::function<std::optional<std::string>(const std::string&)>;
     static KernelConfig load(const std::filesystem::path& file, const EnvironmentLookup& environment);
     static EnvironmentLookup process_environment();

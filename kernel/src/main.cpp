@@ -33,11 +33,13 @@
 #include <xeus/xserver_control_main.hpp>
 
 #include "connection_info.hpp"
+#include "egress_proxy.hpp"
 #include "history_manager.hpp"
 #include "kernel_config.hpp"
 #include "launch_report.hpp"
 #include "lease.hpp"
 #include "logging.hpp"
+#include "network_approvals.hpp"
 #include "outbound_record.hpp"
 #include "python_interpreter.hpp"
 #include "runtime_dir.hpp"
@@ -144,6 +146,18 @@ class ExitPath {
     std::once_flag once_;
 };
 
+// Where the egress proxy listens inside each worker's network namespace (EGRESS.md §2).
+constexpr std::uint16_t egress_proxy_port = 3128;
+
+// The worker's environment with a network policy: every standard client goes through the proxy (names
+// are resolved there: there is no resolver inside), and nothing bypasses it.
+std::vector<std::string> egress_proxy_environment() {
+    const std::string proxy = "http://127.0.0.1:" + std::to_string(egress_proxy_port);
+    return {"HTTP_PROXY=" + proxy, "HTTPS_PROXY=" + proxy,
+            "http_proxy=" + proxy, "https_proxy=" + proxy,
+            "NO_PROXY=",           "no_proxy="};
+}
+
 // How long a reported launch waits for the registry to accept its report before the kernel gives up.
 constexpr auto launch_report_timeout = std::chrono::seconds(30);
 
@@ -204,7 +218,26 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     // own output) is the one reported, not a bare "did not start".
     settings.worker_start_timeout = worker_start_timeout + std::chrono::seconds(5);
 
+    // With a network policy: one egress proxy for the kernel's whole life, serving each worker's listener
+    // in turn (a relaunched worker has a new network namespace, so a new listener). Declared before the
+    // supervisor, which hands it listeners from its thread; approvals before the proxy, which calls them.
+    NetworkApprovals approvals;
+    std::optional<egress::EgressProxy> proxy;
     WorkerLaunchSpec spec;
+    if (config.network_policy) {
+        auto policy = egress::EgressPolicy::parse(*config.network_policy);
+        auto pinned =
+            config.egress_hosts ? egress::PinnedHosts::load(*config.egress_hosts) : egress::PinnedHosts();
+        log_event(LogLevel::info, "egress_policy",
+                  {{"allow", policy.describe_allowlist()},
+                   {"ceiling", policy.describe_ceiling()},
+                   {"ports", policy.describe_ports()},
+                   {"ask", policy.ask()}});
+        proxy.emplace(std::move(policy), std::move(pinned), approvals, approvals);
+        spec.environment = egress_proxy_environment();
+        spec.loopback_service = WorkerLaunchSpec::LoopbackService{
+            egress_proxy_port, [&proxy](UniqueFd listener) { proxy->serve(std::move(listener)); }};
+    }
     spec.python = config.python;
     spec.worker_script = config.worker_script;
     spec.policy_file = config.sandbox_policy;
@@ -251,8 +284,16 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
          },
          [&controls](const std::string& msg_id, const nlohmann::json& metadata) {
              controls.post_options(msg_id, parse_execute_options(metadata));
-         }},
+         },
+         proxy ? std::function<nlohmann::json(const nlohmann::json&)>(
+                     [&approvals](const nlohmann::json& content) { return approvals.decide(content); })
+               : nullptr},
         guard_options);
+    // The proxy's events and approvals go out on IOPub through the guard's thread (xeus's publisher is not
+    // thread-safe, and the guard owns the public socket). Disconnected before the guard goes.
+    const auto published = approvals.connect([&guard](std::string msg_type, nlohmann::json content) {
+        guard.publish(std::move(msg_type), std::move(content));
+    });
     interpreter_ref.set_input_releaser([&guard] { guard.interrupt_pending_input(); });
     // Only now, with every socket bound, start the worker (so a bad port fails fast and leaves nothing).
     supervisor.start();

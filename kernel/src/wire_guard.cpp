@@ -285,6 +285,40 @@ void WireGuard::interrupt_pending_input() {
     }
 }
 
+void WireGuard::publish(std::string msg_type, nlohmann::json content) {
+    {
+        std::lock_guard lock(queued_mutex_);
+        queued_.push_back({std::move(msg_type), std::move(content)});
+    }
+    std::lock_guard lock(wake_mutex_);
+    if (sockets_->open) {
+        sockets_->wake_sender.send(zmq::str_buffer("publish"), zmq::send_flags::dontwait);
+    }
+}
+
+void WireGuard::publish_queued() {
+    std::vector<Queued> queued;
+    {
+        std::lock_guard lock(queued_mutex_);
+        queued.swap(queued_);
+    }
+    if (queued.empty()) {
+        return;
+    }
+    // xeus runs shell requests one at a time, in order: the oldest unanswered one is the one running.
+    std::string parent_header = "{}";
+    if (!awaiting_reply_.empty()) {
+        if (const auto found = awaited_execute_headers_.find(awaiting_reply_.front());
+            found != awaited_execute_headers_.end()) {
+            parent_header = found->second;
+        }
+    }
+    const std::string parent_id = parent_msg_id(parent_header);
+    for (auto& message : queued) {
+        route_iopub({parent_id, false, build_message({}, parent_header, message.msg_type, message.content)});
+    }
+}
+
 void WireGuard::release_pending_input() {
     if (!pending_input_) {
         return;
@@ -366,9 +400,14 @@ void WireGuard::run() noexcept {
             }
             if (items[9].revents & ZMQ_POLLIN) {
                 zmq::message_t wake;
+                bool interrupted = false;
                 while (s.wake_receiver.recv(wake, zmq::recv_flags::dontwait)) {
+                    interrupted = interrupted || view(wake) == "interrupt";
                 }
-                release_pending_input();
+                if (interrupted) {
+                    release_pending_input();
+                }
+                publish_queued();
             }
             if (lease_ && lease_->expired(Lease::Clock::now())) {
                 expire_lease();
@@ -422,6 +461,10 @@ void WireGuard::relay_inbound(int channel_index) {
         answer_lease(frames, verdict.delimiter);
         return;
     }
+    if (channel_index == control && verdict.msg_type == "cellblock_approval_decision_request") {
+        answer_approval_decision(frames, verdict.delimiter);
+        return;
+    }
     if (verdict.msg_type == "shutdown_request" && channel_index != stdin_channel) {
         answer_shutdown(frames, verdict.delimiter, channel_index);
         return;
@@ -454,9 +497,14 @@ void WireGuard::relay_inbound(int channel_index) {
     }
     if (channel_index == shell && verdict.msg_type.ends_with("_request")) {
         if (awaiting_reply_.size() >= awaiting_reply_capacity) {
+            awaited_execute_headers_.erase(awaiting_reply_.front());
             awaiting_reply_.pop_front();
         }
-        awaiting_reply_.push_back(parent_msg_id(view(frames[verdict.delimiter + 2])));
+        const std::string_view header = view(frames[verdict.delimiter + 2]);
+        awaiting_reply_.push_back(parent_msg_id(header));
+        if (verdict.msg_type == "execute_request") {
+            awaited_execute_headers_.insert_or_assign(awaiting_reply_.back(), std::string(header));
+        }
     }
     zmq::send_multipart(s.dealers[channel_index], frames);
 }
@@ -630,6 +678,9 @@ void WireGuard::forget_awaited(std::string_view msg_id) {
     if (awaited != awaiting_reply_.end()) {
         awaiting_reply_.erase(awaited);
     }
+    if (const auto header = awaited_execute_headers_.find(msg_id); header != awaited_execute_headers_.end()) {
+        awaited_execute_headers_.erase(header);
+    }
 }
 
 void WireGuard::release_expired_replies() {
@@ -766,6 +817,23 @@ void WireGuard::answer_lease(const std::vector<zmq::message_t>& frames, std::siz
         build_message(identities_of(frames, delimiter), view(frames[delimiter + 2]), "cellblock_lease_reply",
                       {{"status", "ok"},
                        {"lease_s", lease_duration_ ? lease_seconds(*lease_duration_) : nlohmann::json()}}));
+}
+
+void WireGuard::answer_approval_decision(const std::vector<zmq::message_t>& frames, std::size_t delimiter) {
+    const auto request = nlohmann::json::parse(view(frames[delimiter + 5]), nullptr, false);
+    nlohmann::json content;
+    if (actions_.approval_decision) {
+        content = actions_.approval_decision(request);
+    } else {
+        content = {{"status", "error"},
+                   {"ename", "UnknownApproval"},
+                   {"evalue", "this kernel has no network policy, so no approval is ever pending"},
+                   {"traceback", nlohmann::json::array()}};
+    }
+    // Straight to the router like the lease and replay replies: a decision reply is not replayed.
+    zmq::send_multipart(sockets_->routers[control],
+                        build_message(identities_of(frames, delimiter), view(frames[delimiter + 2]),
+                                      "cellblock_approval_decision_reply", content));
 }
 
 void WireGuard::expire_lease() {

@@ -10,12 +10,15 @@
 // For a gateway that restarts while the kernel runs on, the guard also keeps the outbound record
 // (outbound_record.hpp) and answers cellblock_replay_request from it, and holds the orphan lease
 // (lease.hpp), renewed by every verified inbound message and by cellblock_lease_request. Both requests
-// arrive on control and are answered here; xeus never sees them.
+// arrive on control and are answered here; xeus never sees them. So is cellblock_approval_decision_request
+// (network approvals, EGRESS.md §4), and the kernel's own IOPub messages (publish()) go out from here: the
+// guard's thread is the one that owns the public IOPub socket.
 #pragma once
 
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -70,6 +73,9 @@ struct GuardActions {
     std::function<void(std::chrono::duration<double> idle)> lease_expired;
     // A verified execute_request whose metadata has a "cellblock" member (per-execute limits).
     std::function<void(const std::string& msg_id, const nlohmann::json& metadata)> execute_metadata;
+    // A verified cellblock_approval_decision_request on control: its content -> the reply's content. Unset
+    // (a kernel without a network policy): the reply says no approval is pending.
+    std::function<nlohmann::json(const nlohmann::json& content)> approval_decision;
 };
 
 struct GuardOptions {
@@ -107,6 +113,11 @@ class WireGuard {
     // input_reply, release it. Thread-safe.
     void interrupt_pending_input();
 
+    // Publishes a message of the kernel's own on IOPub (signed and recorded like every IOPub message), whose
+    // parent is the execute_request running when the guard sends it (none: an empty parent). Thread-safe:
+    // queued for the guard's thread, which owns the socket. Dropped once the sockets are closed.
+    void publish(std::string msg_type, nlohmann::json content);
+
   private:
     struct Sockets;
     void run() noexcept;
@@ -118,6 +129,8 @@ class WireGuard {
     void answer_shutdown(const std::vector<zmq::message_t>& frames, std::size_t delimiter, int channel_index);
     void answer_replay(const std::vector<zmq::message_t>& frames, std::size_t delimiter);
     void answer_lease(const std::vector<zmq::message_t>& frames, std::size_t delimiter);
+    void answer_approval_decision(const std::vector<zmq::message_t>& frames, std::size_t delimiter);
+    void publish_queued();
     void expire_lease();
     // Sends a message to the clients of `channel_index` and, on IOPub, shell and stdin, records it as sent.
     void send_to_clients(int channel_index, std::vector<zmq::message_t>& frames);
@@ -154,6 +167,8 @@ class WireGuard {
     std::chrono::steady_clock::time_point held_iopub_deadline_;
     // Shell requests forwarded to xeus whose reply has not come back, oldest first (capped).
     std::deque<std::string> awaiting_reply_;
+    // The headers of the execute_requests among them: the parent of the kernel's own messages.
+    std::map<std::string, std::string, std::less<>> awaited_execute_headers_;
     void route_iopub(HeldIopub message);
     void release_held_iopub();
     bool awaiting_reply(std::string_view msg_id) const;
@@ -180,6 +195,14 @@ class WireGuard {
     };
     std::optional<PendingInput> pending_input_;
     std::mutex wake_mutex_;
+
+    // publish(): messages from other threads, sent by the guard's thread (after a "publish" wake).
+    struct Queued {
+        std::string msg_type;
+        nlohmann::json content;
+    };
+    std::mutex queued_mutex_;
+    std::vector<Queued> queued_;
 };
 
 }  // namespace cellblock::kernel

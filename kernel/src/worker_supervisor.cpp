@@ -178,6 +178,7 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
     // Explicit and minimal: the policy's base environment (nothing is inherited from the kernel, which
     // holds the connection key) plus what the worker's pipes need.
     request.environment = {"PYTHONIOENCODING=utf-8", "PYTHONUNBUFFERED=1"};
+    request.environment.insert(request.environment.end(), spec_.environment.begin(), spec_.environment.end());
     request.workspace = spec_.workspace;
     request.stdout_fd = out_write.get();
     request.stderr_fd = err_write.get();
@@ -187,7 +188,11 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
         limits.memory_bytes = spec_.memory_bytes;
         request.limits = limits;
     }
+    if (spec_.loopback_service) {
+        request.loopback_listener = sandbox::LoopbackListener{spec_.loopback_service->port, false};
+    }
     auto process = launcher.launch(request);
+    std::vector<UniqueFd> listeners = process.take_loopback_listeners();
     worker_end.reset();
     out_write.reset();
     err_write.reset();
@@ -195,6 +200,13 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
     set_nonblocking(err_read.get());
     auto worker = std::make_shared<LiveWorker>(std::move(process), std::move(kernel_end), std::move(out_read),
                                                std::move(err_read));
+    if (spec_.loopback_service) {
+        if (listeners.size() != 1) {
+            throw std::runtime_error("the sandbox handed over " + std::to_string(listeners.size()) +
+                                     " loopback listeners instead of 1");
+        }
+        spec_.loopback_service->serve(std::move(listeners.front()));
+    }
 
     // Wait for "ready", keeping the tail of what the worker printed for the error message.
     std::string tail;

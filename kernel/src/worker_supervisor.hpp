@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -36,6 +37,17 @@ struct WorkerLaunchSpec {
                                           // (the sandbox gives it to the session's uid)
     std::uint64_t memory_bytes = 0;       // overrides the policy's memory limit (0 = keep the policy's)
     std::chrono::milliseconds ready_timeout{60000};
+    std::vector<std::string> environment;  // NAME=value, added to the worker's
+
+    // A socket listening on 127.0.0.1:port in every worker's own network namespace (each launch, the first
+    // and every relaunch, gets a new one), handed to `serve` right after the launch, before the worker
+    // reports ready and so before any code of the user's runs. Unset: no listener, and the worker's
+    // seccomp filter admits no inet socket at all.
+    struct LoopbackService {
+        std::uint16_t port = 0;
+        std::function<void(UniqueFd listener)> serve;
+    };
+    std::optional<LoopbackService> loopback_service;
 };
 
 // One running worker. The shell thread reads its fds; other threads may only signal or kill it.

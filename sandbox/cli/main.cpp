@@ -1,11 +1,16 @@
 // cellblock-sandbox: runs one command confined, for people and tests.
-//   cellblock-sandbox [--policy FILE] [--workspace DIR] [--memory-mb N] [--timeout S] [--output-bytes N] --
+//   cellblock-sandbox [--policy FILE] [--workspace DIR] [--memory-mb N] [--timeout S] [--output-bytes N]
+//                     [--loopback-listener PORT [--loopback-listener-ipv6] --send-listeners-to SOCKET] --
 //   CMD ARGS...
 // The command's stdout and stderr are streamed through (and cut at --output-bytes); the exit status is
 // the command's, or 128 + signal; when a limit ended it, the reason is printed on stderr.
+// --loopback-listener: a socket listening on 127.0.0.1:PORT inside the sandbox, sent (SCM_RIGHTS, one
+// byte per socket) to whoever listens on the unix stream socket at SOCKET, who then serves it.
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -34,6 +39,9 @@ struct Options {
     std::optional<std::uint64_t> memory_mb;
     std::optional<double> timeout_seconds;
     std::optional<std::uint64_t> output_bytes;
+    std::optional<std::uint16_t> listener_port;
+    bool listener_ipv6 = false;
+    std::string listener_destination;
     std::vector<std::string> command;
 };
 
@@ -99,6 +107,47 @@ bool write_all(int fd, const char* data, std::size_t size) {
         size -= static_cast<std::size_t>(written);
     }
     return true;
+}
+
+// Hands each listening socket to whoever listens on the unix stream socket at `destination`.
+void send_listeners(const std::string& destination, std::vector<sb::UniqueFd> listeners) {
+    const auto failure = [&destination](const char* step) {
+        return sb::SandboxError("--send-listeners-to " + destination + ": " + step + ": " +
+                                std::strerror(errno));
+    };
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    if (destination.size() >= sizeof address.sun_path) {
+        errno = ENAMETOOLONG;
+        throw failure("socket path");
+    }
+    std::memcpy(address.sun_path, destination.c_str(), destination.size() + 1);
+    sb::UniqueFd connection(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!connection) {
+        throw failure("socket");
+    }
+    if (::connect(connection.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
+        throw failure("connect");
+    }
+    for (const auto& listener : listeners) {
+        char byte = 0;
+        iovec data{&byte, 1};
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+        msghdr message{};
+        message.msg_iov = &data;
+        message.msg_iovlen = 1;
+        message.msg_control = control;
+        message.msg_controllen = sizeof control;
+        cmsghdr* header = CMSG_FIRSTHDR(&message);
+        header->cmsg_level = SOL_SOCKET;
+        header->cmsg_type = SCM_RIGHTS;
+        header->cmsg_len = CMSG_LEN(sizeof(int));
+        const int fd = listener.get();
+        std::memcpy(CMSG_DATA(header), &fd, sizeof fd);
+        if (::sendmsg(connection.get(), &message, MSG_NOSIGNAL) != 1) {
+            throw failure("sendmsg");
+        }
+    }
 }
 
 // Copies the program's stdout/stderr to ours until both close, counting bytes against the cap.
@@ -181,9 +230,15 @@ int run(const Options& options) {
     request.stdin_fd = STDIN_FILENO;
     request.stdout_fd = out.write_end;
     request.stderr_fd = err.write_end;
+    if (options.listener_port) {
+        request.loopback_listener = sb::LoopbackListener{*options.listener_port, options.listener_ipv6};
+    }
     sb::Process process = launcher.launch(request);
     out.close_write();
     err.close_write();
+    if (options.listener_port) {
+        send_listeners(options.listener_destination, process.take_loopback_listeners());
+    }
 
     relay_output(process, out, err, policy.limits.output_bytes);
     const sb::Outcome outcome = process.wait();
@@ -218,6 +273,17 @@ int main(int argc, char** argv) {
     app.add_option("--timeout", options.timeout_seconds,
                    "wall-clock limit in seconds (overrides the policy)");
     app.add_option("--output-bytes", options.output_bytes, "stop and kill after this much stdout+stderr");
+    auto* listener = app.add_option("--loopback-listener", options.listener_port,
+                                    "create a socket listening on 127.0.0.1:PORT inside the sandbox "
+                                    "(and admit AF_INET/AF_INET6 sockets there); needs --send-listeners-to")
+                         ->check(CLI::Range(1, 65535));
+    app.add_flag("--loopback-listener-ipv6", options.listener_ipv6, "also listen on [::1]:PORT")
+        ->needs(listener);
+    auto* destination = app.add_option("--send-listeners-to", options.listener_destination,
+                                       "a unix stream socket (path) to send each listening socket to "
+                                       "(SCM_RIGHTS, one byte each) once the command runs")
+                            ->needs(listener);
+    listener->needs(destination);
     app.add_option("command", options.command, "the command and its arguments (after --)")->required();
     try {
         app.parse(argc, argv);

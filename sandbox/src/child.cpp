@@ -87,6 +87,9 @@ void run_child(const ChildPlan& plan) noexcept {
     }
     ::close(plan.sync_write_fd);
     ::close(plan.error_read_fd);
+    if (plan.listener_parent_fd >= 0) {
+        ::close(plan.listener_parent_fd);
+    }
 
     for (const auto& join : plan.cgroup_joins) {
         const int fd = ::open(join.tasks_file.c_str(), O_WRONLY | O_CLOEXEC);
@@ -151,11 +154,20 @@ void run_child(const ChildPlan& plan) noexcept {
         fail(plan.step_cgroupns, errno);
     }
 
+    int failed_step = 0;
+    // In the namespace with our cgroups joined (the sockets are charged to the session), before the
+    // program's fds are installed (which closes the channel) and long before anything of the program runs.
+    if (!plan.listeners.empty()) {
+        if (!send_loopback_listeners(plan, &failed_step)) {
+            fail(failed_step, errno);
+        }
+        ::close(plan.listener_child_fd);
+    }
+
     if (::setsid() < 0) {
         fail(plan.step_setsid, errno);
     }
 
-    int failed_step = 0;
     if (!install_fds(plan, &failed_step, &error_fd)) {
         fail(failed_step, errno);
     }

@@ -72,6 +72,13 @@ struct CgroupJoin {
     int step = 0;
 };
 
+// One loopback listener the child makes in its network namespace and sends to the parent (network.hpp).
+struct ListenerOp {
+    bool ipv6 = false;
+    std::uint16_t port = 0;
+    int step_socket = 0, step_bind = 0, step_listen = 0, step_send = 0;
+};
+
 struct ChildPlan {
     int sync_read_fd = -1;    // the parent writes one byte when ids are mapped and cgroups joined
     int sync_write_fd = -1;   // the parent's end, closed in the child
@@ -92,6 +99,9 @@ struct ChildPlan {
     std::string hostname;
     bool loopback_up = true;
     int step_loopback = 0;
+    std::vector<ListenerOp> listeners;  // empty: no loopback listener
+    int listener_child_fd = -1;         // the listeners go out here
+    int listener_parent_fd = -1;        // the parent's end, closed in the child
 
     FdPlan fds;
     std::vector<RlimitOp> rlimits;

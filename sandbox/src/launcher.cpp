@@ -20,6 +20,7 @@
 #include "credentials.hpp"
 #include "fds.hpp"
 #include "mounts.hpp"
+#include "network.hpp"
 #include "process_impl.hpp"
 #include "rlimits.hpp"
 #include "seccomp.hpp"
@@ -35,6 +36,7 @@ struct Launcher::State {
     Policy policy;
     std::vector<std::string> weakened;
     std::vector<sock_filter> seccomp_filter;
+    std::vector<sock_filter> seccomp_filter_with_inet;  // built on the first launch with a listener
     detail::CgroupHost cgroups;
     bool user_namespaces = true;
     bool weakness_logged = false;
@@ -132,7 +134,7 @@ Launcher::Launcher(Policy policy) : state_(std::make_unique<State>()) {
     state.cgroups = detail::CgroupHost::probe();
     state.require_limits(state.policy.limits);
     if (state.policy.seccomp) {
-        state.seccomp_filter = detail::build_seccomp_filter();
+        state.seccomp_filter = detail::build_seccomp_filter(detail::SocketFamilies::unix_only);
     }
 }
 
@@ -194,8 +196,19 @@ Process Launcher::launch(const LaunchRequest& request) {
     if (!state.user_namespaces) {
         plan.uid = plan.gid = host_uid;
     }
+    detail::ListenerChannel listener_channel;
+    if (request.loopback_listener) {
+        listener_channel = detail::ListenerChannel::prepare(*request.loopback_listener, steps, plan);
+    }
     if (policy.seccomp) {
         plan.seccomp_filter = &state.seccomp_filter;
+        if (request.loopback_listener) {
+            if (state.seccomp_filter_with_inet.empty()) {
+                state.seccomp_filter_with_inet =
+                    detail::build_seccomp_filter(detail::SocketFamilies::unix_and_inet);
+            }
+            plan.seccomp_filter = &state.seccomp_filter_with_inet;
+        }
     }
 
     int sync_pipe[2];
@@ -270,6 +283,7 @@ Process Launcher::launch(const LaunchRequest& request) {
     impl->started = std::chrono::steady_clock::now();
     sync_read.reset();
     error_write.reset();
+    listener_channel.close_child_end();
 
     // The child reports {step, errno} and exits on failure; EOF means execve happened.
     auto child_status = [&]() -> std::optional<std::string> {
@@ -311,6 +325,14 @@ Process Launcher::launch(const LaunchRequest& request) {
     sync_write.reset();
     auto child_error = child_status();
     if (!child_error) {
+        if (request.loopback_listener) {
+            try {
+                impl->loopback_listeners = listener_channel.receive();
+            } catch (const SandboxError&) {
+                impl->kill_everything();
+                throw;
+            }
+        }
         return Process(std::move(impl));  // the program runs
     }
     impl->reap(true);

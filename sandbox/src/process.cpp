@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <utility>
 
 #include "process_impl.hpp"
 #include "system.hpp"
@@ -120,6 +121,13 @@ void Process::note_output_limit() {
     if (impl_) {
         impl_->output_limit_noted = true;
     }
+}
+
+std::vector<UniqueFd> Process::take_loopback_listeners() {
+    if (!impl_) {
+        return {};
+    }
+    return std::exchange(impl_->loopback_listeners, {});
 }
 
 std::optional<Outcome> Process::try_wait() {

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <optional>
+#include <vector>
 
 #include "cellblock/sandbox/sandbox.hpp"
 #include "cgroups.hpp"
@@ -24,6 +25,7 @@ struct Process::Impl {
     std::optional<Outcome> outcome;
     bool killed_for_time = false;
     bool output_limit_noted = false;
+    std::vector<UniqueFd> loopback_listeners;  // until the caller takes them
 
     Impl() = default;
     Impl(const Impl&) = delete;

@@ -133,7 +133,7 @@ void deny_if(scmp_filter_ctx ctx, const char* name, int error, scmp_arg_cmp cond
 
 }  // namespace
 
-std::vector<sock_filter> build_seccomp_filter() {
+std::vector<sock_filter> build_seccomp_filter(SocketFamilies families) {
     Context ctx(seccomp_init(SCMP_ACT_ALLOW));
     if (!ctx) {
         throw SandboxError("seccomp: seccomp_init failed");
@@ -151,8 +151,27 @@ std::vector<sock_filter> build_seccomp_filter() {
     }
 
     // Sockets: only AF_UNIX. Everything else (INET, INET6, NETLINK, PACKET, VSOCK, ...) is refused.
-    for (const char* name : {"socket", "socketpair"}) {
-        deny_if(ctx.get(), name, EAFNOSUPPORT, SCMP_A0(SCMP_CMP_NE, AF_UNIX), "family != AF_UNIX");
+    if (families == SocketFamilies::unix_only) {
+        for (const char* name : {"socket", "socketpair"}) {
+            deny_if(ctx.get(), name, EAFNOSUPPORT, SCMP_A0(SCMP_CMP_NE, AF_UNIX), "family != AF_UNIX");
+        }
+    } else {
+        // With a loopback listener, socket() also admits AF_INET and AF_INET6. This opens no way out:
+        // the network namespace holds only `lo` (no other interface, no route, no resolver), so an inet
+        // socket reaches the sandbox's own loopback and nothing else, where the only service is the
+        // listener the launcher handed to its caller. Raw and packet-level inet sockets still need
+        // CAP_NET_RAW, which the program does not have; NETLINK, PACKET, VSOCK, ... stay refused.
+        // A rule may compare an argument once and rules only add denials, so "not UNIX, INET or INET6"
+        // is spelled as: every family number below AF_INET6 except those three, and everything above.
+        static_assert(AF_UNIX == 1 && AF_INET == 2 && AF_INET6 == 10);
+        deny_if(ctx.get(), "socket", EAFNOSUPPORT, SCMP_A0(SCMP_CMP_GT, AF_INET6), "family > AF_INET6");
+        for (const int family : {0, 3, 4, 5, 6, 7, 8, 9}) {
+            deny_if(ctx.get(), "socket", EAFNOSUPPORT,
+                    SCMP_A0(SCMP_CMP_EQ, static_cast<scmp_datum_t>(family)),
+                    "family == " + std::to_string(family));
+        }
+        // socketpair is only meaningful for AF_UNIX.
+        deny_if(ctx.get(), "socketpair", EAFNOSUPPORT, SCMP_A0(SCMP_CMP_NE, AF_UNIX), "family != AF_UNIX");
     }
     // No new namespaces through clone (unshare/setns are denied above); clone3 passes its flags in
     // memory that seccomp cannot read, so it gets ENOSYS and glibc falls back to clone.

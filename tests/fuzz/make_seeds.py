@@ -218,8 +218,23 @@ def sandbox_policy():
     write("sandbox_policy", "unknown_key", compact({"limit": {"memory": "1G"}}))
 
 
+def tls_client_hello():
+    # Real ClientHellos captured from `openssl s_client -servername ...` and Python's ssl module (the unit test
+    # fixtures), after two split-point bytes.
+    fixtures = HERE.parents[0] / "unit" / "kernel" / "fixtures" / "tls_client_hello"
+    for path in sorted(fixtures.glob("*.bin")):
+        write("tls_client_hello", path.stem, b"\x00\x40" + path.read_bytes())
+    hello = (fixtures / "tls13_pypi_test.bin").read_bytes()
+    payload = hello[5:]
+    records = b"".join(b"\x16\x03\x01" + struct.pack(">H", len(payload[at:at + 60])) + payload[at:at + 60]
+                       for at in range(0, len(payload), 60))
+    write("tls_client_hello", "split_over_records", b"\x01\x00" + records)
+    write("tls_client_hello", "truncated", b"\x00\x10" + hello[:len(hello) // 2])
+    write("tls_client_hello", "plain_http_in_tunnel", b"\x00\x05" + b"GET / HTTP/1.1\r\nHost: pypi.test\r\n\r\n")
+
+
 if __name__ == "__main__":
     for target in ["kernel_wire_verifier", "gateway_wire_decode", "websocket_message", "router", "worker_stream",
-                   "sandbox_policy"]:
+                   "sandbox_policy", "tls_client_hello"]:
         shutil.rmtree(HERE / "corpus" / target, ignore_errors=True)
         globals()[target]()

@@ -78,5 +78,27 @@ TEST_F(KernelConfigFile, BadValuesAreReportedByName) {
     EXPECT_THROW(KernelConfig::load(dir / "missing.json", environment()), ConfigError);
 }
 
+TEST_F(KernelConfigFile, NetworkPolicyIsReadFromTheEnvironment) {
+    EXPECT_FALSE(KernelConfig::load(file, environment()).network_policy);
+    variables = {{"CELLBLOCK_NETWORK_POLICY", R"({"allow": ["pypi.org"], "ask": true})"},
+                 {"CELLBLOCK_EGRESS_HOSTS", "/etc/cellblock/egress-hosts"}};
+    const auto config = KernelConfig::load(file, environment());
+    ASSERT_TRUE(config.network_policy);
+    EXPECT_EQ((*config.network_policy)["allow"][0], "pypi.org");
+    EXPECT_EQ(config.egress_hosts, std::filesystem::path("/etc/cellblock/egress-hosts"));
+}
+
+TEST_F(KernelConfigFile, ANetworkPolicyThatIsNotAJsonObjectStopsTheStart) {
+    for (const std::string text : {R"({"allow": ["pypi.org"])", "[\"pypi.org\"]", "allow everything"}) {
+        variables = {{"CELLBLOCK_NETWORK_POLICY", text}};
+        try {
+            KernelConfig::load(file, environment());
+            FAIL() << "expected ConfigError for " << text;
+        } catch (const ConfigError& error) {
+            EXPECT_NE(std::string(error.what()).find("CELLBLOCK_NETWORK_POLICY"), std::string::npos) << text;
+        }
+    }
+}
+
 }  // namespace
 }  // namespace cellblock::kernel

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <zmq_addon.hpp>
 
 #include "message_signer.hpp"
@@ -81,6 +82,11 @@ class WireGuardRelay : public ::testing::Test {
                          [this](const std::string& msg_id, const json& metadata) {
                              std::lock_guard lock(actions_mutex);
                              execute_metadata[msg_id] = metadata;
+                         },
+                         [this](const json& content) {
+                             std::lock_guard lock(actions_mutex);
+                             approval_decisions.push_back(content);
+                             return json{{"status", "ok"}, {"seen", content}};
                          }},
             options);
         guard->start();
@@ -157,6 +163,7 @@ class WireGuardRelay : public ::testing::Test {
     std::mutex actions_mutex;
     std::vector<std::string> interrupted_requests;  // what the last interrupt was addressed to
     std::map<std::string, json> execute_metadata;   // execute_request metadata with a "cellblock" member
+    std::vector<json> approval_decisions;           // cellblock_approval_decision_request contents
     std::atomic<double> idle_at_expiry{0};
 };
 
@@ -279,6 +286,58 @@ TEST_F(WireGuardRelay, InputRequestGetsPasswordAndOnlyPendingRepliesPass) {
     // ...and the client's late answer goes nowhere.
     send(client_stdin, signed_message("input_reply", {{"value", "late"}}, "s2"));
     EXPECT_TRUE(receive(xeus_stdin, 300).empty());
+}
+
+// The kernel's own IOPub messages (egress events, approval displays) come from other threads; the guard's
+// thread sends them, signed, with the execute_request running at the time as their parent, and a publish
+// never releases a pending input() prompt (only an interrupt does).
+TEST_F(WireGuardRelay, KernelMessagesFromAnotherThreadGoOutWithTheRunningExecuteAsParent) {
+    send(client_shell, signed_message("execute_request", {{"code", "input()"}}, "run-7"));
+    const Frames at_xeus = receive(xeus_shell);
+    ASSERT_FALSE(at_xeus.empty());
+    send(xeus_stdin, xeus_reply(at_xeus, "input_request", {{"prompt", "> "}, {"password", false}}));
+    ASSERT_FALSE(receive(client_stdin).empty());
+
+    std::thread([this] {
+        guard->publish("cellblock_egress", {{"event", "connection"}, {"host", "a.test"}});
+    }).join();
+    const Frames event = receive(client_iopub);
+    ASSERT_FALSE(event.empty());
+    EXPECT_TRUE(signature_valid(event));
+    const std::size_t d = delimiter_of(event);
+    EXPECT_EQ(json::parse(event[d + 2])["msg_type"], "cellblock_egress");
+    EXPECT_EQ(json::parse(event[d + 3])["msg_id"], "run-7");
+    EXPECT_EQ(json::parse(event[d + 5]), (json{{"event", "connection"}, {"host", "a.test"}}));
+    EXPECT_TRUE(receive(xeus_stdin, 300).empty()) << "a publish must not answer the pending prompt";
+
+    // Once the execute is answered, the kernel's messages have no parent.
+    send(xeus_shell, xeus_reply(at_xeus, "execute_reply", {{"status", "ok"}}));
+    xeus_status(at_xeus, "idle");
+    ASSERT_FALSE(receive(client_shell).empty());
+    while (!receive(client_iopub, 300).empty()) {
+    }
+    guard->publish("display_data", {{"data", {{"text/plain", "held"}}}});
+    const Frames later = receive(client_iopub);
+    ASSERT_FALSE(later.empty());
+    EXPECT_EQ(json::parse(later[delimiter_of(later) + 2])["msg_type"], "display_data");
+    EXPECT_EQ(json::parse(later[delimiter_of(later) + 3]), json::object());
+}
+
+TEST_F(WireGuardRelay, ApprovalDecisionIsAnsweredByTheGuard) {
+    const json decision = {{"id", "a1"}, {"decision", "deny"}, {"decided_by", "agent api"}};
+    send(client_control, signed_message("cellblock_approval_decision_request", decision, "d1"));
+    const Frames reply = receive(client_control);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_TRUE(signature_valid(reply));
+    const std::size_t d = delimiter_of(reply);
+    EXPECT_EQ(json::parse(reply[d + 2])["msg_type"], "cellblock_approval_decision_reply");
+    EXPECT_EQ(json::parse(reply[d + 3])["msg_id"], "d1");
+    EXPECT_EQ(json::parse(reply[d + 5]), (json{{"status", "ok"}, {"seen", decision}}));
+    {
+        std::lock_guard lock(actions_mutex);
+        EXPECT_EQ(approval_decisions, std::vector<json>{decision});
+    }
+    EXPECT_TRUE(receive(xeus_control, 200).empty()) << "xeus never sees the decision";
 }
 
 TEST_F(WireGuardRelay, InterruptRequestIsActedOnAndReplyGetsStatus) {

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "cellblock/sandbox/unique_fd.hpp"
+
 namespace cellblock::sandbox {
 
 // Thrown for every setup failure, with the step and errno text (e.g. "mount /usr: Permission denied").
@@ -95,6 +97,16 @@ struct Outcome {
     int shell_status() const;
 };
 
+// A TCP socket listening on the sandbox's own loopback interface, created inside its network namespace
+// before the program starts and handed to the caller (Process::take_loopback_listeners), who serves it
+// from outside: the one door out of the empty namespace, and only to whatever the caller puts behind it.
+// In this mode the program may also create AF_INET/AF_INET6 sockets (so that it can connect to the
+// listener); the namespace has nothing but `lo`, so they reach nothing else.
+struct LoopbackListener {
+    std::uint16_t port = 0;  // 1..65535
+    bool ipv6 = false;       // also listen on [::1]:port (besides 127.0.0.1:port)
+};
+
 struct LaunchRequest {
     std::vector<std::string> argv;         // argv[0] must be an absolute path inside the sandbox
     std::vector<std::string> environment;  // added to (and overriding) the policy's environment
@@ -105,6 +117,7 @@ struct LaunchRequest {
     int stderr_fd = -1;                    // -1 = /dev/null
     std::vector<int> pass_fds;             // become fds 3, 4, ... in the program; everything else is closed
     std::optional<ResourceLimits> limits;  // overrides policy.limits
+    std::optional<LoopbackListener> loopback_listener;  // needs policy.network_loopback
 };
 
 class Process {
@@ -123,6 +136,10 @@ class Process {
     void signal(int signo);    // deliver to the program (e.g. SIGINT); no-op once ended
     void kill();               // SIGKILL the whole sandbox
     void note_output_limit();  // the caller cut the output: report output_limit if it ends by a kill
+
+    // The listening sockets of LaunchRequest::loopback_listener (127.0.0.1 first, then [::1] if asked);
+    // the caller owns them from here. Empty without the option, and on every call after the first.
+    std::vector<UniqueFd> take_loopback_listeners();
 
     std::optional<Outcome> try_wait();
     Outcome wait();  // honours limits.wall_clock

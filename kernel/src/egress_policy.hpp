@@ -1,0 +1,86 @@
+// A session's network policy for the egress proxy (EGRESS.md §1): which hosts the confined worker may reach,
+// the operator's ceiling that no allowlist or approval can exceed, the ports, and whether a host outside the
+// allowlist (but inside the ceiling) is held for a human's approval.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cellblock::kernel::egress {
+
+class PolicyError : public std::runtime_error {
+  public:
+    using std::runtime_error::runtime_error;
+};
+
+// Lower case, one trailing dot removed: the form every host and pattern is compared in.
+std::string normalize_host(std::string_view host);
+
+// True if `host` is an IPv4 or IPv6 literal (IPv6 without brackets).
+bool is_ip_literal(std::string_view host);
+
+// Checks a host name or IP literal as it may appear in a request (CONNECT target, URI, Host header, SNI):
+// throws PolicyError saying what is wrong. Returns the normalized host.
+std::string validated_host(std::string_view host);
+
+// `*` = any host; `*.example.com` = a name with at least one more whole label before `.example.com`;
+// anything else = that exact name or IP literal. Both arguments normalized.
+bool pattern_matches(std::string_view pattern, std::string_view host);
+
+// True if the ceiling pattern `ceiling` admits every host `pattern` admits.
+bool pattern_within(std::string_view pattern, std::string_view ceiling);
+
+enum class Verdict {
+    allowed,         // on the allowlist (or added for the session by an approval)
+    ask,             // inside the ceiling, not allowed, and the policy asks: hold for approval
+    not_allowed,     // inside the ceiling, not allowed, no asking
+    outside_ceiling  // never reached nor asked for, whatever the allowlist says
+};
+
+struct PolicyDecision {
+    Verdict verdict;
+    std::string rule;  // the allowlist pattern that admitted the host (when allowed)
+};
+
+class EgressPolicy {
+  public:
+    // The JSON object of CELLBLOCK_NETWORK_POLICY: {"allow": [...], "ask": bool, "ceiling": [...],
+    // "ports": [...], "approval_timeout_s": number}. Throws PolicyError naming the field. Without a ceiling
+    // the allowlist is its own ceiling, and asking then has nothing to ask for (refused).
+    static EgressPolicy parse(const nlohmann::json& policy);
+
+    PolicyDecision decide(std::string_view host) const;
+    bool port_allowed(std::uint16_t port) const;
+    // An `allow_session` decision: `host` (an exact name) is allowed for the rest of the session. Ignored
+    // (returns false) for a host outside the ceiling.
+    bool allow_for_session(std::string_view host);
+
+    const std::vector<std::string>& allow() const { return allow_; }
+    const std::vector<std::string>& ceiling() const { return ceiling_; }
+    const std::vector<std::string>& session_allowed() const { return session_allowed_; }
+    const std::vector<std::uint16_t>& ports() const { return ports_; }
+    bool ask() const { return ask_; }
+    std::chrono::milliseconds approval_timeout() const { return approval_timeout_; }
+
+    // For refusal messages: "pypi.org, *.pythonhosted.org" (session additions included), or "nothing".
+    std::string describe_allowlist() const;
+    std::string describe_ceiling() const;
+    std::string describe_ports() const;
+
+  private:
+    bool within_ceiling(std::string_view host) const;
+
+    std::vector<std::string> allow_;
+    std::vector<std::string> ceiling_;
+    std::vector<std::string> session_allowed_;
+    std::vector<std::uint16_t> ports_{443, 80};
+    bool ask_ = false;
+    std::chrono::milliseconds approval_timeout_{120'000};
+};
+
+}  // namespace cellblock::kernel::egress

@@ -1,0 +1,309 @@
+"""Issue 12, kernel side: a kernel started with a network policy (CELLBLOCK_NETWORK_POLICY, names pinned with
+CELLBLOCK_EGRESS_HOSTS) gives its worker the egress proxy at 127.0.0.1:3128 inside the worker's network namespace
+(every worker, replacements too) and the usual proxy variables; what the proxy does is reported on IOPub
+(`cellblock_egress`), a held request is shown and decided over the control channel. The "internet" is a local HTTP
+server on 127.0.0.2 whose request log is the host-side witness. Without a policy nothing changes: no inet socket at
+all. HTTPS, pip and the gateway's side are tests/agent's (the egress-gateway branch)."""
+from __future__ import annotations
+
+import http.server
+import json
+import queue
+import secrets
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import Kernel
+
+SERVER_ADDRESS = "127.0.0.2"   # a loopback address of the host's own network namespace
+EVENT_TIMEOUT = 60             # generous: a loaded 2-core machine
+
+
+class Origin:
+    """A plain-HTTP server on 127.0.0.2 that records every request it gets (the host-side witness)."""
+
+    def __init__(self):
+        self.token = secrets.token_hex(16)
+        self.payload = (self.token + "\n").encode() * 2048   # ~66 KB
+        self.requests = []
+        origin = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                origin.requests.append((self.headers.get("Host"), self.path))
+                body = origin.payload if self.path == "/data" else b"not here\n"
+                self.send_response(200 if self.path == "/data" else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((SERVER_ADDRESS, 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def origin():
+    server = Origin()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def hosts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("egress") / "egress-hosts"
+    path.write_text(f"# the test's names, all served by the Origin\n"
+                    f"{SERVER_ADDRESS} allowed.test asked.test denied.test evil.test\n")
+    return path
+
+
+def start_kernel(policy: dict, hosts_file) -> Kernel:
+    return Kernel(extra_env={"CELLBLOCK_NETWORK_POLICY": json.dumps(policy), "CELLBLOCK_EGRESS_HOSTS": str(hosts_file)})
+
+
+@pytest.fixture(scope="module")
+def allowlist_kernel(origin, hosts_file):
+    k = start_kernel({"allow": ["allowed.test"], "ceiling": ["*.test"], "ports": [origin.port]}, hosts_file)
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture(scope="module")
+def asking_kernel(origin, hosts_file):
+    k = start_kernel({"allow": ["allowed.test"], "ask": True, "ceiling": ["*.test"], "ports": [origin.port],
+                      "approval_timeout_s": 120}, hosts_file)
+    yield k
+    k.shutdown()
+
+
+def fetch(url: str) -> str:
+    """A cell that downloads `url` with urllib (through the proxy variables) and prints what happened."""
+    return ("import urllib.request, urllib.error, hashlib\n"
+            "try:\n"
+            f"    body = urllib.request.urlopen({url!r}, timeout=120).read()\n"
+            "    print('FETCHED', len(body), hashlib.sha256(body).hexdigest())\n"
+            "except urllib.error.HTTPError as error:\n"
+            "    print('REFUSED', error.code, error.read().decode().strip())\n")
+
+
+def fetched(origin: Origin) -> str:
+    import hashlib
+    return f"FETCHED {len(origin.payload)} {hashlib.sha256(origin.payload).hexdigest()}\n"
+
+
+def iopub_until(k: Kernel, predicate, run=None, timeout: float = EVENT_TIMEOUT) -> dict:
+    """The first IOPub message that satisfies `predicate`: among `run`'s outputs, those kept for collect(), then
+    new ones (kept for collect() as well)."""
+    for _, msg in (run.outputs if run else []):
+        if predicate(msg):
+            return msg
+    for messages in list(k._iopub_stash.values()):
+        for msg in messages:
+            if predicate(msg):
+                return msg
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = k.client.get_iopub_msg(timeout=0.5)
+        except queue.Empty:
+            continue
+        k._iopub_stash.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)
+        if predicate(msg):
+            return msg
+    raise AssertionError(f"no matching IOPub message within {timeout} s")
+
+
+def egress_event(kind: str, **fields):
+    def matches(msg):
+        content = msg["content"]
+        return (msg["msg_type"] == "cellblock_egress" and content.get("event") == kind and
+                all(content.get(name) == value for name, value in fields.items()))
+    return matches
+
+
+def decide(k: Kernel, approval_id: str, decision: str, decided_by: str = "kernel test") -> dict:
+    """Sends cellblock_approval_decision_request on the control channel; returns the reply."""
+    request = k.client.session.msg("cellblock_approval_decision_request",
+                                   content={"id": approval_id, "decision": decision, "decided_by": decided_by})
+    k.client.control_channel.send(request)
+    deadline = time.monotonic() + EVENT_TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            reply = k.client.get_control_msg(timeout=0.5)
+        except queue.Empty:
+            continue
+        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+            return reply
+    raise AssertionError("no cellblock_approval_decision_reply")
+
+
+def test_an_allowed_host_is_reached_through_the_proxy_and_reported(allowlist_kernel, origin):
+    k = allowlist_kernel
+    before = len(origin.requests)
+    run = k.execute(fetch(f"http://allowed.test:{origin.port}/data"), timeout=180)
+    assert run.content["status"] == "ok", run.content
+    assert run.stream_text() == fetched(origin), run.stream_text("stderr")
+    assert origin.requests[before:] == [(f"allowed.test:{origin.port}", "/data")]
+    event = iopub_until(k, egress_event("connection", host="allowed.test"), run)
+    content = event["content"]
+    assert content["allowed"] is True and content["rule"] == "allowed.test", content
+    assert content["port"] == origin.port and content["method"] == "GET", content
+    assert content["bytes_down"] >= len(origin.payload) and content["bytes_up"] > 0, content
+    assert event["parent_header"].get("msg_id") in (run.reply["parent_header"]["msg_id"], None), event
+
+
+def test_a_host_not_on_the_allowlist_gets_a_readable_refusal(allowlist_kernel, origin):
+    k = allowlist_kernel
+    before = len(origin.requests)
+    run = k.execute(fetch(f"http://evil.test:{origin.port}/data"), timeout=180)
+    assert run.content["status"] == "ok", run.content
+    assert run.stream_text().startswith("REFUSED 403 "), run.stream_text()
+    assert "evil.test is not on this session's network allowlist (allowed: allowed.test)" in run.stream_text()
+    assert origin.requests[before:] == []   # the host-side proof: nothing reached the server
+    event = iopub_until(k, egress_event("connection", host="evil.test"), run)
+    assert event["content"]["allowed"] is False, event["content"]
+    # Uncaught, the refusal is the cell's error.
+    uncaught = k.execute(f"import urllib.request\nurllib.request.urlopen('http://evil.test:{origin.port}/data')",
+                         timeout=180)
+    assert uncaught.content["status"] == "error"
+    assert uncaught.content["ename"] == "HTTPError" and "403" in uncaught.content["evalue"], uncaught.content
+
+
+def test_the_worker_has_the_proxy_and_nothing_else(allowlist_kernel, origin):
+    k = allowlist_kernel
+    before = len(origin.requests)
+    run = k.execute(
+        "import os, socket, errno, json\n"
+        "outcome = {name: os.environ.get(name) for name in\n"
+        "           ('HTTP_PROXY', 'HTTPS_PROXY', 'http_proxy', 'https_proxy', 'NO_PROXY', 'no_proxy')}\n"
+        "try:\n"
+        "    socket.getaddrinfo('allowed.test', 80)\n"
+        "    outcome['dns'] = 'resolved'\n"
+        "except OSError:\n"
+        "    outcome['dns'] = 'failed'\n"
+        f"for target in [('{SERVER_ADDRESS}', {origin.port}), ('1.1.1.1', 53)]:\n"
+        "    try:\n"
+        "        socket.create_connection(target, timeout=5).close()\n"
+        "        outcome[target[0]] = 'connected'\n"
+        "    except OSError as error:\n"
+        "        outcome[target[0]] = errno.errorcode.get(error.errno, str(error))\n"
+        "print(json.dumps(outcome))\n")
+    outcome = json.loads(run.stream_text())
+    proxy = "http://127.0.0.1:3128"
+    assert outcome["HTTP_PROXY"] == outcome["HTTPS_PROXY"] == outcome["http_proxy"] == outcome["https_proxy"] == proxy
+    assert outcome["NO_PROXY"] == outcome["no_proxy"] == ""
+    assert outcome["dns"] == "failed"
+    # 127.0.0.2 inside is the worker's own loopback (nobody listens), the outside has no route.
+    assert outcome[SERVER_ADDRESS] == "ECONNREFUSED" and outcome["1.1.1.1"] == "ENETUNREACH", outcome
+    assert origin.requests[before:] == []
+
+
+def test_a_replaced_worker_still_reaches_the_network_through_the_proxy(allowlist_kernel, origin):
+    k = allowlist_kernel
+    died = k.execute("import os; os._exit(3)")
+    assert died.content["ename"] == "WorkerDied", died.content
+    run = k.execute(fetch(f"http://allowed.test:{origin.port}/data"), timeout=180)
+    assert run.stream_text() == fetched(origin), (run.stream_text(), run.stream_text("stderr"))
+
+
+def held_request(k: Kernel, host: str, origin: Origin):
+    """Starts a cell that fetches from `host` and waits for its approval event and display; returns
+    (msg_id, event, display)."""
+    msg_id = k.client.execute(fetch(f"http://{host}:{origin.port}/data"))
+    event = iopub_until(k, egress_event("approval_requested", host=host))
+    approval_id = event["content"]["id"]
+    display = iopub_until(k, lambda msg: msg["msg_type"] == "display_data" and
+                          msg["content"].get("transient", {}).get("display_id") == f"cellblock-approval-{approval_id}")
+    return msg_id, event, display
+
+
+def test_an_approved_request_completes(asking_kernel, origin):
+    k = asking_kernel
+    before = len(origin.requests)
+    msg_id, event, display = held_request(k, "asked.test", origin)
+    assert event["parent_header"]["msg_id"] == msg_id and display["parent_header"]["msg_id"] == msg_id
+    approval_id = event["content"]["id"]
+    assert event["content"]["port"] == origin.port and event["content"]["method"] == "GET"
+    assert event["content"]["timeout_s"] == 120
+    data = display["content"]["data"]
+    assert data["application/vnd.cellblock.approval+json"]["host"] == "asked.test"
+    assert f"asked.test:{origin.port}" in data["text/plain"] and "held for approval" in data["text/plain"]
+    assert origin.requests[before:] == []   # held: nothing reached the server yet
+
+    reply = decide(k, approval_id, "allow_once", "alice")
+    assert reply["msg_type"] == "cellblock_approval_decision_reply"
+    assert reply["content"] == {"status": "ok"}
+    run = k.collect(msg_id, timeout=180)
+    assert run.stream_text() == fetched(origin), run.stream_text("stderr")
+    assert origin.requests[before:] == [(f"asked.test:{origin.port}", "/data")]
+    decided = iopub_until(k, egress_event("approval_decided", id=approval_id), run)
+    assert decided["content"]["decision"] == "allow_once" and decided["content"]["decided_by"] == "alice"
+    update = iopub_until(k, lambda msg: msg["msg_type"] == "update_display_data" and
+                         msg["content"]["transient"]["display_id"] == f"cellblock-approval-{approval_id}", run)
+    assert update["parent_header"]["msg_id"] == msg_id
+    assert "allowed once by alice" in update["content"]["data"]["text/plain"]
+    # Decided once: a second decision is refused.
+    again = decide(k, approval_id, "deny")
+    assert again["content"]["status"] == "error" and again["content"]["ename"] == "UnknownApproval"
+
+
+def test_a_denied_request_is_refused_with_who_denied_it(asking_kernel, origin):
+    k = asking_kernel
+    before = len(origin.requests)
+    msg_id, event, _ = held_request(k, "denied.test", origin)
+    assert decide(k, event["content"]["id"], "deny", "bob")["content"] == {"status": "ok"}
+    run = k.collect(msg_id, timeout=180)
+    assert run.stream_text().startswith("REFUSED 403 "), run.stream_text()
+    assert "denied by bob" in run.stream_text()
+    assert origin.requests[before:] == []
+
+
+def test_an_unknown_approval_is_refused(asking_kernel):
+    reply = decide(asking_kernel, "no-such-approval", "allow_once")
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "UnknownApproval"
+
+
+def test_without_a_policy_there_is_no_inet_socket_and_no_proxy(fresh_kernel):
+    k = fresh_kernel()
+    run = k.execute("import os, socket, errno\n"
+                    "print(os.environ.get('HTTP_PROXY'))\n"
+                    "try:\n"
+                    "    socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+                    "    print('created')\n"
+                    "except OSError as error:\n"
+                    "    print(errno.errorcode[error.errno])\n")
+    assert run.stream_text() == "None\nEAFNOSUPPORT\n", run.stream_text("stderr")
+    assert decide(k, "x", "deny")["content"]["ename"] == "UnknownApproval"
+
+
+@pytest.mark.parametrize("policy, complaint", [
+    ('{"allow": ["allowed.test"]', "CELLBLOCK_NETWORK_POLICY is not valid JSON"),
+    ('["allowed.test"]', "CELLBLOCK_NETWORK_POLICY must be a JSON object"),
+    ('{"allow": "allowed.test"}', "allow"),
+])
+def test_a_bad_policy_stops_the_kernel_from_starting(policy, complaint):
+    from jupyter_client import KernelManager
+    import os
+    manager = KernelManager(kernel_name="cellblock-python")
+    env = dict(os.environ, CELLBLOCK_NETWORK_POLICY=policy)
+    manager.start_kernel(env=env, stderr=subprocess.PIPE)
+    try:
+        process = manager.provisioner.process
+        assert process.wait(timeout=60) == 1
+        stderr = process.stderr.read().decode()
+        failure = [json.loads(line) for line in stderr.splitlines() if '"kernel_start_failed"' in line]
+        assert failure and complaint in failure[0]["error"], stderr
+    finally:
+        manager.cleanup_resources()
