@@ -54,7 +54,8 @@ std::string normalize_host_pattern(std::string_view pattern) {
     std::string normalized(pattern);
     std::transform(normalized.begin(), normalized.end(), normalized.begin(),
                    [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-    if (normalized.size() > 1 && normalized.back() == '.')
+    // "*." is not "*" (any host): only a name's trailing dot is ignored.
+    if (normalized.size() > 1 && normalized.back() == '.' && normalized != "*.")
         normalized.pop_back();
     if (normalized == "*")
         return normalized;

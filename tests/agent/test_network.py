@@ -191,10 +191,17 @@ def test_policy_survives_a_gateway_restart(tmp_path, internet):
     try:
         model = second.request("GET", "/agent/v1/sessions/kept").json()
         assert model["network"] == {"allow": ["pypi.test"], "ask": True}, model
-        assert model["kernel_id"] == session["kernel_id"]
-        # A kernel started for it later (after a reset the process is new) has the same policy.
-        assert second.request("POST", "/agent/v1/sessions/kept/reset").status_code == 200
-        env = kernel_environment(second.request("GET", "/agent/v1/sessions/kept").json()["kernel_id"])
+        answer = second.execute("kept", "1 + 1")  # the re-adopted kernel is attached once it answers
+        assert answer["status"] == "ok" and not answer["state_lost"], answer
+        assert second.request("GET", "/agent/v1/sessions/kept").json()["kernel_id"] == session["kernel_id"]
+        assert json.loads(kernel_environment(session["kernel_id"])["CELLBLOCK_NETWORK_POLICY"])["allow"] == [
+            "pypi.test"]
+        # A new kernel started for it later (its kernel deleted through the Kernel Gateway API) has the same policy.
+        assert second.request("DELETE", f"/api/kernels/{session['kernel_id']}").status_code == 204
+        assert second.execute("kept", "1 + 1")["status"] == "ok"
+        renewed = second.request("GET", "/agent/v1/sessions/kept").json()
+        assert renewed["kernel_id"] != session["kernel_id"]
+        env = kernel_environment(renewed["kernel_id"])
         assert json.loads(env["CELLBLOCK_NETWORK_POLICY"])["allow"] == ["pypi.test"]
     finally:
         second.stop()
@@ -292,7 +299,7 @@ def test_allowed_names_resolving_to_loopback_or_metadata_are_refused(gateway, al
                  "    except urllib.error.HTTPError as error:\n"
                  "        print(error.code, error.read().decode())\n")
     assert answer["status"] == "ok", failure_text(answer)
-    lines = answer["stdout"].splitlines()
+    lines = [line for line in answer["stdout"].splitlines() if line.strip()]
     assert len(lines) == 2 and not any(line.startswith("reached") for line in lines), answer["stdout"]
     assert lines[0].startswith("403") and "localhost" in lines[0], lines
     assert lines[1].startswith("403") and "169.254.169.254" in lines[1], lines
