@@ -98,6 +98,39 @@ class Gateway:
             self.process.wait(timeout=120)
 
 
+def pinned_opener(address: str, ca_path: Path):
+    """urllib on the host straight to `address` (the name only in TLS SNI and Host), no proxy."""
+    import http.client
+    import socket
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(ca_path))
+
+    class PinnedHTTPSConnection(http.client.HTTPSConnection):
+        def __init__(self, host, **kw):
+            kw.pop("context", None)
+            kw.pop("check_hostname", None)
+            super().__init__(host, context=context, **kw)
+
+        def connect(self):
+            self.sock = context.wrap_socket(socket.create_connection((address, 443), self.timeout),
+                                            server_hostname="bulk.test")
+
+    class PinnedHTTPConnection(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = socket.create_connection((address, 80), self.timeout)
+
+    class PinnedHTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(PinnedHTTPSConnection, req)
+
+    class PinnedHTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(PinnedHTTPConnection, req)
+
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), PinnedHTTPS(), PinnedHTTP())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short smoke run")
@@ -122,49 +155,27 @@ def main() -> int:
             response.raise_for_status()
             gateway.http.put(f"{gateway.url}/agent/v1/sessions/bench/files/ca.pem",
                              data=internet.ca_path.read_bytes(), timeout=60).raise_for_status()
-            progress(f"egress: {repeat} × {size // 1_000_000} MB through the proxy (HTTPS, HTTP), "
-                     f"{requests_count} small requests")
-            code = (CLIENT + "import os\nos.environ['SSL_CERT_FILE'] = '/workspace/ca.pem'\n"
-                    "opener = urllib.request.build_opener()\n"  # the proxy variables the kernel set
-                    f"print(json.dumps(measure('https://bulk.test', 'http://bulk.test', {size}, {repeat}, "
-                    f"{requests_count}, opener)))")
-            proxied = json.loads(gateway.execute("bench", code)["stdout"])
-            progress("egress: the same directly on the host")
-            # Direct: the pinned address, the name only in TLS and Host (a handler that connects to the address).
+            progress(f"egress: {repeat} rounds of {size // 1_000_000} MB through the proxy and directly (HTTPS, "
+                     f"HTTP), interleaved, and {requests_count} small requests each way")
             address = internet.addresses["bulk.test"]
+            opener = pinned_opener(address, internet.ca_path)
             namespace = {}
             exec(CLIENT, namespace)
-            import http.client
-            import socket
-            import ssl
-
-            context = ssl.create_default_context(cafile=str(internet.ca_path))
-
-            class _PinnedConnection(http.client.HTTPSConnection):
-                def __init__(self, host, **kw):
-                    kw.pop("context", None)
-                    kw.pop("check_hostname", None)
-                    super().__init__(host, context=context, **kw)
-
-                def connect(self):
-                    self.sock = context.wrap_socket(socket.create_connection((address, 443), self.timeout),
-                                                    server_hostname="bulk.test")
-
-            class PinnedHTTPS(urllib.request.HTTPSHandler):
-                def https_open(self, req):
-                    return self.do_open(_PinnedConnection, req)
-
-            class _PinnedPlain(http.client.HTTPConnection):
-                def connect(self):
-                    self.sock = socket.create_connection((address, 80), self.timeout)
-
-            class PinnedHTTP(urllib.request.HTTPHandler):
-                def http_open(self, req):
-                    return self.do_open(_PinnedPlain, req)
-
-            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), PinnedHTTPS(), PinnedHTTP())
-            direct = namespace["measure"]("https://bulk.test", "http://bulk.test", size, repeat, requests_count,
-                                          opener)
+            setup = (CLIENT + "import os\nos.environ['SSL_CERT_FILE'] = '/workspace/ca.pem'\n"
+                     "opener = urllib.request.build_opener()\n")  # the proxy variables the kernel set
+            gateway.execute("bench", setup)
+            proxied = {"https": [], "http": [], "latency_https": [], "latency_http": []}
+            direct = {"https": [], "http": [], "latency_https": [], "latency_http": []}
+            # Rounds alternate between the two so that the machine's load (shared, 2 cores) hits both alike.
+            for round_ in range(repeat):
+                latency_count = max(1, requests_count // repeat)
+                code = (f"print(json.dumps(measure('https://bulk.test', 'http://bulk.test', {size}, 1, "
+                        f"{latency_count}, opener)))")
+                for key, values in json.loads(gateway.execute("bench", code)["stdout"]).items():
+                    proxied[key] += values
+                for key, values in namespace["measure"]("https://bulk.test", "http://bulk.test", size, 1,
+                                                        latency_count, opener).items():
+                    direct[key] += values
         finally:
             if gateway:
                 gateway.stop()
