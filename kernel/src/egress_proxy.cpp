@@ -53,6 +53,7 @@ std::string_view to_string(Decision decision) {
 namespace {
 
 constexpr std::size_t relay_buffer_bytes = 64 * 1024;
+constexpr std::size_t max_response_head_bytes = 64 * 1024;
 constexpr auto refusal_linger = std::chrono::seconds(2);
 constexpr std::string_view message_prefix = "cellblock egress: ";
 
@@ -200,12 +201,12 @@ class Session;
 class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl> {
   public:
     Impl(EgressPolicy policy_in, PinnedHosts pinned_in, ApprovalBroker& broker_in,
-         EgressObserver& observer_in, ProxyTimeouts timeouts_in)
+         EgressObserver& observer_in, ProxyLimits limits_in)
         : policy(std::move(policy_in)),
           pinned(std::move(pinned_in)),
           broker(broker_in),
           observer(observer_in),
-          timeouts(timeouts_in) {}
+          limits(limits_in) {}
 
     ~Impl() { stop(); }
 
@@ -237,6 +238,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
         }
         pending.clear();
         acceptor.reset();
+        accept_pause.reset();
         // The handlers that never ran hold the open sessions: destroying the io_context destroys them, and
         // each reports its connection once, while the observer and the policy are still alive.
         io_owner.reset();
@@ -288,20 +290,26 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
             entry = std::make_shared<PendingApproval>(io);
             entry->request = {new_approval_id(), host, port, method};
             entry->timer.expires_after(policy.approval_timeout());
-            entry->timer.async_wait([this, entry](error_code error) {
-                if (!error) {
-                    decide(entry, Decision::timeout, "");
+            // Neither the timer nor the broker's callback owns the approval: the callback may outlive the
+            // proxy (a broker keeps it), and nothing of the io_context may be destroyed after it.
+            entry->timer.async_wait([this, weak_entry = std::weak_ptr(entry)](error_code error) {
+                if (const auto held = weak_entry.lock(); held && !error) {
+                    decide(held, Decision::timeout, "");
                 }
             });
             entry->waiters.push_back(std::move(waiter));
             const auto request = entry->request;
             observer.on_approval_requested(request, policy.approval_timeout().count() / 1000.0);
             std::weak_ptr<Impl> weak = weak_from_this();
-            broker.request(request, [weak, entry](Decision decision, std::string decided_by) {
+            broker.request(request, [weak, host = request.host, id = request.id](Decision decision,
+                                                                                 std::string decided_by) {
                 if (const auto self = weak.lock()) {
                     self->post_if_running(
-                        [raw = self.get(), entry, decision, decided_by = std::move(decided_by)] {
-                            raw->decide(entry, decision, decided_by);
+                        [raw = self.get(), host, id, decision, decided_by = std::move(decided_by)] {
+                            if (const auto found = raw->pending.find(host);
+                                found != raw->pending.end() && found->second->request.id == id) {
+                                raw->decide(found->second, decision, decided_by);
+                            }
                         });
                 }
             });
@@ -310,8 +318,8 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
         entry->waiters.push_back(std::move(waiter));
     }
 
-    void decide(const std::shared_ptr<PendingApproval>& entry, Decision decision,
-                const std::string& decided_by) {
+    // By value: erasing the map's entry below must not destroy the approval while it is decided.
+    void decide(std::shared_ptr<PendingApproval> entry, Decision decision, const std::string& decided_by) {
         if (entry->decided) {
             return;
         }
@@ -338,9 +346,11 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     PinnedHosts pinned;
     ApprovalBroker& broker;
     EgressObserver& observer;
-    ProxyTimeouts timeouts;
+    ProxyLimits limits;
     std::optional<tcp::acceptor> acceptor;
     std::uint64_t listener_generation = 0;
+    std::optional<asio::steady_timer> accept_pause{std::in_place, io};
+    std::size_t open_sessions = 0;  // Session objects alive (on the proxy thread only)
     std::map<std::string, std::shared_ptr<PendingApproval>> pending;  // one per host
     std::thread thread;
     std::mutex stop_mutex;
@@ -362,10 +372,17 @@ class Session : public std::enable_shared_from_this<Session> {
           resolver_(proxy.io),
           deadline_(proxy.io),
           up_buffer_(relay_buffer_bytes),
-          down_buffer_(relay_buffer_bytes) {}
+          down_buffer_(relay_buffer_bytes) {
+        ++proxy_.open_sessions;
+    }
 
     ~Session() {
+        --proxy_.open_sessions;
         record_.duration_ms = milliseconds_since(started_);
+        if (!record_.allowed && record_.rule.empty()) {
+            record_.rule = phase_ == Phase::deciding ? "held for approval when the proxy stopped"
+                                                     : "closed before the request was decided";
+        }
         try {
             log_event(record_.allowed ? LogLevel::info : LogLevel::warning, "egress_connection",
                       {{"host", record_.host},
@@ -384,13 +401,18 @@ class Session : public std::enable_shared_from_this<Session> {
     }
 
     void start() {
-        arm(proxy_.timeouts.request_head,
-            "no complete request head within " + seconds_text(proxy_.timeouts.request_head));
+        arm(proxy_.limits.request_head,
+            "no complete request head within " + seconds_text(proxy_.limits.request_head));
         parser_.emplace();
         parser_->header_limit(max_request_head_bytes);
         http::async_read_header(
             client_, head_buffer_, *parser_,
             [self = shared_from_this()](error_code error, std::size_t) { self->on_head(error); });
+    }
+
+    void refuse_busy() {
+        refuse(http::status::service_unavailable, "too many connections open through the proxy (limit " +
+                                                      std::to_string(proxy_.limits.max_connections) + ")");
     }
 
   private:
@@ -517,8 +539,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
     void resolve() {
         phase_ = Phase::connecting;
-        arm(proxy_.timeouts.connect,
-            "could not connect to " + record_.host + " within " + seconds_text(proxy_.timeouts.connect));
+        arm(proxy_.limits.connect,
+            "could not connect to " + record_.host + " within " + seconds_text(proxy_.limits.connect));
         if (const auto* addresses = proxy_.pinned.lookup(record_.host)) {
             // The operator's own statement: these addresses are exempt from the private-address refusal.
             std::vector<tcp::endpoint> endpoints;
@@ -606,8 +628,8 @@ class Session : public std::enable_shared_from_this<Session> {
     void establish_tunnel() {
         static constexpr std::string_view established = "HTTP/1.1 200 Connection established\r\n\r\n";
         phase_ = Phase::client_hello;
-        arm(proxy_.timeouts.client_hello,
-            "no complete TLS ClientHello within " + seconds_text(proxy_.timeouts.client_hello));
+        arm(proxy_.limits.client_hello,
+            "no complete TLS ClientHello within " + seconds_text(proxy_.limits.client_hello));
         // Bytes the client sent right after the CONNECT head are the start of its ClientHello.
         const auto leftover = head_buffer_.data();
         hello_.assign(static_cast<const char*>(leftover.data()), leftover.size());
@@ -681,7 +703,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
     void forward_request() {
         phase_ = Phase::relay;
-        arm(proxy_.timeouts.idle, "no data either way for " + seconds_text(proxy_.timeouts.idle));
+        arm(proxy_.limits.idle, "no data either way for " + seconds_text(proxy_.limits.idle));
         outgoing_head_.emplace(parser_->get());
         outgoing_head_->target(origin_form_);
         outgoing_head_->set(http::field::host, host_header_value());
@@ -741,14 +763,72 @@ class Session : public std::enable_shared_from_this<Session> {
     void start_relay(bool tunnel) {
         phase_ = Phase::relay;
         tunnel_ = tunnel;
-        arm(proxy_.timeouts.idle, "no data either way for " + seconds_text(proxy_.timeouts.idle));
+        arm(proxy_.limits.idle, "no data either way for " + seconds_text(proxy_.limits.idle));
         up_ = Pipe{&client_, &upstream_, &up_buffer_, &record_.bytes_up, &upload_limit_};
         down_ = Pipe{&upstream_, &client_, &down_buffer_, &record_.bytes_down, &no_limit_};
         if (!tunnel) {
             upload_limit_ = body_remaining_;
         }
         pump(up_);
-        pump(down_);
+        if (tunnel) {
+            return pump(down_);
+        }
+        read_response_head();
+    }
+
+    // Plain HTTP: the client is told `Connection: close` too (this connection carries one request), then the
+    // rest of the response is streamed as it comes until the server closes.
+    void read_response_head() {
+        response_parser_.emplace();
+        response_parser_->header_limit(max_response_head_bytes);
+        http::async_read_header(upstream_, response_buffer_, *response_parser_,
+                                [self = shared_from_this()](error_code error, std::size_t) {
+                                    if (error) {
+                                        if (self->phase_ == Phase::closed) {
+                                            return;
+                                        }
+                                        // Nothing was sent to the client yet: it gets a readable 502.
+                                        return self->refuse(http::status::bad_gateway,
+                                                            "the response of " + self->record_.host +
+                                                                " is not valid HTTP (" + error.message() +
+                                                                ")",
+                                                            true);
+                                    }
+                                    self->last_activity_ = Clock::now();
+                                    self->send_response_head();
+                                });
+    }
+
+    void send_response_head() {
+        outgoing_response_.emplace(response_parser_->get());
+        outgoing_response_->set(http::field::connection, "close");
+        outgoing_response_->erase(http::field::keep_alive);
+        outgoing_response_->erase(http::field::proxy_connection);
+        response_serializer_.emplace(*outgoing_response_);
+        http::async_write_header(client_, *response_serializer_,
+                                 [self = shared_from_this()](error_code error, std::size_t written) {
+                                     if (error) {
+                                         return self->fail(error);
+                                     }
+                                     self->record_.bytes_down += written;
+                                     self->send_buffered_response();
+                                 });
+    }
+
+    // The part of the body that arrived with the response head, then the rest as it comes.
+    void send_buffered_response() {
+        if (response_buffer_.size() == 0) {
+            return pump(down_);
+        }
+        asio::async_write(client_, response_buffer_.data(),
+                          [self = shared_from_this()](error_code error, std::size_t written) {
+                              if (error) {
+                                  return self->fail(error);
+                              }
+                              self->record_.bytes_down += written;
+                              self->response_buffer_.consume(self->response_buffer_.size());
+                              self->pump(self->down_);
+                          });
     }
 
     void pump(Pipe& pipe) {
@@ -935,6 +1015,10 @@ class Session : public std::enable_shared_from_this<Session> {
     std::uint64_t body_remaining_ = 0;
     std::optional<http::request<http::empty_body>> outgoing_head_;
     std::optional<http::request_serializer<http::empty_body>> serializer_;
+    beast::flat_buffer response_buffer_{max_response_head_bytes + relay_buffer_bytes};
+    std::optional<http::response_parser<http::empty_body>> response_parser_;
+    std::optional<http::response<http::empty_body>> outgoing_response_;
+    std::optional<http::response_serializer<http::empty_body>> response_serializer_;
     std::vector<tcp::endpoint> endpoints_;
     std::string hello_;
 
@@ -958,17 +1042,29 @@ void EgressProxy::Impl::accept_next(std::uint64_t generation) {
             return;
         }
         if (error) {
+            // Out of descriptors or memory: pause instead of spinning on the same error.
             log_event(LogLevel::warning, "egress_accept_failed", {{"error", error.message()}});
+            accept_pause->expires_after(std::chrono::milliseconds(100));
+            accept_pause->async_wait([this, generation](error_code) {
+                if (generation == listener_generation && acceptor) {
+                    accept_next(generation);
+                }
+            });
+            return;
+        }
+        const auto session = std::make_shared<Session>(*this, std::move(socket));
+        if (open_sessions > limits.max_connections) {
+            session->refuse_busy();
         } else {
-            std::make_shared<Session>(*this, std::move(socket))->start();
+            session->start();
         }
         accept_next(generation);
     });
 }
 
 EgressProxy::EgressProxy(EgressPolicy policy, PinnedHosts pinned, ApprovalBroker& broker,
-                         EgressObserver& observer, ProxyTimeouts timeouts)
-    : impl_(std::make_shared<Impl>(std::move(policy), std::move(pinned), broker, observer, timeouts)) {
+                         EgressObserver& observer, ProxyLimits limits)
+    : impl_(std::make_shared<Impl>(std::move(policy), std::move(pinned), broker, observer, limits)) {
     impl_->start();
 }
 

@@ -60,12 +60,17 @@ class EgressObserver {
 };
 
 // Added by egress-core (defaults are what the kernel uses; tests shorten them).
-struct ProxyTimeouts {
-    std::chrono::milliseconds request_head{30'000};  // from accept to a complete request head
-    std::chrono::milliseconds connect{30'000};       // resolve + connect to the server
-    std::chrono::milliseconds client_hello{
-        30'000};                              // from "200 Connection established" to the whole ClientHello
-    std::chrono::milliseconds idle{300'000};  // a relay with no byte either way is closed
+struct ProxyLimits {
+    // From accept to a complete request head.
+    std::chrono::milliseconds request_head{30'000};
+    // Resolve + connect to the server.
+    std::chrono::milliseconds connect{30'000};
+    // From "200 Connection established" to the whole ClientHello.
+    std::chrono::milliseconds client_hello{30'000};
+    // A relay with no byte either way is closed.
+    std::chrono::milliseconds idle{300'000};
+    // Connections open at once (each holds two 64 KiB relay buffers); more are answered 503 and closed.
+    std::size_t max_connections = 256;
 };
 
 // Added by egress-core: the largest request head (request line + headers) the proxy reads.
@@ -74,7 +79,7 @@ inline constexpr std::size_t max_request_head_bytes = 16 * 1024;
 class EgressProxy {
   public:
     EgressProxy(EgressPolicy policy, PinnedHosts pinned, ApprovalBroker& broker, EgressObserver& observer,
-                ProxyTimeouts timeouts = {});
+                ProxyLimits limits = {});
     ~EgressProxy();
     EgressProxy(const EgressProxy&) = delete;
     EgressProxy& operator=(const EgressProxy&) = delete;

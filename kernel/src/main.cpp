@@ -4,7 +4,8 @@
 //
 // Threads: main runs xeus's control loop (make_xserver_control_main), xeus runs shell/iopub/heartbeat
 // threads on private ipc:// endpoints, the wire guard serves the public ports, the supervisor launches
-// workers, and the signal router takes SIGINT/SIGTERM.
+// workers, the signal router takes SIGINT/SIGTERM, and with a network policy the egress proxy serves each
+// worker's loopback listener (its events reach IOPub through the wire guard's thread).
 //
 // Exit status: 0 after shutdown_request, SIGTERM or SIGQUIT; 1 when start-up failed; 3
 // (lease_expired_exit_status) when the orphan lease ran out (CELLBLOCK_LEASE_S; see kernel/README.md).

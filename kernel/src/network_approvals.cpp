@@ -94,8 +94,8 @@ void NetworkApprovals::publish(const char* msg_type, nlohmann::json content) {
 }
 
 nlohmann::json NetworkApprovals::approval_display(const egress::ApprovalRequest& request, double timeout_s) {
-    const std::string text = "cellblock: network request to " + target(request) + " (" + request.method +
-                             ") is held for approval (id " + request.id + "); no decision within " +
+    const std::string text = "cellblock: network request to " + target(request) +
+                             " is held for approval (id " + request.id + "); no decision within " +
                              seconds_text(timeout_s) + " s denies it";
     const std::string html = "<div class=\"cellblock-approval\"><b>cellblock</b>: network request to <code>" +
                              html_escaped(target(request)) + "</code> (" + html_escaped(request.method) +

@@ -65,7 +65,7 @@ def origin():
 def hosts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("egress") / "egress-hosts"
     path.write_text(f"# the test's names, all served by the Origin\n"
-                    f"{SERVER_ADDRESS} allowed.test asked.test denied.test evil.test\n")
+                    f"{SERVER_ADDRESS} allowed.test asked.test denied.test session.test evil.test\n")
     return path
 
 
@@ -268,6 +268,18 @@ def test_a_denied_request_is_refused_with_who_denied_it(asking_kernel, origin):
     assert run.stream_text().startswith("REFUSED 403 "), run.stream_text()
     assert "denied by bob" in run.stream_text()
     assert origin.requests[before:] == []
+
+
+def test_allow_session_lets_later_requests_through_without_asking(asking_kernel, origin):
+    k = asking_kernel
+    msg_id, event, _ = held_request(k, "session.test", origin)
+    assert decide(k, event["content"]["id"], "allow_session", "carol")["content"] == {"status": "ok"}
+    assert k.collect(msg_id, timeout=180).stream_text() == fetched(origin)
+    again = k.execute(fetch(f"http://session.test:{origin.port}/data"), timeout=180)
+    assert again.stream_text() == fetched(origin), again.stream_text("stderr")
+    assert not [msg for _, msg in again.outputs if msg["msg_type"] == "display_data"], "asked again"
+    connection = iopub_until(k, egress_event("connection", host="session.test"), again)
+    assert connection["content"]["allowed"] is True, connection["content"]
 
 
 def test_an_unknown_approval_is_refused(asking_kernel):

@@ -175,7 +175,8 @@ void http_origin(int fd, UpstreamServer& server) {
     }
     server.remember(head + body);
     send_all(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: " +
-                     std::to_string(http_body.size()) + "\r\nConnection: close\r\n\r\n" + http_body);
+                     std::to_string(http_body.size()) +
+                     "\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\r\n" + http_body);
 }
 
 class Recorder : public EgressObserver {
@@ -259,14 +260,14 @@ class EgressProxyTest : public ::testing::Test {
 
     // Starts the proxy with `policy` (the upstream ports added to "ports" unless given) and pypi.test,
     // files.test, ask.test pinned to 127.0.0.1.
-    void start(json policy, ProxyTimeouts timeouts = {}) {
+    void start(json policy, ProxyLimits limits = {}) {
         if (!policy.contains("ports")) {
             policy["ports"] = {echo_server.port(), http_server.port()};
         }
         proxy = std::make_unique<EgressProxy>(
             EgressPolicy::parse(policy),
             PinnedHosts::parse("127.0.0.1 pypi.test files.test ask.test other.test\n", "test-hosts"), broker,
-            recorder, timeouts);
+            recorder, limits);
         proxy->serve(listening_socket(proxy_port));
     }
 
@@ -371,6 +372,10 @@ TEST_F(EgressProxyTest, PlainGetIsForwardedInOriginFormWithConnectionClose) {
     const auto response = exchange(get_request("pypi.test", http_server.port(), "/simple/pkg/?x=1#frag"));
     EXPECT_TRUE(response.starts_with("HTTP/1.1 200 OK\r\n")) << response;
     EXPECT_TRUE(response.ends_with("\r\n\r\n" + http_body)) << response;
+    // One request per connection, and the client is told so although the server offered keep-alive.
+    EXPECT_NE(response.find("Connection: close\r\n"), std::string::npos) << response;
+    EXPECT_EQ(response.find("keep-alive"), std::string::npos) << response;
+    EXPECT_EQ(response.find("Keep-Alive"), std::string::npos) << response;
 
     const auto seen = http_server.received();
     EXPECT_TRUE(seen.starts_with("GET /simple/pkg/?x=1 HTTP/1.1\r\n")) << seen;
@@ -384,6 +389,14 @@ TEST_F(EgressProxyTest, PlainGetIsForwardedInOriginFormWithConnectionClose) {
     EXPECT_TRUE(records[0].allowed);
     EXPECT_EQ(records[0].bytes_up, seen.size());
     EXPECT_EQ(records[0].bytes_down, response.size());
+}
+
+TEST_F(EgressProxyTest, AServerThatDoesNotAnswerHttpGets502) {
+    start({{"allow", {"pypi.test"}}});
+    // The echo server answers a request with the request itself: not an HTTP response.
+    const auto response = exchange(get_request("pypi.test", echo_server.port()));
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 502 Bad Gateway\r\n")) << response;
+    EXPECT_NE(response.find("the response of pypi.test is not valid HTTP"), std::string::npos) << response;
 }
 
 TEST_F(EgressProxyTest, PlainPostBodyIsForwardedExactly) {
@@ -476,9 +489,9 @@ TEST_F(EgressProxyTest, OversizedRequestHeadIsRefused) {
 }
 
 TEST_F(EgressProxyTest, SilentClientIsClosedAfterTheHeadTimeout) {
-    ProxyTimeouts timeouts;
-    timeouts.request_head = 300ms;
-    start({{"allow", {"pypi.test"}}}, timeouts);
+    ProxyLimits limits;
+    limits.request_head = 300ms;
+    start({{"allow", {"pypi.test"}}}, limits);
     auto client = connect_to(proxy_port);
     send_all(client.get(), "GET http://pypi.test/ HTTP/1.1\r\n");  // never finished
     const auto started = std::chrono::steady_clock::now();
@@ -490,9 +503,9 @@ TEST_F(EgressProxyTest, SilentClientIsClosedAfterTheHeadTimeout) {
 }
 
 TEST_F(EgressProxyTest, IdleTunnelIsClosed) {
-    ProxyTimeouts timeouts;
-    timeouts.idle = 300ms;
-    start({{"allow", {"pypi.test"}}}, timeouts);
+    ProxyLimits limits;
+    limits.idle = 300ms;
+    start({{"allow", {"pypi.test"}}}, limits);
     const auto hello = fixture("tls13_pypi_test.bin");
     auto client = connect_to(proxy_port);
     send_all(client.get(), connect_line("pypi.test", echo_server.port()) + hello);
@@ -502,6 +515,22 @@ TEST_F(EgressProxyTest, IdleTunnelIsClosed) {
     const auto records = recorder.wait_connections(1);
     ASSERT_EQ(records.size(), 1u);
     EXPECT_NE(records[0].error.find("no data either way"), std::string::npos) << records[0].error;
+}
+
+TEST_F(EgressProxyTest, ConnectionsBeyondTheLimitGet503) {
+    ProxyLimits limits;
+    limits.max_connections = 2;
+    start({{"allow", {"pypi.test"}}}, limits);
+    auto first = connect_to(proxy_port);
+    auto second = connect_to(proxy_port);
+    const auto third = exchange(get_request("pypi.test", http_server.port()));
+    EXPECT_TRUE(third.starts_with("HTTP/1.1 503 Service Unavailable\r\n")) << third;
+    EXPECT_NE(third.find("too many connections open through the proxy (limit 2)"), std::string::npos)
+        << third;
+    first.reset();
+    second.reset();
+    recorder.wait_connections(3);
+    EXPECT_TRUE(exchange(get_request("pypi.test", http_server.port())).starts_with("HTTP/1.1 200 OK\r\n"));
 }
 
 TEST_F(EgressProxyTest, OutsideTheCeilingIsRefusedNeverAsked) {
@@ -609,6 +638,20 @@ TEST_F(EgressApprovalTest, LateAndRepeatedAnswersAreIgnored) {
     ASSERT_TRUE(
         broker.answer(2, Decision::deny, "bob"));  // still asked: mallory's late allow_session did nothing
     EXPECT_TRUE(again.get().starts_with("HTTP/1.1 403 Forbidden\r\n"));
+}
+
+TEST_F(EgressApprovalTest, AnAnswerAfterTheProxyIsGoneIsHarmless) {
+    auto held = get_in_background();
+    {
+        std::unique_lock lock(broker.mutex_);
+        ASSERT_TRUE(broker.changed_.wait_for(lock, 10s, [&] { return !broker.requests.empty(); }));
+    }
+    proxy.reset();  // the kernel replaced or stopped the proxy while a human was still deciding
+    EXPECT_EQ(held.get(), "");
+    EXPECT_TRUE(broker.answer(1, Decision::allow_session, "alice"));  // the broker still holds the callback
+    const auto records = recorder.wait_connections(1);
+    ASSERT_EQ(records.size(), 1u);
+    EXPECT_FALSE(records[0].allowed);
 }
 
 TEST_F(EgressProxyTest, NoDecisionWithinTheTimeoutDenies) {

@@ -1,9 +1,11 @@
 // The launcher's happy path and failure reporting, with real confined processes.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -250,4 +252,50 @@ TEST_F(LauncherTest, FullyEquippedHostReportsNothingWeakened) {
     auto process = launcher.launch(request({"/usr/bin/true"}));
     EXPECT_EQ(process.wait().exit_code, 0);
     EXPECT_TRUE(launcher.weakened().empty()) << "this host supports every mechanism the policy needs";
+}
+
+// The loopback listener is created in the sandbox's namespace before the program runs and handed over: the
+// program's connection to 127.0.0.1:port is accepted here, and nothing of the program ever held the socket.
+TEST_F(LauncherTest, LoopbackListenerIsHandedToTheCaller) {
+    sb::Launcher launcher(policy_);
+    int ends[2];
+    ASSERT_EQ(::pipe2(ends, O_CLOEXEC), 0);
+    auto r =
+        request({"/usr/bin/python3", "-c",
+                 "import os, socket\n"
+                 "print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')), flush=True)\n"
+                 "print(socket.create_connection(('127.0.0.1', 3128), timeout=60).recv(64).decode())\n"});
+    r.stdout_fd = ends[1];
+    r.loopback_listener = sb::LoopbackListener{3128, false};
+    auto process = launcher.launch(r);
+    ::close(ends[1]);
+    auto listeners = process.take_loopback_listeners();
+    ASSERT_EQ(listeners.size(), 1u);
+    EXPECT_TRUE(process.take_loopback_listeners().empty()) << "handed over once";
+    EXPECT_NE(::fcntl(listeners[0].get(), F_GETFD) & FD_CLOEXEC, 0);
+    sb::UniqueFd connection(::accept4(listeners[0].get(), nullptr, nullptr, SOCK_CLOEXEC));
+    ASSERT_TRUE(connection) << std::strerror(errno);
+    ASSERT_EQ(::write(connection.get(), "served from outside", 19), 19);
+    connection.reset();
+    std::string out;
+    char buffer[4096];
+    ssize_t got;
+    while ((got = ::read(ends[0], buffer, sizeof buffer)) > 0)
+        out.append(buffer, static_cast<std::size_t>(got));
+    ::close(ends[0]);
+    EXPECT_EQ(process.wait().exit_code, 0) << out;
+    // The program's fds: stdin/out/err and the one python opens to list them; the listener is not among them.
+    EXPECT_EQ(out, "[0, 1, 2, 3]\nserved from outside\n");
+}
+
+TEST_F(LauncherTest, LoopbackListenerNeedsAPortAndTheLoopback) {
+    sb::Launcher launcher(policy_);
+    auto r = request({"/usr/bin/true"});
+    r.loopback_listener = sb::LoopbackListener{0, false};
+    EXPECT_THROW(launcher.launch(r), sb::SandboxError);
+    auto without_loopback = policy_;
+    without_loopback.network_loopback = false;
+    sb::Launcher dark(without_loopback);
+    r.loopback_listener = sb::LoopbackListener{3128, false};
+    EXPECT_THROW(dark.launch(r), sb::SandboxError);
 }
