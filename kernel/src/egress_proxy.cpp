@@ -226,11 +226,18 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     }
 
     void stop() {
-        std::lock_guard lock(stop_mutex);
-        if (stopped) {
-            return;
+        {
+            // Not held while joining: the proxy thread may be posting (a broker answering synchronously).
+            std::lock_guard lock(stop_mutex);
+            if (stopped) {
+                return;
+            }
+            stopped = true;
         }
-        stopped = true;
+        if (std::this_thread::get_id() == thread.get_id()) {
+            throw std::logic_error(
+                "EgressProxy::stop() called from the proxy's own thread (an observer or broker)");
+        }
         work.reset();
         io_owner->stop();
         if (thread.joinable()) {
