@@ -2,6 +2,7 @@
 //   cellblock exec --session S 'print(1)'     (stdout/stderr stream as they happen; exit status 1 on
 //   error/timeout) cellblock upload --session S FILE [DEST]  (into the session's workspace, the code's cwd)
 //   cellblock notebook --session S > s.ipynb  (the session's history as a notebook)
+//   cellblock approvals S / cellblock approve S ID allow_once|allow_session|deny  (held network requests)
 // Sessions are named; `exec` and `upload` create a missing one. --url/--token or
 // CELLBLOCK_URL/CELLBLOCK_TOKEN.
 #include <CLI/CLI.hpp>
@@ -54,6 +55,12 @@ int run_exec(AgentClient& client, const std::string& session, const std::string&
             std::cerr << event.value("text", "") << std::flush;
         else if (type == "notice")
             (event.value("text", "").find("stdout") != std::string::npos ? stdout_cut : stderr_cut) = true;
+        else if (type == "approval" && event.value("state", "") == "pending")
+            std::cerr << "cellblock: network request to " << event.value("host", "") << ":"
+                      << event.value("port", 0) << " is held for approval (id " << event.value("id", "")
+                      << "): cellblock approve " << session << " " << event.value("id", "")
+                      << " allow_once|allow_session|deny\n"
+                      << std::flush;
         else if (type == "end")
             end = event;
     };
@@ -146,6 +153,34 @@ int run_sessions(AgentClient& client) {
     return 0;
 }
 
+int run_approvals(AgentClient& client, const std::string& session) {
+    const auto response = client.request(http::verb::get, session_path(session) + "/approvals");
+    AgentClient::check(response, "cannot list the approvals of session '" + session + "'");
+    const json parsed = json::parse(response.body, nullptr, false);
+    for (const json& approval : parsed.value("approvals", json::array())) {
+        const auto text = [&approval](const char* key) {
+            return approval.contains(key) && approval[key].is_string() ? approval[key].get<std::string>()
+                                                                       : std::string("-");
+        };
+        std::cout << text("id") << "\t" << text("host") << ":" << approval.value("port", 0) << "\t"
+                  << text("method") << "\t" << text("state") << "\t" << text("decision") << "\t"
+                  << text("decided_by") << "\t" << text("requested") << "\n";
+    }
+    return 0;
+}
+
+int run_approve(AgentClient& client, const std::string& session, const std::string& approval_id,
+                const std::string& decision) {
+    const auto response = client.request(
+        http::verb::post, session_path(session) + "/approvals/" + encode_path_segment(approval_id),
+        json({{"decision", decision}}).dump());
+    AgentClient::check(response, "cannot decide approval " + approval_id);
+    const json approval = json::parse(response.body, nullptr, false);
+    std::cerr << "cellblock: " << approval.value("host", "") << ":" << approval.value("port", 0) << " "
+              << decision << "\n";
+    return 0;
+}
+
 std::string environment(const char* name, const std::string& fallback) {
     const char* value = std::getenv(name);
     return value && *value ? value : fallback;
@@ -178,6 +213,18 @@ int main(int argc, char** argv) {
     notebook->add_option("--session,-s", session, "session name or id")->required();
     notebook->add_flag("--skip-errors", skip_errors, "leave out cells that failed or timed out");
     auto* sessions = app.add_subcommand("sessions", "list the gateway's agent sessions");
+    std::string approval_id, decision;
+    auto* approvals = app.add_subcommand(
+        "approvals",
+        "list a session's network requests held for approval (id, host:port, method, state, decision, "
+        "decided by, requested)");
+    approvals->add_option("session", session, "session name or id")->required();
+    auto* approve = app.add_subcommand("approve", "answer a held network request");
+    approve->add_option("session", session, "session name or id")->required();
+    approve->add_option("id", approval_id, "the approval's id (cellblock approvals SESSION)")->required();
+    approve->add_option("decision", decision, "allow_once, allow_session or deny")
+        ->required()
+        ->check(CLI::IsMember({"allow_once", "allow_session", "deny"}));
     CLI11_PARSE(app, argc, argv);
 
     try {
@@ -190,6 +237,10 @@ int main(int argc, char** argv) {
             return run_notebook(client, session, skip_errors);
         if (*sessions)
             return run_sessions(client);
+        if (*approvals)
+            return run_approvals(client, session);
+        if (*approve)
+            return run_approve(client, session, approval_id, decision);
     } catch (const ClientError& error) {
         std::cerr << "cellblock: " << error.what() << "\n";
         return 2;

@@ -122,7 +122,8 @@ void GatewayConfig::merge_json(const json& j) {
                                                    "slurm_mem_mb",
                                                    "slurm_memory_overhead_mb",
                                                    "slurm_job_output",
-                                                   "slurm_poll_interval"};
+                                                   "slurm_poll_interval",
+                                                   "network"};
     for (const auto& [key, value] : j.items()) {
         if (key.starts_with("_"))
             continue;  // comments
@@ -192,6 +193,21 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "slurm_memory_overhead_mb", slurm_memory_overhead_mb);
     take(j, "slurm_job_output", slurm_job_output);
     take(j, "slurm_poll_interval", slurm_poll_interval);
+    if (j.contains("network") && !j["network"].is_null()) {
+        const json& network = j["network"];
+        if (!network.is_object())
+            throw std::invalid_argument("config key 'network': must be an object");
+        for (const auto& [key, value] : network.items())
+            if (!key.starts_with("_") && key != "allow" && key != "default" && key != "egress_hosts" &&
+                key != "approval_timeout" && key != "ports")
+                throw std::invalid_argument("unknown gateway config key 'network." + key + "'");
+        take(network, "allow", network_allow);
+        if (network.contains("default"))
+            network_default = network["default"];
+        take(network, "egress_hosts", egress_hosts);
+        take(network, "approval_timeout", network_approval_timeout);
+        take(network, "ports", network_ports);
+    }
 }
 
 void GatewayConfig::merge_file(const std::string& path) {
@@ -271,6 +287,27 @@ void GatewayConfig::merge_environment(
     number("CELLBLOCK_GATEWAY_SLURM_MEM_MB", slurm_mem_mb);
     text("CELLBLOCK_GATEWAY_SLURM_JOB_OUTPUT", slurm_job_output);
     number("CELLBLOCK_GATEWAY_SLURM_POLL_INTERVAL", slurm_poll_interval);
+    if (auto value = lookup("CELLBLOCK_GATEWAY_NETWORK_ALLOW")) {
+        // Comma-separated (':' belongs to IPv6 literals here).
+        network_allow.clear();
+        std::string current;
+        for (char c : *value + ",") {
+            if (c == ',') {
+                if (!current.empty())
+                    network_allow.push_back(current);
+                current.clear();
+            } else if (c != ' ') {
+                current += c;
+            }
+        }
+    }
+    if (auto value = lookup("CELLBLOCK_GATEWAY_NETWORK_DEFAULT")) {
+        network_default = value->empty() ? json(nullptr) : json::parse(*value, nullptr, false);
+        if (network_default.is_discarded())
+            throw std::invalid_argument("CELLBLOCK_GATEWAY_NETWORK_DEFAULT: not valid JSON");
+    }
+    text("CELLBLOCK_GATEWAY_EGRESS_HOSTS", egress_hosts);
+    number("CELLBLOCK_GATEWAY_NETWORK_APPROVAL_TIMEOUT", network_approval_timeout);
 }
 
 json GatewayConfig::to_json() const {
@@ -311,8 +348,38 @@ json GatewayConfig::to_json() const {
                 {"mem_mb", slurm_mem_mb},
                 {"job_output", slurm_job_output},
                 {"poll_interval", slurm_poll_interval}}},
+              {"network",
+               {{"allow", network_allow},
+                {"default", network_default},
+                {"egress_hosts", egress_hosts},
+                {"approval_timeout", network_approval_timeout},
+                {"ports", network_ports}}},
               {"tls", !certfile.empty()}};
     return j;
+}
+
+NetworkSettings GatewayConfig::network_settings() const {
+    return checked_settings(network_allow, network_ports, network_approval_timeout);
+}
+
+NetworkRequest GatewayConfig::default_network() const {
+    NetworkRequest request = parse_network_request(network_default);
+    check_within_ceiling(request, network_settings().ceiling);
+    return request;
+}
+
+void GatewayConfig::check_network() const {
+    try {
+        network_settings();
+        default_network();
+    } catch (const NetworkPolicyError& error) {
+        throw std::invalid_argument(std::string("network settings: ") + error.what());
+    }
+    if (!egress_hosts.empty()) {
+        std::ifstream hosts(egress_hosts);
+        if (!hosts)
+            throw std::invalid_argument("--egress-hosts " + egress_hosts + ": cannot read the file");
+    }
 }
 
 std::string installed_data_dir() {

@@ -343,7 +343,8 @@ void KernelManager::schedule_housekeeping() {
 
 std::map<std::string, std::string> KernelManager::kernel_environment(
     const KernelSpec& spec, const std::map<std::string, std::string>& request_env,
-    const std::string& kernel_id, const fs::path& workspace) const {
+    const std::string& kernel_id, const fs::path& workspace,
+    const std::optional<NetworkRequest>& network) const {
     std::map<std::string, std::string> environment;
     if (auto path = process_env("PATH"))
         environment["PATH"] = *path;
@@ -371,24 +372,58 @@ std::map<std::string, std::string> KernelManager::kernel_environment(
         environment["CELLBLOCK_LEASE_CLEANUP_DIR"] = workspace.string();
     }
     environment.erase("KG_AUTH_TOKEN");
+    // The network policy is the operator's and the agent API's word only (never a client's env or spec env).
+    environment.erase("CELLBLOCK_NETWORK_POLICY");
+    environment.erase("CELLBLOCK_EGRESS_HOSTS");
+    const std::string policy =
+        kernel_policy_value(network ? *network : spec_network(spec), config_.network_settings());
+    if (!policy.empty()) {
+        environment["CELLBLOCK_NETWORK_POLICY"] = policy;
+        if (!config_.egress_hosts.empty())
+            environment["CELLBLOCK_EGRESS_HOSTS"] = fs::absolute(config_.egress_hosts).string();
+    }
     return environment;
+}
+
+NetworkRequest KernelManager::spec_network(const KernelSpec& spec) const {
+    const json* policy = nullptr;
+    if (spec.spec.contains("metadata") && spec.spec["metadata"].is_object()) {
+        const json& metadata = spec.spec["metadata"];
+        if (metadata.contains("cellblock") && metadata["cellblock"].is_object() &&
+            metadata["cellblock"].contains("network"))
+            policy = &metadata["cellblock"]["network"];
+    }
+    try {
+        if (!policy)
+            return config_.default_network();
+        NetworkRequest request = parse_network_request(*policy);
+        check_within_ceiling(request, config_.network_settings().ceiling);
+        return request;
+    } catch (const NetworkPolicyError& error) {
+        throw std::invalid_argument((policy ? "kernelspec " + spec.name + ": metadata.cellblock.network: "
+                                            : std::string("network: ")) +
+                                    error.what());
+    }
 }
 
 std::shared_ptr<Kernel> KernelManager::create_kernel(const KernelSpec& spec,
                                                      const std::map<std::string, std::string>& request_env,
-                                                     const std::map<std::string, std::string>& trusted_env) {
+                                                     const std::map<std::string, std::string>& trusted_env,
+                                                     const std::optional<NetworkRequest>& network) {
     KernelLaunch launch;
     launch.id = new_uuid();
     launch.spec = spec;
     launch.provisioner = provisioner_for(spec);
     launch.runtime_dir = runtime_dir_;
+    // A kernelspec policy beyond the ceiling fails the start before anything is made for the kernel.
+    const NetworkRequest policy = network ? *network : spec_network(spec);
     try {
         launch.workspace_dir = make_private_directory(workspace_root_ / launch.id);
     } catch (const std::exception&) {
         metrics_.count_launch_failure(GatewayMetrics::cause_workspace_failed);
         throw;
     }
-    launch.environment = kernel_environment(spec, request_env, launch.id, launch.workspace_dir);
+    launch.environment = kernel_environment(spec, request_env, launch.id, launch.workspace_dir, policy);
     for (const auto& [name, value] : trusted_env)
         launch.environment[name] = value;
     auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
@@ -452,11 +487,22 @@ void KernelManager::watch_kernel(Kernel& kernel) {
         [&metrics = metrics_](std::string_view cause) { metrics.count_launch_failure(cause); });
 }
 
-bool KernelManager::pool_can_serve(const KernelSpec& spec,
-                                   const std::map<std::string, std::string>& request_env) const {
+bool KernelManager::pool_can_serve(const KernelSpec& spec, const KernelStartRequest& request) const {
+    const auto& request_env = request.env;
     auto pool_spec = registry_.find(registry_.default_name());
     if (!pool_spec || pool_spec->directory != spec.directory)
         return false;
+    // Pooled kernels have the spec's (or the gateway's default) network policy in their environment.
+    if (request.network) {
+        try {
+            const NetworkSettings settings = config_.network_settings();
+            if (kernel_policy_value(*request.network, settings) !=
+                kernel_policy_value(spec_network(spec), settings))
+                return false;
+        } catch (const std::exception&) {
+            return false;
+        }
+    }
     // A warm kernel already has its environment: only requests whose variables would not change it qualify.
     for (const auto& [name, value] : request_env) {
         const bool passed = name.starts_with("KERNEL_") ||
@@ -500,7 +546,7 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
         return;
     }
     std::shared_ptr<Kernel> kernel;
-    if (request.trusted_env.empty() && pool_can_serve(*spec, request.env)) {
+    if (request.trusted_env.empty() && pool_can_serve(*spec, request)) {
         // Prefer a ready warm kernel, else one that is still warming up (it is ahead of a cold start).
         auto ready = std::find_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); });
         auto chosen = ready != pool_.end() ? ready : pool_.begin();
@@ -515,7 +561,7 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
     const bool from_pool = kernel != nullptr;
     try {
         if (!kernel)
-            kernel = create_kernel(*spec, request.env, request.trusted_env);
+            kernel = create_kernel(*spec, request.env, request.trusted_env, request.network);
     } catch (const std::exception& error) {
         on_started(KernelStartError{KernelStartError::Kind::failed, error.what()});
         return;

@@ -38,13 +38,16 @@ bool same_file(int first_fd, int second_fd) {
 struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
         runtime_dir, workspace_root, state_dir, store, log_level, default_kernel_name, provisioner,
-        launch_registry_ip, slurm_partition, slurm_account, slurm_qos, slurm_constraint;
+        launch_registry_ip, slurm_partition, slurm_account, slurm_qos, slurm_constraint, network_default,
+        egress_hosts;
     std::optional<int> port, warm_pool, max_kernels;
-    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout;
+    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout,
+        network_approval_timeout;
     std::optional<std::size_t> max_unauthenticated_connections, max_unauthenticated_per_address, fd_reserve;
     std::optional<bool> cull_connected, cull_busy, list_kernels;
     bool shutdown_kernels_on_exit = false;
     std::vector<std::string> kernelspec_dirs;
+    std::vector<std::string> network_allow;
     bool print_config = false;
 };
 
@@ -92,6 +95,14 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.slurm_constraint, config.slurm_constraint);
     if (!cli.kernelspec_dirs.empty())
         config.kernelspec_dirs = cli.kernelspec_dirs;
+    if (!cli.network_allow.empty())
+        config.network_allow = cli.network_allow;
+    if (cli.network_default) {
+        config.network_default = cli.network_default->empty() ? nlohmann::json(nullptr)
+                                                              : nlohmann::json::parse(*cli.network_default);
+    }
+    set(cli.egress_hosts, config.egress_hosts);
+    set(cli.network_approval_timeout, config.network_approval_timeout);
 }
 
 std::string normalized_base_url(std::string base) {
@@ -179,6 +190,22 @@ int main(int argc, char** argv) {
         "--fd-reserve", cli.fd_reserve,
         "file descriptors kept free for kernel starts: accepting pauses below it (default 128; 0 = "
         "off)");
+    app.add_option("--network-allow", cli.network_allow,
+                   "host pattern a session's network policy may reach (repeatable; the ceiling: none = no "
+                   "session gets network; \"pypi.org\", \"*.pythonhosted.org\", \"*\") "
+                   "(CELLBLOCK_GATEWAY_NETWORK_ALLOW, comma-separated)");
+    app.add_option(
+        "--network-default", cli.network_default,
+        "network policy of kernels started through the Kernel Gateway API, as JSON "
+        "{\"allow\": [...], \"ask\": bool} within the ceiling (a kernelspec's "
+        "metadata.cellblock.network overrides it; default none) (CELLBLOCK_GATEWAY_NETWORK_DEFAULT)");
+    app.add_option("--egress-hosts", cli.egress_hosts,
+                   "hosts(5) file: a name listed there resolves only to its addresses, which are exempt from "
+                   "the private-address refusal (CELLBLOCK_GATEWAY_EGRESS_HOSTS)");
+    app.add_option("--network-approval-timeout", cli.network_approval_timeout,
+                   "seconds a held network request waits for an approval before it is denied (default 120) "
+                   "(CELLBLOCK_GATEWAY_NETWORK_APPROVAL_TIMEOUT)")
+        ->check(CLI::PositiveNumber);
     app.add_option("--log-level", cli.log_level, "debug, info, warning (default), error");
     app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
     cellblock::gateway::agent::AgentConfig agent_config;
@@ -202,6 +229,7 @@ int main(int argc, char** argv) {
         });
         apply(cli, config);
         config.base_url = normalized_base_url(config.base_url);
+        config.check_network();
     } catch (const std::exception& error) {
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
         return 2;

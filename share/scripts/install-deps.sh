@@ -20,6 +20,7 @@ test_packages=(
   python3-pytest python3-jupyter-client python3-jupyter-kernel-test python3-ipykernel xpython
   python3-nbclient python3-nbformat python3-nbconvert jupyter-nbconvert jupyter-client jupyter-server python3-jupyter-server python3-notebook
   python3-websocket python3-requests python3-tornado
+  python3-pip openssl  # tests/agent/test_network.py: pip and requests run inside the worker through the egress proxy; a test CA
   chromium iproute2 procps psmisc
   slurmctld slurmd slurm-client  # a real Slurm cluster (auth/none, no munged) for kernels as jobs (tests/cluster)
   postgresql  # the shared store's tests start their own server (initdb/pg_ctl in a temporary directory)

@@ -387,6 +387,47 @@ class AuditResource : public AgentResource {
     }
 };
 
+// ------------------------------------------------------------------------------------------------ approvals
+
+class ApprovalsResource : public AgentResource {
+  public:
+    using AgentResource::AgentResource;
+    void get(RequestContext& context, Responder respond) override {
+        translated(respond, [&] {
+            auto target = session(context);
+            respond(json_response(http::status::ok,
+                                  {{"session", target->id()}, {"approvals", operations_.approvals(target)}}));
+        });
+    }
+};
+
+class ApprovalResource : public AgentResource {
+  public:
+    using AgentResource::AgentResource;
+    std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
+    void get(RequestContext& context, Responder respond) override {
+        translated(respond, [&] {
+            const std::string approval_id = context.param("approval");
+            for (const json& approval : operations_.approvals(session(context)))
+                if (approval.value("id", std::string()) == approval_id)
+                    return respond(json_response(http::status::ok, approval));
+            throw OperationError(OperationErrorKind::not_found, "unknown_approval",
+                                 "no approval " + approval_id + " in this session",
+                                 {{"approval", approval_id}});
+        });
+    }
+    void post(RequestContext& context, Responder respond) override {
+        translated(respond, [&] {
+            auto target = session(context);
+            const std::string decision = AgentOperations::parse_decision(request_body(context));
+            operations_.decide_approval(target, context.param("approval"), decision, caller_of(context),
+                                        answer_with<json>(respond, [](json& approval) {
+                                            return json_response(http::status::ok, approval);
+                                        }));
+        });
+    }
+};
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------ service
@@ -422,6 +463,9 @@ void AgentService::register_routes(Router& router) {
     router.add("/agent/v1/sessions/{session}/files/{path...}", std::make_shared<FileResource>(*this));
     router.add("/agent/v1/sessions/{session}/notebook", std::make_shared<NotebookResource>(*this));
     router.add("/agent/v1/sessions/{session}/audit", std::make_shared<AuditResource>(*this));
+    router.add("/agent/v1/sessions/{session}/approvals", std::make_shared<ApprovalsResource>(*this));
+    router.add("/agent/v1/sessions/{session}/approvals/{approval}",
+               std::make_shared<ApprovalResource>(*this));
     register_mcp_endpoint(router, *this);
 }
 

@@ -125,7 +125,9 @@ void AgentOperations::create_session(const json& arguments, const Caller& caller
     } catch (const LimitError& error) {
         throw OperationError(Kind::refused, "bad_limit", error.what(), {{"limit", error.field()}});
     }
-    registry_.create(name, limits, caller.address,
+    NetworkRequest network =
+        checked_network(arguments.contains("network") ? arguments["network"] : json(nullptr));
+    registry_.create(name, limits, std::move(network), caller.address,
                      [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
                          if (error)
                              return then(from_registry(*error));
@@ -141,16 +143,40 @@ AgentOperations::SessionPtr AgentOperations::session(const std::string& id_or_na
     return found;
 }
 
+NetworkRequest AgentOperations::checked_network(const json& requested) const {
+    try {
+        NetworkRequest network = parse_network_request(requested);
+        check_within_ceiling(network, services_.kernels.network_ceiling());
+        return network;
+    } catch (const NetworkPolicyError& error) {
+        if (error.kind() == NetworkPolicyError::Kind::malformed)
+            throw OperationError(Kind::malformed, "bad_network", error.what());
+        throw OperationError(Kind::refused, "network_not_allowed", error.what(),
+                             {{"ceiling", services_.kernels.network_ceiling()}});
+    }
+}
+
 void AgentOperations::session_or_create(const std::string& id_or_name, const Caller& caller,
-                                        Then<SessionPtr> then) {
-    if (auto found = registry_.find(id_or_name))
+                                        Then<SessionPtr> then, const json& network_argument) {
+    std::optional<NetworkRequest> network;
+    if (!network_argument.is_null())
+        network = checked_network(network_argument);
+    if (auto found = registry_.find(id_or_name)) {
+        if (network && !(*network == found->record().network))
+            return then(OperationError(
+                Kind::conflict, "network_fixed",
+                "session " + found->name() + " exists with network " +
+                    (found->record().network.none() ? std::string("none")
+                                                    : found->record().network.to_json().dump()) +
+                    "; a session's network is fixed when it is created"));
         return then(std::move(found));
+    }
     // Ids are made by the gateway, names by clients: an id that names no session is not created.
     if (looks_like_kernel_id(id_or_name))
         return then(OperationError(Kind::not_found, "unknown_session",
                                    "no agent session with id or name '" + id_or_name + "'"));
     registry_.create(
-        id_or_name, services_.config.default_limits, caller.address,
+        id_or_name, services_.config.default_limits, network.value_or(NetworkRequest{}), caller.address,
         [this, id_or_name, then = std::move(then)](SessionPtr created, std::optional<HttpError> error) {
             // Two calls for a new name at once: the second finds the session the first is creating.
             if (error && error->status() == http::status::conflict)
@@ -307,6 +333,53 @@ void AgentOperations::audit_trail(const SessionPtr& session, AuditQuery query, T
         }
         then(std::move(entries));
     });
+}
+
+// ------------------------------------------------------------------------------------------------ network
+
+json AgentOperations::approvals(const SessionPtr& session) const {
+    session->touch();
+    return session->approvals();
+}
+
+std::string AgentOperations::parse_decision(const json& arguments) {
+    if (!arguments.is_object() || !arguments.contains("decision"))
+        throw OperationError(Kind::malformed, "missing_decision",
+                             "missing \"decision\": allow_once, allow_session or deny");
+    if (!arguments["decision"].is_string())
+        throw OperationError(Kind::malformed, "bad_type", "\"decision\" must be a string");
+    const std::string decision = arguments["decision"].get<std::string>();
+    if (decision != "allow_once" && decision != "allow_session" && decision != "deny")
+        throw OperationError(
+            Kind::refused, "bad_decision",
+            "\"decision\" must be allow_once, allow_session or deny, not \"" + decision + "\"");
+    return decision;
+}
+
+void AgentOperations::decide_approval(const SessionPtr& session, const std::string& approval_id,
+                                      const std::string& decision, const Caller& caller, Then<json> then) {
+    using Status = AgentSession::DecisionResult::Status;
+    session->decide_approval(
+        approval_id, decision, "agent api", caller.address,
+        [then = std::move(then), approval_id](AgentSession::DecisionResult result) {
+            switch (result.status) {
+                case Status::ok:
+                    return then(std::move(result.approval));
+                case Status::unknown:
+                    return then(OperationError(Kind::not_found, "unknown_approval", result.message,
+                                               {{"approval", approval_id}}));
+                case Status::already_decided:
+                    return then(OperationError(Kind::conflict, "approval_decided", result.message,
+                                               {{"approval", result.approval}}));
+                case Status::kernel_refused:
+                    return then(OperationError(Kind::conflict, "approval_decided", result.message,
+                                               {{"approval", approval_id}}));
+                case Status::no_kernel:
+                case Status::no_answer:
+                    break;
+            }
+            then(OperationError(Kind::unavailable, "kernel_unavailable", result.message));
+        });
 }
 
 }  // namespace cellblock::gateway::agent

@@ -155,6 +155,8 @@ void AgentSession::ensure_kernel(Done done) {
     kernel_wait_ = KernelWait::starting;
     KernelStartRequest request;
     request.trusted_env = kernel_limit_environment();
+    // An agent session has its own policy (none by default), never the Kernel Gateway API's default.
+    request.network = record_.network;
     services_.kernels.start_kernel(
         request,
         [weak, &kernels = services_.kernels](std::variant<std::shared_ptr<Kernel>, KernelStartError> result) {
@@ -286,6 +288,13 @@ void AgentSession::settle_kernel_waiters(const std::optional<std::string>& error
 
 void AgentSession::attach_kernel(std::shared_ptr<Kernel> kernel) {
     kernel_ = std::move(kernel);
+    // A request held by another kernel's proxy ended with that kernel.
+    for (Approval& approval : approvals_)
+        if (approval.decision.empty() && approval.kernel_id != kernel_->id()) {
+            approval.decision = "lost";
+            approval.decided_by = "the kernel that held it ended";
+            approval.decided = format_iso8601_utc(std::chrono::system_clock::now());
+        }
     if (had_kernel_)
         state_lost_notice_ = true;
     had_kernel_ = true;
@@ -324,6 +333,7 @@ json AgentSession::model() const {
             {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
             {"created", record_.created},
             {"limits", record_.limits.to_json()},
+            {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
             {"state", state},
             {"cells", cells_.size()},
             {"queued", queue_.size()}};
@@ -334,6 +344,7 @@ void AgentSession::persist_record() {
                    {"name", record_.name},
                    {"created", record_.created},
                    {"limits", record_.limits.to_json()},
+                   {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
                    {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
                    {"deleted", closed_}};
     services_.writer.submit([record](SessionStore& store) { store.put_agent_session(record); });
@@ -618,6 +629,18 @@ void AgentSession::deliver(const JupyterMessage& message) {
         !kernel_info_msg_id_.empty() &&
         message.parent_header.find(kernel_info_msg_id_) != std::string::npos) {
         kernel_info_ = json::parse(message.content, nullptr, false);
+        return;
+    }
+    if (message.channel == Channel::iopub && message.msg_type == "cellblock_egress")
+        return on_egress(message);
+    if (message.channel == Channel::control && message.msg_type == "cellblock_approval_decision_reply") {
+        const json parent = json::parse(message.parent_header, nullptr, false);
+        const std::string parent_id = parent.is_object() ? parent.value("msg_id", std::string()) : "";
+        if (auto waiter = decision_waiters_.find(parent_id); waiter != decision_waiters_.end()) {
+            auto answer = std::move(waiter->second);
+            decision_waiters_.erase(waiter);
+            answer(json::parse(message.content, nullptr, false));
+        }
         return;
     }
     if (!running_ || !running_->collector)
@@ -937,6 +960,199 @@ json AgentSession::notebook(bool only_ok) const {
                {{"session", record_.id}, {"name", record_.name}, {"limits", record_.limits.to_json()}}}}},
             {"nbformat", 4},
             {"nbformat_minor", 5}};
+}
+
+// ------------------------------------------------------------------------------------------------ network
+
+json AgentSession::Approval::to_json() const {
+    return {{"id", id},
+            {"host", host},
+            {"port", port},
+            {"method", method},
+            {"timeout_s", timeout_s},
+            {"requested", requested},
+            {"state", decision.empty() ? "pending" : "decided"},
+            {"decided", decided.empty() ? json(nullptr) : json(decided)},
+            {"decision", decision.empty() ? json(nullptr) : json(decision)},
+            {"decided_by", decided_by.empty() ? json(nullptr) : json(decided_by)}};
+}
+
+json AgentSession::approvals() const {
+    json list = json::array();
+    for (const Approval& approval : approvals_)
+        list.push_back(approval.to_json());
+    return list;
+}
+
+AgentSession::Approval* AgentSession::find_approval(const std::string& approval_id) {
+    for (Approval& approval : approvals_)
+        if (approval.id == approval_id)
+            return &approval;
+    return nullptr;
+}
+
+void AgentSession::stream_event(const json& event) {
+    if (running_ && running_->pending.handlers.on_event)
+        running_->pending.handlers.on_event(event);
+}
+
+void AgentSession::on_egress(const JupyterMessage& message) {
+    const json content = json::parse(message.content, nullptr, false);
+    if (!content.is_object())
+        return;
+    const std::string event = content.value("event", std::string());
+    const std::string now = format_iso8601_utc(std::chrono::system_clock::now());
+    auto text = [&content](const char* key) {
+        return content.contains(key) && content[key].is_string() ? content[key].get<std::string>()
+                                                                 : std::string();
+    };
+    auto number = [&content](const char* key) {
+        return content.contains(key) && content[key].is_number() ? content[key] : json(0);
+    };
+    const json kernel_id = kernel_ ? json(kernel_->id()) : json(nullptr);
+    if (event == "connection") {
+        audit({{"event", "network_connection"},
+               {"host", text("host")},
+               {"port", number("port")},
+               {"method", text("method")},
+               {"bytes_up", number("bytes_up")},
+               {"bytes_down", number("bytes_down")},
+               {"duration_ms", number("duration_ms")},
+               {"allowed", content.value("allowed", false)},
+               {"rule", text("rule")},
+               {"kernel_id", kernel_id}});
+        return;
+    }
+    if (event == "approval_requested") {
+        const std::string approval_id = text("id");
+        if (approval_id.empty() || find_approval(approval_id))
+            return;  // a replayed record after a gateway restart: already known
+        Approval approval;
+        approval.id = approval_id;
+        approval.host = text("host");
+        approval.port = number("port").get<int>();
+        approval.method = text("method");
+        approval.timeout_s = number("timeout_s").get<double>();
+        approval.requested = now;
+        approval.kernel_id = kernel_ ? kernel_->id() : std::string();
+        audit({{"event", "network_approval"},
+               {"state", "requested"},
+               {"id", approval.id},
+               {"host", approval.host},
+               {"port", approval.port},
+               {"method", approval.method},
+               {"timeout_s", approval.timeout_s},
+               {"kernel_id", kernel_id}});
+        json streamed = approval.to_json();
+        streamed["type"] = "approval";
+        streamed["session"] = id();
+        approvals_.push_back(std::move(approval));
+        while (approvals_.size() > max_approvals)
+            approvals_.pop_front();
+        services_.logger.info("network_approval_requested", {{"session", id()}, {"approval", streamed}});
+        stream_event(streamed);
+        return;
+    }
+    if (event == "approval_decided") {
+        const std::string approval_id = text("id");
+        Approval* approval = find_approval(approval_id);
+        const std::string decision = text("decision");
+        const std::string decided_by = text("decided_by");
+        if (approval && !approval->decided.empty() && approval->decision == decision)
+            return;  // recorded when the kernel answered our decision
+        audit({{"event", "network_approval"},
+               {"state", "decided"},
+               {"id", approval_id},
+               {"host", text("host")},
+               {"port", number("port")},
+               {"method", text("method")},
+               {"decision", decision},
+               {"decided_by", decided_by},
+               {"kernel_id", kernel_id}});
+        if (!approval)
+            return;
+        approval->decision = decision;
+        approval->decided_by = decided_by;
+        approval->decided = now;
+        json streamed = approval->to_json();
+        streamed["type"] = "approval";
+        streamed["session"] = id();
+        stream_event(streamed);
+    }
+}
+
+void AgentSession::decide_approval(const std::string& approval_id, const std::string& decision,
+                                   const std::string& decided_by, const std::string& client_address,
+                                   std::function<void(DecisionResult)> done) {
+    using Status = DecisionResult::Status;
+    touch();
+    Approval* approval = find_approval(approval_id);
+    if (!approval)
+        return done({Status::unknown, "no approval " + approval_id + " in this session", nullptr});
+    if (!approval->decision.empty())
+        return done({Status::already_decided,
+                     "approval " + approval_id + " was already decided: " + approval->decision + " by " +
+                         approval->decided_by,
+                     approval->to_json()});
+    if (!kernel_ || !link_ || kernel_->id() != approval->kernel_id)
+        return done({Status::no_kernel, "the kernel that held this request is gone", nullptr});
+    JupyterMessage request = make_message(
+        Channel::control, "cellblock_approval_decision_request",
+        {{"id", approval_id}, {"decision", decision}, {"decided_by", decided_by}}, link_session_id_);
+    const std::string msg_id = request.msg_id;
+    auto timer = std::make_shared<boost::asio::steady_timer>(services_.io);
+    auto shared_done = std::make_shared<std::function<void(DecisionResult)>>(std::move(done));
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    decision_waiters_[msg_id] = [weak, timer, shared_done, approval_id, decision, decided_by,
+                                 client_address](const json& reply) {
+        timer->cancel();
+        auto self = weak.lock();
+        if (!self)
+            return;
+        Approval* known = self->find_approval(approval_id);
+        if (!reply.is_object() || reply.value("status", std::string()) != "ok") {
+            const std::string why = reply.is_object() ? reply.value("evalue", std::string("refused"))
+                                                      : std::string("unreadable reply");
+            // Decided meanwhile (the time limit, a person in a notebook): the kernel says it is not pending.
+            if (known && !known->decision.empty())
+                return (*shared_done)({Status::already_decided,
+                                       "approval " + approval_id + " was already decided: " +
+                                           known->decision + " by " + known->decided_by,
+                                       known->to_json()});
+            return (*shared_done)(
+                {Status::kernel_refused, "the kernel refused the decision: " + why, nullptr});
+        }
+        if (known && known->decision.empty()) {
+            known->decision = decision;
+            known->decided_by = decided_by;
+            known->decided = format_iso8601_utc(std::chrono::system_clock::now());
+            self->audit({{"event", "network_approval"},
+                         {"state", "decided"},
+                         {"id", approval_id},
+                         {"host", known->host},
+                         {"port", known->port},
+                         {"method", known->method},
+                         {"decision", decision},
+                         {"decided_by", decided_by},
+                         {"client", client_address},
+                         {"kernel_id", known->kernel_id}});
+            json streamed = known->to_json();
+            streamed["type"] = "approval";
+            streamed["session"] = self->id();
+            self->stream_event(streamed);
+        }
+        (*shared_done)({Status::ok, "", known ? known->to_json() : json(nullptr)});
+    };
+    link_->send(std::move(request));
+    timer->expires_after(std::chrono::seconds(10));
+    timer->async_wait([weak, msg_id, shared_done](const boost::system::error_code& error) {
+        if (error)
+            return;
+        auto self = weak.lock();
+        if (!self || !self->decision_waiters_.erase(msg_id))
+            return;
+        (*shared_done)({Status::no_answer, "the kernel did not answer the decision within 10 s", nullptr});
+    });
 }
 
 }  // namespace cellblock::gateway::agent

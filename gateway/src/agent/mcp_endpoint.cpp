@@ -88,7 +88,16 @@ const json& tool_definitions() {
             {{"session", {{"type", "string"}, {"description", "session name (default: \"default\")"}}},
              {"code", {{"type", "string"}, {"description", "Python source to run"}}},
              {"timeout_s",
-              {{"type", "number"}, {"description", "interrupt the code after this many seconds"}}}}},
+              {{"type", "number"}, {"description", "interrupt the code after this many seconds"}}},
+             {"network",
+              {{"type", "object"},
+               {"description",
+                "network policy of a session created by this call, e.g. {\"allow\": [\"pypi.org\", "
+                "\"*.pythonhosted.org\"], \"ask\": true}: hosts reachable through the proxy (within the "
+                "gateway's ceiling); with ask, other hosts are held for an approval. Default: no network"},
+               {"properties",
+                {{"allow", {{"type", "array"}, {"items", {{"type", "string"}}}}},
+                 {"ask", {{"type", "boolean"}}}}}}}}},
            {"required", json::array({"code"})}}}},
         {{"name", "list_files"},
          {"title", "List workspace files"},
@@ -118,6 +127,26 @@ const json& tool_definitions() {
             {{"session", {{"type", "string"}, {"description", "session name"}}},
              {"path", {{"type", "string"}, {"description", "path relative to the workspace"}}}}},
            {"required", json::array({"path"})}}}},
+        {{"name", "list_approvals"},
+         {"title", "List network approvals"},
+         {"description",
+          "List the network requests a session's code made to hosts outside its allowlist (with ask), "
+          "pending "
+          "and decided."},
+         {"inputSchema",
+          {{"type", "object"},
+           {"properties", {{"session", {{"type", "string"}, {"description", "session name"}}}}}}}},
+        {{"name", "decide_approval"},
+         {"title", "Decide a network approval"},
+         {"description", "Answer a pending network approval: allow_once, allow_session or deny."},
+         {"inputSchema",
+          {{"type", "object"},
+           {"properties",
+            {{"session", {{"type", "string"}, {"description", "session name"}}},
+             {"id", {{"type", "string"}, {"description", "the approval's id"}}},
+             {"decision",
+              {{"type", "string"}, {"enum", json::array({"allow_once", "allow_session", "deny"})}}}}},
+           {"required", json::array({"id", "decision"})}}}},
         {{"name", "reset_session"},
          {"title", "Reset a session"},
          {"description",
@@ -291,17 +320,19 @@ class McpResource : public RestResource {
     // Runs `use` on the named session (created on first use of a name); a refusal, there or thrown by
     // `use`, is the tool's answer.
     void on_session(const std::string& name, const Caller& caller, const json& id, const Reply& reply,
-                    std::function<void(const SessionPtr&)> use) {
-        operations_.session_or_create(name, caller,
-                                      [id, reply, use = std::move(use)](Outcome<SessionPtr> outcome) {
-                                          if (!outcome.ok())
-                                              return reply(tool_refusal(id, outcome.error()));
-                                          try {
-                                              use(outcome.value());
-                                          } catch (const OperationError& error) {
-                                              reply(tool_refusal(id, error));
-                                          }
-                                      });
+                    std::function<void(const SessionPtr&)> use, const json& network = nullptr) {
+        operations_.session_or_create(
+            name, caller,
+            [id, reply, use = std::move(use)](Outcome<SessionPtr> outcome) {
+                if (!outcome.ok())
+                    return reply(tool_refusal(id, outcome.error()));
+                try {
+                    use(outcome.value());
+                } catch (const OperationError& error) {
+                    reply(tool_refusal(id, error));
+                }
+            },
+            network);
     }
 
     // Arguments are checked before the session is looked up or created, so a malformed call creates nothing.
@@ -310,14 +341,54 @@ class McpResource : public RestResource {
         const std::string name = string_argument(arguments, "session", false, "default");
         if (tool == "run_python") {
             const ExecuteArguments parsed = AgentOperations::parse_execute_arguments(arguments);
-            return on_session(name, caller, id, reply,
-                              [this, parsed, caller, id, reply](const SessionPtr& session) {
-                                  ExecuteHandlers handlers;
-                                  handlers.on_done = [id, reply](json answer) {
-                                      reply(rpc_result(id, execute_content(answer)));
-                                  };
-                                  operations_.execute(session, parsed, caller, std::move(handlers));
-                              });
+            return on_session(
+                name, caller, id, reply,
+                [this, parsed, caller, id, reply](const SessionPtr& session) {
+                    ExecuteHandlers handlers;
+                    handlers.on_done = [id, reply](json answer) {
+                        reply(rpc_result(id, execute_content(answer)));
+                    };
+                    operations_.execute(session, parsed, caller, std::move(handlers));
+                },
+                arguments.value("network", json(nullptr)));
+        }
+        if (tool == "list_approvals") {
+            return on_session(name, caller, id, reply, [this, id, reply](const SessionPtr& session) {
+                const json approvals = operations_.approvals(session);
+                std::string text;
+                for (const json& approval : approvals)
+                    text += approval.value("id", "") + "\t" + approval.value("host", "") + ":" +
+                            std::to_string(approval.value("port", 0)) + "\t" +
+                            (approval["decision"].is_string() ? approval["decision"].get<std::string>()
+                                                              : std::string("pending")) +
+                            "\n";
+                if (text.empty())
+                    text = "(no approvals)\n";
+                json result = tool_text(text, false);
+                result["structuredContent"] = {{"approvals", approvals}};
+                reply(rpc_result(id, result));
+            });
+        }
+        if (tool == "decide_approval") {
+            const std::string approval_id = string_argument(arguments, "id", true);
+            const std::string decision = AgentOperations::parse_decision(arguments);
+            return on_session(
+                name, caller, id, reply,
+                [this, approval_id, decision, caller, id, reply](const SessionPtr& session) {
+                    operations_.decide_approval(
+                        session, approval_id, decision, caller,
+                        rendered<json>(id, reply, [](const json& approval) {
+                            json result = tool_text(
+                                "approval " + approval.value("id", "") + " (" + approval.value("host", "") +
+                                    "): " +
+                                    (approval.contains("decision") && approval["decision"].is_string()
+                                         ? approval["decision"].get<std::string>()
+                                         : std::string("pending")),
+                                false);
+                            result["structuredContent"] = approval;
+                            return result;
+                        }));
+                });
         }
         if (tool == "list_files") {
             return on_session(name, caller, id, reply, [this, id, reply](const SessionPtr& session) {

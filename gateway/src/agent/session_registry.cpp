@@ -82,7 +82,9 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::load_record(const json& reco
             record.at("id").get<std::string>(), record.at("name").get<std::string>(),
             record.value("created", std::string()),
             parse_limits(record.value("limits", json::object()), services_.config.default_limits,
-                         AgentLimits{1e12, UINT64_MAX / 2, UINT64_MAX / 2})};
+                         AgentLimits{1e12, UINT64_MAX / 2, UINT64_MAX / 2}),
+            // Kept as created: the kernel's proxy still applies the ceiling in force when a kernel starts.
+            parse_network_request(record.value("network", json(nullptr)))};
         if (by_id_.contains(loaded.id) || id_by_name_.contains(loaded.name))
             return nullptr;
         auto session = std::make_shared<AgentSession>(services_, loaded, store.cells(loaded.id));
@@ -141,8 +143,8 @@ std::optional<json> AgentSessionRegistry::stored_record(const std::string& id_or
     return std::nullopt;
 }
 
-void AgentSessionRegistry::create(std::string name, AgentLimits limits, const std::string& client_address,
-                                  CreateHandler done) {
+void AgentSessionRegistry::create(std::string name, AgentLimits limits, NetworkRequest network,
+                                  const std::string& client_address, CreateHandler done) {
     if (services_.config.max_sessions > 0 && by_id_.size() >= services_.config.max_sessions)
         return done(nullptr, HttpError(http::status::too_many_requests,
                                        "too many agent sessions (" + std::to_string(by_id_.size()) +
@@ -161,7 +163,8 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const st
         return done(nullptr, HttpError(http::status::conflict, "a session named " + name + " already exists",
                                        "name_taken"));
 
-    AgentSession::Record record{id, name, format_iso8601_utc(std::chrono::system_clock::now()), limits};
+    AgentSession::Record record{id, name, format_iso8601_utc(std::chrono::system_clock::now()), limits,
+                                network};
     auto session = std::make_shared<AgentSession>(services_, record, std::vector<json>{});
     by_id_[id] = session;
     id_by_name_[name] = id;  // reserved while the kernel starts
@@ -169,7 +172,8 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const st
     session->audit({{"event", "session_created"},
                     {"client", client_address},
                     {"name", name},
-                    {"limits", limits.to_json()}});
+                    {"limits", limits.to_json()},
+                    {"network", network.none() ? json(nullptr) : network.to_json()}});
     std::weak_ptr<AgentSession> weak = session;
     session->ensure_kernel([this, weak, done = std::move(done),
                             client_address](std::optional<std::string> failure) {

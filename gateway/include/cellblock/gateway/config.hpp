@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "cellblock/gateway/network_policy.hpp"
+
 namespace cellblock::gateway {
 
 struct GatewayConfig {
@@ -97,12 +99,30 @@ struct GatewayConfig {
     std::string slurm_job_output = "/dev/null";  // --output on the node (%j = job id)
     double slurm_poll_interval = 1;              // seconds between squeue polls of the gateway's jobs
 
+    // Network by allowlist (network_policy.hpp; config file key "network": {"allow", "default",
+    // "egress_hosts", "approval_timeout", "ports"}). The ceiling: no session's policy may reach beyond these
+    // patterns; empty = no session gets network.
+    std::vector<std::string> network_allow;
+    // The policy of kernels created through the Kernel Gateway API ({"allow": [...], "ask": bool}) unless
+    // their kernelspec has metadata.cellblock.network; null = no network.
+    nlohmann::json network_default = nullptr;
+    std::string egress_hosts;               // hosts(5) file: names the kernels' proxy resolves only to these
+    double network_approval_timeout = 120;  // seconds a held request waits for a decision, then is denied
+    std::vector<int> network_ports = {443, 80};
+
     // Merges the keys present in `file_json` (same names as the fields); throws std::invalid_argument.
     void merge_json(const nlohmann::json& file_json);
     void merge_file(const std::string& path);
     // Reads KG_* / CELLBLOCK_GATEWAY_* variables through `lookup` (getenv in production).
     void merge_environment(const std::function<std::optional<std::string>(const std::string&)>& lookup);
     nlohmann::json to_json() const;
+    // The network settings every kernel's policy carries, checked; throws NetworkPolicyError.
+    NetworkSettings network_settings() const;
+    // network_default as a request, checked against the ceiling; throws NetworkPolicyError.
+    NetworkRequest default_network() const;
+    // Throws std::invalid_argument for network settings that cannot work (bad patterns, a default beyond the
+    // ceiling, an unreadable --egress-hosts file), so the gateway refuses to start with the reason.
+    void check_network() const;
     // Kernelspec directories to scan, with the installed default when none is configured.
     std::vector<std::string> effective_kernelspec_dirs() const;
 };

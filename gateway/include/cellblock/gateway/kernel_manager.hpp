@@ -33,6 +33,9 @@ struct KernelStartRequest {
     // Set by gateway code itself (e.g. the agent API's CELLBLOCK_TIMEOUT_S limits): passed to the kernel
     // unfiltered. A non-empty map means the warm pool cannot serve the request.
     std::map<std::string, std::string> trusted_env = {};
+    // The agent API's policy for this kernel (its session's "network", checked against the ceiling),
+    // replacing the kernelspec's and the gateway's default; nullopt = those (Kernel Gateway API kernels).
+    std::optional<NetworkRequest> network = std::nullopt;
 };
 
 struct KernelStartError {
@@ -85,19 +88,29 @@ class KernelManager {
 
     // Builds the kernel environment as Kernel Gateway does: PATH and whitelisted gateway variables, the
     // spec's env, the request's KERNEL_* (and whitelisted) variables; KERNEL_GATEWAY=1 and
-    // CELLBLOCK_WORKSPACE are always set. Exposed for tests.
+    // CELLBLOCK_WORKSPACE are always set. The network policy (CELLBLOCK_NETWORK_POLICY, and
+    // CELLBLOCK_EGRESS_HOSTS) is `network`, else the spec's metadata.cellblock.network, else the gateway's
+    // default; nothing a client sends sets it. Throws std::invalid_argument for a kernelspec policy beyond
+    // the ceiling. Exposed for tests.
     std::map<std::string, std::string> kernel_environment(
         const KernelSpec& spec, const std::map<std::string, std::string>& request_env,
-        const std::string& kernel_id, const std::filesystem::path& workspace) const;
+        const std::string& kernel_id, const std::filesystem::path& workspace,
+        const std::optional<NetworkRequest>& network = std::nullopt) const;
+    // The policy kernels of `spec` get without an agent's: its metadata.cellblock.network, else the
+    // gateway's default. Throws std::invalid_argument when it is malformed or beyond the ceiling.
+    NetworkRequest spec_network(const KernelSpec& spec) const;
+    // The operator's ceiling (--network-allow), normalized.
+    std::vector<std::string> network_ceiling() const { return config_.network_settings().ceiling; }
 
   private:
     void watch_kernel(Kernel& kernel);  // persistence after each spawn, launch failures to the metrics
     std::shared_ptr<Kernel> create_kernel(const KernelSpec& spec,
                                           const std::map<std::string, std::string>& request_env,
-                                          const std::map<std::string, std::string>& trusted_env = {});
+                                          const std::map<std::string, std::string>& trusted_env = {},
+                                          const std::optional<NetworkRequest>& network = std::nullopt);
     // The kernelspec's metadata.cellblock.provisioner, else --provisioner; throws std::invalid_argument.
     std::shared_ptr<Provisioner> provisioner_for(const KernelSpec& spec) const;
-    bool pool_can_serve(const KernelSpec& spec, const std::map<std::string, std::string>& request_env) const;
+    bool pool_can_serve(const KernelSpec& spec, const KernelStartRequest& request) const;
     void refill_pool();
     void schedule_cull();
     void cull();

@@ -94,14 +94,19 @@ class AgentOperations {
     AgentOperations(AgentSessionServices& services, AgentSessionRegistry& registry);
 
     // ---- sessions
-    // `arguments`: {"name"?: string, "limits"?: {...}}; answers once the session's kernel is ready.
+    // `arguments`: {"name"?: string, "limits"?: {...}, "network"?: {"allow": [...], "ask": bool}}; answers
+    // once the session's kernel is ready. A network policy beyond the gateway's ceiling is refused
+    // ("network_not_allowed").
     void create_session(const nlohmann::json& arguments, const Caller& caller, Then<SessionPtr> then);
     // By id, then by name; throws OperationError not_found "unknown_session".
     SessionPtr session(const std::string& id_or_name) const;
     // The session of that id or name, created with the default limits on first use of a name (MCP's
     // sessions appear on demand); an id of no session is "unknown_session" as everywhere else. Answers once
     // the session has a kernel.
-    void session_or_create(const std::string& id_or_name, const Caller& caller, Then<SessionPtr> then);
+    // `network` (MCP's argument) is the policy of a session created here; given for an existing session with
+    // another policy, it is refused ("network_fixed": a session's network is fixed at creation).
+    void session_or_create(const std::string& id_or_name, const Caller& caller, Then<SessionPtr> then,
+                           const nlohmann::json& network = nullptr);
     std::vector<SessionPtr> sessions() const;
     // `deleted` runs once the deletion is in the store (other gateways on a shared store see it from then
     // on).
@@ -143,7 +148,20 @@ class AgentOperations {
     // the store.
     void audit_trail(const SessionPtr& session, AuditQuery query, Then<std::vector<nlohmann::json>> then);
 
+    // ---- network approvals (requests the session's kernel holds for a decision)
+    nlohmann::json approvals(const SessionPtr& session) const;
+    // Reads {"decision": "allow_once" | "allow_session" | "deny"}; throws OperationError (malformed
+    // "missing_decision", refused "bad_decision").
+    static std::string parse_decision(const nlohmann::json& arguments);
+    // Sends the decision to the kernel and answers the approval as decided, or not_found
+    // "unknown_approval", conflict "approval_decided", unavailable "kernel_unavailable".
+    void decide_approval(const SessionPtr& session, const std::string& approval_id,
+                         const std::string& decision, const Caller& caller, Then<nlohmann::json> then);
+
   private:
+    // The "network" argument of a creation, checked against the ceiling; throws OperationError.
+    NetworkRequest checked_network(const nlohmann::json& requested) const;
+
     AgentSessionServices& services_;
     AgentSessionRegistry& registry_;
 };

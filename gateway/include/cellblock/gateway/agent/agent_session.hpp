@@ -8,6 +8,7 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,7 @@
 #include "cellblock/gateway/kernel_manager.hpp"
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/metrics.hpp"
+#include "cellblock/gateway/network_policy.hpp"
 #include "cellblock/gateway/store_writer.hpp"
 
 namespace cellblock::gateway::agent {
@@ -51,6 +53,23 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     struct Record {
         std::string id, name, created;
         AgentLimits limits;
+        NetworkRequest network;  // checked against the ceiling at creation; none() = no network
+    };
+    // A network request the kernel's proxy holds for a decision (EGRESS.md §4), and what became of it.
+    struct Approval {
+        std::string id, host, method, kernel_id;
+        int port = 0;
+        double timeout_s = 0;
+        std::string requested, decided;  // ISO 8601; `decided` empty while pending
+        std::string decision;  // allow_once, allow_session, deny, timeout, lost; empty while pending
+        std::string decided_by;
+        nlohmann::json to_json() const;
+    };
+    // The kernel's verdict on a decision sent to it.
+    struct DecisionResult {
+        enum class Status { ok, unknown, already_decided, no_kernel, kernel_refused, no_answer } status;
+        std::string message;
+        nlohmann::json approval;  // the approval after the decision (ok, already_decided)
     };
     using Done = std::function<void(std::optional<std::string> error)>;
 
@@ -75,6 +94,13 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void close(const std::string& reason);
 
     nlohmann::json model() const;
+    // Pending and decided approvals of this session, oldest first.
+    nlohmann::json approvals() const;
+    // Sends `decision` (allow_once, allow_session, deny) for a pending approval to the kernel on its control
+    // channel and answers with the kernel's verdict.
+    void decide_approval(const std::string& approval_id, const std::string& decision,
+                         const std::string& decided_by, const std::string& client_address,
+                         std::function<void(DecisionResult)> done);
     // nbformat 4.5 notebook of the history; `only_ok` leaves out cells that failed or timed out.
     nlohmann::json notebook(bool only_ok) const;
     // Appends {"time", "session", ...entry} to the audit trail.
@@ -155,6 +181,11 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // kernel (including an execute or reset whose kernel is still starting) and the queue.
     void fail_every_waiter(const std::string& cause);
     nlohmann::json runtime_info() const;
+    // IOPub cellblock_egress from the kernel's proxy: connections and approvals into the audit trail,
+    // approvals into approvals_ and the running execute's stream.
+    void on_egress(const JupyterMessage& message);
+    Approval* find_approval(const std::string& approval_id);
+    void stream_event(const nlohmann::json& event);
 
     AgentSessionServices& services_;
     Record record_;
@@ -182,6 +213,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::uint64_t next_ticket_ = 1;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
+    std::deque<Approval> approvals_;  // the newest max_approvals
+    static constexpr std::size_t max_approvals = 1000;
+    // Decisions sent on the control channel, by the request's msg_id, until the kernel answers.
+    std::map<std::string, std::function<void(const nlohmann::json& reply)>> decision_waiters_;
 };
 
 }  // namespace cellblock::gateway::agent
