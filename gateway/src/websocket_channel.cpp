@@ -85,6 +85,15 @@ void KernelChannelsConnection::on_client_message(std::string&& payload, bool bin
             logger_.debug("client_message", {{"kernel_id", kernel_->id()},
                                              {"msg_type", message.msg_type},
                                              {"channel", channel_name(message.channel)}});
+        if (message.msg_type.starts_with("cellblock_")) {
+            // The kernel's own requests (replay, lease, approval decisions) are the gateway's: an approval is
+            // decided through the agent API or `cellblock approve`, which audit who decided it.
+            const json header = json::parse(message.header, nullptr, false);
+            return reject("'" + message.msg_type +
+                              "' is reserved for the gateway (approvals: POST "
+                              "/agent/v1/sessions/{id}/approvals/{approval_id} or `cellblock approve`)",
+                          header.is_object() ? header.value("msg_id", std::string()) : std::string());
+        }
         session_->send(std::move(message));
     } catch (const MessageError& error) {
         reject(error.what(), "");

@@ -897,6 +897,22 @@ class Session : public std::enable_shared_from_this<Session> {
 
     // --- refusals, timeouts, end ---
 
+    static std::string reason_phrase(http::status status, const std::string& message) {
+        constexpr std::size_t max_reason_bytes = 400;
+        std::string reason =
+            std::string(http::obsolete_reason(status)) + ": " + std::string(message_prefix) + message;
+        if (reason.size() > max_reason_bytes) {
+            reason.resize(max_reason_bytes);
+        }
+        for (char& byte : reason) {  // one line of visible characters (RFC 9112 reason-phrase)
+            const auto value = static_cast<unsigned char>(byte);
+            if (value < 0x20 || value == 0x7f) {
+                byte = ' ';
+            }
+        }
+        return reason;
+    }
+
     void refuse(http::status status, const std::string& message, bool policy_allowed = false) {
         if (phase_ == Phase::refusing || phase_ == Phase::closed) {
             return;
@@ -912,6 +928,9 @@ class Session : public std::enable_shared_from_this<Session> {
         response->set(http::field::content_type, "text/plain; charset=utf-8");
         response->set(http::field::connection, "close");
         response->body() = std::string(message_prefix) + message + "\n";
+        // Clients of a CONNECT tunnel show only the status line ("Tunnel connection failed: 403 ..."), so the
+        // reason phrase says why too.
+        response->reason(reason_phrase(status, message));
         response->prepare_payload();
         arm(refusal_linger, "writing the refusal took too long");
         http::async_write(client_, *response,

@@ -252,6 +252,22 @@ def test_bad_frames_get_clear_errors_and_do_not_disturb_others(gateway, kernel):
     bystander.close()
 
 
+def test_the_kernels_own_cellblock_requests_are_refused_from_clients(gateway, kernel):
+    """Approval decisions go through the agent API (audited with who decided); a notebook client cannot answer
+    one on the kernel's control channel, nor ask for the gateway's replay or lease messages."""
+    client = gateway.connect(kernel["id"])
+    client.wait_ready()
+    for msg_type in ("cellblock_approval_decision_request", "cellblock_replay_request"):
+        header = new_header(msg_type, session=client.session)
+        client.ws.send(json.dumps({"header": header, "parent_header": {}, "metadata": {}, "channel": "control",
+                                   "content": {"id": "x", "decision": "allow_session", "decided_by": "me"}}))
+        note = next_note(client)
+        assert note["msg_type"] == "stream" and "reserved for the gateway" in note["content"]["text"], note
+        assert note["parent_header"].get("msg_id") == header["msg_id"]
+    assert "2" in outputs(client.execute("1+1"))
+    client.close()
+
+
 def test_interrupt_stops_a_running_cell(gateway, kernel):
     client = gateway.connect(kernel["id"])
     client.wait_ready()

@@ -395,7 +395,7 @@ TEST_F(EgressProxyTest, AServerThatDoesNotAnswerHttpGets502) {
     start({{"allow", {"pypi.test"}}});
     // The echo server answers a request with the request itself: not an HTTP response.
     const auto response = exchange(get_request("pypi.test", echo_server.port()));
-    EXPECT_TRUE(response.starts_with("HTTP/1.1 502 Bad Gateway\r\n")) << response;
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 502 Bad Gateway: cellblock egress: ")) << response;
     EXPECT_NE(response.find("the response of pypi.test is not valid HTTP"), std::string::npos) << response;
 }
 
@@ -414,7 +414,7 @@ TEST_F(EgressProxyTest, HostHeaderMustMatchTheUrl) {
     const auto port = std::to_string(http_server.port());
     const auto response =
         exchange("GET http://pypi.test:" + port + "/ HTTP/1.1\r\nHost: files.test:" + port + "\r\n\r\n");
-    EXPECT_TRUE(response.starts_with("HTTP/1.1 400 Bad Request\r\n")) << response;
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 400 Bad Request: cellblock egress: ")) << response;
     EXPECT_NE(response.find("does not match the URL's host"), std::string::npos) << response;
     EXPECT_EQ(http_server.connections(), 0);
 }
@@ -424,7 +424,7 @@ TEST_F(EgressProxyTest, HostNotOnTheAllowlistGetsA403NamingHostAndPolicy) {
     for (const auto& request :
          {connect_line("evil.test", echo_server.port()), get_request("evil.test", http_server.port())}) {
         const auto response = exchange(request);
-        EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden\r\n")) << response;
+        EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden: cellblock egress: ")) << response;
         EXPECT_TRUE(
             response.ends_with("\r\n\r\ncellblock egress: evil.test is not on this session's network "
                                "allowlist (allowed: pypi.test, *.pythonhosted.org)\n"))
@@ -442,12 +442,12 @@ TEST_F(EgressProxyTest, LoopbackAndMetadataAddressesAreRefusedUnlessPinned) {
     start({{"allow", {"localhost", "169.254.169.254", "127.0.0.1"}}});
     const auto port = echo_server.port();
     const auto localhost = exchange(connect_line("localhost", port));  // the host resolver: 127.0.0.1 or ::1
-    EXPECT_TRUE(localhost.starts_with("HTTP/1.1 403 Forbidden\r\n")) << localhost;
+    EXPECT_TRUE(localhost.starts_with("HTTP/1.1 403 Forbidden: cellblock egress: ")) << localhost;
     EXPECT_NE(localhost.find("localhost resolves to"), std::string::npos) << localhost;
     EXPECT_NE(localhost.find("a loopback address"), std::string::npos) << localhost;
 
     const auto metadata = exchange(get_request("169.254.169.254", http_server.port()));
-    EXPECT_TRUE(metadata.starts_with("HTTP/1.1 403 Forbidden\r\n")) << metadata;
+    EXPECT_TRUE(metadata.starts_with("HTTP/1.1 403 Forbidden: cellblock egress: ")) << metadata;
     EXPECT_NE(metadata.find("the cloud metadata address"), std::string::npos) << metadata;
 
     const auto literal = exchange(get_request("127.0.0.1", http_server.port()));
@@ -459,7 +459,7 @@ TEST_F(EgressProxyTest, LoopbackAndMetadataAddressesAreRefusedUnlessPinned) {
 TEST_F(EgressProxyTest, PortNotAllowedGetsA403) {
     start({{"allow", {"pypi.test"}}, {"ports", {443}}});
     const auto response = exchange(connect_line("pypi.test", echo_server.port()));
-    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden\r\n")) << response;
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden: cellblock egress: ")) << response;
     EXPECT_NE(response.find("cellblock egress: port " + std::to_string(echo_server.port()) +
                             " is not allowed for pypi.test (allowed ports: 443)"),
               std::string::npos)
@@ -470,14 +470,14 @@ TEST_F(EgressProxyTest, PortNotAllowedGetsA403) {
 TEST_F(EgressProxyTest, MalformedRequestsGet400) {
     start({{"allow", {"pypi.test"}}});
     const auto origin_form = exchange("GET /simple/ HTTP/1.1\r\nHost: pypi.test\r\n\r\n");
-    EXPECT_TRUE(origin_form.starts_with("HTTP/1.1 400 Bad Request\r\n")) << origin_form;
+    EXPECT_TRUE(origin_form.starts_with("HTTP/1.1 400 Bad Request: cellblock egress: ")) << origin_form;
     EXPECT_NE(origin_form.find("send an absolute http:// URL or CONNECT"), std::string::npos);
     const auto no_port = exchange("CONNECT pypi.test HTTP/1.1\r\n\r\n");
-    EXPECT_TRUE(no_port.starts_with("HTTP/1.1 400 Bad Request\r\n")) << no_port;
+    EXPECT_TRUE(no_port.starts_with("HTTP/1.1 400 Bad Request: cellblock egress: ")) << no_port;
     const auto userinfo = exchange("GET http://user@pypi.test/ HTTP/1.1\r\nHost: pypi.test\r\n\r\n");
-    EXPECT_TRUE(userinfo.starts_with("HTTP/1.1 400 Bad Request\r\n")) << userinfo;
+    EXPECT_TRUE(userinfo.starts_with("HTTP/1.1 400 Bad Request: cellblock egress: ")) << userinfo;
     const auto garbage = exchange("\x16\x03\x01 nonsense\r\n\r\n");
-    EXPECT_TRUE(garbage.starts_with("HTTP/1.1 400 Bad Request\r\n")) << garbage;
+    EXPECT_TRUE(garbage.starts_with("HTTP/1.1 400 Bad Request: cellblock egress: ")) << garbage;
 }
 
 TEST_F(EgressProxyTest, OversizedRequestHeadIsRefused) {
@@ -524,7 +524,7 @@ TEST_F(EgressProxyTest, ConnectionsBeyondTheLimitGet503) {
     auto first = connect_to(proxy_port);
     auto second = connect_to(proxy_port);
     const auto third = exchange(get_request("pypi.test", http_server.port()));
-    EXPECT_TRUE(third.starts_with("HTTP/1.1 503 Service Unavailable\r\n")) << third;
+    EXPECT_TRUE(third.starts_with("HTTP/1.1 503 Service Unavailable: cellblock egress: ")) << third;
     EXPECT_NE(third.find("too many connections open through the proxy (limit 2)"), std::string::npos)
         << third;
     first.reset();
@@ -536,7 +536,7 @@ TEST_F(EgressProxyTest, ConnectionsBeyondTheLimitGet503) {
 TEST_F(EgressProxyTest, OutsideTheCeilingIsRefusedNeverAsked) {
     start({{"allow", {"pypi.test"}}, {"ask", true}, {"ceiling", {"pypi.test", "*.test"}}});
     const auto response = exchange(get_request("evil.example", http_server.port()));
-    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden\r\n")) << response;
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden: cellblock egress: ")) << response;
     EXPECT_NE(
         response.find("evil.example is outside this gateway's network ceiling (ceiling: pypi.test, *.test)"),
         std::string::npos)
@@ -568,7 +568,7 @@ TEST_F(EgressApprovalTest, AllowOnceLetsThisConnectionThroughAndAsksAgainNextTim
 
     auto second = get_in_background();
     ASSERT_TRUE(broker.answer(2, Decision::deny, "alice"));
-    EXPECT_TRUE(second.get().starts_with("HTTP/1.1 403 Forbidden\r\n"));
+    EXPECT_TRUE(second.get().starts_with("HTTP/1.1 403 Forbidden: cellblock egress: "));
 
     const auto records = recorder.wait_connections(2);
     ASSERT_EQ(records.size(), 2u);
@@ -596,14 +596,14 @@ TEST_F(EgressApprovalTest, AllowSessionAddsTheHostForTheRestOfTheSession) {
     // Only that host: another one is still asked about.
     auto other = get_in_background("other.test");
     ASSERT_TRUE(broker.answer(2, Decision::deny, "agent api"));
-    EXPECT_TRUE(other.get().starts_with("HTTP/1.1 403 Forbidden\r\n"));
+    EXPECT_TRUE(other.get().starts_with("HTTP/1.1 403 Forbidden: cellblock egress: "));
 }
 
 TEST_F(EgressApprovalTest, DenyAnswers403NamingWhoDenied) {
     auto held = get_in_background();
     ASSERT_TRUE(broker.answer(1, Decision::deny, "bob"));
     const auto response = held.get();
-    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden\r\n")) << response;
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden: cellblock egress: ")) << response;
     EXPECT_NE(response.find("cellblock egress: the request to ask.test:" +
                             std::to_string(http_server.port()) + " was denied by bob"),
               std::string::npos)
@@ -632,12 +632,12 @@ TEST_F(EgressApprovalTest, LateAndRepeatedAnswersAreIgnored) {
     auto held = get_in_background();
     ASSERT_TRUE(broker.answer(1, Decision::deny, "bob"));
     ASSERT_TRUE(broker.answer(1, Decision::allow_session, "mallory"));  // a second answer to the same request
-    EXPECT_TRUE(held.get().starts_with("HTTP/1.1 403 Forbidden\r\n"));
+    EXPECT_TRUE(held.get().starts_with("HTTP/1.1 403 Forbidden: cellblock egress: "));
     std::this_thread::sleep_for(100ms);
     auto again = get_in_background();
     ASSERT_TRUE(
         broker.answer(2, Decision::deny, "bob"));  // still asked: mallory's late allow_session did nothing
-    EXPECT_TRUE(again.get().starts_with("HTTP/1.1 403 Forbidden\r\n"));
+    EXPECT_TRUE(again.get().starts_with("HTTP/1.1 403 Forbidden: cellblock egress: "));
 }
 
 TEST_F(EgressApprovalTest, AnAnswerAfterTheProxyIsGoneIsHarmless) {
@@ -659,7 +659,7 @@ TEST_F(EgressProxyTest, NoDecisionWithinTheTimeoutDenies) {
     const auto started = std::chrono::steady_clock::now();
     const auto response = exchange(get_request("ask.test", http_server.port()));
     EXPECT_GE(std::chrono::steady_clock::now() - started, 400ms);
-    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden\r\n")) << response;
+    EXPECT_TRUE(response.starts_with("HTTP/1.1 403 Forbidden: cellblock egress: ")) << response;
     EXPECT_NE(response.find("no decision within 0.5 s on the request to ask.test:"), std::string::npos)
         << response;
     std::lock_guard lock(recorder.mutex_);
