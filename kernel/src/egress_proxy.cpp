@@ -16,6 +16,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -56,6 +57,7 @@ constexpr std::size_t relay_buffer_bytes = 64 * 1024;
 constexpr std::size_t max_response_head_bytes = 64 * 1024;
 constexpr auto refusal_linger = std::chrono::seconds(2);
 constexpr std::string_view message_prefix = "cellblock egress: ";
+constexpr std::uint64_t unlimited_body = std::numeric_limits<std::uint64_t>::max();
 
 struct Authority {
     std::string host;
@@ -412,6 +414,10 @@ class Session : public std::enable_shared_from_this<Session> {
             "no complete request head within " + seconds_text(proxy_.limits.request_head));
         parser_.emplace();
         parser_->header_limit(max_request_head_bytes);
+        // Only the head is parsed; the body is relayed as it comes, so Beast's default body limit (which it
+        // checks against Content-Length while reading the head) must not apply. Not boost::none: Boost 1.74
+        // compares a length with an empty limit as "exceeded".
+        parser_->body_limit(unlimited_body);
         http::async_read_header(
             client_, head_buffer_, *parser_,
             [self = shared_from_this()](error_code error, std::size_t) { self->on_head(error); });
@@ -788,6 +794,7 @@ class Session : public std::enable_shared_from_this<Session> {
     void read_response_head() {
         response_parser_.emplace();
         response_parser_->header_limit(max_response_head_bytes);
+        response_parser_->body_limit(unlimited_body);  // as for the request: a 100 MB download is relayed
         http::async_read_header(upstream_, response_buffer_, *response_parser_,
                                 [self = shared_from_this()](error_code error, std::size_t) {
                                     if (error) {
