@@ -93,25 +93,34 @@ void NetworkApprovals::publish(const char* msg_type, nlohmann::json content) {
     publisher_(msg_type, std::move(content));
 }
 
-nlohmann::json NetworkApprovals::approval_display(const egress::ApprovalRequest& request, double timeout_s) {
-    const std::string text = "cellblock: network request to " + target(request) +
-                             " is held for approval (id " + request.id + "); no decision within " +
-                             seconds_text(timeout_s) + " s denies it";
+// The notebook's view of one approval: the same frame while it is held and after it is decided (the
+// update replaces the display by its display_id), so only the status phrase and the decision fields differ.
+nlohmann::json NetworkApprovals::approval_frame(const egress::ApprovalRequest& request,
+                                                const std::string& status, double timeout_s,
+                                                nlohmann::json decision_fields) {
+    const std::string text =
+        "cellblock: network request to " + target(request) + " (" + request.method + ")" + status;
     const std::string html = "<div class=\"cellblock-approval\"><b>cellblock</b>: network request to <code>" +
                              html_escaped(target(request)) + "</code> (" + html_escaped(request.method) +
-                             ") is held for approval (id <code>" + html_escaped(request.id) +
-                             "</code>); no decision within " + seconds_text(timeout_s) + " s denies it</div>";
-    return {{"data",
-             {{"text/plain", text},
-              {"text/html", html},
-              {"application/vnd.cellblock.approval+json",
-               {{"id", request.id},
-                {"host", request.host},
-                {"port", request.port},
-                {"method", request.method},
-                {"timeout_s", timeout_s}}}}},
-            {"metadata", nlohmann::json::object()},
-            {"transient", {{"display_id", display_id(request)}}}};
+                             ")" + html_escaped(status) + "</div>";
+    nlohmann::json approval = {{"id", request.id},
+                               {"host", request.host},
+                               {"port", request.port},
+                               {"method", request.method},
+                               {"timeout_s", timeout_s}};
+    approval.update(decision_fields);
+    return {
+        {"data",
+         {{"text/plain", text}, {"text/html", html}, {"application/vnd.cellblock.approval+json", approval}}},
+        {"metadata", nlohmann::json::object()},
+        {"transient", {{"display_id", display_id(request)}}}};
+}
+
+nlohmann::json NetworkApprovals::approval_display(const egress::ApprovalRequest& request, double timeout_s) {
+    return approval_frame(request,
+                          " is held for approval (id " + request.id + "); no decision within " +
+                              seconds_text(timeout_s) + " s denies it",
+                          timeout_s, nlohmann::json::object());
 }
 
 nlohmann::json NetworkApprovals::decision_display(const egress::ApprovalRequest& request,
@@ -132,24 +141,9 @@ nlohmann::json NetworkApprovals::decision_display(const egress::ApprovalRequest&
             outcome = "denied: no decision within " + seconds_text(timeout_s) + " s";
             break;
     }
-    const std::string text =
-        "cellblock: network request to " + target(request) + " (" + request.method + "): " + outcome;
-    const std::string html = "<div class=\"cellblock-approval\"><b>cellblock</b>: network request to <code>" +
-                             html_escaped(target(request)) + "</code> (" + html_escaped(request.method) +
-                             "): " + html_escaped(outcome) + "</div>";
-    return {{"data",
-             {{"text/plain", text},
-              {"text/html", html},
-              {"application/vnd.cellblock.approval+json",
-               {{"id", request.id},
-                {"host", request.host},
-                {"port", request.port},
-                {"method", request.method},
-                {"timeout_s", timeout_s},
-                {"decision", std::string(egress::to_string(decision))},
-                {"decided_by", decided_by}}}}},
-            {"metadata", nlohmann::json::object()},
-            {"transient", {{"display_id", display_id(request)}}}};
+    return approval_frame(
+        request, ": " + outcome, timeout_s,
+        {{"decision", std::string(egress::to_string(decision))}, {"decided_by", decided_by}});
 }
 
 void NetworkApprovals::on_approval_requested(const egress::ApprovalRequest& request, double timeout_s) {

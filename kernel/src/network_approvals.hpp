@@ -67,6 +67,8 @@ class NetworkApprovals final : public egress::ApprovalBroker, public egress::Egr
                                            const std::string& decided_by, double timeout_s);
 
   private:
+    static nlohmann::json approval_frame(const egress::ApprovalRequest& request, const std::string& status,
+                                         double timeout_s, nlohmann::json decision_fields);
     void publish(const char* msg_type, nlohmann::json content);  // with mutex_ held
 
     struct Pending {

@@ -58,8 +58,8 @@ TEST_F(NetworkApprovalsTest, AHeldRequestIsAnnouncedForMachinesAndPeople) {
     EXPECT_EQ(display["transient"]["display_id"], "cellblock-approval-ap-1");
     EXPECT_EQ(
         display["data"]["text/plain"],
-        "cellblock: network request to files.test:443 is held for approval (id ap-1); no decision within "
-        "120 s denies it");
+        "cellblock: network request to files.test:443 (CONNECT) is held for approval (id ap-1); no decision "
+        "within 120 s denies it");
     EXPECT_EQ(display["data"]["application/vnd.cellblock.approval+json"], (json{{"id", "ap-1"},
                                                                                 {"host", "files.test"},
                                                                                 {"port", 443},
