@@ -669,12 +669,8 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
     auto kernel = found->second;
     kernels_.erase(found);
     shut_down_here_.insert(kernel_id);
-    attached_from_others_.erase(kernel_id);  // deleted here: this gateway stops it
     kernel->shutdown(reason);
     forget(kernel_id);
-    // Once the store no longer names it nothing can attach it again, so the mark goes (a long-lived
-    // gateway would otherwise keep one per deleted kernel).
-    writer_.after_pending([this, kernel_id] { shut_down_here_.erase(kernel_id); });
     return true;
 }
 

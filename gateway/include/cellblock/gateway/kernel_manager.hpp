@@ -159,7 +159,7 @@ class KernelManager {
     std::chrono::steady_clock::time_point next_lease_renewal_;
     std::map<std::string, std::string> lost_causes_;
     std::string owner_;
-    // Shut down by this gateway and still in the store: never attached again (the removal is asynchronous).
+    // Shut down by this gateway: never attached again from the store (its removal there is asynchronous).
     std::set<std::string> shut_down_here_;
     // Attached from the store, started by another gateway: at this gateway's exit they are let go, not
     // stopped.
