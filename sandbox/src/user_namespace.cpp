@@ -14,7 +14,10 @@ UidLease UidLease::acquire(const Policy& policy) {
     if (policy.uid_first == 0) {
         throw SandboxError("uid lease: the uid range must not include host root");
     }
-    const auto lease_dir = policy.state_dir / "uids";
+    // One lease directory per host, not per state_dir: host uids and their cgroups (/cellblock/<uid>) are
+    // host-wide, so policies with different state_dirs leasing the same uid would share files and signals,
+    // and the second launch would clear the first's cgroup as stale (killing it).
+    const std::filesystem::path lease_dir = host_uid_lease_dir;
     make_directories(lease_dir, 0700);
     // First fit: the lowest free uid. Low uids are reused, and with them their root skeletons
     // (mounts.hpp), which makes a launch cheaper; a held lease costs one open + flock to skip.

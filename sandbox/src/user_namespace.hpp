@@ -10,9 +10,12 @@
 
 namespace cellblock::sandbox::detail {
 
+// Where every launcher on the host leases uids, whatever its policy's state_dir.
+inline constexpr const char* host_uid_lease_dir = "/run/cellblock/uids";
+
 // Exclusive use of one host uid (and the gid with the same number) while the object lives. Leases are
-// flock(2)s on files under <state_dir>/uids, so concurrent launchers in different processes never
-// hand out the same uid, and a crashed holder releases its lease automatically.
+// flock(2)s on files under host_uid_lease_dir, so concurrent launchers in different processes (and with
+// different policies) never hand out the same uid, and a crashed holder releases its lease automatically.
 class UidLease {
   public:
     static UidLease acquire(const Policy& policy);

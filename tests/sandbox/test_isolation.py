@@ -1,11 +1,12 @@
 """Persistence and sessions attacking each other."""
+import json
 import os
 import subprocess
 import time
 
 import pytest
 
-from conftest import assert_no_session_process, session_processes, sha256
+from conftest import assert_no_session_process, battery_policy, session_processes, sha256
 
 
 def test_double_forked_daemon_does_not_outlive_the_sandbox(sandbox):
@@ -115,3 +116,30 @@ def test_workspace_is_closed_to_other_uids(sandbox):
     mode = run.workspace.stat().st_mode & 0o777
     assert mode & 0o007 == 0, f"workspace is accessible to other uids: {oct(mode)}"
     assert (run.workspace / "a.txt").stat().st_uid == run.uid
+
+
+def test_sandboxes_of_policies_with_different_state_dirs_never_share_a_host_uid(sandbox, tmp_path):
+    """Host uids and their cgroups (/cellblock/<uid>) are host-wide, so two policies that differ only in their
+    state_dir (two installs on one host, a custom policy) must not lease the same uid: the second session would
+    own the first's files and could signal it, and its launch clears a cgroup it takes for stale, killing the
+    first. Host-side: the first sandbox is still running, and the two workspaces are owned by different uids."""
+    policies = []
+    for name in ("a", "b"):
+        policy = battery_policy()
+        policy["state_dir"] = str(tmp_path / f"state-{name}")
+        path = tmp_path / f"policy-{name}.json"
+        path.write_text(json.dumps(policy))
+        policies.append(path)
+    first, first_workspace = sandbox.spawn_python(
+        "import time\nprint('up', flush=True)\ntime.sleep(60)", policy=policies[0])
+    try:
+        assert first.stdout.readline().strip() == "up", first.stderr.read()
+        first_uid = first_workspace.stat().st_uid
+        second = sandbox.run(["/usr/bin/python3", "-c", "pass"], policy=policies[1], check_leftovers=False)
+        assert second.returncode == 0, second.stderr
+        assert second.uid != first_uid, f"both sessions run as host uid {first_uid}"
+        assert first.poll() is None, "the first session was killed by the second's launch"
+        assert session_processes(first_uid), "no process of the first session is left on the host"
+    finally:
+        first.kill()
+        first.wait()

@@ -77,7 +77,7 @@ struct Policy {
     bool seccomp = true;
     bool network_loopback = true;           // bring lo up in the empty network namespace
     bool allow_weaker_confinement = false;  // start even if a mechanism (cgroups, userns) is missing
-    std::filesystem::path state_dir = "/run/cellblock";  // uid leases, staging roots
+    std::filesystem::path state_dir = "/run/cellblock";  // staging roots (uid leases are host-wide)
 
     static Policy from_json(const nlohmann::json& json);
     static Policy load(const std::filesystem::path& file);
