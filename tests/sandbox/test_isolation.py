@@ -141,5 +141,6 @@ def test_sandboxes_of_policies_with_different_state_dirs_never_share_a_host_uid(
         assert first.poll() is None, "the first session was killed by the second's launch"
         assert session_processes(first_uid), "no process of the first session is left on the host"
     finally:
-        first.kill()
+        first.kill()  # SIGKILL: the sandboxed program goes by PDEATHSIG; later tests must not find it
         first.wait()
+        assert_no_session_process(first_workspace.stat().st_uid)
