@@ -1,0 +1,122 @@
+"""The kernel's zygote switch (sandbox/README.md "Worker zygote"): off by default; on, any failure of the template
+path falls back to the exec path with one `zygote_fallback` log line, never to no worker or weaker confinement.
+
+The kernels run the installed binary and worker with a copy of the installed config that changes only the
+`worker.zygote*` keys (and the worker script made absolute, since the copy lives elsewhere).
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+PREFIX = Path(os.environ["CELLBLOCK_PREFIX"])
+KERNEL_CONFIG = PREFIX / "share" / "cellblock" / "kernel-config.json"
+STATE_DIR = Path(json.loads((PREFIX / "share" / "cellblock" / "sandbox-policy.json").read_text()).get("state_dir",
+                                                                                                    "/run/cellblock"))
+INSTALLED_KERNEL = "cellblock-python"
+START_TIMEOUT = 60
+
+
+def kernelspec_with(tmp_path: Path, name: str, **worker) -> list[str]:
+    """A kernelspec dir whose kernel is the installed one with `worker` keys added to its config."""
+    try:
+        installed = KernelSpecManager().get_kernel_spec(INSTALLED_KERNEL)
+    except NoSuchKernel:
+        pytest.fail(f"kernelspec {INSTALLED_KERNEL!r} not found; JUPYTER_PATH={os.environ.get('JUPYTER_PATH')!r}")
+    config = json.loads(KERNEL_CONFIG.read_text())
+    config["worker"]["script"] = str((KERNEL_CONFIG.parent / config["worker"]["script"]).resolve())
+    config["sandbox_policy"] = str((KERNEL_CONFIG.parent / config["sandbox_policy"]).resolve())
+    config["worker"].update(worker)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config_path = tmp_path / f"{name}-config.json"
+    config_path.write_text(json.dumps(config))
+    argv = list(installed.argv)
+    argv[argv.index("--config") + 1] = str(config_path)
+    spec_dir = tmp_path / "kernels" / name
+    spec_dir.mkdir(parents=True)
+    spec = installed.to_dict()
+    spec["argv"] = argv
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return [str(tmp_path / "kernels")]
+
+
+def run_one_plus_one(tmp_path: Path, name: str, env: dict | None = None, **worker) -> tuple[str, list[dict]]:
+    """Starts the kernel, executes 1+1, shuts it down; returns the result and the kernel's log lines."""
+    outputs: list = []
+    manager = KernelManager(kernel_name=name,
+                            kernel_spec_manager=KernelSpecManager(kernel_dirs=kernelspec_with(tmp_path, name, **worker)))
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "ab") as log:
+        manager.start_kernel(env=dict(os.environ, **(env or {})), stderr=log)
+        client = manager.blocking_client()
+        try:
+            client.start_channels()
+            client.wait_for_ready(timeout=START_TIMEOUT)
+            reply = client.execute_interactive("1+1", timeout=120, output_hook=outputs.append)
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=False)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    results = [m["content"]["data"]["text/plain"] for m in outputs if m["msg_type"] == "execute_result"]
+    lines = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass
+    return (results[0] if results else ""), lines
+
+
+@pytest.fixture
+def tenant():
+    """A tenant of this test alone (the kernel keeps its lock and log files in the state dir: removed after)."""
+    name = f"fallback-{uuid.uuid4().hex[:12]}"
+    yield name
+    for suffix in (".lock", ".log", ".sock"):
+        (STATE_DIR / f"zygote-{name}{suffix}").unlink(missing_ok=True)
+
+
+def test_zygote_without_its_library_still_serves_by_exec_and_says_so(tmp_path, tenant):
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-nolib", zygote=True, zygote_tenant=tenant,
+                                   zygote_library=str(tmp_path / "no-such-libcellblock_zygote.so"))
+    assert result == "2"
+    fallbacks = [line for line in log if line.get("event") == "zygote_fallback"]
+    assert len(fallbacks) == 1, log
+    assert fallbacks[0]["tenant"] == tenant
+    assert f"zygote-{tenant}.sock" in fallbacks[0]["reason"], fallbacks[0]
+    assert "could not start the template" in fallbacks[0]["template"], fallbacks[0]
+    assert "no-such-libcellblock_zygote.so" in fallbacks[0]["template"], fallbacks[0]
+
+
+def test_the_tenant_comes_from_the_environment_too(tmp_path, tenant):
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-envtenant", env={"CELLBLOCK_ZYGOTE_TENANT": tenant},
+                                   zygote=True, zygote_tenant="from-the-file",
+                                   zygote_library=str(tmp_path / "no-such-lib.so"))
+    assert result == "2"
+    fallbacks = [line for line in log if line.get("event") == "zygote_fallback"]
+    assert [f["tenant"] for f in fallbacks] == [tenant], log
+
+
+def test_a_template_that_keeps_failing_is_not_restarted_by_every_launch(tmp_path, tenant):
+    """The first launch tries to start the template (and fails); the next within the restart interval does not."""
+    first, first_log = run_one_plus_one(tmp_path / "a", "cellblock-zygote-retry-a", zygote=True, zygote_tenant=tenant,
+                                        zygote_library=str(tmp_path / "missing.so"))
+    second, second_log = run_one_plus_one(tmp_path / "b", "cellblock-zygote-retry-b", zygote=True,
+                                          zygote_tenant=tenant, zygote_library=str(tmp_path / "missing.so"))
+    assert first == second == "2"
+    [first_fallback] = [line for line in first_log if line.get("event") == "zygote_fallback"]
+    [second_fallback] = [line for line in second_log if line.get("event") == "zygote_fallback"]
+    assert "could not start the template" in first_fallback["template"], first_fallback
+    assert "not starting another yet" in second_fallback["template"], second_fallback
+
+
+def test_zygote_is_off_by_default(tmp_path, tenant):
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-default", env={"CELLBLOCK_ZYGOTE_TENANT": tenant})
+    assert result == "2"
+    assert not [line for line in log if str(line.get("event", "")).startswith("zygote")], log
