@@ -53,6 +53,7 @@ class OutboundRecord {
     // record (found: false: dropped, or never sent).
     nlohmann::json replay(const std::optional<std::string>& after) const;
 
+    bool enabled() const noexcept { return limits_.enabled(); }
     std::size_t size() const noexcept { return entries_.size(); }
     std::size_t bytes() const noexcept { return bytes_; }
     std::uint64_t dropped() const noexcept { return dropped_; }
