@@ -393,32 +393,48 @@ void KernelServer::close_sockets() {
     sockets_->close_all();
 }
 
+// The loop polls the sockets' ZMQ_FDs (and the wake-up eventfd) with one poll(2) instead of zmq_poll, which
+// asks every socket for its events before and after each wait (a poll(2) and a getpid each time). A ZMQ_FD
+// only signals new commands, so a socket is read until it has nothing left (then a new message signals
+// again) and read again after the loop sent on it (a send may take in the command that announced a message).
 void KernelServer::run_io_loop() {
     auto& s = *sockets_;
-    std::array<zmq::pollitem_t, 5> items = {{
-        {s.routers[control].handle(), 0, ZMQ_POLLIN, 0},
-        {s.routers[shell].handle(), 0, ZMQ_POLLIN, 0},
-        {s.routers[stdin_channel].handle(), 0, ZMQ_POLLIN, 0},
-        {s.heartbeat.handle(), 0, ZMQ_POLLIN, 0},
-        {nullptr, wake_.get(), ZMQ_POLLIN, 0},
-    }};
+    const std::array<zmq::socket_t*, polled_sockets> sockets = {&s.routers[control], &s.routers[shell],
+                                                                &s.routers[stdin_channel], &s.heartbeat};
+    std::array<pollfd, polled_sockets + 1> fds{};
+    for (std::size_t i = 0; i < polled_sockets; ++i) {
+        fds[i] = {sockets[i]->get(zmq::sockopt::fd), POLLIN, 0};
+    }
+    fds[polled_sockets] = {wake_.get(), POLLIN, 0};
+    unread_.fill(true);
     while (s.open && !stopping_) {
         try {
-            zmq::poll(items.data(), items.size(), std::chrono::milliseconds(poll_timeout_ms()));
+            const bool unread = std::find(unread_.begin(), unread_.end(), true) != unread_.end();
+            const int ready = ::poll(fds.data(), fds.size(), unread ? 0 : poll_timeout_ms());
+            if (ready < 0) {
+                if (errno != EINTR) {
+                    log_event(LogLevel::error, "kernel_server_poll_failed",
+                              {{"error", std::strerror(errno)}});
+                }
+                continue;
+            }
+            for (std::size_t i = 0; i < polled_sockets; ++i) {
+                unread_[i] = unread_[i] || (fds[i].revents & POLLIN) != 0;
+            }
             // Control first: an interrupt or shutdown must not queue behind shell traffic.
-            if (items[0].revents & ZMQ_POLLIN) {
-                receive_all(control);
+            if (unread_[polled_control]) {
+                unread_[polled_control] = !receive_all(control);
             }
-            if (s.open && (items[1].revents & ZMQ_POLLIN)) {
-                receive_all(shell);
+            if (s.open && unread_[polled_shell]) {
+                unread_[polled_shell] = !receive_all(shell);
             }
-            if (s.open && (items[2].revents & ZMQ_POLLIN)) {
-                receive_all(stdin_channel);
+            if (s.open && unread_[polled_stdin]) {
+                unread_[polled_stdin] = !receive_all(stdin_channel);
             }
-            if (s.open && (items[3].revents & ZMQ_POLLIN)) {
-                echo_heartbeat();
+            if (s.open && unread_[polled_heartbeat]) {
+                unread_[polled_heartbeat] = !echo_heartbeat();
             }
-            if (s.open && (items[4].revents & ZMQ_POLLIN)) {
+            if (s.open && (fds[polled_sockets].revents & POLLIN)) {
                 std::uint64_t count = 0;
                 if (::read(wake_.get(), &count, sizeof(count)) < 0 && errno != EAGAIN) {
                     log_event(LogLevel::error, "kernel_server_wake_failed",
@@ -431,9 +447,6 @@ void KernelServer::run_io_loop() {
                 return;
             }
         } catch (const zmq::error_t& error) {
-            if (error.num() == EINTR) {
-                continue;
-            }
             if (error.num() == ETERM) {
                 return;
             }
@@ -453,12 +466,15 @@ int KernelServer::poll_timeout_ms() const {
     return static_cast<int>(std::clamp<std::chrono::milliseconds::rep>(wait.count(), 0, 60 * 60 * 1000));
 }
 
-void KernelServer::receive_all(int channel_index) {
+bool KernelServer::receive_all(int channel_index) {
     auto& socket = sockets_->routers[channel_index];
-    for (int i = 0; i < receive_batch && sockets_->open; ++i) {
+    for (int i = 0; i < receive_batch; ++i) {
+        if (!sockets_->open) {
+            return true;
+        }
         std::vector<zmq::message_t> frames;
         if (!zmq::recv_multipart(socket, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
-            return;
+            return true;
         }
         try {
             handle_inbound(channel_index, frames);
@@ -467,6 +483,7 @@ void KernelServer::receive_all(int channel_index) {
                       {{"channel", channel_names[channel_index]}, {"error", error.what()}});
         }
     }
+    return false;  // more may be waiting: read again before the next wait
 }
 
 void KernelServer::note_refusal(const InboundVerdict& verdict, const char* channel) {
@@ -702,7 +719,12 @@ void KernelServer::send_frames(int channel_index, std::vector<zmq::message_t>& f
         frames.emplace_back(buffer.data(), buffer.size());
     }
     auto& s = *sockets_;
-    zmq::send_multipart(channel_index == iopub ? s.publisher : s.routers[channel_index], frames);
+    if (channel_index == iopub) {
+        zmq::send_multipart(s.publisher, frames);
+    } else {
+        zmq::send_multipart(s.routers[channel_index], frames);
+        unread_[polled_index(channel_index)] = true;
+    }
     if (channel_index != control && record_.enabled()) {
         std::vector<std::string> recorded_buffers;
         recorded_buffers.reserve(buffers.size());
@@ -722,15 +744,16 @@ void KernelServer::forget_awaited(const std::string& msg_id) {
     awaited_execute_headers_.erase(msg_id);
 }
 
-void KernelServer::echo_heartbeat() {
+bool KernelServer::echo_heartbeat() {
     for (int i = 0; i < receive_batch; ++i) {
         std::vector<zmq::message_t> frames;
         if (!zmq::recv_multipart(sockets_->heartbeat, std::back_inserter(frames),
                                  zmq::recv_flags::dontwait)) {
-            return;
+            return true;
         }
         zmq::send_multipart(sockets_->heartbeat, frames, zmq::send_flags::dontwait);
     }
+    return false;
 }
 
 void KernelServer::send_own(int channel_index, const std::vector<std::string>& identities,
@@ -765,6 +788,7 @@ void KernelServer::send_own(int channel_index, const std::vector<std::string>& i
     frames.emplace_back("{}", 2);
     frames.emplace_back(content_text.data(), content_text.size());
     zmq::send_multipart(sockets_->routers[channel_index], frames);
+    unread_[polled_index(channel_index)] = true;
 }
 
 void KernelServer::publish_status(const std::string& parent_header, const char* state) {

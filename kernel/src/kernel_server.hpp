@@ -19,6 +19,7 @@
 // (publish_kernel_message) are sent by the I/O thread too.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -133,7 +134,8 @@ class KernelServer final : public xeus::xserver {
     struct Sockets;
     void run_io_loop();
     void run_interpreter();
-    void receive_all(int channel_index);
+    // False if it stopped before the socket had nothing left.
+    bool receive_all(int channel_index);
     void handle_inbound(int channel_index, std::vector<zmq::message_t>& frames);
     void send_queued();
     void send_outbound(Outbound& outbound);
@@ -143,7 +145,7 @@ class KernelServer final : public xeus::xserver {
     void send_frames(int channel_index, std::vector<zmq::message_t>& frames, std::string header,
                      std::string parent_header, std::string metadata, std::string content,
                      const xeus::buffer_sequence& buffers);
-    void echo_heartbeat();
+    bool echo_heartbeat();
     void publish_status(const std::string& parent_header, const char* state);
     void send_own(int channel_index, const std::vector<std::string>& identities,
                   const std::string& parent_header, std::string_view msg_type, const nlohmann::json& content,
@@ -159,6 +161,13 @@ class KernelServer final : public xeus::xserver {
     void note_refusal(const InboundVerdict& verdict, const char* channel);
     void forget_awaited(const std::string& msg_id);
     int poll_timeout_ms() const;
+
+    // The sockets the I/O loop polls, and which of them may have messages its poll(2) will not announce.
+    enum PolledSocket { polled_control, polled_shell, polled_stdin, polled_heartbeat, polled_sockets };
+    static constexpr std::size_t polled_index(int channel_index) noexcept {
+        return channel_index == 0 ? polled_shell : channel_index == 1 ? polled_control : polled_stdin;
+    }
+    std::array<bool, polled_sockets> unread_{};
 
     MessageSigner signer_;
     InboundVerifier verifier_;

@@ -102,9 +102,10 @@ std::string probe_python_version(const std::filesystem::path& python) {
     return version.empty() ? "3" : version;
 }
 
-// The one way out after start-up: xeus ends in std::exit() from whichever thread, without unwinding, and
-// its detached threads keep running during static destruction. So the kernel releases the worker and
-// its directories explicitly and leaves with _exit.
+// The one way out after start-up: it is taken from whichever thread decided it (the server's I/O thread on
+// shutdown_request or lease expiry, the signal thread on SIGTERM) while the interpreter thread may be
+// inside a cell, so nothing is unwound: the kernel releases the worker and its directories explicitly and
+// leaves with _exit.
 class ExitPath {
   public:
     ExitPath(WorkerSupervisor& supervisor, std::optional<PrivateDirectory>& workspace,
