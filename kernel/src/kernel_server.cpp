@@ -178,10 +178,16 @@ KernelServer::~KernelServer() {
 }
 
 BoundPorts KernelServer::bound_ports() const {
+    // "tcp://127.0.0.1:5555"; an ipc endpoint has no port (0).
     const auto port_of = [](const zmq::socket_t& socket) {
         const std::string endpoint = socket.get(zmq::sockopt::last_endpoint);
         const auto colon = endpoint.rfind(':');
-        return colon == std::string::npos ? 0 : std::stoi(endpoint.substr(colon + 1));
+        const std::string digits = colon == std::string::npos ? std::string() : endpoint.substr(colon + 1);
+        if (digits.empty() || digits.size() > 5 ||
+            !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+            return 0;
+        }
+        return std::stoi(digits);
     };
     const auto& s = *sockets_;
     return {port_of(s.routers[0]), port_of(s.routers[1]), port_of(s.routers[2]), port_of(s.publisher),
@@ -302,7 +308,11 @@ void KernelServer::stop_impl() {
 }
 
 void KernelServer::update_config_impl(xeus::xconfiguration& config) const {
-    const BoundPorts ports = bound_ports();
+    BoundPorts ports = bound_ports();
+    if (connection_.transport != "tcp") {
+        ports = {connection_.shell_port, connection_.control_port, connection_.stdin_port,
+                 connection_.iopub_port, connection_.hb_port};
+    }
     config.m_transport = connection_.transport;
     config.m_ip = connection_.ip;
     config.m_shell_port = std::to_string(ports.shell);

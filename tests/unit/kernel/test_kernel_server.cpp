@@ -532,6 +532,17 @@ TEST_F(KernelServerTest, HeartbeatIsEchoed) {
     EXPECT_EQ(receive(heartbeat), Frames{"ping"});
 }
 
+// xeus asks the server for its configuration when the kernel is built; on ipc (the gateway's transport)
+// the endpoints have no TCP port to read back.
+TEST_F(KernelServerTest, ConfigurationOnIpcNamesTheConnectionPorts) {
+    xeus::xconfiguration config;
+    server->update_config(config);
+    EXPECT_EQ(config.m_transport, "ipc");
+    EXPECT_EQ(config.m_shell_port, "1");
+    EXPECT_EQ(config.m_hb_port, "5");
+    EXPECT_EQ(config.m_key, "server-key");
+}
+
 class KernelServerLease : public KernelServerTest {
   protected:
     void SetUp() override {
