@@ -2,7 +2,7 @@
 // public sockets on ephemeral TCP ports itself and reports them back: to the gateway's launch registry, over
 // CurveZMQ (the registry's public key comes on the command line), with the one-time token the gateway gave
 // the job. The report carries the HMAC key and the kernel's own Curve public key, both made here and never
-// written to disk; the wire guard then serves only Curve clients that know that key.
+// written to disk; the kernel server then serves only Curve clients that know that key.
 #pragma once
 
 #include <chrono>

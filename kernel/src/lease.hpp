@@ -20,7 +20,7 @@ class Lease {
 
     void renew(Clock::time_point now) noexcept { renewed_ = std::max(renewed_, now); }
     bool expired(Clock::time_point now) const noexcept { return now - renewed_ >= duration_; }
-    // Time left until expiry (zero once expired): how long the guard may sleep in poll.
+    // Time left until expiry (zero once expired): how long the server may sleep in poll.
     std::chrono::milliseconds remaining(Clock::time_point now) const noexcept;
     std::chrono::duration<double> idle(Clock::time_point now) const noexcept { return now - renewed_; }
     std::chrono::milliseconds duration() const noexcept { return duration_; }

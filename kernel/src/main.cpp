@@ -2,10 +2,10 @@
 //
 //   cellblock-kernel --config <share>/cellblock/kernel-config.json -f <connection file>
 //
-// Threads: main runs xeus's control loop (make_xserver_control_main), xeus runs shell/iopub/heartbeat
-// threads on private ipc:// endpoints, the wire guard serves the public ports, the supervisor launches
-// workers, the signal router takes SIGINT/SIGTERM, and with a network policy the egress proxy serves each
-// worker's loopback listener (its events reach IOPub through the wire guard's thread).
+// Threads: main runs the kernel server's I/O loop (kernel_server.hpp: every public socket, control
+// dispatched there), the interpreter runs shell requests on the server's interpreter thread, the
+// supervisor launches workers, the signal router takes SIGINT/SIGTERM, and with a network policy the egress
+// proxy serves each worker's loopback listener (its events reach IOPub through the server's I/O loop).
 //
 // Exit status: 0 after shutdown_request, SIGTERM or SIGQUIT; 1 when start-up failed; 3
 // (lease_expired_exit_status) when the orphan lease ran out (CELLBLOCK_LEASE_S; see kernel/README.md).
@@ -27,16 +27,14 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <xeus/xeus_context.hpp>
 #include <xeus/xkernel.hpp>
 #include <xeus/xkernel_configuration.hpp>
-#include <xeus/xmiddleware.hpp>
-#include <xeus/xserver_control_main.hpp>
 
 #include "connection_info.hpp"
 #include "egress_proxy.hpp"
 #include "history_manager.hpp"
 #include "kernel_config.hpp"
+#include "kernel_server.hpp"
 #include "launch_report.hpp"
 #include "lease.hpp"
 #include "logging.hpp"
@@ -45,7 +43,6 @@
 #include "python_interpreter.hpp"
 #include "runtime_dir.hpp"
 #include "signal_router.hpp"
-#include "wire_guard.hpp"
 #include "worker_supervisor.hpp"
 
 extern char** environ;
@@ -105,9 +102,10 @@ std::string probe_python_version(const std::filesystem::path& python) {
     return version.empty() ? "3" : version;
 }
 
-// The one way out after start-up: xeus ends in std::exit() from whichever thread, without unwinding, and
-// its detached threads keep running during static destruction. So the kernel releases the worker and
-// its directories explicitly and leaves with _exit.
+// The one way out after start-up: it is taken from whichever thread decided it (the server's I/O thread on
+// shutdown_request or lease expiry, the signal thread on SIGTERM) while the interpreter thread may be
+// inside a cell, so nothing is unwound: the kernel releases the worker and its directories explicitly and
+// leaves with _exit.
 class ExitPath {
   public:
     ExitPath(WorkerSupervisor& supervisor, std::optional<PrivateDirectory>& workspace,
@@ -172,12 +170,12 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     const auto record_bytes = variable("CELLBLOCK_RECORD_BYTES");
     const auto record_messages = variable("CELLBLOCK_RECORD_MESSAGES");
     const auto lease = variable("CELLBLOCK_LEASE_S");
-    GuardOptions guard_options;
-    guard_options.record = RecordLimits::from_environment(
+    ServerOptions server_options;
+    server_options.record = RecordLimits::from_environment(
         record_bytes ? record_bytes->c_str() : nullptr, record_messages ? record_messages->c_str() : nullptr);
-    guard_options.lease = Lease::duration_from_environment(lease ? lease->c_str() : nullptr);
+    server_options.lease = Lease::duration_from_environment(lease ? lease->c_str() : nullptr);
     std::optional<std::filesystem::path> lease_cleanup_dir;
-    if (const auto cleanup = variable("CELLBLOCK_LEASE_CLEANUP_DIR"); cleanup && guard_options.lease) {
+    if (const auto cleanup = variable("CELLBLOCK_LEASE_CLEANUP_DIR"); cleanup && server_options.lease) {
         lease_cleanup_dir = std::filesystem::path(*cleanup);
     }
     std::optional<CurveKeyPair> curve_keys;
@@ -185,7 +183,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     if (report) {
         connection = ephemeral_connection(local_address_towards(report->endpoint));
         curve_keys = make_curve_keypair();
-        guard_options.curve_secret_key = curve_keys->secret_key;
+        server_options.curve_secret_key = curve_keys->secret_key;
     } else {
         connection = ConnectionInfo::load(connection_file);
     }
@@ -206,8 +204,8 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
         }
         workspace = own_workspace->path();
     }
-    // Fixed short parent: xeus 2.4.1 reads its endpoints back into a 32-byte buffer (get_socket_port), so
-    // "ipc:///tmp/cbk-XXXXXX/k-1" must stay under 32 characters whatever TMPDIR says.
+    // The kernel's runtime directory: its owner marker lets a later kernel clean up after one that was
+    // SIGKILLed (sweep_abandoned_kernel_dirs).
     PrivateDirectory runtime("/tmp", "cbk-");
 
     InterpreterSettings settings;
@@ -257,55 +255,45 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     auto interpreter = std::make_unique<PythonInterpreter>(supervisor, history_ref, controls, settings);
     PythonInterpreter& interpreter_ref = *interpreter;
 
-    // xeus listens on private ipc endpoints inside the 0700 runtime directory, unsigned; the wire guard
-    // does the verification and signing on the public side.
-    xeus::xconfiguration private_config;
-    private_config.m_transport = "ipc";
-    private_config.m_ip = (runtime.path() / "k").string();
-    private_config.m_shell_port = "1";
-    private_config.m_control_port = "2";
-    private_config.m_stdin_port = "3";
-    private_config.m_iopub_port = "4";
-    private_config.m_hb_port = "5";
-    private_config.m_signature_scheme = "none";
-    private_config.m_key = "unsigned";
-    const auto endpoint = [&](const std::string& port) {
-        return xeus::get_end_point(private_config.m_transport, private_config.m_ip, port);
-    };
-
-    xeus::xkernel kernel(private_config, xeus::get_user_name(), xeus::make_context<zmq::context_t>(),
-                         std::move(interpreter), xeus::make_xserver_control_main, std::move(history), nullptr,
-                         xeus::make_null_debugger, nl::json::object(), nl::json::error_handler_t::replace);
-
-    WireGuard guard(
+    // The public sockets are bound here, before xeus or the worker starts (a port in use fails fast).
+    auto owned_server = std::make_unique<KernelServer>(
         connection,
-        {endpoint(private_config.m_shell_port), endpoint(private_config.m_control_port),
-         endpoint(private_config.m_stdin_port), endpoint(private_config.m_iopub_port)},
-        {[&controls](const std::vector<std::string>& unanswered) { controls.interrupt(unanswered); },
-         [&exit_path] { exit_path.leave(0); },
-         [&exit_path, &lease_cleanup_dir](std::chrono::duration<double>) {
-             exit_path.leave(lease_expired_exit_status, lease_cleanup_dir);
-         },
-         [&controls](const std::string& msg_id, const nlohmann::json& metadata) {
-             controls.post_options(msg_id, parse_execute_options(metadata));
-         },
-         proxy ? std::function<nlohmann::json(const nlohmann::json&)>(
-                     [&approvals](const nlohmann::json& content) { return approvals.decide(content); })
-               : nullptr},
-        guard_options);
-    // The proxy's events and approvals go out on IOPub through the guard's thread (xeus's publisher is not
-    // thread-safe, and the guard owns the public socket). Disconnected before the guard goes.
-    const auto published = approvals.connect([&guard](std::string msg_type, nlohmann::json content) {
-        guard.publish(std::move(msg_type), std::move(content));
+        ServerActions{
+            [&controls](const std::vector<std::string>& unanswered) { controls.interrupt(unanswered); },
+            [&exit_path] { exit_path.leave(0); },
+            [&exit_path, &lease_cleanup_dir](std::chrono::duration<double>) {
+                exit_path.leave(lease_expired_exit_status, lease_cleanup_dir);
+            },
+            [&controls](const std::string& msg_id, const nlohmann::json& metadata) {
+                controls.post_options(msg_id, parse_execute_options(metadata));
+            },
+            proxy ? std::function<nlohmann::json(const nlohmann::json&)>(
+                        [&approvals](const nlohmann::json& content) { return approvals.decide(content); })
+                  : nullptr},
+        server_options);
+    KernelServer& server = *owned_server;
+    xeus::xconfiguration xeus_config;
+    xeus_config.m_transport = connection.transport;
+    xeus_config.m_ip = connection.ip;
+    xeus_config.m_signature_scheme = connection.signature_scheme;
+    xeus_config.m_key = connection.key;
+    xeus::xkernel kernel(xeus_config, xeus::get_user_name(),
+                         std::make_unique<ServerHandoff>(std::move(owned_server)), std::move(interpreter),
+                         ServerHandoff::take, std::move(history), nullptr, xeus::make_null_debugger,
+                         nl::json::object(), nl::json::error_handler_t::replace);
+
+    // The proxy's events and approvals go out on IOPub through the server's I/O thread (it owns the
+    // public socket). Disconnected before the server goes.
+    const auto published = approvals.connect([&server](std::string msg_type, nlohmann::json content) {
+        server.publish_kernel_message(std::move(msg_type), std::move(content));
     });
-    interpreter_ref.set_input_releaser([&guard] { guard.interrupt_pending_input(); });
+    interpreter_ref.set_input_releaser([&server] { server.interrupt_pending_input(); });
     // Only now, with every socket bound, start the worker (so a bad port fails fast and leaves nothing).
     supervisor.start();
-    guard.start();
     SignalRouter signals(
-        [&controls, &guard] {
+        [&controls, &server] {
             controls.interrupt({});
-            guard.interrupt_pending_input();
+            server.interrupt_pending_input();
         },
         [&exit_path](int) { exit_path.leave(0); });
 
@@ -313,7 +301,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     write_owner_marker(runtime.path(), own_workspace ? own_workspace->path() : std::filesystem::path());
     sweep_abandoned_kernel_dirs("/tmp", "cbk-", runtime.path());
     if (report) {
-        const BoundPorts ports = guard.bound_ports();
+        const BoundPorts ports = server.bound_ports();
         std::array<char, 256> hostname{};
         ::gethostname(hostname.data(), hostname.size() - 1);
         try {
@@ -343,7 +331,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     if (!log_enabled(LogLevel::debug)) {
         std::clog.rdbuf(nullptr);
     }
-    kernel.start();  // does not return: xeus ends the process with std::exit
+    kernel.start();  // returns only if the server stops without shutdown_request or lease expiry
     exit_path.leave(0);
 }
 
@@ -352,7 +340,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
 
 int main(int argc, char** argv) {
     cellblock::kernel::block_kernel_signals();
-    // OpenSSL's atexit cleanup would race with the wire guard thread still signing (xpython crashes in
+    // OpenSSL's atexit cleanup would race with the server's I/O thread still signing (xpython crashes in
     // HMAC_Init_ex during exit for this reason); the kernel leaves with _exit and needs no cleanup.
     OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr);
 

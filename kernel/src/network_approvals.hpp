@@ -4,9 +4,9 @@
 // (`cellblock_approval_decision_request`) go to the held request. The proxy owns the approval time-out and
 // every decision's effect; this class only carries them.
 //
-// Threads: the proxy calls the broker and observer methods on its own thread; the wire guard calls
-// decide() on its thread. Messages are handed to a Publisher (WireGuard::publish), which queues them for
-// the thread that owns the IOPub socket, so nothing here touches xeus or a socket.
+// Threads: the proxy calls the broker and observer methods on its own thread; the kernel server calls
+// decide() on its I/O thread. Messages are handed to a Publisher (KernelServer::publish_kernel_message),
+// which queues them for the thread that owns the IOPub socket, so nothing here touches xeus or a socket.
 #pragma once
 
 #include <functional>

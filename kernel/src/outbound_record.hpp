@@ -1,9 +1,9 @@
 // A bounded record of what the kernel sent to its clients (IOPub, shell and stdin, after the fixups: exactly
 // what clients got), so that a gateway that was down while a cell ran can fetch what it missed
-// (cellblock_replay_request, answered by the wire guard). Oldest messages are dropped first when a bound
+// (cellblock_replay_request, answered by the kernel server). Oldest messages are dropped first when a bound
 // is reached, and the drops are counted so the gateway can show a gap instead of hiding it.
 //
-// Single owner: only the wire guard thread touches it.
+// Single owner: only the kernel server's I/O thread touches it.
 #pragma once
 
 #include <cstddef>
@@ -53,6 +53,7 @@ class OutboundRecord {
     // record (found: false: dropped, or never sent).
     nlohmann::json replay(const std::optional<std::string>& after) const;
 
+    bool enabled() const noexcept { return limits_.enabled(); }
     std::size_t size() const noexcept { return entries_.size(); }
     std::size_t bytes() const noexcept { return bytes_; }
     std::uint64_t dropped() const noexcept { return dropped_; }

@@ -1,10 +1,10 @@
-// What clients ask of one request beyond the Jupyter fields, handed from the wire guard thread (which
-// sees every verified message) to the shell thread (which runs the request): per-execute limits from
-// the request's metadata, and interrupts addressed to requests that have not been answered yet.
+// What clients ask of one request beyond the Jupyter fields, handed from the kernel server's I/O thread
+// (which sees every verified message) to the interpreter thread (which runs the request): per-execute limits
+// from the request's metadata, and interrupts addressed to requests that have not been answered yet.
 //
-// xeus 2.4.1 gives the interpreter neither the request's metadata nor interrupt_request, so the wire
-// guard posts both here, keyed by the request's msg_id, and the interpreter takes them by the msg_id of
-// its parent header. An interrupt is remembered for the requests the guard had forwarded and not seen
+// xeus 2.4.1 gives the interpreter neither the request's metadata nor interrupt_request, so the kernel
+// server posts both here, keyed by the request's msg_id, and the interpreter takes them by the msg_id of
+// its parent header. An interrupt is remembered for the requests the server had handed over and not seen
 // answered, so one that arrives before the worker starts running the code is not lost.
 #pragma once
 
@@ -37,7 +37,7 @@ class RequestControls {
     RequestControls(const RequestControls&) = delete;
     RequestControls& operator=(const RequestControls&) = delete;
 
-    // Wire guard thread.
+    // The kernel server's I/O thread.
     void post_options(const std::string& msg_id, ExecuteOptions options);
     // An interrupt_request: applies to the request running now and to `unanswered` (msg_ids forwarded to
     // xeus without a reply yet), whichever of them runs next.

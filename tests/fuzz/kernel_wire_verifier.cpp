@@ -12,7 +12,7 @@
 
 #include "fuzz_support.hpp"
 #include "message_signer.hpp"
-#include "wire_guard.hpp"
+#include "inbound_verifier.hpp"
 
 using cellblock::fuzz::require;
 using cellblock::kernel::InboundVerdict;

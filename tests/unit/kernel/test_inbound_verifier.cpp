@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "message_signer.hpp"
-#include "wire_guard.hpp"
+#include "inbound_verifier.hpp"
 
 namespace cellblock::kernel {
 namespace {
