@@ -1,7 +1,9 @@
 #include "worker_exchange.hpp"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -24,13 +26,20 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-constexpr std::size_t read_chunk_bytes = 65536;
+// Pipe text up to this size is read onto the stack; more goes straight into the stream batch.
+constexpr std::size_t small_read_bytes = 65536;
 constexpr std::size_t channel_read_bytes = 65536;
 // Stream text is batched for a few milliseconds so a print() that reaches the pipe as several writes
 // becomes one stream message, while prints further apart still arrive apart. A batch is published early
-// once it is this large, so a client sees a flood of output in pieces of a bounded size.
+// once it is this large, so a flood of output reaches clients in pieces of a bounded size. Every message
+// costs a JSON serialization, a signature and a parse in the client, so fewer and larger is cheaper: a
+// 1 MiB print is one message.
 constexpr auto stream_batch_window = std::chrono::milliseconds(3);
-constexpr std::size_t stream_batch_bytes = 65536;
+constexpr std::size_t stream_batch_bytes = 4u << 20;
+// The worker's pipes hold this much (Linux's default /proc/sys/fs/pipe-max-size) instead of 64 KiB, so a
+// large print is one write in the worker and one read here rather than a ping-pong of 16 wake-ups per MiB.
+// Pipe pages are allocated as they are written: an idle worker's pipes cost nothing.
+constexpr int pipe_capacity_bytes = 1 << 20;
 
 constexpr int stdout_index = 0;
 constexpr int stderr_index = 1;
@@ -262,29 +271,62 @@ void WorkerExchange::interrupt_worker(LiveWorker& worker, Run& run) {
     start_escalation(run, kill_for_interrupt);
 }
 
+void WorkerExchange::size_pipes(const std::shared_ptr<LiveWorker>& worker) {
+    if (sized_worker_.lock() == worker) {
+        return;  // once per worker; a worker serves many requests
+    }
+    sized_worker_ = worker;
+    for (const int fd : {worker->stdout_fd(), worker->stderr_fd()}) {
+        if (::fcntl(fd, F_SETPIPE_SZ, pipe_capacity_bytes) < 0) {
+            // Not fatal: an unprivileged kernel over its pipe quota keeps 64 KiB pipes.
+            log_event(LogLevel::debug, "pipe_resize_failed", {{"fd", fd}, {"errno", errno}});
+        }
+    }
+}
+
+// Reads what the pipe holds at this moment (FIONREAD) and not more. The worker sends a frame only once the
+// pipes are empty, so bytes that arrive after a read that emptied the pipe may have been written after a
+// frame that is now waiting on the channel: they wait for the next poll round, which looks at the channel
+// first.
 void WorkerExchange::read_stream(LiveWorker& worker, int index, Run& run, ExchangeSink& sink) {
     const int fd = index == stderr_index ? worker.stderr_fd() : worker.stdout_fd();
     auto& decoder = index == stderr_index ? worker.stderr_text : worker.stdout_text;
-    std::array<char, read_chunk_bytes> buffer;
-    const ssize_t got = ::read(fd, buffer.data(), buffer.size());
-    std::string text;
-    if (got > 0) {
-        text = decoder.feed({buffer.data(), static_cast<std::size_t>(got)});
-    } else if (got == 0) {
-        run.stream_open[index] = false;
-        text = decoder.finish();
-    } else if (errno != EAGAIN && errno != EINTR) {
-        run.stream_open[index] = false;
-    }
-    if (text.empty()) {
-        return;
+    int available = 0;
+    if (::ioctl(fd, FIONREAD, &available) < 0 || available < 0) {
+        available = 0;  // not a pipe: read what one read gives
     }
     if (run.pending_stream != index && !run.pending_text.empty()) {
         flush_text(run, sink);
     }
     run.pending_stream = index;
-    run.pending_text += text;
-    if (run.pending_text.size() >= stream_batch_bytes) {
+    std::string& text = run.pending_text;
+    const std::size_t from = text.size();
+    ssize_t got = 0;
+    if (static_cast<std::size_t>(available) <= small_read_bytes) {
+        // 0 available: the writers are gone (POLLHUP) and this read sees the end of the file.
+        std::array<char, small_read_bytes> buffer;
+        got = ::read(fd, buffer.data(), available > 0 ? static_cast<std::size_t>(available) : buffer.size());
+        if (got > 0) {
+            text.append(buffer.data(), static_cast<std::size_t>(got));
+        }
+    } else {
+        // A large burst is read straight into the batch: the bytes are copied once, out of the pipe.
+        text.resize(from + static_cast<std::size_t>(available));
+        got = ::read(fd, text.data() + from, static_cast<std::size_t>(available));
+        text.resize(from + static_cast<std::size_t>(std::max<ssize_t>(got, 0)));
+    }
+    if (got < 0 && errno != EAGAIN && errno != EINTR) {
+        run.stream_open[index] = false;
+    }
+    decoder.decode_appended(text, from);
+    if (got == 0) {
+        run.stream_open[index] = false;
+        text += decoder.finish();
+    }
+    if (text.empty()) {
+        return;
+    }
+    if (text.size() >= stream_batch_bytes) {
         flush_text(run, sink);
     } else if (run.flush_at == Clock::time_point::max()) {
         run.flush_at = Clock::now() + stream_batch_window;
@@ -426,6 +468,7 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
     if (!worker) {
         return {Ending::Kind::unavailable, nullptr, error};
     }
+    size_pipes(worker);
     bool earlier_state_lost = false;
     if (run.publish) {
         if (auto note = supervisor_.take_lost_state_note()) {

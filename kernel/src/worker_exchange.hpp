@@ -101,11 +101,13 @@ class WorkerExchange {
     bool handle_worker_message(LiveWorker& worker, nlohmann::json& message, Run& run, ExchangeSink& sink);
     void answer_input_request(LiveWorker& worker, const nlohmann::json& message, Run& run,
                               ExchangeSink& sink);
+    void size_pipes(const std::shared_ptr<LiveWorker>& worker);
 
     WorkerSupervisor& supervisor_;
     RequestControls& controls_;
     ExchangeSettings settings_;
     std::uint64_t next_request_id_ = 0;
+    std::weak_ptr<LiveWorker> sized_worker_;  // the worker whose pipes were enlarged last
 };
 
 }  // namespace cellblock::kernel
