@@ -921,7 +921,7 @@ void Kernel::on_process_exit(InstanceExit exit) {
 
 void Kernel::interrupt() {
     touch();
-    // A reporting kernel (slurm) is interrupted by message: its wire guard acts on interrupt_request, and no
+    // A reporting kernel (slurm) is interrupted by message: its kernel server acts on interrupt_request, and no
     // scheduler round trip is needed.
     if (launch_.spec.interrupt_mode() == "message" || reports_connection()) {
         if (probe_control_)

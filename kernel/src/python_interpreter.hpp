@@ -1,14 +1,10 @@
-// The xeus interpreter: forwards each request to the confined Python worker and, on the shell thread
-// that xeus calls it on, pumps the worker's channel and stdout/stderr pipes, publishing outputs as they
-// arrive until the worker's reply. Publishing only from this thread is deliberate: xeus's publisher and
-// parent header are not thread-safe.
+// The xeus interpreter: a thin adapter between xeus's request handlers and the WorkerExchange, which runs
+// each request against the confined Python worker on the interpreter thread that xeus calls this on. Outputs are
+// published from that thread only, because xeus's publisher and parent header are not thread-safe.
 #pragma once
 
 #include <chrono>
-#include <cstdint>
 #include <functional>
-#include <memory>
-#include <optional>
 #include <string>
 #include <xeus/xinterpreter.hpp>
 
@@ -16,6 +12,7 @@
 #include "kernel_config.hpp"
 #include "reply_builders.hpp"
 #include "request_controls.hpp"
+#include "worker_exchange.hpp"
 #include "worker_supervisor.hpp"
 
 namespace cellblock::kernel {
@@ -32,13 +29,12 @@ class PythonInterpreter final : public xeus::xinterpreter {
     PythonInterpreter(WorkerSupervisor& supervisor, HistoryManager& history, RequestControls& controls,
                       InterpreterSettings settings);
 
-    // How to answer a pending input_request with "" (the wire guard's); used when the time limit passes
-    // while the shell thread waits for input. Set before the kernel starts.
+    // How to answer a pending input_request with "" (the kernel server's); used when the time limit passes
+    // while the interpreter thread waits for input. Set before the kernel starts.
     void set_input_releaser(std::function<void()> releaser) { input_releaser_ = std::move(releaser); }
 
   private:
-    struct Exchange;  // one request to the worker and everything it produced
-    struct Ending;    // how an exchange ended
+    class Publisher;  // the ExchangeSink that publishes through xeus
 
     void configure_impl() override {}
     nl::json execute_request_impl(int execution_counter, const std::string& code, bool silent,
@@ -49,24 +45,12 @@ class PythonInterpreter final : public xeus::xinterpreter {
     nl::json kernel_info_request_impl() override;
     void shutdown_request_impl() override;
 
-    Ending run(nl::json request, Exchange& exchange);
-    void read_stream(LiveWorker& worker, bool is_stderr, Exchange& exchange);
-    void drain_streams(LiveWorker& worker, Exchange& exchange);
-    void queue_text(const std::string& name, const std::string& text, Exchange& exchange);
-    void flush_text(Exchange& exchange);
-    void publish_text(const std::string& name, const std::string& text, Exchange& exchange);
-    bool admit_rich_output(const nl::json& data, Exchange& exchange);
-    void publish_tails(Exchange& exchange);
-    void interrupt_worker(LiveWorker& worker, Exchange& exchange);
-    // Returns true if `message` is the reply that ends the exchange.
-    bool handle_worker_message(LiveWorker& worker, nl::json& message, Exchange& exchange);
-    void answer_input_request(LiveWorker& worker, const nl::json& message, Exchange& exchange);
+    std::string parent_msg_id() const;
 
     WorkerSupervisor& supervisor_;
     HistoryManager& history_;
-    RequestControls& controls_;
-    InterpreterSettings settings_;
-    std::uint64_t next_request_id_ = 0;
+    KernelIdentity identity_;
+    WorkerExchange exchange_;
     std::function<void()> input_releaser_;
 };
 

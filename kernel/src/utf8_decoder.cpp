@@ -1,5 +1,8 @@
 #include "utf8_decoder.hpp"
 
+#include <cstdint>
+#include <cstring>
+
 namespace cellblock::kernel {
 namespace {
 
@@ -42,7 +45,60 @@ bool second_byte_ok(unsigned char lead, unsigned char second) noexcept {
     }
 }
 
+// End of the longest prefix of data[from..] made of complete, valid sequences.
+std::size_t complete_valid_end(std::string_view data, std::size_t from) noexcept {
+    constexpr std::uint64_t high_bits = 0x8080808080808080ULL;
+    std::size_t i = from;
+    const std::size_t size = data.size();
+    while (i < size) {
+        // Eight ASCII bytes at a time: output is mostly ASCII.
+        std::uint64_t word = 0;
+        while (i + sizeof(word) <= size) {
+            std::memcpy(&word, data.data() + i, sizeof(word));
+            if (word & high_bits) {
+                break;
+            }
+            i += sizeof(word);
+        }
+        if (i == size) {
+            break;
+        }
+        const auto lead = static_cast<unsigned char>(data[i]);
+        if (lead < 0x80) {
+            ++i;
+            continue;
+        }
+        const std::size_t length = sequence_length(lead);
+        if (length == 0 || i + length > size ||
+            !second_byte_ok(lead, static_cast<unsigned char>(data[i + 1]))) {
+            return i;
+        }
+        for (std::size_t k = 2; k < length; ++k) {
+            if (!is_continuation(static_cast<unsigned char>(data[i + k]))) {
+                return i;
+            }
+        }
+        i += length;
+    }
+    return size;
+}
+
 }  // namespace
+
+void Utf8StreamDecoder::decode_appended(std::string& text, std::size_t from) {
+    if (!pending_.empty()) {
+        text.insert(from, pending_);
+        pending_.clear();
+    }
+    const std::size_t valid_end = complete_valid_end(text, from);
+    if (valid_end == text.size()) {
+        return;
+    }
+    // An incomplete tail or invalid bytes: the rest goes the careful way.
+    const std::string rest = text.substr(valid_end);
+    text.resize(valid_end);
+    text += feed(rest);
+}
 
 std::string Utf8StreamDecoder::feed(std::string_view bytes) {
     std::string input;

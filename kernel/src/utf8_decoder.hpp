@@ -12,6 +12,10 @@ class Utf8StreamDecoder {
   public:
     // Returns the valid text decodable so far; an incomplete trailing sequence is held back.
     std::string feed(std::string_view bytes);
+    // The same for bytes read straight into a text buffer: `text[from..]` are raw bytes just appended, and
+    // become valid text in place (bytes held back from the previous chunk go in front of them). Valid input,
+    // the usual case, costs one scan and no copy.
+    void decode_appended(std::string& text, std::size_t from);
     // End of stream: a held-back incomplete sequence becomes U+FFFD.
     std::string finish();
     bool has_pending() const noexcept { return !pending_.empty(); }

@@ -603,7 +603,7 @@ def test_kernel_zmq_ports_are_unreachable_and_there_is_no_private_endpoint(kerne
     assert result["zmq"] in ("no reply", "ZMQError"), result["zmq"]
     # The kernel's public ports still serve the real client (kernel_info and execute, checked by the fixture).
     assert kernel.client.kernel_info(reply=True, timeout=30)["content"]["status"] == "ok"
-    # The wire guard logs the first refused message of each kind: nothing of the forged request arrived.
+    # The kernel server logs the first refused message of each kind: nothing of the forged request arrived.
     assert not [e for e in kernel.log_events() if e.get("event") == "message_refused"], kernel.log_events()
     # Control: the same forged request sent from the host does arrive and is refused (the witness works).
     import zmq

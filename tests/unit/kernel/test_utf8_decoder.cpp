@@ -43,6 +43,30 @@ TEST(Utf8StreamDecoder, FinishFlushesAnIncompleteTail) {
     EXPECT_EQ(decoder.finish(), "");
 }
 
+// Reading straight into the text buffer must give exactly what feed() gives, wherever a read ends.
+TEST(Utf8StreamDecoder, DecodingInPlaceMatchesFeedWhereverAReadEnds) {
+    const std::string input =
+        "plain ascii, longer than a word: \xC3\xA9\xE2\x82\xAC\xF0\x9F\x98\x80 then bad \xFF"
+        "\xFE, overlong \xC0\x80, surrogate \xED\xA0\x80, cut \xE2\x82z, 0123456789abcdef \xF0\x9F";
+    for (std::size_t cut = 0; cut <= input.size(); ++cut) {
+        Utf8StreamDecoder by_feed;
+        std::string expected = "kept ";
+        expected += by_feed.feed(input.substr(0, cut));
+        expected += by_feed.feed(input.substr(cut));
+        expected += by_feed.finish();
+
+        Utf8StreamDecoder in_place;
+        std::string text = "kept ";
+        for (const auto& chunk : {input.substr(0, cut), input.substr(cut)}) {
+            const std::size_t from = text.size();
+            text += chunk;
+            in_place.decode_appended(text, from);
+        }
+        text += in_place.finish();
+        EXPECT_EQ(text, expected) << "cut at " << cut;
+    }
+}
+
 TEST(Utf8Prefix, CutsOnCodePointBoundaries) {
     const std::string text =
         "ab\xE2\x82\xAC"
