@@ -12,6 +12,7 @@ hashes made with it) and the address-space layout. Workers forked from one templ
 
 import array
 import ctypes
+import errno
 import fcntl
 import gc
 import importlib
@@ -366,6 +367,12 @@ class TemplateService:
                 outcome = self.spawner.spawn(view[len(MAGIC):size], fds, *self.namespace_fds)
             except SpawnFailed as error:
                 self._answer_and_close(connection, {"error": str(error)})
+                if error.errno == errno.ENOTRECOVERABLE:
+                    # The library could not bring the template back into its own mount namespace or cwd: it
+                    # sees the host's now, and must not run anything more (its workers go on unsupervised
+                    # by it; their kernels read the exit status from the pidfd).
+                    _log("unrecoverable", detail=str(error))
+                    os._exit(70)
                 return None
             if outcome is FORKED_CHILD:
                 connection.detach()
@@ -516,6 +523,8 @@ def serve_template(worker_dir):
         return 1
     service = TemplateService(listener_fd, spawner, host_mount_namespace_fd, own_mount_namespace_fd, own_cwd_fd,
                               settings.generation_forks, settings.generation_seconds)
+    _log("serving", preload=list(settings.preload), generation_forks=settings.generation_forks,
+         generation_seconds=settings.generation_seconds)
     if service.run() is FORKED_CHILD:
         del service
         return serve_forked(prepared)
