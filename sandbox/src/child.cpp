@@ -67,13 +67,13 @@ int run_mount(const MountOp& op) noexcept {
 
 }  // namespace
 
-void run_child(const ChildPlan& plan) noexcept {
+int run_child(const ChildPlan& plan) noexcept {
     int error_fd = plan.error_write_fd;
     auto fail = [&](int step, int error) { report_and_exit(error_fd, step, error); };
 
     // Die with the thread that launched us. Set now for the setup, and again after the uid change,
     // which clears it.
-    if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
+    if (plan.parent_death_signal && ::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
         fail(plan.step_pdeathsig, errno);
     }
     // Signal handlers of the parent's code must never run here: reset them all to the default.
@@ -85,8 +85,13 @@ void run_child(const ChildPlan& plan) noexcept {
         action.sa_handler = SIG_DFL;
         ::sigaction(signo, &action, nullptr);  // EINVAL for glibc-reserved signals is fine
     }
-    ::close(plan.sync_write_fd);
-    ::close(plan.error_read_fd);
+    // A template's fork never had the parent's ends (-1).
+    if (plan.sync_write_fd >= 0) {
+        ::close(plan.sync_write_fd);
+    }
+    if (plan.error_read_fd >= 0) {
+        ::close(plan.error_read_fd);
+    }
     if (plan.listener_parent_fd >= 0) {
         ::close(plan.listener_parent_fd);
     }
@@ -176,10 +181,10 @@ void run_child(const ChildPlan& plan) noexcept {
             fail(limit.step, errno);
         }
     }
-    if (!drop_privileges(plan, &failed_step)) {
+    if (plan.drop_privileges && !drop_privileges(plan, &failed_step)) {
         fail(failed_step, errno);
     }
-    if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
+    if (plan.parent_death_signal && ::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
         fail(plan.step_pdeathsig, errno);
     }
     // If the launcher died before that, nobody would kill us: its end of the error pipe (held until
@@ -203,6 +208,11 @@ void run_child(const ChildPlan& plan) noexcept {
     sigemptyset(&none);
     if (::sigprocmask(SIG_SETMASK, &none, nullptr) != 0) {
         fail(plan.step_sigmask, errno);
+    }
+    if (!plan.exec_program) {
+        // What execve's CLOEXEC would have done: the parent reads an end of file, which means success.
+        ::close(error_fd);
+        return 0;
     }
     ::execve(plan.argv[0], plan.argv.data(), plan.envp.data());
     fail(plan.step_execve, errno);

@@ -80,6 +80,18 @@ struct ListenerOp {
 };
 
 struct ChildPlan {
+    // false: a fork of a zygote template (sandbox/README.md "Worker zygote") that must continue into the
+    // template's code once confined: run_child closes the error pipe itself (success) and returns instead
+    // of calling execve. argv and envp are then unused.
+    bool exec_program = true;
+    // false for a template's fork: a worker must not die with the template (nor with the template's
+    // launcher); its kernel kills it through the pidfd and the cgroup instead.
+    bool parent_death_signal = true;
+    // false for the template itself, which keeps host root (no user namespace, capabilities, no seccomp).
+    bool drop_privileges = true;
+    // Whether the clone makes a new user namespace (false only on a host without them, or for a template).
+    bool new_user_namespace = true;
+
     int sync_read_fd = -1;    // the parent writes one byte when ids are mapped and cgroups joined
     int sync_write_fd = -1;   // the parent's end, closed in the child
     int error_write_fd = -1;  // CLOEXEC; ChildFailure goes here
@@ -122,7 +134,9 @@ struct ChildPlan {
     std::vector<char*> envp;  // null-terminated
 };
 
-// Runs in the child after clone: sets everything up and execs. Never returns.
-[[noreturn]] void run_child(const ChildPlan& plan) noexcept;
+// Runs in the child after clone: sets everything up and execs; never returns then. Without
+// plan.exec_program it returns 0 once the child is confined (the error pipe closed: the parent sees
+// success). A failing step is reported through the error pipe and the child _exit(127)s.
+int run_child(const ChildPlan& plan) noexcept;
 
 }  // namespace cellblock::sandbox::detail

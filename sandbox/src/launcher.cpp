@@ -3,13 +3,16 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/sched.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -26,6 +29,7 @@
 #include "seccomp.hpp"
 #include "system.hpp"
 #include "user_namespace.hpp"
+#include "zygote_client.hpp"
 
 namespace cellblock::sandbox {
 
@@ -100,6 +104,32 @@ void prepare_workspace(const std::filesystem::path& workspace, uid_t uid, const 
             return owner == 0 || (owner >= policy.uid_first && owner - policy.uid_first < policy.uid_count);
         },
         100000);
+}
+
+// A template answers within this, or the launch falls back to exec (ZygoteUnavailable).
+constexpr std::chrono::milliseconds zygote_answer_timeout{2000};
+// A forked child's setup ends with the error pipe closed by the child and by the template (which holds a
+// copy of every fd of the plan); an exec'd child's ends with execve, which cannot be held up by anyone else.
+constexpr std::chrono::seconds error_pipe_timeout{60};
+
+bool wait_for_error_pipe(int error_read) {
+    const auto deadline = std::chrono::steady_clock::now() + error_pipe_timeout;
+    for (;;) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now())
+                .count();
+        if (left <= 0) {
+            return false;
+        }
+        pollfd readable{error_read, POLLIN, 0};
+        const int ready = ::poll(&readable, 1, static_cast<int>(left));
+        if (ready > 0) {
+            return true;
+        }
+        if (ready < 0 && errno != EINTR) {
+            throw_errno("launch: poll the child's error pipe");
+        }
+    }
 }
 
 struct SignalBlock {
@@ -259,27 +289,42 @@ Process Launcher::launch(const LaunchRequest& request) {
     }
     plan.envp.push_back(nullptr);
 
-    unsigned long flags =
-        CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PIDFD | SIGCHLD;
-    if (state.user_namespaces) {
-        flags |= CLONE_NEWUSER;
-    }
-    int pidfd = -1;
-    long child = 0;
-    {
-        // Blocked in the parent thread around clone so that no handler runs in the child before it
-        // resets them; the child restores an empty mask just before execve.
-        SignalBlock blocked;
-        child = ::syscall(SYS_clone, flags, nullptr, &pidfd, nullptr, 0);
-        if (child == 0) {
-            detail::run_child(plan);
+    plan.new_user_namespace = state.user_namespaces;
+    const bool through_template = !request.zygote_socket.empty();
+    if (through_template) {
+        // The template's fork continues into its preloaded worker instead of execve, and must not die with
+        // the template; everything else of the plan is the same.
+        plan.exec_program = false;
+        plan.parent_death_signal = false;
+        auto spawned = detail::request_zygote_spawn(request.zygote_socket, plan, zygote_answer_timeout);
+        impl->pid = spawned.pid;
+        impl->pidfd = std::move(spawned.pidfd);
+        impl->zygote_connection = std::move(spawned.connection);
+        impl->forked_by_template = true;
+    } else {
+        unsigned long flags =
+            CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PIDFD | SIGCHLD;
+        if (plan.new_user_namespace) {
+            flags |= CLONE_NEWUSER;
         }
+        int pidfd = -1;
+        long child = 0;
+        {
+            // Blocked in the parent thread around clone so that no handler runs in the child before it
+            // resets them; the child restores an empty mask just before execve.
+            SignalBlock blocked;
+            child = ::syscall(SYS_clone, flags, nullptr, &pidfd, nullptr, 0);
+            if (child == 0) {
+                detail::run_child(plan);  // execs (plan.exec_program) or _exits
+                ::_exit(127);
+            }
+        }
+        if (child < 0) {
+            throw_errno("clone (new user, mount, pid, net, ipc and uts namespaces)");
+        }
+        impl->pid = static_cast<pid_t>(child);
+        impl->pidfd.reset(pidfd);
     }
-    if (child < 0) {
-        throw_errno("clone (new user, mount, pid, net, ipc and uts namespaces)");
-    }
-    impl->pid = static_cast<pid_t>(child);
-    impl->pidfd.reset(pidfd);
     impl->started = std::chrono::steady_clock::now();
     sync_read.reset();
     error_write.reset();
@@ -287,6 +332,12 @@ Process Launcher::launch(const LaunchRequest& request) {
 
     // The child reports {step, errno} and exits on failure; EOF means execve happened.
     auto child_status = [&]() -> std::optional<std::string> {
+        if (through_template && !wait_for_error_pipe(error_read.get())) {
+            impl->kill_everything();
+            return "zygote template: the child's error pipe was still open after " +
+                   std::to_string(error_pipe_timeout.count()) +
+                   " s (the child hung in its setup, or the template kept its copy of the pipe)";
+        }
         detail::ChildFailure failure{};
         ssize_t got = 0;
         do {
@@ -337,6 +388,186 @@ Process Launcher::launch(const LaunchRequest& request) {
     }
     impl->reap(true);
     throw SandboxError(*child_error);
+}
+
+}  // namespace cellblock::sandbox
+
+namespace cellblock::sandbox {
+
+namespace {
+
+// Where the template finds libcellblock_zygote.so inside its root.
+constexpr const char* zygote_library_dir_inside = "/opt/cellblock/zygote";
+
+bool is_plain_name(const std::string& name) {
+    if (name.empty() || name.size() > 100 || name == "." || name == "..") {
+        return false;
+    }
+    return std::all_of(name.begin(), name.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+               c == '_' || c == '.';
+    });
+}
+
+}  // namespace
+
+pid_t Launcher::launch_template(const TemplateRequest& request) {
+    Policy policy = state_->policy;
+    if (!is_plain_name(request.name)) {
+        throw SandboxError("launch_template: '" + request.name + "' is not a plain name ([A-Za-z0-9._-])");
+    }
+    if (request.argv.empty() || request.argv.front().empty() || request.argv.front().front() != '/') {
+        throw SandboxError("launch_template: argv[0] must be an absolute path inside the sandbox");
+    }
+    if (request.listening_socket < 0 || ::fcntl(request.listening_socket, F_GETFD) < 0) {
+        throw SandboxError("launch_template: the listening socket is not an open fd");
+    }
+    std::vector<std::string> environment = request.environment;
+    if (!request.zygote_library.empty()) {
+        if (!request.zygote_library.is_absolute() ||
+            !std::filesystem::is_regular_file(request.zygote_library)) {
+            throw SandboxError("launch_template: the zygote library " + request.zygote_library.string() +
+                               " is not a file");
+        }
+        MountSpec library;
+        library.kind = MountSpec::Kind::bind;
+        library.source = request.zygote_library.parent_path().string();
+        library.target = zygote_library_dir_inside;
+        policy.mounts.push_back(library);
+        environment.push_back(std::string("CELLBLOCK_ZYGOTE_LIBRARY=") + zygote_library_dir_inside + "/" +
+                              request.zygote_library.filename().string());
+    }
+
+    // An empty workspace of its own: what the template's start caches about /workspace is an empty one's.
+    const auto workspace = policy.state_dir / "templates" / request.name;
+    detail::make_directories(policy.state_dir / "templates", 0700);
+    remove_tree(workspace);
+    if (::mkdir(workspace.c_str(), 0755) != 0) {
+        throw_errno("launch_template: mkdir " + workspace.string());
+    }
+
+    detail::StepNames steps;
+    detail::ChildPlan plan;
+    plan.parent_death_signal = false;  // outlives the kernel that started it
+    plan.drop_privileges = false;      // host root: it clones workers into new user namespaces
+    plan.new_user_namespace = false;
+    plan.new_cgroup_namespace = false;
+    plan.step_pdeathsig = steps.add("prctl PR_SET_PDEATHSIG");
+    plan.step_sync = steps.add("wait for the launcher");
+    plan.step_cgroupns = steps.add("unshare the cgroup namespace");
+    plan.step_hostname = steps.add("sethostname " + policy.hostname);
+    plan.step_loopback = steps.add("bring up the loopback interface");
+    plan.step_setsid = steps.add("setsid");
+    plan.step_seccomp = steps.add("load the seccomp filter");
+    plan.step_sigmask = steps.add("unblock signals");
+    plan.step_execve = steps.add("execve " + request.argv.front());
+    plan.hostname = policy.hostname;
+    plan.loopback_up = policy.network_loopback;
+    plan.cwd = policy.workspace_target;
+    plan.step_chdir = steps.add("chdir " + plan.cwd);
+    auto skeleton = detail::RootSkeleton::prepare(policy, request.name, workspace, steps, plan);
+
+    int sync_pipe[2];
+    int error_pipe[2];
+    int pid_pipe[2];
+    if (::pipe2(sync_pipe, O_CLOEXEC) != 0) {
+        throw_errno("launch_template: pipe");
+    }
+    UniqueFd sync_read(sync_pipe[0]), sync_write(sync_pipe[1]);
+    if (::pipe2(error_pipe, O_CLOEXEC) != 0) {
+        throw_errno("launch_template: pipe");
+    }
+    UniqueFd error_read(error_pipe[0]), error_write(error_pipe[1]);
+    if (::pipe2(pid_pipe, O_CLOEXEC) != 0) {
+        throw_errno("launch_template: pipe");
+    }
+    UniqueFd pid_read(pid_pipe[0]), pid_write(pid_pipe[1]);
+    plan.sync_read_fd = sync_read.get();
+    plan.sync_write_fd = sync_write.get();
+    plan.error_read_fd = error_read.get();
+    plan.error_write_fd = error_write.get();
+
+    UniqueFd dev_null(::open("/dev/null", O_RDWR | O_CLOEXEC));
+    if (!dev_null) {
+        throw_errno("launch_template: open /dev/null");
+    }
+    UniqueFd host_mount_namespace(::open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC));
+    if (!host_mount_namespace) {
+        throw_errno("launch_template: open /proc/self/ns/mnt");
+    }
+    detail::plan_fds({dev_null.get(), request.stdout_fd >= 0 ? request.stdout_fd : dev_null.get(),
+                      request.stderr_fd >= 0 ? request.stderr_fd : dev_null.get(), request.listening_socket,
+                      host_mount_namespace.get()},
+                     steps, plan);
+
+    std::vector<std::string> argv = request.argv;
+    std::vector<std::string> envp = detail::merge_environment(policy.environment, environment);
+    for (auto& arg : argv) {
+        plan.argv.push_back(arg.data());
+    }
+    plan.argv.push_back(nullptr);
+    for (auto& entry : envp) {
+        plan.envp.push_back(entry.data());
+    }
+    plan.envp.push_back(nullptr);
+
+    // Double fork: the middle process makes the namespaces and exits at once, so the template is nobody's
+    // child here (init, or a subreaper, reaps it) and needs no thread of ours.
+    long middle = 0;
+    {
+        SignalBlock blocked;
+        middle = ::syscall(SYS_clone, CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | SIGCHLD,
+                           nullptr, nullptr, nullptr, 0);
+        if (middle == 0) {
+            const long grandchild = ::syscall(SYS_clone, SIGCHLD, nullptr, nullptr, nullptr, 0);
+            if (grandchild == 0) {
+                detail::run_child(plan);  // execs or _exits
+                ::_exit(127);
+            }
+            const pid_t reported = grandchild > 0 ? static_cast<pid_t>(grandchild) : -errno;
+            [[maybe_unused]] const auto ignored = ::write(pid_pipe[1], &reported, sizeof reported);
+            ::_exit(grandchild > 0 ? 0 : 1);
+        }
+    }
+    if (middle < 0) {
+        throw_errno("launch_template: clone (new mount, uts, ipc and net namespaces)");
+    }
+    int middle_status = 0;
+    while (::waitpid(static_cast<pid_t>(middle), &middle_status, 0) < 0) {
+        if (errno != EINTR) {
+            throw_errno("launch_template: wait for the intermediate process");
+        }
+    }
+    pid_write.reset();
+    sync_read.reset();
+    error_write.reset();
+    pid_t template_pid = 0;
+    if (::read(pid_read.get(), &template_pid, sizeof template_pid) != sizeof template_pid) {
+        throw SandboxError("launch_template: the intermediate process did not report the template's pid");
+    }
+    if (template_pid <= 0) {
+        throw_errno("launch_template: clone the template", -template_pid);
+    }
+    const char go = 1;
+    if (::write(sync_write.get(), &go, 1) != 1) {
+        throw_errno("launch_template: release the template");
+    }
+    sync_write.reset();
+    detail::ChildFailure failure{};
+    ssize_t got = 0;
+    do {
+        got = ::read(error_read.get(), &failure, sizeof failure);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        throw_errno("launch_template: read the template's status");
+    }
+    if (got == 0) {
+        return template_pid;  // execve happened
+    }
+    if (got != sizeof failure) {
+        throw SandboxError("launch_template: the template reported a truncated error");
+    }
+    throw SandboxError("zygote template: " + steps.name(failure.step) + ": " + std::strerror(failure.error));
 }
 
 }  // namespace cellblock::sandbox

@@ -11,6 +11,7 @@
 
 #include "process_impl.hpp"
 #include "system.hpp"
+#include "zygote_client.hpp"
 
 namespace cellblock::sandbox {
 
@@ -42,6 +43,9 @@ std::optional<Outcome> Process::Impl::reap(bool block) {
     if (pid <= 0) {
         return std::nullopt;
     }
+    if (forked_by_template) {
+        return reap_template_child(block);
+    }
     siginfo_t info{};
     rusage usage{};
     for (;;) {
@@ -58,14 +62,59 @@ std::optional<Outcome> Process::Impl::reap(bool block) {
     if (info.si_pid == 0) {
         return std::nullopt;  // still running (WNOHANG)
     }
+    const double cpu = static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+                       static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
+    return outcome_of(info.si_code == CLD_EXITED, info.si_status, cpu);
+}
 
+std::optional<Outcome> Process::Impl::reap_template_child(bool block) {
+    // The pidfd of a process that is not our child is readable once it has ended.
+    for (;;) {
+        pollfd ended{pidfd.get(), POLLIN, 0};
+        const int ready = ::poll(&ended, 1, block ? -1 : 0);
+        if (ready > 0) {
+            break;
+        }
+        if (ready == 0) {
+            return std::nullopt;
+        }
+        if (errno != EINTR) {
+            detail::throw_errno("poll the sandbox pidfd");
+        }
+    }
+    // The template reaps it and says how it ended; generous, because a loaded template answers late.
+    if (auto report = detail::read_exit_report(zygote_connection.get(), seconds(10))) {
+        zygote_connection.reset();
+        const int status = report->wait_status;
+        return outcome_of(WIFEXITED(status), WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
+                          report->cpu_seconds);
+    }
+    zygote_connection.reset();
+    // The template is gone (or said nothing): whoever reaped the program instead (init, a subreaper) leaves
+    // its wait status with the pidfd on Linux >= 6.15. Reaping follows the end by a moment.
+    const auto give_up = steady_clock::now() + seconds(2);
+    for (;;) {
+        if (const auto status = detail::pidfd_exit_status(pidfd.get())) {
+            return outcome_of(WIFEXITED(*status),
+                              WIFEXITED(*status) ? WEXITSTATUS(*status) : WTERMSIG(*status), 0);
+        }
+        if (steady_clock::now() >= give_up) {
+            break;
+        }
+        ::usleep(10000);
+    }
+    // Nobody can say: report what a kill would be, without claiming a cause.
+    return outcome_of(false, SIGKILL, 0);
+}
+
+Outcome Process::Impl::outcome_of(bool exited, int status, double cpu_seconds) {
     Outcome result;
-    if (info.si_code == CLD_EXITED) {
+    if (exited) {
         result.reason = Outcome::Reason::exited;
-        result.exit_code = info.si_status;
+        result.exit_code = status;
     } else {
         result.reason = Outcome::Reason::signaled;
-        result.signal = info.si_status;
+        result.signal = status;
         if (killed_for_time) {
             result.reason = Outcome::Reason::time_limit;
         } else if (cgroups.memory_limit_hit() && result.signal == SIGKILL) {
@@ -74,9 +123,7 @@ std::optional<Outcome> Process::Impl::reap(bool block) {
             result.reason = Outcome::Reason::output_limit;
         } else if (limits.cpu_seconds > 0 && (result.signal == SIGXCPU || result.signal == SIGKILL)) {
             // RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one (a second later).
-            const double cpu = static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
-                               static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
-            if (result.signal == SIGXCPU || cpu >= static_cast<double>(limits.cpu_seconds)) {
+            if (result.signal == SIGXCPU || cpu_seconds >= static_cast<double>(limits.cpu_seconds)) {
                 result.reason = Outcome::Reason::cpu_limit;
             }
         }
@@ -84,7 +131,7 @@ std::optional<Outcome> Process::Impl::reap(bool block) {
     // Anything that outlived pid 1 (it cannot: the pid namespace dies with it) is swept anyway.
     cgroups.kill_all();
     outcome = result;
-    return outcome;
+    return result;
 }
 
 Process::Process(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -26,6 +26,10 @@ struct Process::Impl {
     bool killed_for_time = false;
     bool output_limit_noted = false;
     std::vector<UniqueFd> loopback_listeners;  // until the caller takes them
+    // A zygote template forked the program: it is not our child, the template reaps it and reports its wait
+    // status on this connection (closing it makes the template kill the program).
+    detail::UniqueFd zygote_connection;
+    bool forked_by_template = false;
 
     Impl() = default;
     Impl(const Impl&) = delete;
@@ -36,6 +40,10 @@ struct Process::Impl {
     void kill_everything() noexcept;
     // Reap pid 1 if it ended (blocking if `block`), recording the outcome.
     std::optional<Outcome> reap(bool block);
+
+  private:
+    std::optional<Outcome> reap_template_child(bool block);
+    Outcome outcome_of(bool exited, int status, double cpu_seconds);
 };
 
 }  // namespace cellblock::sandbox

@@ -28,6 +28,14 @@ class SandboxError : public std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// Thrown by Launcher::launch with LaunchRequest::zygote_socket when the template could not start the
+// program (no socket, no answer in time, a refusal, a malformed answer). Nothing was released and
+// nothing of the request is left: the caller retries the same request without the socket (the exec path).
+class ZygoteUnavailable : public SandboxError {
+  public:
+    using SandboxError::SandboxError;
+};
+
 // Thrown by Workspace; kind lets an HTTP layer pick 404 / 413 / 400 / 409.
 class WorkspaceError : public SandboxError {
   public:
@@ -118,6 +126,26 @@ struct LaunchRequest {
     std::vector<int> pass_fds;             // become fds 3, 4, ... in the program; everything else is closed
     std::optional<ResourceLimits> limits;  // overrides policy.limits
     std::optional<LoopbackListener> loopback_listener;  // needs policy.network_loopback
+    // Empty: clone and execve argv (the exec path). Otherwise the socket of a zygote template
+    // (sandbox/README.md "Worker zygote") that clones the program from its own preloaded copy of it; the
+    // confinement is the same plan, argv and environment are then the template's. Throws
+    // ZygoteUnavailable when the template does not start it.
+    std::filesystem::path zygote_socket;
+};
+
+// A zygote template (Launcher::launch_template): started with the worker's argv and environment, as host
+// root, no user namespace, no seccomp, no parent-death signal, detached (its own session, not the caller's
+// child), in its own mount/UTS/IPC/net namespaces whose root is the policy's (an empty workspace).
+struct TemplateRequest {
+    std::string name;                      // names its root skeleton and empty workspace under state_dir
+    std::vector<std::string> argv;         // argv[0] absolute inside its root
+    std::vector<std::string> environment;  // added to the policy's
+    int listening_socket = -1;             // becomes fd 3 (SOCK_SEQPACKET, listening)
+    int stdout_fd = -1;                    // -1 = /dev/null
+    int stderr_fd = -1;                    // -1 = /dev/null
+    // Host path of libcellblock_zygote.so: its directory is bound read-only at /opt/cellblock/zygote in the
+    // template's root only, and CELLBLOCK_ZYGOTE_LIBRARY names it there.
+    std::filesystem::path zygote_library;
 };
 
 class Process {
@@ -165,6 +193,11 @@ class Launcher {
 
     // Starts request.argv confined. Throws SandboxError with context on any failure; nothing is left behind.
     Process launch(const LaunchRequest& request);
+
+    // Starts a zygote template and returns its pid; fd 4 in it is the launcher's mount namespace
+    // (/proc/self/ns/mnt). It is not the caller's child (a double fork): nobody here waits for it.
+    // Throws SandboxError with context on any failure.
+    pid_t launch_template(const TemplateRequest& request);
 
     // Mechanisms this host lacks that the policy allowed to skip (empty on a fully confined host).
     const std::vector<std::string>& weakened() const noexcept;
