@@ -1,100 +1,22 @@
-"""The template's service (cellblock_runtime/zygote.py, ZYGOTE.md "Wire protocol") without the C++ library.
-
-The template is started as the kernel starts it: the worker's argv (`python3 cellblock_worker.py`) with a
-listening SOCK_SEQPACKET socket as fd 3, an fd of the host mount namespace as fd 4, and the settings in
-CELLBLOCK_ZYGOTE_*. CELLBLOCK_ZYGOTE_LIBRARY names a stand-in for libcellblock_zygote.so built here from
-zygote_standin.c: the same C ABI, the same path through ctypes.PyDLL and the interpreter's fork hooks, but no
-confinement (no namespaces, no uid, no seccomp): these tests cover the protocol, reaping and bookkeeping, not
-the confinement (that is tests/sandbox with `worker.zygote: true`). This test process plays the kernel.
+"""The template's service (cellblock_runtime/zygote.py, ZYGOTE.md "Wire protocol") without the C++ library: the
+template is started as the kernel starts it, with a test-only stand-in for libcellblock_zygote.so
+(zygote_harness.py, zygote_standin.c: the same C ABI and ctypes/fork-hook path, no confinement). These tests cover
+the protocol, reaping and bookkeeping, not the confinement (that is tests/sandbox with `worker.zygote: true`).
+This test process plays the kernel.
 """
-import array
-import json
 import os
 import pathlib
-import select
-import signal
-import socket
-import subprocess
 import time
 
 import pytest
 
 from conftest import WorkerProcess, worker_environment, worker_script
-
-HERE = pathlib.Path(__file__).resolve().parent
-GENEROUS = 120.0  # a template imports numpy before it answers; the test machine is shared and loaded
+from zygote_harness import GENEROUS, PidfdProcess, Template, build_standin_library, receive
 
 
 @pytest.fixture(scope="session")
 def standin_library(tmp_path_factory):
-    library = tmp_path_factory.mktemp("standin") / "libzygote_standin.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(library),
-                    str(HERE / "zygote_standin.c")], check=True)
-    return library
-
-
-class Template:
-    def __init__(self, directory, library, **settings):
-        self.path = directory / "zygote.sock"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(str(self.path))
-        listener.listen(16)
-        host_namespace = os.open("/proc/self/ns/mnt", os.O_RDONLY)
-        environment = dict(worker_environment(directory), CELLBLOCK_ZYGOTE_LIBRARY=str(library),
-                           CELLBLOCK_ZYGOTE_PRELOAD="numpy")
-        environment.update({f"CELLBLOCK_ZYGOTE_{name.upper()}": str(value) for name, value in settings.items()})
-        self.start_environment = {name: value for name, value in environment.items()
-                                  if not name.startswith("CELLBLOCK_ZYGOTE_")}
-        self.log_path = directory / "template.log"
-
-        def fds_in_place():
-            os.dup2(listener.fileno(), 3)
-            os.dup2(host_namespace, 4)
-
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(["/usr/bin/python3", str(worker_script())], stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=log, pass_fds=(3, 4), preexec_fn=fds_in_place,
-                                            cwd=directory, env=environment, start_new_session=True)
-        listener.close()
-        os.close(host_namespace)
-        self.directory = directory
-
-    @property
-    def pid(self):
-        return self.process.pid
-
-    def fds(self):
-        return sorted(int(fd) for fd in os.listdir(f"/proc/{self.pid}/fd"))
-
-    def log(self):
-        return self.log_path.read_text(errors="replace")
-
-    def connect(self):
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        connection.connect(str(self.path))
-        return connection
-
-    def request(self, message, fds):
-        """Sends one request; returns (connection, answer, received fds)."""
-        connection = self.connect()
-        connection.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else [])
-        return (connection, *receive(connection))
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
-
-def receive(connection, timeout=GENEROUS):
-    readable, _, _ = select.select([connection], [], [], timeout)
-    assert readable, f"no answer within {timeout} s"
-    data, ancillary, _, _ = connection.recvmsg(65536, socket.CMSG_SPACE(16 * 4))
-    fds = array.array("i")
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % 4])
-    return (json.loads(data) if data else None), list(fds)
+    return build_standin_library(tmp_path_factory.mktemp("standin"))
 
 
 @pytest.fixture
@@ -102,7 +24,7 @@ def template(tmp_path, standin_library):
     started = []
 
     def start(**settings):
-        made = Template(tmp_path, standin_library, **settings)
+        made = Template(tmp_path, standin_library, worker_environment(tmp_path), **settings)
         started.append(made)
         return made
 
@@ -111,69 +33,13 @@ def template(tmp_path, standin_library):
         made.stop()
 
 
-class PidfdProcess:
-    """What WorkerProcess needs of a process it did not start: the template is the parent and reports the exit."""
-
-    def __init__(self, pid, pidfd, connection):
-        self.pid = pid
-        self.pidfd = pidfd
-        self.connection = connection
-        self.exit = None
-
-    def exited(self, timeout):
-        return bool(select.select([self.pidfd], [], [], timeout)[0])
-
-    def report(self, timeout=GENEROUS):
-        """The template's exit message, then its close of the connection."""
-        if self.exit is None:
-            answer, _ = receive(self.connection, timeout)
-            assert answer is not None and "exit" in answer, answer
-            self.exit = answer["exit"]
-            assert receive(self.connection, timeout) == (None, []), "the connection stays open after the exit"
-        return self.exit
-
-    def poll(self):
-        return self.exit["status"] if self.exit else (None if not self.exited(0) else self.report()["status"])
-
-    def wait(self, timeout=None):
-        return self.report(timeout or GENEROUS)["status"]
-
-    def kill(self):
-        signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-
-
 class ForkedWorker(WorkerProcess):
     """A worker forked by the template, driven over its channel exactly like an exec'd one (conftest)."""
 
-    def __init__(self, template, plan=b"\0\1\2\3"):
-        import codecs
-        kernel_end, worker_end = socket.socketpair()
-        stdout_read, stdout_write = os.pipe()
-        stderr_read, stderr_write = os.pipe()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        self.started_at = time.monotonic()
-        self.connection, self.answer, received = template.request(
-            b"CBZ1" + plan, [devnull, stdout_write, stderr_write, worker_end.fileno()])
-        for fd in (devnull, stdout_write, stderr_write):
-            os.close(fd)
-        worker_end.close()
-        assert self.answer is not None and "pid" in self.answer, (self.answer, template.log())
-        assert len(received) == 1, received
-        self.pidfd = received[0]
-        self.process = PidfdProcess(self.answer["pid"], self.pidfd, self.connection)
-        self.process.stdout = os.fdopen(stdout_read, "rb")
-        self.process.stderr = os.fdopen(stderr_read, "rb")
-        self._channel = kernel_end
-        self._received = bytearray()
-        self._decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
-                          "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
-        self._pipes = {stdout_read: "stdout", stderr_read: "stderr"}
-        for fd in self._pipes:
-            os.set_blocking(fd, False)
-        self.events = []
-        self._next_id = 0
-        self.ready = self.next_frame(GENEROUS)
-        self.ready_at = time.monotonic()
+    def __init__(self, template, plan=None):
+        super().__init__(template.path.parent, template=template, plan=plan)
+        self.pidfd = self.process.pidfd
+        self.connection = self.process.connection
 
 
 def pidfd_pid(pidfd):
