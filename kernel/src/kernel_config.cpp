@@ -1,5 +1,6 @@
 #include "kernel_config.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdlib>
 #include <fstream>
@@ -22,6 +23,18 @@ double parse_number(const std::string& name, const std::string& text) {
         throw ConfigError(name + ": expected a non-negative number, got '" + text + "'");
     }
     return value;
+}
+
+// A tenant names files under the sandbox's state_dir: a plain name only.
+void check_tenant(const std::string& where, const std::string& tenant) {
+    const bool plain = tenant.size() <= 64 && std::all_of(tenant.begin(), tenant.end(), [](char c) {
+                           return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                                  (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
+                       });
+    if (!plain || tenant == "." || tenant == "..") {
+        throw ConfigError(where + ": '" + tenant +
+                          "' is not a tenant name (at most 64 of A-Z a-z 0-9 . _ -)");
+    }
 }
 
 }  // namespace
@@ -52,6 +65,10 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.python = worker.value("python", std::string("/usr/bin/python3"));
         config.worker_script = resolve(base, worker.at("script").get<std::string>());
         config.worker_start_timeout_s = worker.value("start_timeout_s", config.worker_start_timeout_s);
+        config.zygote.enabled = worker.value("zygote", false);
+        config.zygote.tenant = worker.value("zygote_tenant", std::string());
+        config.zygote.library =
+            resolve(base, worker.value("zygote_library", std::string(CELLBLOCK_DEFAULT_ZYGOTE_LIBRARY)));
         config.sandbox_policy = resolve(base, json.at("sandbox_policy").get<std::string>());
         config.workspace_root =
             resolve(base, json.value("workspace_root", std::string("/var/lib/cellblock/workspaces")));
@@ -71,6 +88,12 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
     }
     if (!config.python.is_absolute()) {
         throw ConfigError("worker.python must be an absolute path");
+    }
+
+    check_tenant("worker.zygote_tenant", config.zygote.tenant);
+    if (auto value = environment("CELLBLOCK_ZYGOTE_TENANT")) {
+        check_tenant("CELLBLOCK_ZYGOTE_TENANT", *value);
+        config.zygote.tenant = *value;
     }
 
     if (auto value = environment("CELLBLOCK_WORKSPACE")) {

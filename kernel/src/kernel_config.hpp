@@ -24,6 +24,15 @@ struct ExecutionLimits {
     std::uint64_t memory_mb = 2048;        // the worker sandbox's memory limit; 0 = none
 };
 
+// The worker zygote (sandbox/README.md "Worker zygote"): workers forked from a preloaded template shared by
+// the sessions of one tenant. Off unless enabled and a tenant is named; every failure falls back to exec.
+struct ZygoteConfig {
+    bool enabled = false;           // worker.zygote
+    std::string tenant;             // worker.zygote_tenant, overridden by CELLBLOCK_ZYGOTE_TENANT
+    std::filesystem::path library;  // worker.zygote_library: host path of libcellblock_zygote.so
+    bool active() const noexcept { return enabled && !tenant.empty(); }
+};
+
 struct KernelConfig {
     std::filesystem::path python = "/usr/bin/python3";
     std::filesystem::path worker_script;             // host path of cellblock_worker.py
@@ -37,9 +46,11 @@ struct KernelConfig {
     // file). No policy (unset or empty) = no network at all: workers get no listener and no inet sockets.
     std::optional<nlohmann::json> network_policy;
     std::optional<std::filesystem::path> egress_hosts;
+    ZygoteConfig zygote;
 
     // Reads `file`, then applies CELLBLOCK_WORKSPACE, CELLBLOCK_TIMEOUT_S, CELLBLOCK_MEMORY_MB,
-    // CELLBLOCK_OUTPUT_BYTES, CELLBLOCK_NETWORK_POLICY and CELLBLOCK_EGRESS_HOSTS from `environment`.
+    // CELLBLOCK_OUTPUT_BYTES, CELLBLOCK_NETWORK_POLICY, CELLBLOCK_EGRESS_HOSTS and CELLBLOCK_ZYGOTE_TENANT
+    // from `environment`.
     // Throws ConfigError naming the file and the field.
     using EnvironmentLookup = std::function<std::optional<std::string>(const std::string&)>;
     static KernelConfig load(const std::filesystem::path& file, const EnvironmentLookup& environment);

@@ -3,7 +3,10 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <array>
@@ -35,6 +38,104 @@ void keep_tail(std::string& tail, const char* data, std::size_t size) {
     tail.append(data, size);
     if (tail.size() > startup_tail_bytes) {
         tail.erase(0, tail.size() - startup_tail_bytes);
+    }
+}
+
+// Whether something listens on the template socket (a refused or missing socket is a dead template).
+bool template_listens(const std::filesystem::path& socket_path) {
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    const std::string path = socket_path.string();
+    if (path.size() >= sizeof address.sun_path) {
+        return false;
+    }
+    std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+    UniqueFd probe(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!probe) {
+        throw system_error("socket (probe the zygote template)");
+    }
+    if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0) {
+        return true;  // closed at once: the template drops a connection that sends no request
+    }
+    return errno != ECONNREFUSED && errno != ENOENT;  // EAGAIN: a full backlog is a busy, live template
+}
+
+// A listening SOCK_SEQPACKET socket at `socket_path`, mode 0600 from its first moment: bound under a
+// temporary name in the same directory, then renamed over whatever (dead) socket was there.
+UniqueFd listen_at(const std::filesystem::path& socket_path) {
+    const auto temporary = socket_path.parent_path() / ("." + socket_path.filename().string() + "." +
+                                                        std::to_string(::getpid()) + ".new");
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    const std::string path = temporary.string();
+    if (path.size() >= sizeof address.sun_path) {
+        throw std::runtime_error("the template socket path " + path + " is too long");
+    }
+    std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+    UniqueFd listening(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (!listening) {
+        throw system_error("socket (zygote template)");
+    }
+    ::unlink(path.c_str());  // a leftover of a kernel that died here (ENOENT otherwise)
+    if (::bind(listening.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
+        throw system_error("bind " + path);
+    }
+    if (::chmod(path.c_str(), 0600) != 0 || ::listen(listening.get(), 128) != 0 ||
+        ::rename(path.c_str(), socket_path.c_str()) != 0) {
+        const auto error = system_error("listen on " + socket_path.string());
+        ::unlink(path.c_str());
+        throw error;
+    }
+    return listening;
+}
+
+// Starts the tenant's template unless one listens or another kernel is starting it. Returns what happened,
+// for the fallback's log line.
+std::string start_template_if_dead(sandbox::Launcher& launcher, const WorkerLaunchSpec::Zygote& zygote,
+                                   const sandbox::LaunchRequest& worker) {
+    const auto& state_dir = launcher.policy().state_dir;
+    const std::string name = "zygote-" + zygote.tenant;
+    const auto socket_path = state_dir / (name + ".sock");
+    try {
+        const auto lock_path = state_dir / (name + ".lock");
+        UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+        if (!lock) {
+            throw system_error("open " + lock_path.string());
+        }
+        if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+            if (errno == EWOULDBLOCK) {
+                return "another kernel is starting the template";
+            }
+            throw system_error("flock " + lock_path.string());
+        }
+        if (template_listens(socket_path)) {
+            return "the template listens (it answered nothing usable for this launch)";
+        }
+        const auto log_path = state_dir / (name + ".log");
+        UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+        if (!log) {
+            throw system_error("open " + log_path.string());
+        }
+        UniqueFd listening = listen_at(socket_path);
+        sandbox::TemplateRequest request;
+        request.name = name;
+        request.argv = worker.argv;
+        request.environment = worker.environment;
+        request.listening_socket = listening.get();
+        request.stdout_fd = log.get();
+        request.stderr_fd = log.get();
+        request.zygote_library = zygote.library;
+        try {
+            const pid_t pid = launcher.launch_template(request);
+            log_event(LogLevel::warning, "zygote_template_started",
+                      {{"tenant", zygote.tenant}, {"pid", pid}, {"socket", socket_path.string()}});
+            return "started the template (pid " + std::to_string(pid) + ") for the next launches";
+        } catch (...) {
+            ::unlink(socket_path.c_str());
+            throw;
+        }
+    } catch (const std::exception& error) {
+        return std::string("could not start the template: ") + error.what();
     }
 }
 
@@ -191,7 +292,7 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
     if (spec_.loopback_service) {
         request.loopback_listener = sandbox::LoopbackListener{spec_.loopback_service->port, false};
     }
-    auto process = launcher.launch(request);
+    auto process = launch_process(launcher, request);
     std::vector<UniqueFd> listeners = process.take_loopback_listeners();
     worker_end.reset();
     out_write.reset();
@@ -270,6 +371,29 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
                                      "); output: " + tail);
         }
     }
+}
+
+sandbox::Process WorkerSupervisor::launch_process(sandbox::Launcher& launcher,
+                                                  sandbox::LaunchRequest& request) {
+    if (!spec_.zygote) {
+        return launcher.launch(request);
+    }
+    nlohmann::json fallback = {{"tenant", spec_.zygote->tenant}};
+    if (spec_.loopback_service || !spec_.environment.empty()) {
+        // A fork has the template's environment, which is one for every session of the tenant.
+        fallback["reason"] = "this session's worker environment differs from the template's (network policy)";
+    } else {
+        request.zygote_socket = launcher.policy().state_dir / ("zygote-" + spec_.zygote->tenant + ".sock");
+        try {
+            return launcher.launch(request);
+        } catch (const sandbox::ZygoteUnavailable& error) {
+            fallback["reason"] = error.what();
+        }
+        request.zygote_socket.clear();
+        fallback["template"] = start_template_if_dead(launcher, *spec_.zygote, request);
+    }
+    log_event(LogLevel::warning, "zygote_fallback", fallback);
+    return launcher.launch(request);
 }
 
 std::shared_ptr<LiveWorker> WorkerSupervisor::acquire(std::chrono::milliseconds timeout, std::string& error) {

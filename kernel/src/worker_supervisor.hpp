@@ -48,6 +48,16 @@ struct WorkerLaunchSpec {
         std::function<void(UniqueFd listener)> serve;
     };
     std::optional<LoopbackService> loopback_service;
+
+    // Workers forked from a preloaded template shared by the sessions of `tenant` (sandbox/README.md "Worker
+    // zygote"), listening on <state_dir>/zygote-<tenant>.sock. A launch the template cannot serve goes by
+    // exec, with one `zygote_fallback` log line; a dead template is started again (flock election on
+    // <state_dir>/zygote-<tenant>.lock) for the launches after that one. Unset: every launch is by exec.
+    struct Zygote {
+        std::string tenant;             // a plain name (KernelConfig checks it)
+        std::filesystem::path library;  // host path of libcellblock_zygote.so
+    };
+    std::optional<Zygote> zygote;
 };
 
 // One running worker. The shell thread reads its fds; other threads may only signal or kill it.
@@ -117,6 +127,8 @@ class WorkerSupervisor {
   private:
     void launcher_loop();
     std::shared_ptr<LiveWorker> launch_one(sandbox::Launcher& launcher);
+    // Through the tenant's template if there is one, else (and on any failure of it) by exec.
+    sandbox::Process launch_process(sandbox::Launcher& launcher, sandbox::LaunchRequest& request);
 
     WorkerLaunchSpec spec_;
     std::mutex mutex_;
