@@ -358,34 +358,35 @@ class TemplateService:
         fds = list(received)
         del self.pending[fd]
         self.poller.unregister(fd)
-        try:
-            refusal = self._refusal(size, flags, fds)
-            if refusal is not None:
-                self._answer_and_close(connection, {"error": refusal})
-                return None
+        refusal, outcome = self._refusal(size, flags, fds), None
+        if refusal is None:
             try:
                 outcome = self.spawner.spawn(view[len(MAGIC):size], fds, *self.namespace_fds)
             except SpawnFailed as error:
-                self._answer_and_close(connection, {"error": str(error)})
-                if error.errno == errno.ENOTRECOVERABLE:
-                    # The library could not bring the template back into its own mount namespace or cwd: it
-                    # sees the host's now, and must not run anything more (its workers go on unsupervised
-                    # by it; their kernels read the exit status from the pidfd).
-                    _log("unrecoverable", detail=str(error))
-                    os._exit(70)
-                return None
-            if outcome is FORKED_CHILD:
-                connection.detach()
-                self._forget_after_fork(view, size)
-                return FORKED_CHILD
-            self._started(connection, *outcome)
+                refusal, outcome = str(error), error
+            except Exception as error:  # noqa: BLE001 - a template bug must not take the received fds with it
+                refusal = f"spawn: {type(error).__name__}: {error}"
+        if outcome is FORKED_CHILD:
+            connection.detach()
+            self._forget_after_fork(view, size)
+            return FORKED_CHILD
+        # Before any answer: the kernel learns that a worker started from the end of file on its error pipe,
+        # which needs the template's copy closed, and a refused request's fds are not kept.
+        view[:size] = bytes(size)
+        del view
+        for received_fd in fds:
+            os.close(received_fd)
+        if refusal is not None:
+            self._answer_and_close(connection, {"error": refusal})
+            if isinstance(outcome, SpawnFailed) and outcome.errno == errno.ENOTRECOVERABLE:
+                # The library could not bring the template back into its own mount namespace or cwd: it sees
+                # the host's now, and must not run anything more (its workers go on without it; their kernels
+                # read the exit status from the pidfd).
+                _log("unrecoverable", detail=refusal)
+                os._exit(70)
             return None
-        finally:
-            if not isinstance(self, _Forgotten):
-                view[:size] = bytes(size)
-                for received_fd in fds:
-                    os.close(received_fd)
-            del view
+        self._started(connection, *outcome)
+        return None
 
     def _refusal(self, size, flags, fds):
         if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
@@ -493,11 +494,6 @@ class TemplateService:
         self.connections.clear()
         self.pidfds.clear()
         view[:size] = bytes(size)
-        self.__class__ = _Forgotten
-
-
-class _Forgotten(TemplateService):
-    """A TemplateService as seen from a fork: holds nothing."""
 
 
 def serve_template(worker_dir):
