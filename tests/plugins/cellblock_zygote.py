@@ -95,38 +95,45 @@ def kernel_tree(kernel_pid: int) -> list:
     return found
 
 
-def listening_socket_holders(path: Path) -> list:
-    """Pids holding the listening unix socket bound at `path` (the template), found through /proc/net/unix."""
+def _listening_unix_inodes() -> set:
     inodes = set()
     try:
         for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
             fields = line.split()
-            if len(fields) >= 8 and fields[7] == str(path) and int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON
+            if len(fields) >= 7 and int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON
                 inodes.add(f"socket:[{fields[6]}]")
     except OSError:
-        return []
-    holders = []
+        pass
+    return inodes
+
+
+def template_pids(policy_path, tenant: str = TENANT) -> list:
+    """Live templates of the tenant that still accept: a worker process (by its command line) whose stdout is
+    the tenant's log (the kernel starts it so) and that holds a listening unix socket. (The socket is bound under
+    a temporary name and renamed, so /proc/net/unix does not show its path.)"""
+    log = str(state_dir(policy_path) / f"zygote-{tenant}.log")
+    listening = _listening_unix_inodes()
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            # Only the template: the kernel that starts it holds the socket too, until the start returns.
             if b"cellblock_worker" not in Path(f"/proc/{entry}/cmdline").read_bytes():
                 continue
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                if os.readlink(f"/proc/{entry}/fd/{fd}") in inodes:
-                    holders.append(int(entry))
-                    break
+            if os.readlink(f"/proc/{entry}/fd/1") != log:
+                continue
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}") in listening for fd in os.listdir(f"/proc/{entry}/fd")):
+                found.append(int(entry))
         except OSError:
             continue
-    return holders
+    return found
 
 
 def template_pid(policy_path, tenant: str = TENANT, timeout: float = 0):
     """The pid of the tenant's listening template, waiting up to `timeout` s for it; None if there is none."""
     deadline = time.monotonic() + timeout
     while True:
-        holders = listening_socket_holders(socket_path(policy_path, tenant))
+        holders = template_pids(policy_path, tenant)
         if holders or time.monotonic() >= deadline:
             return holders[0] if holders else None
         time.sleep(0.1)

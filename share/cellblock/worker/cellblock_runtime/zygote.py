@@ -508,6 +508,7 @@ def serve_template(worker_dir):
     host_mount_namespace_fd = fcntl.fcntl(HOST_MOUNT_NAMESPACE_FD, fcntl.F_DUPFD_CLOEXEC, 10)
     os.close(LISTENER_FD)
     os.close(HOST_MOUNT_NAMESPACE_FD)
+    occupy_worker_fds()  # before any other open: nothing of the template's at the worker's numbers
     own_mount_namespace_fd = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     own_cwd_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
