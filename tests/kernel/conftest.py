@@ -43,6 +43,13 @@ def zygote_switch(tmp_path_factory):
     (root / "kernels" / KERNEL_NAME / "kernel.json").write_text(json.dumps(spec))
     previous = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = os.pathsep.join([str(root)] + ([previous] if previous else []))
+    # The tenant's first launch starts the template and goes by exec: warm it up, so that the suite's
+    # workers are forks.
+    warm = Kernel()
+    try:
+        cellblock_zygote.template_serving(config["sandbox_policy"], timeout=240)
+    finally:
+        warm.shutdown()
     yield config
     if previous is None:
         del os.environ["JUPYTER_PATH"]

@@ -69,7 +69,17 @@ def hostile_kernelspec(root: Path, zygote: bool = cellblock_zygote.ENABLED, tena
 
 @pytest.fixture(scope="module")
 def kernel_dirs(tmp_path_factory):
-    return hostile_kernelspec(tmp_path_factory.mktemp("hostile-kernelspec"))
+    root = tmp_path_factory.mktemp("hostile-kernelspec")
+    dirs = hostile_kernelspec(root)
+    if cellblock_zygote.ENABLED:
+        # The tenant's first launch starts the template and goes by exec: warm it up, so that the module's
+        # workers are forks.
+        warm = LiveKernel(dirs, root / "warm-up" / "workspace")
+        try:
+            cellblock_zygote.template_serving(root / "policy.json", timeout=240)
+        finally:
+            warm.shutdown()
+    return dirs
 
 
 class Cell:

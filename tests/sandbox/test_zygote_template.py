@@ -17,7 +17,10 @@ until a fork serves it, and asserts on the host that the worker is the template'
 from __future__ import annotations
 
 import os
+import queue
 import secrets
+import signal
+import time
 from pathlib import Path
 
 import cellblock_zygote
@@ -60,6 +63,7 @@ def forked_kernel(zygote_dirs, tmp_path):
         assert cellblock_zygote.is_forked(kernel.worker_pid(), policy, tenant), \
             f"no forked worker; kernel log:\n{kernel.log_path.read_text()[-3000:]}"
         kernel.template = template
+        kernel.policy, kernel.tenant = policy, tenant
         return kernel
 
     yield start
@@ -195,3 +199,28 @@ def test_one_tenant_shares_the_hash_secret_and_layout_but_not_random_state(forke
     assert a["hash_str"] == b["hash_str"] and a["layout"] == b["layout"]
     # Across tenants: neither.
     assert c["hash_str"] != a["hash_str"] and c["layout"] != a["layout"]
+
+
+def test_a_killed_kernel_leaves_no_forked_worker_behind(forked_kernel):
+    kernel = forked_kernel("killed")
+    worker, template = kernel.worker_pid(), kernel.template
+    # Busy in a cell that ignores its channel: only the template's SIGKILL on the closed connection ends it
+    # (an idle worker would also leave on the channel's end of file).
+    msg_id = kernel.client.execute("import time\nprint('busy', flush=True)\ntime.sleep(600)")
+    deadline = time.monotonic() + 90
+    while True:
+        assert time.monotonic() < deadline, "the cell never printed"
+        try:
+            message = kernel.client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream" \
+                and "busy" in message["content"]["text"]:
+            break
+    os.kill(kernel.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker}").exists(), "the forked worker outlived its kernel"
+    # The template is untouched and still serves the tenant.
+    assert cellblock_zygote.template_pid(kernel.policy, kernel.tenant) == template
