@@ -122,9 +122,23 @@ def recreate_start_directories(shell):
         os.makedirs(config_dir, exist_ok=True)
 
 
+PR_SET_DUMPABLE = 4
+
+
+def make_dumpable_again():
+    """The confinement changed a root process's credentials, which makes the kernel mark it not dumpable (execve
+    would reset that): its /proc/PID files then belong to root and the worker cannot read its own
+    /proc/self/environ, nor can its tools (ps, a debugger) look at it. Be what an exec'd worker is."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_DUMPABLE): {os.strerror(error)}")
+
+
 def serve_forked(prepared):
     """Runs in a confined fork of the template with fds 0-3 in place and every other fd closed (the
     confinement's close_range), before any code of the user's. Returns the exit status."""
+    make_dumpable_again()
     reopen_inherited_devnull()
     restore_signal_dispositions()
     redraw_session_state()
