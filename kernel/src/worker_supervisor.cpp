@@ -41,6 +41,9 @@ void keep_tail(std::string& tail, const char* data, std::size_t size) {
     }
 }
 
+// A template that is not listening is started again at most this often (per tenant and host).
+constexpr std::chrono::seconds template_restart_interval{30};
+
 // Whether something listens on the template socket (a refused or missing socket is a dead template).
 bool template_listens(const std::filesystem::path& socket_path) {
     sockaddr_un address{};
@@ -111,6 +114,18 @@ std::string start_template_if_dead(sandbox::Launcher& launcher, const WorkerLaun
         if (template_listens(socket_path)) {
             return "the template listens (it answered nothing usable for this launch)";
         }
+        // A template that dies while it prepares (a preload that fails) would otherwise be started again by
+        // every launch: the lock file's time is when the last one was started.
+        struct stat lock_info {};
+        if (::fstat(lock.get(), &lock_info) != 0) {
+            throw system_error("fstat " + lock_path.string());
+        }
+        const auto since_last = std::chrono::system_clock::now() -
+                                std::chrono::system_clock::from_time_t(lock_info.st_mtim.tv_sec);
+        if (lock_info.st_size > 0 && since_last < template_restart_interval) {
+            return "a template was started less than " + std::to_string(template_restart_interval.count()) +
+                   " s ago and is not listening; not starting another yet";
+        }
         const auto log_path = state_dir / (name + ".log");
         UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
         if (!log) {
@@ -125,6 +140,11 @@ std::string start_template_if_dead(sandbox::Launcher& launcher, const WorkerLaun
         request.stdout_fd = log.get();
         request.stderr_fd = log.get();
         request.zygote_library = zygote.library;
+        // Marks the start (size > 0, and its time) before it happens, so a failing start is not retried at
+        // once.
+        if (::ftruncate(lock.get(), 1) != 0 || ::futimens(lock.get(), nullptr) != 0) {
+            throw system_error("mark " + lock_path.string());
+        }
         try {
             const pid_t pid = launcher.launch_template(request);
             log_event(LogLevel::warning, "zygote_template_started",

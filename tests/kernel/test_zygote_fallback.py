@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
 PREFIX = Path(os.environ["CELLBLOCK_PREFIX"])
 KERNEL_CONFIG = PREFIX / "share" / "cellblock" / "kernel-config.json"
+STATE_DIR = Path(json.loads((PREFIX / "share" / "cellblock" / "sandbox-policy.json").read_text()).get("state_dir",
+                                                                                                    "/run/cellblock"))
 INSTALLED_KERNEL = "cellblock-python"
 START_TIMEOUT = 60
 
@@ -30,6 +33,7 @@ def kernelspec_with(tmp_path: Path, name: str, **worker) -> list[str]:
     config["worker"]["script"] = str((KERNEL_CONFIG.parent / config["worker"]["script"]).resolve())
     config["sandbox_policy"] = str((KERNEL_CONFIG.parent / config["sandbox_policy"]).resolve())
     config["worker"].update(worker)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config_path = tmp_path / f"{name}-config.json"
     config_path.write_text(json.dumps(config))
     argv = list(installed.argv)
@@ -69,27 +73,50 @@ def run_one_plus_one(tmp_path: Path, name: str, env: dict | None = None, **worke
     return (results[0] if results else ""), lines
 
 
-def test_zygote_without_its_library_still_serves_by_exec_and_says_so(tmp_path):
-    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-nolib", zygote=True, zygote_tenant="fallback-test",
+@pytest.fixture
+def tenant():
+    """A tenant of this test alone (the kernel keeps its lock and log files in the state dir: removed after)."""
+    name = f"fallback-{uuid.uuid4().hex[:12]}"
+    yield name
+    for suffix in (".lock", ".log", ".sock"):
+        (STATE_DIR / f"zygote-{name}{suffix}").unlink(missing_ok=True)
+
+
+def test_zygote_without_its_library_still_serves_by_exec_and_says_so(tmp_path, tenant):
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-nolib", zygote=True, zygote_tenant=tenant,
                                    zygote_library=str(tmp_path / "no-such-libcellblock_zygote.so"))
     assert result == "2"
     fallbacks = [line for line in log if line.get("event") == "zygote_fallback"]
     assert len(fallbacks) == 1, log
-    assert fallbacks[0]["tenant"] == "fallback-test"
-    assert "zygote-fallback-test.sock" in fallbacks[0]["reason"], fallbacks[0]
+    assert fallbacks[0]["tenant"] == tenant
+    assert f"zygote-{tenant}.sock" in fallbacks[0]["reason"], fallbacks[0]
     assert "could not start the template" in fallbacks[0]["template"], fallbacks[0]
     assert "no-such-libcellblock_zygote.so" in fallbacks[0]["template"], fallbacks[0]
 
 
-def test_the_tenant_comes_from_the_environment_too(tmp_path):
-    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-envtenant", env={"CELLBLOCK_ZYGOTE_TENANT": "from-env"},
-                                   zygote=True, zygote_library=str(tmp_path / "no-such-lib.so"))
+def test_the_tenant_comes_from_the_environment_too(tmp_path, tenant):
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-envtenant", env={"CELLBLOCK_ZYGOTE_TENANT": tenant},
+                                   zygote=True, zygote_tenant="from-the-file",
+                                   zygote_library=str(tmp_path / "no-such-lib.so"))
     assert result == "2"
     fallbacks = [line for line in log if line.get("event") == "zygote_fallback"]
-    assert [f["tenant"] for f in fallbacks] == ["from-env"], log
+    assert [f["tenant"] for f in fallbacks] == [tenant], log
 
 
-def test_zygote_is_off_by_default(tmp_path):
-    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-default", env={"CELLBLOCK_ZYGOTE_TENANT": "someone"})
+def test_a_template_that_keeps_failing_is_not_restarted_by_every_launch(tmp_path, tenant):
+    """The first launch tries to start the template (and fails); the next within the restart interval does not."""
+    first, first_log = run_one_plus_one(tmp_path / "a", "cellblock-zygote-retry-a", zygote=True, zygote_tenant=tenant,
+                                        zygote_library=str(tmp_path / "missing.so"))
+    second, second_log = run_one_plus_one(tmp_path / "b", "cellblock-zygote-retry-b", zygote=True,
+                                          zygote_tenant=tenant, zygote_library=str(tmp_path / "missing.so"))
+    assert first == second == "2"
+    [first_fallback] = [line for line in first_log if line.get("event") == "zygote_fallback"]
+    [second_fallback] = [line for line in second_log if line.get("event") == "zygote_fallback"]
+    assert "could not start the template" in first_fallback["template"], first_fallback
+    assert "not starting another yet" in second_fallback["template"], second_fallback
+
+
+def test_zygote_is_off_by_default(tmp_path, tenant):
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-default", env={"CELLBLOCK_ZYGOTE_TENANT": tenant})
     assert result == "2"
     assert not [line for line in log if str(line.get("event", "")).startswith("zygote")], log

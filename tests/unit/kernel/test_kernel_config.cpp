@@ -100,5 +100,33 @@ TEST_F(KernelConfigFile, ANetworkPolicyThatIsNotAJsonObjectStopsTheStart) {
     }
 }
 
+TEST_F(KernelConfigFile, TheZygoteIsOffUnlessSwitchedOnWithATenant) {
+    auto config = KernelConfig::load(file, environment());
+    EXPECT_FALSE(config.zygote.enabled);
+    EXPECT_FALSE(config.zygote.active());
+    variables = {{"CELLBLOCK_ZYGOTE_TENANT", "alice"}};
+    config = KernelConfig::load(file, environment());
+    EXPECT_EQ(config.zygote.tenant, "alice");
+    EXPECT_FALSE(config.zygote.active()) << "a tenant alone does not switch it on";
+
+    std::ofstream(file) << R"({"worker": {"script": "w.py", "zygote": true, "zygote_tenant": "from-file",
+                                          "zygote_library": "lib/z.so"}, "sandbox_policy": "p.json"})";
+    config = KernelConfig::load(file, environment());
+    EXPECT_TRUE(config.zygote.active());
+    EXPECT_EQ(config.zygote.tenant, "alice") << "the environment overrides the file";
+    EXPECT_EQ(config.zygote.library, dir / "lib/z.so");
+    variables.clear();
+    EXPECT_EQ(KernelConfig::load(file, environment()).zygote.tenant, "from-file");
+}
+
+TEST_F(KernelConfigFile, ATenantIsAPlainName) {
+    for (const char* bad : {"../etc", "a/b", "..", "with space", "x\n"}) {
+        variables = {{"CELLBLOCK_ZYGOTE_TENANT", bad}};
+        EXPECT_THROW(KernelConfig::load(file, environment()), ConfigError) << bad;
+    }
+    variables = {{"CELLBLOCK_ZYGOTE_TENANT", "team-7.agents_x"}};
+    EXPECT_EQ(KernelConfig::load(file, environment()).zygote.tenant, "team-7.agents_x");
+}
+
 }  // namespace
 }  // namespace cellblock::kernel

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -246,13 +247,21 @@ class TestTemplate {
             throw std::runtime_error("the test template did not start: '" + line + "'");
         }
     }
-    ~TestTemplate() {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, nullptr, 0);
+    ~TestTemplate() { stop(); }
+    // SIGKILLs and reaps it (idempotent).
+    void stop() {
+        if (pid_ > 0) {
+            ::kill(pid_, SIGKILL);
+            ::waitpid(pid_, nullptr, 0);
+            pid_ = -1;
+        }
     }
     const fs::path& socket() const { return socket_; }
     // Still running (it exits with status 3 when a spawn left it outside its own view).
     bool alive() {
+        if (pid_ <= 0) {
+            return false;
+        }
         int status = 0;
         return ::waitpid(pid_, &status, WNOHANG) == 0;
     }
@@ -550,4 +559,31 @@ TEST_F(ZygoteLaunchTest, ALaunchedTemplateForksConfinedWorkers) {
     ::syscall(SYS_pidfd_send_signal, template_pidfd, SIGKILL, nullptr, 0);
     EXPECT_EQ(::poll(&ended, 1, 10000), 1);
     ::close(template_pidfd);
+}
+
+TEST_F(ZygoteLaunchTest, AWorkerOutlivesItsTemplateAndItsEndComesFromThePidfd) {
+    // Orphans come to this process instead of init, so that the test reaps the worker itself, as init would.
+    ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), 0);
+    TestTemplate zygote(directory_);
+    sb::Launcher launcher(policy_);
+    int in[2];
+    ASSERT_EQ(::pipe2(in, O_CLOEXEC), 0);
+    auto request = probe_request(zygote.socket());
+    request.stdin_fd = in[0];
+    auto process = launcher.launch(request);
+    ::close(in[0]);
+    zygote.stop();
+
+    // No parent-death signal from the template: the worker runs on (its kernel kills it when it must).
+    pollfd ended{process.pidfd(), POLLIN, 0};
+    EXPECT_EQ(::poll(&ended, 1, 500), 0) << "the worker died with its template";
+
+    ::close(in[1]);  // the probe exits 0
+    ASSERT_EQ(::poll(&ended, 1, 30000), 1);
+    int status = -1;
+    ASSERT_EQ(::waitpid(process.pid(), &status, 0), process.pid()) << "reparented to this subreaper";
+    const auto outcome = process.wait();
+    EXPECT_EQ(outcome.reason, sb::Outcome::Reason::exited) << outcome.describe();
+    EXPECT_EQ(outcome.exit_code, 0) << "the status came from PIDFD_INFO_EXIT, not a guess";
+    ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0), 0);
 }
