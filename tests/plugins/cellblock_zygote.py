@@ -150,7 +150,11 @@ def other_tenant(suffix: str) -> str:
 
 
 def stop_templates(policy_path) -> None:
-    """Ends the templates of this run's tenants (a test run's templates are not left idling for their hour)."""
+    """Ends the templates of this run's tenants (a test run's templates are not left idling for their hour) and
+    removes their state files (socket, lock, log, the template's empty workspace)."""
+    import shutil
+
+    directory = state_dir(policy_path)
     for tenant in sorted(_TENANTS_USED):
         pid = template_pid(policy_path, tenant)
         if pid is not None:
@@ -158,6 +162,9 @@ def stop_templates(policy_path) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for suffix in (".sock", ".lock", ".log"):
+            (directory / f"zygote-{tenant}{suffix}").unlink(missing_ok=True)
+        shutil.rmtree(directory / "templates" / f"zygote-{tenant}", ignore_errors=True)
 
 
 def template_serving(policy_path, tenant: str = TENANT, timeout: float = 0) -> int:
