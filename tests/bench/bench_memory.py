@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Memory per idle session and session creation under load, cellblock vs ipykernel and xpython / Jupyter Server.
 
-    /usr/bin/python3 tests/bench/bench_memory.py [--quick]
+    /usr/bin/python3 tests/bench/bench_memory.py [--quick] [--zygote [--starts N] [--only-idle]]
 
 1. PSS per idle session: N kernels of each kind run at once (started in parallel through jupyter_client), each has
    answered one `1+1`, then after a pause the PSS (/proc/<pid>/smaps_rollup) of each kernel's process tree (kernel +
@@ -14,10 +14,17 @@
 3. Through the servers' REST API: 50 concurrent `POST /api/kernels` each followed by a WebSocket kernel_info_reply
    (time until all 50 answered, failures within 120 s), cellblock-gateway vs Jupyter Server 1.23 (ipykernel,
    xpython); then the servers' own RSS with those sessions open, and for the gateway at 100 sessions.
+4. With --zygote: a fourth kind, "cellblock (zygote)", the same kernel with `worker.zygote: true` (workers forked
+   from one preloaded template of a tenant of this run, sandbox/README.md "Worker zygote"). Its PSS per session
+   includes the template's PSS / N (the template exists for these sessions; it is also reported alone), and only
+   forked workers count (a worker that fell back to exec fails the figure). Then, for exec and zygote alternately,
+   `--starts` kernels one after another: start → kernel_info_reply, start → first `1+1` answered (the worker is
+   ready), and the first `import pandas` timed inside the session.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -29,12 +36,52 @@ from pathlib import Path
 import benchlib
 from benchlib import Row, Stats, markdown_table, progress
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+import cellblock_zygote  # noqa: E402 (tests/plugins: the zygote switch and forked workers on the host)
+
 KINDS = [("cellblock", "cellblock-python"), ("ipykernel", "python3"), ("xpython", "xpython")]
+ZYGOTE_KIND = ("cellblock (zygote)", "cellblock-zygote")
+ZYGOTE_TENANT = cellblock_zygote.other_tenant("bench")
+TIMED_PANDAS = "import time as _t; _s = _t.perf_counter(); import pandas; round((_t.perf_counter() - _s) * 1000, 3)"
 FIXED_BUDGET_GIB = 8
 CREATE_TIMEOUT_S = 120.0
 
 
-def idle_session_memory(label: str, kernel_name: str, count: int, settle_s: float) -> dict:
+def install_zygote_kernelspec(directory: Path) -> Path:
+    """cellblock-zygote: the installed cellblock-python with `worker.zygote: true` for this run's tenant."""
+    import json
+    from jupyter_client.kernelspec import KernelSpecManager
+    installed = KernelSpecManager().get_kernel_spec("cellblock-python")
+    argv = list(installed.argv)
+    config = cellblock_zygote.switch_config(
+        cellblock_zygote.resolved_config(Path(argv[argv.index("--config") + 1])), True, ZYGOTE_TENANT)
+    (directory / "kernel-config.json").write_text(json.dumps(config))
+    argv[argv.index("--config") + 1] = str(directory / "kernel-config.json")
+    spec = installed.to_dict()
+    spec["argv"] = argv
+    spec["display_name"] = "cellblock (zygote)"
+    (directory / "kernels" / ZYGOTE_KIND[1]).mkdir(parents=True)
+    (directory / "kernels" / ZYGOTE_KIND[1] / "kernel.json").write_text(json.dumps(spec))
+    os.environ["JUPYTER_PATH"] = f"{directory}:{os.environ.get('JUPYTER_PATH', '')}"
+    return Path(config["sandbox_policy"])
+
+
+def warm_template(policy: Path) -> int:
+    """The tenant's first kernel starts its template (its own worker by exec); returns the serving template."""
+    progress("cellblock (zygote): starting the tenant's template")
+    kernel = benchlib.RunningKernel(ZYGOTE_KIND[1])
+    try:
+        return cellblock_zygote.template_serving(policy, ZYGOTE_TENANT, timeout=300)
+    finally:
+        kernel.stop()
+
+
+def session_tree(kernel) -> list[int]:
+    """The kernel, its descendants, and a worker a template forked for it (held by the kernel's pidfd)."""
+    return cellblock_zygote.kernel_tree(kernel.pid)
+
+
+def idle_session_memory(label: str, kernel_name: str, count: int, settle_s: float, template: int = 0) -> dict:
     progress(f"{label}: starting {count} kernels for the idle-memory measurement")
     kernels, failures = benchlib.start_kernels(kernel_name, count)
     result: dict = {"failures": failures}
@@ -42,10 +89,18 @@ def idle_session_memory(label: str, kernel_name: str, count: int, settle_s: floa
         for kernel in kernels:
             benchlib.execute_round_trip(kernel.client, "1+1")
         time.sleep(settle_s)  # let lazily started threads, the first execute's garbage and page faults settle
-        trees = [kernel.tree() for kernel in kernels]
-        result["pss_mib"] = [sum(benchlib.pss_kib(pid) for pid in tree) / 1024.0 for tree in trees]
+        trees = [session_tree(kernel) for kernel in kernels]
+        if template:
+            forked = sum(1 for tree in trees if any(cellblock_zygote._ppid(pid) == template for pid in tree))
+            result["forked"] = forked
+            if forked != len(trees):
+                raise RuntimeError(f"{len(trees) - forked} of {len(trees)} workers were not forked by the template")
+            result["template_pss_mib"] = benchlib.pss_kib(template) / 1024.0
+        share = result.get("template_pss_mib", 0.0) / max(1, len(trees))
+        result["pss_mib"] = [sum(benchlib.pss_kib(pid) for pid in tree) / 1024.0 + share for tree in trees]
         result["rss_mib"] = [sum(benchlib.rss_kib(pid) for pid in tree) / 1024.0 for tree in trees]
         result["processes"] = [len(tree) for tree in trees]
+        result["kernel_pss_mib"] = [benchlib.pss_kib(kernel.pid) / 1024.0 for kernel in kernels]
         if trees:
             result["breakdown"] = [(pid, benchlib.process_name(pid), benchlib.pss_kib(pid), benchlib.rss_kib(pid),
                                     benchlib.smaps_breakdown(pid, 8)) for pid in trees[0]]
@@ -55,6 +110,35 @@ def idle_session_memory(label: str, kernel_name: str, count: int, settle_s: floa
     finally:
         benchlib.stop_kernels(kernels)
     return result
+
+
+def start_latency(kernel_name: str, starts: int) -> dict:
+    """Kernels started one at a time: start → kernel_info_reply, start → first `1+1` answered, first import pandas."""
+    info_ms, ready_ms, pandas_ms, failures = [], [], [], []
+    for _ in range(starts):
+        started = time.perf_counter()
+        try:
+            kernel = benchlib.RunningKernel(kernel_name)
+        except Exception as error:  # noqa: BLE001 - counted
+            failures.append(f"{type(error).__name__}: {str(error)[:120]}")
+            continue
+        try:
+            info_ms.append((time.perf_counter() - started) * 1000.0)
+            benchlib.execute_round_trip(kernel.client, "1+1")
+            ready_ms.append((time.perf_counter() - started) * 1000.0)
+            _, messages = benchlib.execute_round_trip(kernel.client, TIMED_PANDAS)
+            values = [m["content"]["data"]["text/plain"] for m in messages if m["msg_type"] == "execute_result"]
+            if values:
+                pandas_ms.append(float(values[0]))
+            else:
+                failures.append("import pandas gave no result")
+        except Exception as error:  # noqa: BLE001 - counted
+            failures.append(f"{type(error).__name__}: {str(error)[:120]}")
+        finally:
+            kernel.stop()
+    for failure in sorted(set(failures))[:3]:
+        progress(f"{kernel_name}: {failure}")
+    return {"info_ms": info_ms, "ready_ms": ready_ms, "pandas_ms": pandas_ms, "failures": len(failures)}
 
 
 def create_and_connect(server: benchlib.KernelServer, kernel_name: str) -> tuple[str, object, float]:
@@ -141,8 +225,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 sessions of each kind (smoke run)")
     parser.add_argument("--idle-sessions", type=int, default=32, help="kernels of each kind for the PSS figure")
+    parser.add_argument("--zygote", action="store_true", help="also cellblock with worker.zygote: true (4. above)")
+    parser.add_argument("--starts", type=int, default=20, help="sequential starts of exec and zygote kernels")
+    parser.add_argument("--only-idle", action="store_true", help="skip the REST part (3.)")
     args = parser.parse_args()
     benchlib.use_installed_kernelspecs()
+    zygote_dir = Path(tempfile.mkdtemp(prefix="cellblock-bench-zygote-")) if args.zygote else None
+    try:
+        return measure_all(args, zygote_dir)
+    finally:
+        if zygote_dir is not None:
+            if ZYGOTE_POLICY:
+                cellblock_zygote.stop_templates(ZYGOTE_POLICY[0])  # not left idling for its hour
+            shutil.rmtree(zygote_dir, ignore_errors=True)
+
+
+ZYGOTE_POLICY: list = []
+
+
+def measure_all(args, zygote_dir) -> int:
     idle_count = 2 if args.quick else args.idle_sessions
     creates, gateway_sessions = (2, 3) if args.quick else (50, 100)
     settle = 0.3 if args.quick else 2.0
@@ -154,6 +255,20 @@ def main() -> int:
             idle[label] = idle_session_memory(label, kernel_name, idle_count, 0.5 if args.quick else 3.0)
         else:
             progress(f"{label}: kernelspec {kernel_name} not installed, skipped")
+    starts = {}
+    if zygote_dir is not None:
+        ZYGOTE_POLICY.append(install_zygote_kernelspec(zygote_dir))
+        template = warm_template(ZYGOTE_POLICY[0])
+        idle[ZYGOTE_KIND[0]] = idle_session_memory(ZYGOTE_KIND[0], ZYGOTE_KIND[1], idle_count,
+                                                   0.5 if args.quick else 3.0, template)
+        for round_index in range(2 if args.quick else args.starts):
+            for label, kernel_name in (KINDS[0], ZYGOTE_KIND):  # interleaved: the shared machine's load hits both
+                one = start_latency(kernel_name, 1)
+                into = starts.setdefault(label, {"info_ms": [], "ready_ms": [], "pandas_ms": [], "failures": 0})
+                for key in ("info_ms", "ready_ms", "pandas_ms"):
+                    into[key] += one[key]
+                into["failures"] += one["failures"]
+            progress(f"start latency: round {round_index + 1} done")
     ours = idle.get("cellblock", {"error": "cellblock-python not installed"})
     peers = {label: r for label, r in idle.items() if label != "cellblock"}
 
@@ -186,6 +301,34 @@ def main() -> int:
         print()
 
     ok = "error" not in ours and bool(ours.get("pss_mib"))
+    if zygote_dir is not None:
+        forked = idle.get(ZYGOTE_KIND[0], {})
+        ok = ok and "error" not in forked and bool(forked.get("pss_mib"))
+        exec_starts, zygote_starts = starts.get("cellblock", {}), starts.get(ZYGOTE_KIND[0], {})
+
+        def sample(result: dict, key: str):
+            return Stats(result[key]) if result.get(key) else None
+
+        print(f"cellblock (zygote): {forked.get('forked', 0)} of {idle_count} workers forked from one template "
+              f"(template PSS {forked.get('template_pss_mib', float('nan')):.1f} MiB, counted as 1/{idle_count} per "
+              f"session above); kernel process alone: "
+              f"{Stats(forked['kernel_pss_mib']).median if forked.get('kernel_pss_mib') else float('nan'):.1f} MiB "
+              f"PSS.\n")
+        rows = [Row("start → kernel_info_reply", sample(zygote_starts, "info_ms"),
+                    {"exec path": sample(exec_starts, "info_ms")}),
+                Row("start → first `1+1` answered (worker ready)", sample(zygote_starts, "ready_ms"),
+                    {"exec path": sample(exec_starts, "ready_ms")}, target="≤ 50 ms cold, ≤ 30 ms p50"),
+                Row("first `import pandas` in a session", sample(zygote_starts, "pandas_ms"),
+                    {"exec path": sample(exec_starts, "pandas_ms")}, target="≤ 5 ms"),
+                Row("failed starts", Stats([zygote_starts.get("failures", 0)]),
+                    {"exec path": Stats([exec_starts.get("failures", 0)])}, unit="failed")]
+        print(markdown_table(f"Kernels started one at a time, zygote vs exec, interleaved ({args.starts} each; "
+                             "cellblock column = zygote)", rows))
+        ok = ok and zygote_starts.get("failures", 1) == 0 and exec_starts.get("failures", 1) == 0
+        if args.only_idle:
+            return 0 if ok else 1
+    elif args.only_idle:
+        return 0 if ok else 1
     workdir = Path(tempfile.mkdtemp(prefix="cellblock-bench-memory-"))
     try:
         servers = {}

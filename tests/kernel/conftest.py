@@ -5,10 +5,12 @@ installed kernelspec. Every kernel a test starts is shut down (and killed if nee
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from jupyter_client import KernelManager
@@ -16,6 +18,44 @@ from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
 KERNEL_NAME = "cellblock-python"
 START_TIMEOUT = 60
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote_switch(tmp_path_factory):
+    """CELLBLOCK_TEST_ZYGOTE=1 (tests/plugins/cellblock_zygote.py): every kernel of the suite runs with
+    `worker.zygote: true` — a kernelspec of the same name whose config says so comes first on JUPYTER_PATH."""
+    import cellblock_zygote
+
+    if not cellblock_zygote.ENABLED:
+        yield None
+        return
+    _require_kernelspec()
+    installed = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
+    argv = list(installed.argv)
+    config_path = Path(argv[argv.index("--config") + 1])
+    config = cellblock_zygote.switch_config(cellblock_zygote.resolved_config(config_path))
+    root = tmp_path_factory.mktemp("zygote-kernelspec")
+    (root / "kernel-config.json").write_text(json.dumps(config))
+    argv[argv.index("--config") + 1] = str(root / "kernel-config.json")
+    spec = installed.to_dict()
+    spec["argv"] = argv
+    (root / "kernels" / KERNEL_NAME).mkdir(parents=True)
+    (root / "kernels" / KERNEL_NAME / "kernel.json").write_text(json.dumps(spec))
+    previous = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join([str(root)] + ([previous] if previous else []))
+    # The tenant's first launch starts the template and goes by exec: warm it up, so that the suite's
+    # workers are forks.
+    warm = Kernel()
+    try:
+        cellblock_zygote.template_serving(config["sandbox_policy"], timeout=240)
+    finally:
+        warm.shutdown()
+    yield config
+    if previous is None:
+        del os.environ["JUPYTER_PATH"]
+    else:
+        os.environ["JUPYTER_PATH"] = previous
+    cellblock_zygote.stop_templates(config["sandbox_policy"])
 
 
 def _require_kernelspec() -> None:

@@ -4,27 +4,13 @@ import os
 import signal
 import time
 
+import cellblock_zygote
 import pytest
 
 
 def _descendants(pid: int) -> set:
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    found, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        for child in children.get(current, []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+    """Everything below the kernel, and its worker when the template forked it (tests/plugins/cellblock_zygote.py)."""
+    return set(cellblock_zygote.kernel_tree(pid)) - {pid}
 
 
 def _alive(pid: int) -> bool:

@@ -37,6 +37,16 @@ PRELUDE = textwrap.dedent(
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def zygote_templates_stopped():
+    """With CELLBLOCK_TEST_ZYGOTE=1 the kernels of this run share a template (tests/plugins/cellblock_zygote.py):
+    it does not outlive the run."""
+    yield
+    import cellblock_zygote
+
+    cellblock_zygote.stop_templates(DEFAULT_POLICY)  # test_zygote_template.py starts some whatever the switch
+
+
 def pytest_collection_modifyitems(config, items):
     # Not a skip: a hostile battery that did not run must not look green (tests/README.md, skip policy).
     if "CELLBLOCK_PREFIX" not in os.environ:

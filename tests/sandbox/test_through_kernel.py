@@ -25,6 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
+import cellblock_zygote
 import pytest
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
@@ -42,19 +43,17 @@ START_TIMEOUT = 60
 # Harness: kernels, executes, host-side views of the kernel and its worker
 # ---------------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def kernel_dirs(tmp_path_factory):
-    """A kernelspec that is the installed one with a config whose policy leases uids from our own range."""
+def hostile_kernelspec(root: Path, zygote: bool = cellblock_zygote.ENABLED, tenant: str = cellblock_zygote.TENANT):
+    """A kernelspec that is the installed one with a config whose policy leases uids from our own range (and
+    the worker zygote switched on or off: tests/plugins/cellblock_zygote.py). Returns JUPYTER kernel dirs."""
     try:
         installed = KernelSpecManager().get_kernel_spec(INSTALLED_KERNEL)
     except NoSuchKernel:
         pytest.fail(f"kernelspec {INSTALLED_KERNEL!r} not found; JUPYTER_PATH={os.environ.get('JUPYTER_PATH')!r}")
-    root = tmp_path_factory.mktemp("hostile-kernelspec")
     policy = json.loads(DEFAULT_POLICY.read_text())
     policy["uid_range"] = {"first": UID_FIRST, "count": UID_COUNT}
     (root / "policy.json").write_text(json.dumps(policy))
-    config = json.loads(KERNEL_CONFIG.read_text())
-    config["worker"]["script"] = str((KERNEL_CONFIG.parent / config["worker"]["script"]).resolve())
+    config = cellblock_zygote.switch_config(cellblock_zygote.resolved_config(KERNEL_CONFIG), zygote, tenant)
     config["sandbox_policy"] = str(root / "policy.json")
     (root / "kernel-config.json").write_text(json.dumps(config))
     argv = list(installed.argv)
@@ -66,6 +65,21 @@ def kernel_dirs(tmp_path_factory):
     spec["argv"] = argv
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     return [str(root / "kernels")]
+
+
+@pytest.fixture(scope="module")
+def kernel_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile-kernelspec")
+    dirs = hostile_kernelspec(root)
+    if cellblock_zygote.ENABLED:
+        # The tenant's first launch starts the template and goes by exec: warm it up, so that the module's
+        # workers are forks.
+        warm = LiveKernel(dirs, root / "warm-up" / "workspace")
+        try:
+            cellblock_zygote.template_serving(root / "policy.json", timeout=240)
+        finally:
+            warm.shutdown()
+    return dirs
 
 
 class Cell:
@@ -153,8 +167,9 @@ class LiveKernel:
         return connection_file, info
 
     def worker_pid(self):
-        """Host pid of the confined worker: the kernel's child that runs as a session uid."""
-        for pid in children(self.pid):
+        """Host pid of the confined worker: the kernel's child that runs as a session uid, or the process the
+        kernel holds a pidfd of when a zygote template forked it (tests/plugins/cellblock_zygote.py)."""
+        for pid in children(self.pid) + cellblock_zygote.pidfd_targets(self.pid):
             uid = process_uid(pid)
             if uid is not None and UID_FIRST <= uid < UID_FIRST + UID_COUNT:
                 return pid

@@ -50,8 +50,37 @@ class WorkerDied(AssertionError):
     pass
 
 
+_session_template = []
+
+
+def session_template():
+    """With CELLBLOCK_TEST_ZYGOTE=1, every worker of the suite is forked by one template (zygote_harness.py, a
+    stand-in for the C++ library: no confinement) instead of exec'd."""
+    if not _session_template:
+        import tempfile
+
+        from zygote_harness import Template, build_standin_library
+
+        directory = pathlib.Path(tempfile.mkdtemp(prefix="cellblock-worker-zygote-"))
+        _session_template.append(Template(directory, build_standin_library(directory),
+                                          worker_environment(directory)))
+    return _session_template[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote_template_stopped():
+    yield
+    for template in _session_template:
+        template.stop()
+
+
 class WorkerProcess:
-    def __init__(self, cwd, subreaper=False):
+    def __init__(self, cwd, subreaper=False, template=None, plan=None):
+        if template is None and os.environ.get("CELLBLOCK_TEST_ZYGOTE", "") == "1":
+            template = session_template()
+        if template is not None:
+            self._forked_start(template, cwd, subreaper, plan)
+            return
         kernel_end, worker_end = socket.socketpair()
         self._channel = kernel_end
         worker_fd = worker_end.fileno()
@@ -76,6 +105,22 @@ class WorkerProcess:
         for fd in self._pipes:
             os.set_blocking(fd, False)
         self.events = []  # ("stdout"|"stderr", text, t) or ("frame", dict, t)
+        self._next_id = 0
+        self.ready = self.next_frame()
+        self.ready_at = time.monotonic()
+
+    def _forked_start(self, template, cwd, subreaper, plan):
+        self.started_at = time.monotonic()
+        self._channel, stdout_read, stderr_read, self.process, self.answer = template.fork(cwd, subreaper, plan)
+        self.process.stdout = os.fdopen(stdout_read, "rb")
+        self.process.stderr = os.fdopen(stderr_read, "rb")
+        self._received = bytearray()
+        self._decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+                          "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+        self._pipes = {stdout_read: "stdout", stderr_read: "stderr"}
+        for fd in self._pipes:
+            os.set_blocking(fd, False)
+        self.events = []
         self._next_id = 0
         self.ready = self.next_frame()
         self.ready_at = time.monotonic()
@@ -158,6 +203,8 @@ class WorkerProcess:
         self._channel.close()
         self.process.stdout.close()
         self.process.stderr.close()
+        if hasattr(self.process, "close"):  # forked: the template's connection and the pidfd
+            self.process.close()
 
     def interrupt(self):
         os.kill(self.process.pid, signal.SIGINT)

@@ -4,7 +4,6 @@ every signal disposition reset to the default in the kernel), then serve_forked(
 to both and reports what they answered; the tests compare the two sessions with each other and with the template.
 """
 import json
-import os
 import pathlib
 import subprocess
 import textwrap

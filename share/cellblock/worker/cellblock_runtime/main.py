@@ -146,5 +146,26 @@ def serve(channel, handlers, reaper, gate):
         return 0  # the kernel went away while we were writing
 
 
+def is_listening_socket(fd):
+    """True when `fd` is a socket in the listening state: a template's fd 3 (cellblock_runtime/zygote.py); a
+    worker's is its connected channel."""
+    import socket
+
+    try:
+        probe = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        return probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 0
+    except OSError:
+        return False
+    finally:
+        probe.detach()
+
+
 def main(worker_dir):
+    if is_listening_socket(CHANNEL_FD):
+        from . import zygote
+
+        return zygote.serve_template(worker_dir)  # forks workers; never runs user code
     return serve(*_start(worker_dir))

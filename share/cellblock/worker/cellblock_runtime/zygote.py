@@ -1,6 +1,7 @@
-"""The Python half of a worker zygote (issue 11; the launch half is not built yet, see sandbox/README.md).
+"""The Python half of a worker zygote (issue 11; sandbox/README.md "Worker zygote", ZYGOTE.md for the wire protocol).
 
-A template runs `make_template()` once: the worker's start up to its channel (main.prepare: streams, IPython,
+A worker started with a listening socket as fd 3 (SO_ACCEPTCONN) is a template: `serve_template()`. It runs
+`make_template()` once: the worker's start up to its channel (main.prepare: streams, IPython,
 the InteractiveShell), the preload list, a collection and `gc.freeze()`, so the heap its forks share stays
 unwritten. It never runs user code. Each worker is a fork of it that, after its confinement and before anything
 of the user's, calls `serve_forked()`: redraws what must differ between sessions and attaches the shell to fd 3.
@@ -9,12 +10,20 @@ What a fork cannot redraw: the interpreter's hash secret (every string and dict 
 hashes made with it) and the address-space layout. Workers forked from one template share both.
 """
 
+import array
+import ctypes
+import errno
+import fcntl
 import gc
 import importlib
+import json
 import os
+import select
 import signal
+import socket
 import sys
 import threading
+import time
 
 from . import main
 
@@ -113,11 +122,422 @@ def recreate_start_directories(shell):
         os.makedirs(config_dir, exist_ok=True)
 
 
+PR_SET_DUMPABLE = 4
+
+
+def make_dumpable_again():
+    """The confinement changed a root process's credentials, which makes the kernel mark it not dumpable (execve
+    would reset that): its /proc/PID files then belong to root and the worker cannot read its own
+    /proc/self/environ, nor can its tools (ps, a debugger) look at it. Be what an exec'd worker is."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_DUMPABLE): {os.strerror(error)}")
+
+
 def serve_forked(prepared):
     """Runs in a confined fork of the template with fds 0-3 in place and every other fd closed (the
     confinement's close_range), before any code of the user's. Returns the exit status."""
+    make_dumpable_again()
     reopen_inherited_devnull()
     restore_signal_dispositions()
     redraw_session_state()
     recreate_start_directories(prepared.shell)
     return main.serve(*main.attach(prepared))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The template's service (ZYGOTE.md, "Wire protocol on the template socket")
+# ---------------------------------------------------------------------------------------------------------------
+
+LISTENER_FD = 3          # as the launcher hands it over; moved above the worker's fds before anything is imported
+HOST_MOUNT_NAMESPACE_FD = 4
+SETTINGS_FD = 5          # the settings across the template's re-exec (shed_settings_environment)
+SETTINGS_PREFIX = "CELLBLOCK_ZYGOTE_"
+SETTINGS_MEMFD_NAME = "cellblock-zygote-settings"
+MAGIC = b"CBZ1"
+MAX_FDS = 16
+MAX_REQUEST_BYTES = 1 << 20
+FIRST_MESSAGE_SECONDS = 10.0
+DEFAULT_GENERATION_FORKS = 200
+DEFAULT_GENERATION_SECONDS = 3600.0
+
+
+class Settings:
+    """What the kernel tells a template (env CELLBLOCK_ZYGOTE_*): the spawn library, the preload list, and the
+    generation's size and age after which the template stops accepting."""
+
+    def __init__(self, values):
+        self.library = values.get("CELLBLOCK_ZYGOTE_LIBRARY", "")
+        preload = values.get("CELLBLOCK_ZYGOTE_PRELOAD")
+        self.preload = DEFAULT_PRELOAD if preload is None else tuple(
+            name.strip() for name in preload.split(",") if name.strip())
+        self.generation_forks = int(values.get("CELLBLOCK_ZYGOTE_GENERATION_FORKS", DEFAULT_GENERATION_FORKS))
+        self.generation_seconds = float(values.get("CELLBLOCK_ZYGOTE_GENERATION_SECONDS",
+                                                   DEFAULT_GENERATION_SECONDS))
+        if not self.library:
+            raise ValueError("CELLBLOCK_ZYGOTE_LIBRARY is not set")
+        if self.generation_forks < 1 or self.generation_seconds <= 0:
+            raise ValueError("a generation needs at least one fork and a positive age")
+
+
+def shed_settings_environment():
+    """Returns the template's Settings, re-executing the template once without its CELLBLOCK_ZYGOTE_* variables.
+
+    A fork shows its template's start environment in /proc/PID/environ (the kernel's env block is inherited with
+    the memory), and that must be exactly an exec'd worker's. So the first start takes the settings out of the
+    environment into a memfd at SETTINGS_FD and execs the same argv with the rest; the second start reads them."""
+    values = {name: value for name, value in os.environ.items() if name.startswith(SETTINGS_PREFIX)}
+    if values:
+        settings = Settings(values)  # refuse bad settings before the re-exec
+        memfd = os.memfd_create(SETTINGS_MEMFD_NAME, 0)
+        os.write(memfd, json.dumps(values).encode())
+        os.lseek(memfd, 0, os.SEEK_SET)
+        if memfd != SETTINGS_FD:
+            os.dup2(memfd, SETTINGS_FD, inheritable=True)
+            os.close(memfd)
+        else:
+            os.set_inheritable(memfd, True)
+        for fd in (LISTENER_FD, HOST_MOUNT_NAMESPACE_FD):
+            os.set_inheritable(fd, True)
+        environment = {name: value for name, value in os.environ.items() if not name.startswith(SETTINGS_PREFIX)}
+        os.execve(sys.executable, sys.orig_argv, environment)
+        return settings  # not reached
+    try:
+        target = os.readlink(f"/proc/self/fd/{SETTINGS_FD}")
+    except OSError:
+        target = ""
+    if not target.startswith(f"/memfd:{SETTINGS_MEMFD_NAME}"):
+        raise ValueError("a template needs CELLBLOCK_ZYGOTE_LIBRARY in its environment")
+    with os.fdopen(SETTINGS_FD, "rb") as settings_file:
+        return Settings(json.loads(settings_file.read()))
+
+
+class SpawnFailed(OSError):
+    """Nothing was started (the plan could not be decoded, setns or clone failed)."""
+
+
+class ForkedChild:
+    """Returned up the template's stack in the new worker, once it is confined."""
+
+
+FORKED_CHILD = ForkedChild()
+
+
+class LibrarySpawner:
+    """cellblock_zygote_spawn from libcellblock_zygote.so (ZYGOTE.md), called through ctypes.PyDLL with the GIL
+    held and wrapped in the interpreter's own fork hooks, as os.fork() wraps fork()."""
+
+    def __init__(self, path):
+        library = ctypes.PyDLL(path, use_errno=True)
+        self._spawn = library.cellblock_zygote_spawn
+        self._spawn.restype = ctypes.c_long
+        self._spawn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int), ctypes.c_size_t,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        self._hooks = {}
+        for name in ("PyOS_BeforeFork", "PyOS_AfterFork_Parent", "PyOS_AfterFork_Child"):
+            hook = getattr(ctypes.pythonapi, name)
+            hook.restype = None
+            hook.argtypes = []
+            self._hooks[name] = hook
+        self.library = library
+
+    def spawn(self, plan, fds, host_mount_namespace_fd, own_mount_namespace_fd, own_cwd_fd):
+        """(pid, pidfd) in the template; FORKED_CHILD in the confined child; raises SpawnFailed."""
+        plan_bytes = (ctypes.c_ubyte * len(plan)).from_buffer(plan)
+        fd_array = (ctypes.c_int * max(len(fds), 1))(*fds)
+        pidfd = ctypes.c_int(-1)
+        self._hooks["PyOS_BeforeFork"]()
+        result = self._spawn(ctypes.addressof(plan_bytes), len(plan), fd_array, len(fds), host_mount_namespace_fd,
+                             own_mount_namespace_fd, own_cwd_fd, ctypes.byref(pidfd))
+        if result == 0:
+            self._hooks["PyOS_AfterFork_Child"]()
+            return FORKED_CHILD
+        self._hooks["PyOS_AfterFork_Parent"]()
+        del plan_bytes  # the export of the plan buffer
+        if result < 0:
+            raise SpawnFailed(-result, f"cellblock_zygote_spawn: {os.strerror(-result)}")
+        return result, pidfd.value
+
+
+def _log(event, **fields):
+    # One line per event that changes the template's life (its stderr is the launcher's log); none per fork.
+    try:
+        print(json.dumps({"component": "cellblock-zygote", "event": event, "pid": os.getpid(), **fields}),
+              file=sys.__stderr__, flush=True)
+    except OSError:
+        pass
+
+
+class Worker:
+    """A live fork: its pid, the template's own pidfd of it, and the kernel's connection (None once closed)."""
+
+    def __init__(self, pid, pidfd, connection):
+        self.pid = pid
+        self.pidfd = pidfd
+        self.connection = connection
+
+
+class TemplateService:
+    """One poll loop: the listener, connections that have not sent their request yet, and per live worker its
+    connection and its pidfd. Single-threaded by design: a fork copies only the calling thread."""
+
+    def __init__(self, listener_fd, spawner, host_mount_namespace_fd, own_mount_namespace_fd, own_cwd_fd,
+                 generation_forks=DEFAULT_GENERATION_FORKS, generation_seconds=DEFAULT_GENERATION_SECONDS):
+        self.listener = socket.socket(fileno=listener_fd)
+        self.listener.setblocking(False)
+        self.spawner = spawner
+        self.namespace_fds = (host_mount_namespace_fd, own_mount_namespace_fd, own_cwd_fd)
+        self.generation_forks = generation_forks
+        self.retire_at = time.monotonic() + generation_seconds
+        self.poller = select.poll()
+        self.poller.register(self.listener.fileno(), select.POLLIN)
+        self.accepting = True
+        self.forks = 0
+        self.pending = {}     # connection fd -> (socket, deadline)
+        self.connections = {}  # connection fd -> Worker
+        self.pidfds = {}       # pidfd -> Worker
+        # The one buffer every request is read into, cleared after each: the template's heap never keeps a plan,
+        # so a fork inherits no other session's plan (only its own, cleared below too).
+        self.request_buffer = bytearray(MAX_REQUEST_BYTES)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def run(self):
+        """Serves until retired and every worker is reaped (returns None), or returns FORKED_CHILD in a fork."""
+        while self.accepting or self.pidfds:
+            for fd, _ in self.poller.poll(self._poll_timeout_ms()):
+                if self._dispatch(fd) is FORKED_CHILD:
+                    return FORKED_CHILD
+            now = time.monotonic()
+            for fd, (connection, deadline) in list(self.pending.items()):
+                if now >= deadline:
+                    self._drop_pending(fd)
+            if self.accepting and now >= self.retire_at:
+                self.retire("age")
+        return None
+
+    def _poll_timeout_ms(self):
+        deadlines = [deadline for _, deadline in self.pending.values()]
+        if self.accepting:
+            deadlines.append(self.retire_at)
+        if not deadlines:
+            return None
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _dispatch(self, fd):
+        try:
+            if fd == self.listener.fileno() and self.accepting:
+                self._accept()
+            elif fd in self.pending:
+                return self._serve_request(fd)
+            elif fd in self.pidfds:
+                self._reap(self.pidfds[fd])
+            elif fd in self.connections:
+                self._connection_event(self.connections[fd])
+        except OSError as error:
+            _log("service_error", detail=f"{type(error).__name__}: {error}")
+        return None
+
+    def _accept(self):
+        while self.accepting:
+            try:
+                connection, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            connection.setblocking(False)
+            self.pending[connection.fileno()] = (connection, time.monotonic() + FIRST_MESSAGE_SECONDS)
+            self.poller.register(connection.fileno(), select.POLLIN)
+
+    def _drop_pending(self, fd):
+        connection, _ = self.pending.pop(fd)
+        self.poller.unregister(fd)
+        connection.close()
+
+    # -- one request -------------------------------------------------------------------------------------------
+    def _serve_request(self, fd):
+        connection, _ = self.pending[fd]
+        view = memoryview(self.request_buffer)
+        try:
+            size, ancillary, flags, _ = connection.recvmsg_into(
+                [view], socket.CMSG_SPACE((MAX_FDS + 1) * array.array("i").itemsize))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            self._drop_pending(fd)
+            return None
+        received = array.array("i")
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                received.frombytes(data[:len(data) - len(data) % received.itemsize])
+        fds = list(received)
+        del self.pending[fd]
+        self.poller.unregister(fd)
+        refusal, outcome = self._refusal(size, flags, fds), None
+        if refusal is None:
+            try:
+                outcome = self.spawner.spawn(view[len(MAGIC):size], fds, *self.namespace_fds)
+            except SpawnFailed as error:
+                refusal, outcome = str(error), error
+            except Exception as error:  # noqa: BLE001 - a template bug must not take the received fds with it
+                refusal = f"spawn: {type(error).__name__}: {error}"
+        if outcome is FORKED_CHILD:
+            connection.detach()
+            self._forget_after_fork(view, size)
+            return FORKED_CHILD
+        # Before any answer: the kernel learns that a worker started from the end of file on its error pipe,
+        # which needs the template's copy closed, and a refused request's fds are not kept.
+        view[:size] = bytes(size)
+        del view
+        for received_fd in fds:
+            os.close(received_fd)
+        if refusal is not None:
+            self._answer_and_close(connection, {"error": refusal})
+            if isinstance(outcome, SpawnFailed) and outcome.errno == errno.ENOTRECOVERABLE:
+                # The library could not bring the template back into its own mount namespace or cwd: it sees
+                # the host's now, and must not run anything more (its workers go on without it; their kernels
+                # read the exit status from the pidfd).
+                _log("unrecoverable", detail=refusal)
+                os._exit(70)
+            return None
+        self._started(connection, *outcome)
+        return None
+
+    def _refusal(self, size, flags, fds):
+        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+            return f"at most {MAX_FDS} fds in a request"
+        if flags & socket.MSG_TRUNC:
+            return f"a request is at most {MAX_REQUEST_BYTES} bytes"
+        if size == 0 and not fds:
+            return "empty request"
+        if bytes(self.request_buffer[:len(MAGIC)]) != MAGIC or size < len(MAGIC):
+            return "not a CBZ1 request"
+        if not self.accepting:
+            return "this template is retired"
+        try:
+            check_forkable()
+        except NotForkable as error:
+            self.retire("threads")
+            return str(error)
+        return None
+
+    def _answer_and_close(self, connection, message):
+        try:
+            connection.send(json.dumps(message).encode())
+        except OSError:
+            pass
+        connection.close()
+
+    def _started(self, connection, pid, pidfd):
+        worker = Worker(pid, pidfd, connection)
+        self.pidfds[pidfd] = worker
+        self.poller.register(pidfd, select.POLLIN)
+        self.forks += 1
+        try:
+            connection.sendmsg([json.dumps({"pid": pid}).encode()],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))])
+        except OSError:
+            self._connection_closed(worker)  # the kernel went away: nobody supervises this worker
+        else:
+            self.connections[connection.fileno()] = worker
+            self.poller.register(connection.fileno(), select.POLLIN)
+        if self.accepting and self.forks >= self.generation_forks:
+            self.retire("forks")
+
+    # -- live workers ------------------------------------------------------------------------------------------
+    def _connection_event(self, worker):
+        # The kernel sends nothing after its request: anything else, like the close, ends that worker.
+        try:
+            worker.connection.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self._connection_closed(worker)
+
+    def _connection_closed(self, worker):
+        try:
+            signal.pidfd_send_signal(worker.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # exited already; reaped when its pidfd is read
+        if worker.connection is not None:
+            self.connections.pop(worker.connection.fileno(), None)
+            try:
+                self.poller.unregister(worker.connection.fileno())
+            except KeyError:
+                pass
+            worker.connection.close()
+            worker.connection = None
+
+    def _reap(self, worker):
+        pid, status, usage = os.wait4(worker.pid, os.WNOHANG)
+        if pid == 0:
+            return
+        self.poller.unregister(worker.pidfd)
+        del self.pidfds[worker.pidfd]
+        os.close(worker.pidfd)
+        if worker.connection is not None:
+            report = {"exit": {"status": status, "utime_us": round(usage.ru_utime * 1e6),
+                               "stime_us": round(usage.ru_stime * 1e6), "maxrss_kib": usage.ru_maxrss}}
+            connection = worker.connection
+            self.connections.pop(connection.fileno(), None)
+            self.poller.unregister(connection.fileno())
+            worker.connection = None
+            self._answer_and_close(connection, report)
+
+    # -- generations -------------------------------------------------------------------------------------------
+    def retire(self, reason):
+        """Stops accepting (a connecting kernel finds the socket dead and starts the next generation); the live
+        workers are still reaped and reported, and the template exits after the last one."""
+        if not self.accepting:
+            return
+        self.accepting = False
+        self.poller.unregister(self.listener.fileno())
+        self.listener.close()
+        for fd in list(self.pending):
+            self._drop_pending(fd)
+        _log("retired", reason=reason, forks=self.forks, workers=len(self.pidfds))
+
+    # -- in the fork -------------------------------------------------------------------------------------------
+    def _forget_after_fork(self, view, size):
+        """In the confined fork every fd but 0-3 is closed already (close_range): forget the numbers without
+        closing them (they may be reused by now), and clear this fork's copy of its plan."""
+        for connection in [self.listener] + [c for c, _ in self.pending.values()] + \
+                [w.connection for w in self.pidfds.values() if w.connection is not None]:
+            connection.detach()
+        self.pending.clear()
+        self.connections.clear()
+        self.pidfds.clear()
+        view[:size] = bytes(size)
+
+
+def serve_template(worker_dir):
+    """The template's life (its fd 3 is a listening socket). Returns an exit status in the template; in a fork,
+    serves that worker and returns its exit status."""
+    try:
+        settings = shed_settings_environment()
+    except (OSError, ValueError) as error:
+        _log("template_failed", detail=f"{type(error).__name__}: {error}")
+        return 1
+    listener_fd = fcntl.fcntl(LISTENER_FD, fcntl.F_DUPFD_CLOEXEC, 10)
+    host_mount_namespace_fd = fcntl.fcntl(HOST_MOUNT_NAMESPACE_FD, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(LISTENER_FD)
+    os.close(HOST_MOUNT_NAMESPACE_FD)
+    occupy_worker_fds()  # before any other open: nothing of the template's at the worker's numbers
+    own_mount_namespace_fd = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    own_cwd_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        spawner = LibrarySpawner(settings.library)
+        prepared = make_template(worker_dir, settings.preload)
+        check_forkable()
+    except (OSError, ImportError, NotForkable) as error:
+        _log("template_failed", detail=f"{type(error).__name__}: {error}")
+        return 1
+    service = TemplateService(listener_fd, spawner, host_mount_namespace_fd, own_mount_namespace_fd, own_cwd_fd,
+                              settings.generation_forks, settings.generation_seconds)
+    _log("serving", preload=list(settings.preload), generation_forks=settings.generation_forks,
+         generation_seconds=settings.generation_seconds)
+    if service.run() is FORKED_CHILD:
+        del service
+        return serve_forked(prepared)
+    _log("exited", forks=service.forks)
+    return 0
