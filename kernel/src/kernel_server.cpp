@@ -616,7 +616,9 @@ void KernelServer::send_queued() {
         queued.swap(outbound_);
     }
     for (auto& outbound : queued) {
-        if (!sockets_->open) {
+        // A kernel that is leaving (stop(): SIGTERM) says nothing more: the outcome of a cell that its own
+        // exit ended (the worker it kills) is the kernel's death, which the client learns from the sockets.
+        if (!sockets_->open || stopping_) {
             return;
         }
         try {

@@ -309,7 +309,10 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
             controls.interrupt({});
             server.interrupt_pending_input();
         },
-        [&exit_path](int) { exit_path.leave(0); });
+        [&exit_path, &server](int) {
+            server.stop();  // first, so that nothing the exit causes (a killed worker's reply) goes out
+            exit_path.leave(0);
+        });
 
     // Clean up after kernels that were SIGKILLed (their runtime dir and private workspace stayed behind).
     write_owner_marker(runtime.path(), own_workspace ? own_workspace->path() : std::filesystem::path());

@@ -1,6 +1,7 @@
 """Kernel and worker lifecycle: crashes, limits, shutdown, restart, kill."""
 import json
 import os
+import queue
 import signal
 import time
 
@@ -158,6 +159,26 @@ def test_sigterm_shuts_down_cleanly(fresh_kernel):
         time.sleep(0.01)
     assert not k.manager.is_alive()
     assert not _wait_gone(workers, 5)
+
+
+def test_sigterm_during_a_cell_ends_the_kernel_without_a_reply_that_blames_the_worker(fresh_kernel):
+    """The kernel's own exit kills its worker; the running cell's client must learn that the kernel went away
+    (no reply), not get a WorkerDied reply promising a fresh worker from a kernel that is gone (an agent
+    session on Slurm reported WorkerDied after scancel)."""
+    k = fresh_kernel()
+    msg_id = k.client.execute("import time\nprint('running', flush=True)\ntime.sleep(60)")
+    k.wait_for_stdout(msg_id, "running")
+    os.kill(k.pid, signal.SIGTERM)
+    replies = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            replies.append(k.client.get_shell_msg(timeout=0.2))
+        except queue.Empty:
+            if not k.manager.is_alive():
+                break
+    assert not k.manager.is_alive(), "SIGTERM did not end the kernel"
+    assert [r for r in replies if r["parent_header"].get("msg_id") == msg_id] == [], replies
 
 
 def test_gateway_workspace_is_the_working_directory(fresh_kernel, tmp_path):
