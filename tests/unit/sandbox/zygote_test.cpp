@@ -410,6 +410,12 @@ TEST_F(ZygoteLaunchTest, AForkedWorkerIsConfinedExactlyAsAnExecdOne) {
         return kept;
     };
     EXPECT_EQ(without_namespaces(forked.inside), without_namespaces(execd.inside));
+    for (const auto& [key, value] : without_namespaces(forked.inside)) {
+        const auto range = execd.inside.equal_range(key);
+        const bool same =
+            std::any_of(range.first, range.second, [&](const auto& entry) { return entry.second == value; });
+        EXPECT_TRUE(same) << "forked only: " << key << " = " << value;
+    }
     // Spot checks that the comparison compares something real.
     EXPECT_EQ(forked.inside.find("status.Uid")->second, "1000\t1000\t1000\t1000");
     EXPECT_EQ(forked.inside.find("status.CapEff")->second, "0000000000000000");
