@@ -76,6 +76,12 @@ extern "C" long cellblock_zygote_spawn(const unsigned char* plan, size_t plan_le
     if (decoded->plan.exec_program) {
         return -EINVAL;  // a template's fork continues into the template's code
     }
+    if (!decoded->plan.drop_privileges) {
+        // Only the kernel (root, through a 0600 socket in a root-only directory) reaches a template, and its
+        // worker plans always drop privileges; a plan that does not would hand the template's root to user
+        // code.
+        return -EPERM;
+    }
 
     unsigned long flags =
         CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PIDFD | SIGCHLD;

@@ -1,6 +1,7 @@
 // The zygote path of the sandbox (sandbox/README.md "Worker zygote"): a plan survives the codec, and a worker
 // forked by a template through libcellblock_zygote.so is confined exactly as an exec'd one. The template here
 // is a small C++ one (zygote_test_template.cpp) speaking the same wire protocol as the Python template.
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -214,6 +215,37 @@ TEST(PlanCodec, MoreThanSixteenFdsCannotBeSent) {
         plan.fds.sources.push_back(fd);
     }
     EXPECT_THROW(detail::encode_plan(plan), sb::SandboxError);
+}
+
+// The library itself refuses plans a worker never has, before anything is cloned: a template runs as host
+// root, so a plan that keeps privileges would hand that root to user code.
+TEST(ZygoteSpawn, APlanThatKeepsPrivilegesOrExecsIsRefusedBeforeAnythingStarts) {
+    void* library = ::dlopen(CELLBLOCK_ZYGOTE_LIBRARY, RTLD_NOW | RTLD_LOCAL);
+    ASSERT_NE(library, nullptr) << ::dlerror();
+    using Spawn = long (*)(const unsigned char*, size_t, const int*, size_t, int, int, int, int*);
+    const auto spawn = reinterpret_cast<Spawn>(::dlsym(library, "cellblock_zygote_spawn"));
+    ASSERT_NE(spawn, nullptr) << ::dlerror();
+    sb::UniqueFd dev_null(::open("/dev/null", O_RDWR | O_CLOEXEC));
+    ASSERT_TRUE(dev_null);
+
+    std::vector<sock_filter> filter;
+    auto keeps_privileges = sample_plan(filter);
+    keeps_privileges.drop_privileges = false;
+    auto execs = sample_plan(filter);
+    execs.exec_program = true;
+    for (const auto& [plan, expected] : {std::pair{&keeps_privileges, -EPERM}, std::pair{&execs, -EINVAL}}) {
+        const auto encoded = detail::encode_plan(*plan);
+        const std::vector<int> received(encoded.fds.size(), dev_null.get());
+        int pidfd = -1;
+        EXPECT_EQ(spawn(encoded.bytes.data(), encoded.bytes.size(), received.data(), received.size(), -1, -1,
+                        -1, &pidfd),
+                  expected);
+        EXPECT_EQ(pidfd, -1) << "no child was started";
+    }
+    int status = 0;
+    EXPECT_EQ(::waitpid(-1, &status, WNOHANG | __WALL), -1) << "a child was started";
+    EXPECT_EQ(errno, ECHILD);
+    ::dlclose(library);
 }
 
 namespace {
@@ -541,8 +573,8 @@ TEST_F(ZygoteLaunchTest, ALaunchedTemplateForksConfinedWorkers) {
     // The library is visible in its root only where CELLBLOCK_ZYGOTE_LIBRARY says.
     EXPECT_TRUE(fs::is_regular_file(proc / "root/opt/cellblock/zygote" /
                                     fs::path(CELLBLOCK_ZYGOTE_LIBRARY).filename()));
-    const std::string environ = read_file(proc / "environ");
-    EXPECT_NE(environ.find(std::string("CELLBLOCK_ZYGOTE_LIBRARY=/opt/cellblock/zygote/") +
+    const std::string environment = read_file(proc / "environ");
+    EXPECT_NE(environment.find(std::string("CELLBLOCK_ZYGOTE_LIBRARY=/opt/cellblock/zygote/") +
                            fs::path(CELLBLOCK_ZYGOTE_LIBRARY).filename().string()),
               std::string::npos);
 
