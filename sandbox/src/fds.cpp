@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <linux/close_range.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace cellblock::sandbox::detail {
 
@@ -87,6 +89,32 @@ std::vector<std::string> merge_environment(const std::vector<std::string>& base,
         put(entry);
     }
     return merged;
+}
+
+ssize_t send_with_fds(int socket, std::span<const unsigned char> bytes, std::span<const int> fds) noexcept {
+    if (bytes.empty() || fds.size() > max_fds_per_message) {
+        errno = EINVAL;
+        return -1;
+    }
+    iovec data{const_cast<unsigned char*>(bytes.data()), bytes.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_fds_per_message)] = {};
+    msghdr message{};
+    message.msg_iov = &data;
+    message.msg_iovlen = 1;
+    if (!fds.empty()) {
+        message.msg_control = control;
+        message.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+        cmsghdr* header = CMSG_FIRSTHDR(&message);
+        header->cmsg_level = SOL_SOCKET;
+        header->cmsg_type = SCM_RIGHTS;
+        header->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(header), fds.data(), sizeof(int) * fds.size());
+    }
+    ssize_t sent = 0;
+    do {
+        sent = ::sendmsg(socket, &message, MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+    return sent;
 }
 
 }  // namespace cellblock::sandbox::detail

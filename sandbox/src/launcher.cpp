@@ -241,16 +241,8 @@ Process Launcher::launch(const LaunchRequest& request) {
         }
     }
 
-    int sync_pipe[2];
-    int error_pipe[2];
-    if (::pipe2(sync_pipe, O_CLOEXEC) != 0) {
-        throw_errno("launch: pipe");
-    }
-    UniqueFd sync_read(sync_pipe[0]), sync_write(sync_pipe[1]);
-    if (::pipe2(error_pipe, O_CLOEXEC) != 0) {
-        throw_errno("launch: pipe");
-    }
-    UniqueFd error_read(error_pipe[0]), error_write(error_pipe[1]);
+    auto [sync_read, sync_write] = detail::make_pipe("launch: pipe");
+    auto [error_read, error_write] = detail::make_pipe("launch: pipe");
     plan.sync_read_fd = sync_read.get();
     plan.sync_write_fd = sync_write.get();
     plan.error_read_fd = error_read.get();
@@ -467,21 +459,9 @@ pid_t Launcher::launch_template(const TemplateRequest& request) {
     plan.step_chdir = steps.add("chdir " + plan.cwd);
     auto skeleton = detail::RootSkeleton::prepare(policy, request.name, workspace, steps, plan);
 
-    int sync_pipe[2];
-    int error_pipe[2];
-    int pid_pipe[2];
-    if (::pipe2(sync_pipe, O_CLOEXEC) != 0) {
-        throw_errno("launch_template: pipe");
-    }
-    UniqueFd sync_read(sync_pipe[0]), sync_write(sync_pipe[1]);
-    if (::pipe2(error_pipe, O_CLOEXEC) != 0) {
-        throw_errno("launch_template: pipe");
-    }
-    UniqueFd error_read(error_pipe[0]), error_write(error_pipe[1]);
-    if (::pipe2(pid_pipe, O_CLOEXEC) != 0) {
-        throw_errno("launch_template: pipe");
-    }
-    UniqueFd pid_read(pid_pipe[0]), pid_write(pid_pipe[1]);
+    auto [sync_read, sync_write] = detail::make_pipe("launch_template: pipe");
+    auto [error_read, error_write] = detail::make_pipe("launch_template: pipe");
+    auto [pid_read, pid_write] = detail::make_pipe("launch_template: pipe");
     plan.sync_read_fd = sync_read.get();
     plan.sync_write_fd = sync_write.get();
     plan.error_read_fd = error_read.get();
@@ -525,7 +505,7 @@ pid_t Launcher::launch_template(const TemplateRequest& request) {
                 ::_exit(127);
             }
             const pid_t reported = grandchild > 0 ? static_cast<pid_t>(grandchild) : -errno;
-            [[maybe_unused]] const auto ignored = ::write(pid_pipe[1], &reported, sizeof reported);
+            [[maybe_unused]] const auto ignored = ::write(pid_write.get(), &reported, sizeof reported);
             ::_exit(grandchild > 0 ? 0 : 1);
         }
     }

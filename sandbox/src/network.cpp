@@ -11,6 +11,7 @@
 #include <cstring>
 #include <string>
 
+#include "fds.hpp"
 #include "system.hpp"
 
 namespace cellblock::sandbox::detail {
@@ -139,20 +140,8 @@ bool send_loopback_listeners(const ChildPlan& plan, int* failed_step) noexcept {
         if (::listen(sock, SOMAXCONN) != 0) {
             return give_up(op.step_listen, failed_step);
         }
-        char byte = 0;
-        iovec data{&byte, 1};
-        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-        msghdr message{};
-        message.msg_iov = &data;
-        message.msg_iovlen = 1;
-        message.msg_control = control;
-        message.msg_controllen = sizeof control;
-        cmsghdr* header = CMSG_FIRSTHDR(&message);
-        header->cmsg_level = SOL_SOCKET;
-        header->cmsg_type = SCM_RIGHTS;
-        header->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(header), &sock, sizeof sock);
-        if (::sendmsg(plan.listener_child_fd, &message, MSG_NOSIGNAL) != 1) {
+        const unsigned char byte = 0;
+        if (send_with_fds(plan.listener_child_fd, {&byte, 1}, {&sock, 1}) != 1) {
             return give_up(op.step_send, failed_step);
         }
         ::close(sock);  // the parent holds it now; nothing of the program's ever sees this descriptor

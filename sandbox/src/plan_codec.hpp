@@ -12,11 +12,12 @@
 #include <vector>
 
 #include "child.hpp"
+#include "fds.hpp"
 
 namespace cellblock::sandbox::detail {
 
 // At most this many fds go with one plan (the wire protocol's limit).
-inline constexpr std::size_t max_plan_fds = 16;
+inline constexpr std::size_t max_plan_fds = max_fds_per_message;
 
 struct EncodedPlan {
     std::vector<unsigned char> bytes;

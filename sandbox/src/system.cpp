@@ -14,6 +14,14 @@ void throw_errno(std::string_view step, int err) {
     throw SandboxError(std::string(step) + ": " + std::strerror(err));
 }
 
+Pipe make_pipe(std::string_view step) {
+    int ends[2];
+    if (::pipe2(ends, O_CLOEXEC) != 0) {
+        throw_errno(step);
+    }
+    return {UniqueFd(ends[0]), UniqueFd(ends[1])};
+}
+
 std::string read_small_file(const std::filesystem::path& path) {
     UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));
     if (!fd) {

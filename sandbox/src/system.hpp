@@ -25,6 +25,13 @@ int try_write_existing_file(const std::filesystem::path& path, std::string_view 
 // mkdir -p with a mode; existing directories are fine.
 void make_directories(const std::filesystem::path& path, unsigned mode);
 
+// A close-on-exec pipe; throws SandboxError naming `step` on failure.
+struct Pipe {
+    UniqueFd read_end;
+    UniqueFd write_end;
+};
+Pipe make_pipe(std::string_view step);
+
 // A random lowercase hex string (for unique names), from getrandom.
 std::string random_hex(std::size_t bytes);
 

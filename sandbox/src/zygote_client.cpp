@@ -15,6 +15,7 @@
 #include <string>
 
 #include "cellblock/sandbox/sandbox.hpp"
+#include "fds.hpp"
 #include "plan_codec.hpp"
 #include "system.hpp"
 
@@ -117,24 +118,7 @@ ZygoteChild request_zygote_spawn(const std::filesystem::path& socket, const Chil
 
     std::vector<unsigned char> message(std::begin(request_magic), std::end(request_magic));
     message.insert(message.end(), encoded.bytes.begin(), encoded.bytes.end());
-    iovec data{message.data(), message.size()};
-    std::vector<char> control(CMSG_SPACE(sizeof(int) * encoded.fds.size()));
-    msghdr request{};
-    request.msg_iov = &data;
-    request.msg_iovlen = 1;
-    if (!encoded.fds.empty()) {
-        request.msg_control = control.data();
-        request.msg_controllen = control.size();
-        cmsghdr* header = CMSG_FIRSTHDR(&request);
-        header->cmsg_level = SOL_SOCKET;
-        header->cmsg_type = SCM_RIGHTS;
-        header->cmsg_len = CMSG_LEN(sizeof(int) * encoded.fds.size());
-        std::memcpy(CMSG_DATA(header), encoded.fds.data(), sizeof(int) * encoded.fds.size());
-    }
-    ssize_t sent = 0;
-    do {
-        sent = ::sendmsg(connection, &request, MSG_NOSIGNAL);
-    } while (sent < 0 && errno == EINTR);
+    const ssize_t sent = send_with_fds(connection, message, encoded.fds);
     if (sent < 0) {
         unavailable(socket, "send the plan", errno);
     }
