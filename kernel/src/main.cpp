@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <iostream>
 #include <mutex>
 #include <optional>
@@ -69,7 +70,7 @@ void keep_large_blocks_on_the_heap() {
     }
 }
 
-// "3.11.2" from `python --version` (kernel_info must not wait for the worker to start).
+// "3.11.2" from `python --version`.
 std::string probe_python_version(const std::filesystem::path& python) {
     std::array<int, 2> pipe_fds{};
     if (::pipe2(pipe_fds.data(), O_CLOEXEC) != 0) {
@@ -224,7 +225,9 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
 
     InterpreterSettings settings;
     settings.limits = config.limits;
-    settings.identity = {cellblock_version, probe_python_version(config.python)};
+    settings.identity = {cellblock_version, "3"};
+    settings.probed_python_version =
+        std::async(std::launch::async, probe_python_version, config.python).share();
     const auto worker_start_timeout =
         std::chrono::milliseconds(static_cast<long long>(config.worker_start_timeout_s * 1000));
     // An execute waits a little longer than the launch itself, so the launcher's error (with the worker's

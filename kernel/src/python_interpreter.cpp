@@ -42,6 +42,7 @@ PythonInterpreter::PythonInterpreter(WorkerSupervisor& supervisor, HistoryManage
     : supervisor_(supervisor),
       history_(history),
       identity_(std::move(settings.identity)),
+      probed_python_version_(std::move(settings.probed_python_version)),
       exchange_(supervisor, controls,
                 ExchangeSettings{settings.limits, settings.worker_start_timeout, settings.assist_timeout}) {
     // Without this, xeus::blocking_input_request talks to a mock interpreter and returns "".
@@ -123,6 +124,8 @@ nl::json PythonInterpreter::kernel_info_request_impl() {
     KernelIdentity identity = identity_;
     if (auto version = supervisor_.worker_python_version()) {
         identity.python_version = *version;
+    } else if (probed_python_version_.valid()) {
+        identity.python_version = probed_python_version_.get();
     }
     return make_kernel_info_reply(identity);
 }

@@ -1,10 +1,11 @@
 // The xeus interpreter: a thin adapter between xeus's request handlers and the WorkerExchange, which runs
-// each request against the confined Python worker on the interpreter thread that xeus calls this on. Outputs are
-// published from that thread only, because xeus's publisher and parent header are not thread-safe.
+// each request against the confined Python worker on the interpreter thread that xeus calls this on. Outputs
+// are published from that thread only, because xeus's publisher and parent header are not thread-safe.
 #pragma once
 
 #include <chrono>
 #include <functional>
+#include <future>
 #include <string>
 #include <xeus/xinterpreter.hpp>
 
@@ -19,7 +20,10 @@ namespace cellblock::kernel {
 
 struct InterpreterSettings {
     ExecutionLimits limits;
-    KernelIdentity identity;  // python_version here is the fallback until a worker reports its own
+    KernelIdentity identity;
+    // The Python version kernel_info names until a worker reports its own: `python --version`, run while the
+    // kernel starts, so neither kernel_info waits for the worker nor the kernel's start for the probe.
+    std::shared_future<std::string> probed_python_version;
     std::chrono::milliseconds worker_start_timeout{60000};
     std::chrono::milliseconds assist_timeout{20000};  // complete / inspect / is_complete
 };
@@ -50,6 +54,7 @@ class PythonInterpreter final : public xeus::xinterpreter {
     WorkerSupervisor& supervisor_;
     HistoryManager& history_;
     KernelIdentity identity_;
+    std::shared_future<std::string> probed_python_version_;
     WorkerExchange exchange_;
     std::function<void()> input_releaser_;
 };

@@ -4,6 +4,7 @@ import os
 import queue
 import signal
 import time
+from pathlib import Path
 
 import cellblock_zygote
 import pytest
@@ -224,3 +225,44 @@ def test_worker_dying_while_idle_does_not_fail_the_next_cell(fresh_kernel):
     assert after.content["status"] == "ok", after.content
     assert _result(after) == "2"
     assert "exited with status 7" in after.stream_text("stderr")
+
+
+
+def test_kernel_info_names_the_workers_python_version_before_the_worker_is_ready(tmp_path):
+    """Clients ask kernel_info as soon as a kernel starts (it is their readiness probe), before the worker is
+    up: the answer already names the Python the worker runs (e.g. 3.11.2) in language_info and the banner.
+    The worker here gets 2 % of a CPU (its start takes many seconds), so the first answer is the kernel's own."""
+    import subprocess
+
+    from jupyter_client import KernelManager
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    prefix = Path(os.environ["CELLBLOCK_PREFIX"]) / "share" / "cellblock"
+    policy = json.loads((prefix / "sandbox-policy.json").read_text())
+    policy["limits"]["cpu_cores"] = 0.02
+    (tmp_path / "policy.json").write_text(json.dumps(policy))
+    config = json.loads((prefix / "kernel-config.json").read_text())
+    config["worker"]["script"] = str((prefix / config["worker"]["script"]).resolve())
+    config["sandbox_policy"] = str(tmp_path / "policy.json")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    installed = KernelSpecManager().get_kernel_spec("cellblock-python").to_dict()
+    installed["argv"][installed["argv"].index("--config") + 1] = str(tmp_path / "config.json")
+    (tmp_path / "kernels" / "starved").mkdir(parents=True)
+    (tmp_path / "kernels" / "starved" / "kernel.json").write_text(json.dumps(installed))
+
+    expected = subprocess.run([config["worker"]["python"], "-c", "import platform; print(platform.python_version())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    manager = KernelManager(kernel_name="starved",
+                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]))
+    manager.start_kernel()
+    client = manager.blocking_client()
+    client.start_channels()
+    try:
+        msg_id = client.kernel_info()
+        reply = client.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["language_info"]["version"] == expected
+        assert f"Python {expected}" in reply["content"]["banner"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
