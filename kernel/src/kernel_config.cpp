@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string_view>
 
 namespace cellblock::kernel {
 namespace {
@@ -37,7 +39,53 @@ void check_tenant(const std::string& where, const std::string& tenant) {
     }
 }
 
+// A dotted Python module name (what the template passes to importlib.import_module): ASCII identifiers
+// joined by dots.
+void check_module_name(const std::string& name) {
+    const auto identifier = [](std::string_view part) {
+        const auto letter = [](char c) {
+            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+        };
+        return !part.empty() && letter(part.front()) && std::all_of(part.begin(), part.end(), [&](char c) {
+            return letter(c) || (c >= '0' && c <= '9');
+        });
+    };
+    bool valid = !name.empty() && name.size() <= 200;
+    for (std::size_t start = 0; valid;) {
+        const auto dot = name.find('.', start);
+        valid =
+            identifier(std::string_view(name).substr(start, dot == std::string::npos ? dot : dot - start));
+        if (dot == std::string::npos) {
+            break;
+        }
+        start = dot + 1;
+    }
+    if (!valid) {
+        throw ConfigError("worker.zygote_preload: '" + name + "' is not a Python module name");
+    }
+}
+
 }  // namespace
+
+std::vector<std::string> ZygoteConfig::template_environment() const {
+    std::vector<std::string> variables;
+    if (preload) {
+        std::string joined;
+        for (const auto& module : *preload) {
+            joined += (joined.empty() ? "" : ",") + module;
+        }
+        variables.push_back("CELLBLOCK_ZYGOTE_PRELOAD=" + joined);
+    }
+    if (generation_forks) {
+        variables.push_back("CELLBLOCK_ZYGOTE_GENERATION_FORKS=" + std::to_string(*generation_forks));
+    }
+    if (generation_seconds) {
+        std::ostringstream seconds;
+        seconds << *generation_seconds;
+        variables.push_back("CELLBLOCK_ZYGOTE_GENERATION_SECONDS=" + seconds.str());
+    }
+    return variables;
+}
 
 KernelConfig::EnvironmentLookup KernelConfig::process_environment() {
     return [](const std::string& name) -> std::optional<std::string> {
@@ -69,6 +117,24 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.zygote.tenant = worker.value("zygote_tenant", std::string());
         config.zygote.library =
             resolve(base, worker.value("zygote_library", std::string(CELLBLOCK_DEFAULT_ZYGOTE_LIBRARY)));
+        if (worker.contains("zygote_preload")) {
+            config.zygote.preload = worker.at("zygote_preload").get<std::vector<std::string>>();
+            std::for_each(config.zygote.preload->begin(), config.zygote.preload->end(), check_module_name);
+        }
+        if (worker.contains("zygote_generation_forks")) {
+            const auto forks = worker.at("zygote_generation_forks").get<long long>();
+            if (forks < 1 || forks > 1000000) {
+                throw ConfigError("worker.zygote_generation_forks must be between 1 and 1000000");
+            }
+            config.zygote.generation_forks = static_cast<unsigned>(forks);
+        }
+        if (worker.contains("zygote_generation_seconds")) {
+            const auto seconds = worker.at("zygote_generation_seconds").get<double>();
+            if (!(seconds > 0)) {
+                throw ConfigError("worker.zygote_generation_seconds must be greater than 0");
+            }
+            config.zygote.generation_seconds = seconds;
+        }
         config.sandbox_policy = resolve(base, json.at("sandbox_policy").get<std::string>());
         config.workspace_root =
             resolve(base, json.value("workspace_root", std::string("/var/lib/cellblock/workspaces")));

@@ -9,6 +9,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace cellblock::kernel {
 
@@ -30,7 +31,16 @@ struct ZygoteConfig {
     bool enabled = false;           // worker.zygote
     std::string tenant;             // worker.zygote_tenant, overridden by CELLBLOCK_ZYGOTE_TENANT
     std::filesystem::path library;  // worker.zygote_library: host path of libcellblock_zygote.so
+    // What a template this kernel starts imports before forking (worker.zygote_preload, module names), and
+    // after how many forks or seconds it retires (worker.zygote_generation_forks / _seconds). Unset: the
+    // template's defaults (cellblock_runtime/zygote.py). A tenant's template is started by whichever of its
+    // kernels finds none, so the kernels of one tenant should agree on these.
+    std::optional<std::vector<std::string>> preload;
+    std::optional<unsigned> generation_forks;
+    std::optional<double> generation_seconds;
     bool active() const noexcept { return enabled && !tenant.empty(); }
+    // The CELLBLOCK_ZYGOTE_* variables that tell a template these settings.
+    std::vector<std::string> template_environment() const;
 };
 
 struct KernelConfig {

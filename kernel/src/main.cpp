@@ -261,7 +261,8 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     spec.memory_bytes = config.limits.memory_mb * 1024 * 1024;
     spec.ready_timeout = worker_start_timeout;
     if (config.zygote.active()) {
-        spec.zygote = WorkerLaunchSpec::Zygote{config.zygote.tenant, config.zygote.library};
+        spec.zygote = WorkerLaunchSpec::Zygote{config.zygote.tenant, config.zygote.library,
+                                               config.zygote.template_environment()};
     }
     WorkerSupervisor supervisor(spec);
     ExitPath exit_path(supervisor, own_workspace, runtime);

@@ -136,6 +136,8 @@ std::string start_template_if_dead(sandbox::Launcher& launcher, const WorkerLaun
         request.name = name;
         request.argv = worker.argv;
         request.environment = worker.environment;
+        request.environment.insert(request.environment.end(), zygote.template_environment.begin(),
+                                   zygote.template_environment.end());
         request.listening_socket = listening.get();
         request.stdout_fd = log.get();
         request.stderr_fd = log.get();

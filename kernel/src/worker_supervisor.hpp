@@ -54,8 +54,9 @@ struct WorkerLaunchSpec {
     // exec, with one `zygote_fallback` log line; a dead template is started again (flock election on
     // <state_dir>/zygote-<tenant>.lock) for the launches after that one. Unset: every launch is by exec.
     struct Zygote {
-        std::string tenant;             // a plain name (KernelConfig checks it)
-        std::filesystem::path library;  // host path of libcellblock_zygote.so
+        std::string tenant;                             // a plain name (KernelConfig checks it)
+        std::filesystem::path library;                  // host path of libcellblock_zygote.so
+        std::vector<std::string> template_environment;  // CELLBLOCK_ZYGOTE_* for a template started here
     };
     std::optional<Zygote> zygote;
 };

@@ -46,8 +46,9 @@ def kernelspec_with(tmp_path: Path, name: str, **worker) -> list[str]:
     return [str(tmp_path / "kernels")]
 
 
-def run_one_plus_one(tmp_path: Path, name: str, env: dict | None = None, **worker) -> tuple[str, list[dict]]:
-    """Starts the kernel, executes 1+1, shuts it down; returns the result and the kernel's log lines."""
+def run_one_plus_one(tmp_path: Path, name: str, env: dict | None = None, code: str = "1+1",
+                     **worker) -> tuple[str, list[dict]]:
+    """Starts the kernel, executes `code` (1+1), shuts it down; returns the result and the kernel's log lines."""
     outputs: list = []
     manager = KernelManager(kernel_name=name,
                             kernel_spec_manager=KernelSpecManager(kernel_dirs=kernelspec_with(tmp_path, name, **worker)))
@@ -58,7 +59,7 @@ def run_one_plus_one(tmp_path: Path, name: str, env: dict | None = None, **worke
         try:
             client.start_channels()
             client.wait_for_ready(timeout=START_TIMEOUT)
-            reply = client.execute_interactive("1+1", timeout=120, output_hook=outputs.append)
+            reply = client.execute_interactive(code, timeout=120, output_hook=outputs.append)
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
@@ -120,3 +121,31 @@ def test_zygote_is_off_by_default(tmp_path, tenant):
     result, log = run_one_plus_one(tmp_path, "cellblock-zygote-default", env={"CELLBLOCK_ZYGOTE_TENANT": tenant})
     assert result == "2"
     assert not [line for line in log if str(line.get("event", "")).startswith("zygote")], log
+
+
+def test_a_template_started_by_a_kernel_preloads_what_its_config_names(tmp_path, tenant):
+    """worker.zygote_preload reaches the template: a fork has imported exactly what the config names (here a
+    module nothing else imports) and not the default list (pandas)."""
+    import signal
+
+    import cellblock_zygote
+
+    policy = (KERNEL_CONFIG.parent / json.loads(KERNEL_CONFIG.read_text())["sandbox_policy"]).resolve()
+    probe = "import sys; ('colorsys' in sys.modules, 'pandas' in sys.modules)"
+    settings = dict(zygote=True, zygote_tenant=tenant, zygote_preload=["colorsys"], zygote_generation_forks=5)
+    try:
+        by_exec, _ = run_one_plus_one(tmp_path / "a", "cellblock-zygote-preload-a", code=probe, **settings)
+        template = cellblock_zygote.template_serving(policy, tenant, timeout=240)
+        forked, log = run_one_plus_one(tmp_path / "b", "cellblock-zygote-preload-b", code=probe, **settings)
+        assert by_exec == "(False, False)", "the first launch starts the template and goes by exec"
+        assert not [line for line in log if line.get("event") == "zygote_fallback"], log
+        assert forked == "(True, False)"
+        serving = [json.loads(line) for line in (STATE_DIR / f"zygote-{tenant}.log").read_text().splitlines()
+                   if '"serving"' in line]
+        assert serving and serving[-1]["preload"] == ["colorsys"] and serving[-1]["generation_forks"] == 5, serving
+    finally:
+        pid = cellblock_zygote.template_pid(policy, tenant)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        import shutil
+        shutil.rmtree(STATE_DIR / "templates" / f"zygote-{tenant}", ignore_errors=True)

@@ -119,6 +119,34 @@ TEST_F(KernelConfigFile, TheZygoteIsOffUnlessSwitchedOnWithATenant) {
     EXPECT_EQ(KernelConfig::load(file, environment()).zygote.tenant, "from-file");
 }
 
+TEST_F(KernelConfigFile, TheTemplatesPreloadAndGenerationComeFromTheConfigAsItsEnvironment) {
+    EXPECT_TRUE(KernelConfig::load(file, environment()).zygote.template_environment().empty())
+        << "unset: the template's own defaults";
+    std::ofstream(file) << R"({"worker": {"script": "w.py", "zygote": true, "zygote_tenant": "t",
+                                          "zygote_preload": ["IPython", "numpy", "scipy.stats", "_private2"],
+                                          "zygote_generation_forks": 50, "zygote_generation_seconds": 90.5},
+                               "sandbox_policy": "p.json"})";
+    EXPECT_EQ(KernelConfig::load(file, environment()).zygote.template_environment(),
+              (std::vector<std::string>{"CELLBLOCK_ZYGOTE_PRELOAD=IPython,numpy,scipy.stats,_private2",
+                                        "CELLBLOCK_ZYGOTE_GENERATION_FORKS=50",
+                                        "CELLBLOCK_ZYGOTE_GENERATION_SECONDS=90.5"}));
+    std::ofstream(file)
+        << R"({"worker": {"script": "w.py", "zygote_preload": []}, "sandbox_policy": "p.json"})";
+    EXPECT_EQ(KernelConfig::load(file, environment()).zygote.template_environment(),
+              (std::vector<std::string>{"CELLBLOCK_ZYGOTE_PRELOAD="}))
+        << "an empty list preloads nothing (not the defaults)";
+
+    for (const char* bad :
+         {R"("zygote_preload": ["os; import sys"])", R"("zygote_preload": ["a,b"])",
+          R"("zygote_preload": ["a..b"])", R"("zygote_preload": [".a"])", R"("zygote_preload": ["1a"])",
+          R"("zygote_preload": [""])", R"("zygote_preload": "numpy")", R"("zygote_generation_forks": 0)",
+          R"("zygote_generation_seconds": 0)", R"("zygote_generation_seconds": -1)"}) {
+        std::ofstream(file) << R"({"worker": {"script": "w.py", )" << bad
+                            << R"(}, "sandbox_policy": "p.json"})";
+        EXPECT_THROW(KernelConfig::load(file, environment()), ConfigError) << bad;
+    }
+}
+
 TEST_F(KernelConfigFile, ATenantIsAPlainName) {
     for (const char* bad : {"../etc", "a/b", "..", "with space", "x\n"}) {
         variables = {{"CELLBLOCK_ZYGOTE_TENANT", bad}};
