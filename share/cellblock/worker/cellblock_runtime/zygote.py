@@ -56,6 +56,11 @@ def make_template(worker_dir, preload=DEFAULT_PRELOAD, warm_up_rounds=None):
     for name in preload:
         importlib.import_module(name)
     warm_up(prepared, WARM_UP_ROUNDS if warm_up_rounds is None else warm_up_rounds)
+    # What every fork runs once before its first request, run once here too, so that what it builds lazily (the
+    # libc handle, numpy's seeding machinery) is in the shared heap; the template's own random state is never a
+    # session's (each fork draws its own in serve_forked).
+    redraw_session_state()
+    _process_control()
     gc.collect()
     gc.freeze()
     return prepared
@@ -241,12 +246,21 @@ def recreate_start_directories(shell):
 PR_SET_DUMPABLE = 4
 
 
+_PRCTL = []
+
+
+def _process_control():
+    """libc's prctl, looked up once (in the template, so that a fork does not build a ctypes library of its own)."""
+    if not _PRCTL:
+        _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+    return _PRCTL[0]
+
+
 def make_dumpable_again():
     """The confinement changed a root process's credentials, which makes the kernel mark it not dumpable (execve
     would reset that): its /proc/PID files then belong to root and the worker cannot read its own
     /proc/self/environ, nor can its tools (ps, a debugger) look at it. Be what an exec'd worker is."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+    if _process_control()(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"prctl(PR_SET_DUMPABLE): {os.strerror(error)}")
 
