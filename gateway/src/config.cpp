@@ -1,5 +1,6 @@
 #include "cellblock/gateway/config.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -110,6 +111,7 @@ void GatewayConfig::merge_json(const json& j) {
                                                    "store",
                                                    "orphan_timeout",
                                                    "shutdown_kernels_on_exit",
+                                                   "zygote_tenant",
                                                    "log_level",
                                                    "provisioner",
                                                    "launch_registry_ip",
@@ -180,6 +182,7 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "store", store);
     take(j, "orphan_timeout", orphan_timeout);
     take(j, "shutdown_kernels_on_exit", shutdown_kernels_on_exit);
+    take(j, "zygote_tenant", zygote_tenant);
     take(j, "log_level", log_level);
     take(j, "provisioner", provisioner);
     take(j, "launch_registry_ip", launch_registry_ip);
@@ -275,6 +278,7 @@ void GatewayConfig::merge_environment(
     text("CELLBLOCK_GATEWAY_STORE", store);
     number("CELLBLOCK_GATEWAY_ORPHAN_TIMEOUT", orphan_timeout);
     boolean("CELLBLOCK_GATEWAY_SHUTDOWN_KERNELS_ON_EXIT", shutdown_kernels_on_exit);
+    text("CELLBLOCK_GATEWAY_ZYGOTE_TENANT", zygote_tenant);
     text("CELLBLOCK_GATEWAY_LOG_LEVEL", log_level);
     text("CELLBLOCK_GATEWAY_PROVISIONER", provisioner);
     text("CELLBLOCK_GATEWAY_LAUNCH_REGISTRY_IP", launch_registry_ip);
@@ -336,6 +340,7 @@ json GatewayConfig::to_json() const {
                             : std::regex_replace(store, std::regex(R"(://([^:/@]*):[^@/]*@)"), "://$1:***@")},
               {"orphan_timeout", orphan_timeout},
               {"shutdown_kernels_on_exit", shutdown_kernels_on_exit},
+              {"zygote_tenant", zygote_tenant},
               {"provisioner", provisioner},
               {"launch_registry_ip", launch_registry_ip},
               {"slurm",
@@ -380,6 +385,18 @@ void GatewayConfig::check_network() const {
         if (!hosts)
             throw std::invalid_argument("--egress-hosts " + egress_hosts + ": cannot read the file");
     }
+}
+
+void GatewayConfig::check_zygote_tenant() const {
+    // The same rule as the kernel's (kernel_config.cpp): the name becomes part of a socket path.
+    constexpr std::size_t longest = 64;
+    const bool plain = std::all_of(zygote_tenant.begin(), zygote_tenant.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+               c == '_' || c == '-';
+    });
+    if (zygote_tenant.size() > longest || !plain || zygote_tenant == "." || zygote_tenant == "..")
+        throw std::invalid_argument("zygote_tenant '" + zygote_tenant +
+                                    "': a plain name of at most 64 of A-Za-z0-9._- is needed");
 }
 
 std::string installed_data_dir() {

@@ -372,6 +372,10 @@ std::map<std::string, std::string> KernelManager::kernel_environment(
         environment["CELLBLOCK_LEASE_CLEANUP_DIR"] = workspace.string();
     }
     environment.erase("KG_AUTH_TOKEN");
+    // The tenant names who may share a template's hash secret and layout: the operator's word only.
+    environment.erase("CELLBLOCK_ZYGOTE_TENANT");
+    if (!config_.zygote_tenant.empty())
+        environment["CELLBLOCK_ZYGOTE_TENANT"] = config_.zygote_tenant;
     // The network policy is the operator's and the agent API's word only (never a client's env or spec env).
     environment.erase("CELLBLOCK_NETWORK_POLICY");
     environment.erase("CELLBLOCK_EGRESS_HOSTS");

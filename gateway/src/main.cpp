@@ -38,8 +38,8 @@ bool same_file(int first_fd, int second_fd) {
 struct CommandLine {
     std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
         runtime_dir, workspace_root, state_dir, store, log_level, default_kernel_name, provisioner,
-        launch_registry_ip, slurm_partition, slurm_account, slurm_qos, slurm_constraint, network_default,
-        egress_hosts;
+        zygote_tenant, launch_registry_ip, slurm_partition, slurm_account, slurm_qos, slurm_constraint,
+        network_default, egress_hosts;
     std::optional<int> port, warm_pool, max_kernels;
     std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout,
         network_approval_timeout;
@@ -71,6 +71,7 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.state_dir, config.state_dir);
     set(cli.store, config.store);
     set(cli.orphan_timeout, config.orphan_timeout);
+    set(cli.zygote_tenant, config.zygote_tenant);
     set(cli.header_timeout, config.header_timeout);
     set(cli.max_unauthenticated_connections, config.max_unauthenticated_connections);
     set(cli.max_unauthenticated_per_address, config.max_unauthenticated_per_address);
@@ -164,6 +165,10 @@ int main(int argc, char** argv) {
            "seconds a kernel keeps running without a gateway before it stops itself (default 600; 0 = "
            "forever)")
         ->check(CLI::NonNegativeNumber);
+    app.add_option("--zygote-tenant", cli.zygote_tenant,
+                   "the worker zygote's tenant of every kernel this gateway starts (CELLBLOCK_ZYGOTE_TENANT; "
+                   "used when the kernel config switches the zygote on); sessions of one tenant share a "
+                   "template (CELLBLOCK_GATEWAY_ZYGOTE_TENANT)");
     app.add_flag("--shutdown-kernels-on-exit", cli.shutdown_kernels_on_exit,
                  "SIGTERM stops the kernels too (by default they keep running for the next gateway; SIGINT "
                  "always stops them)");
@@ -230,6 +235,7 @@ int main(int argc, char** argv) {
         apply(cli, config);
         config.base_url = normalized_base_url(config.base_url);
         config.check_network();
+        config.check_zygote_tenant();
     } catch (const std::exception& error) {
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
         return 2;

@@ -15,6 +15,7 @@
 #include <xeus/xmiddleware.hpp>
 #include <zmq_addon.hpp>
 
+#include "heap_policy.hpp"
 #include "logging.hpp"
 #include "protocol_fixups.hpp"
 
@@ -344,14 +345,24 @@ std::unique_ptr<xeus::xserver> ServerHandoff::take(xeus::xcontext& context, cons
 // ---- interpreter thread -----------------------------------------------------------------------------------
 
 void KernelServer::run_interpreter() {
+    bool heap_release_due = false;  // a request ran since the last release (heap_policy.hpp)
     for (;;) {
         std::optional<xeus::xmessage> next;
         {
             std::unique_lock lock(shell_mutex_);
-            shell_ready_.wait(lock, [this] { return shell_closed_ || !shell_queue_.empty(); });
+            const auto request_or_close = [this] { return shell_closed_ || !shell_queue_.empty(); };
+            if (heap_release_due &&
+                !shell_ready_.wait_for(lock, quiet_before_heap_release, request_or_close)) {
+                lock.unlock();
+                release_free_heap();
+                heap_release_due = false;
+                continue;
+            }
+            shell_ready_.wait(lock, request_or_close);
             if (shell_closed_) {
                 return;
             }
+            heap_release_due = true;
             next = std::move(shell_queue_.front());
             shell_queue_.pop_front();
         }

@@ -10,7 +10,6 @@
 // Exit status: 0 after shutdown_request, SIGTERM or SIGQUIT; 1 when start-up failed; 3
 // (lease_expired_exit_status) when the orphan lease ran out (CELLBLOCK_LEASE_S; see kernel/README.md).
 #include <fcntl.h>
-#include <malloc.h>
 #include <openssl/crypto.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -34,6 +33,7 @@
 
 #include "connection_info.hpp"
 #include "egress_proxy.hpp"
+#include "heap_policy.hpp"
 #include "history_manager.hpp"
 #include "kernel_config.hpp"
 #include "kernel_server.hpp"
@@ -56,19 +56,6 @@ constexpr const char* cellblock_version = CELLBLOCK_VERSION;
 // No gateway renewed the lease: the kernel stopped itself (and cleaned up). Distinct so that whoever reaps
 // the kernel (a gateway that came back too late, systemd) can tell it from a crash or a shutdown.
 constexpr int lease_expired_exit_status = 3;
-
-// Large messages (a 1 MiB stream text is read, serialized, signed and sent) would otherwise get fresh mmap'd
-// blocks that glibc unmaps after use, and on a VM faulting a MiB in again costs more than copying it: blocks
-// under 4 MiB come from the heap and up to 8 MiB of free heap stays mapped. Same setting as the worker's
-// (cellblock_runtime/main.py); not GLIBC_TUNABLES, which every process the kernel starts would inherit.
-void keep_large_blocks_on_the_heap() {
-    constexpr int mmap_threshold = 4 * 1024 * 1024;
-    constexpr int trim_threshold = 8 * 1024 * 1024;
-    if (::mallopt(M_MMAP_THRESHOLD, mmap_threshold) != 1 ||
-        ::mallopt(M_TRIM_THRESHOLD, trim_threshold) != 1) {
-        log_event(LogLevel::warning, "mallopt_failed", {});
-    }
-}
 
 // "3.11.2" from `python --version`.
 std::string probe_python_version(const std::filesystem::path& python) {

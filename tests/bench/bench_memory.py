@@ -101,6 +101,12 @@ def idle_session_memory(label: str, kernel_name: str, count: int, settle_s: floa
         result["rss_mib"] = [sum(benchlib.rss_kib(pid) for pid in tree) / 1024.0 for tree in trees]
         result["processes"] = [len(tree) for tree in trees]
         result["kernel_pss_mib"] = [benchlib.pss_kib(kernel.pid) / 1024.0 for kernel in kernels]
+        # Per component (kernel process, the rest of the tree = the worker): PSS and what is the process's alone.
+        result["kernel_private_mib"] = [benchlib.private_dirty_kib(kernel.pid) / 1024.0 for kernel in kernels]
+        result["worker_pss_mib"] = [sum(benchlib.pss_kib(pid) for pid in tree if pid != kernel.pid) / 1024.0
+                                    for kernel, tree in zip(kernels, trees)]
+        result["worker_private_mib"] = [sum(benchlib.private_dirty_kib(pid) for pid in tree if pid != kernel.pid)
+                                        / 1024.0 for kernel, tree in zip(kernels, trees)]
         if trees:
             result["breakdown"] = [(pid, benchlib.process_name(pid), benchlib.pss_kib(pid), benchlib.rss_kib(pid),
                                     benchlib.smaps_breakdown(pid, 8)) for pid in trees[0]]
@@ -228,6 +234,7 @@ def main() -> int:
     parser.add_argument("--zygote", action="store_true", help="also cellblock with worker.zygote: true (4. above)")
     parser.add_argument("--starts", type=int, default=20, help="sequential starts of exec and zygote kernels")
     parser.add_argument("--only-idle", action="store_true", help="skip the REST part (3.)")
+    parser.add_argument("--no-peers", action="store_true", help="cellblock only: no ipykernel/xpython idle figures")
     args = parser.parse_args()
     benchlib.use_installed_kernelspecs()
     zygote_dir = Path(tempfile.mkdtemp(prefix="cellblock-bench-zygote-")) if args.zygote else None
@@ -250,7 +257,7 @@ def measure_all(args, zygote_dir) -> int:
     mem_available_mib = benchlib.mem_available_kib() / 1024.0
 
     idle = {}
-    for label, kernel_name in KINDS:
+    for label, kernel_name in KINDS[:1] if args.no_peers else KINDS:
         if benchlib.kernelspec_available(kernel_name):
             idle[label] = idle_session_memory(label, kernel_name, idle_count, 0.5 if args.quick else 3.0)
         else:
@@ -314,6 +321,12 @@ def measure_all(args, zygote_dir) -> int:
               f"session above); kernel process alone: "
               f"{Stats(forked['kernel_pss_mib']).median if forked.get('kernel_pss_mib') else float('nan'):.1f} MiB "
               f"PSS.\n")
+        rows = []
+        for label, key in (("kernel process PSS", "kernel_pss_mib"), ("kernel process Private_Dirty", "kernel_private_mib"),
+                           ("worker PSS (template share not included)", "worker_pss_mib"),
+                           ("worker Private_Dirty", "worker_private_mib")):
+            rows.append(Row(label, stat(forked, key), {"exec path": stat(ours, key)}, unit="MiB"))
+        print(markdown_table("Per component of an idle session (cellblock column = zygote)", rows))
         rows = [Row("start → kernel_info_reply", sample(zygote_starts, "info_ms"),
                     {"exec path": sample(exec_starts, "info_ms")}),
                 Row("start → first `1+1` answered (worker ready)", sample(zygote_starts, "ready_ms"),

@@ -127,6 +127,11 @@ def pss_kib(pid: int) -> int:
     return _proc_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
+def private_dirty_kib(pid: int) -> int:
+    """Pages of one process that no other process maps and that it wrote (smaps_rollup), 0 if it is gone."""
+    return _proc_kib(f"/proc/{pid}/smaps_rollup", "Private_Dirty:")
+
+
 def _children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):

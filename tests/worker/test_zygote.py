@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import textwrap
 
-from conftest import worker_environment, worker_script
+from conftest import WorkerProcess, worker_environment, worker_script
 
 DRIVER = textwrap.dedent(r"""
     import ctypes, json, os, shutil, signal, socket, struct, sys, time
@@ -145,3 +145,47 @@ def test_a_fork_has_only_its_own_fds_and_the_interpreters_signal_dispositions(tm
     assert first["replies"][PIPE]["status"] == "ok", first["replies"][PIPE]
     # What the template's start made under its /tmp exists again in the fork's fresh one.
     assert eval(value(first["replies"][DIRECTORIES])) == (["log", "pid", "security", "startup"], True)
+
+
+# Everything of the shell a session's first cell can see that running a cell changes (the template's warm-up runs
+# `1+1` through the execute path before it forks; cellblock_runtime/zygote.py, warm_up): names and hidden names of
+# the user namespace, `_`/`__`/`___` and the `_i` family, In/Out, the execution count, IPython's history caches,
+# the cell-source cache and its numbering, and the last cell's result.
+FIRST_CELL = (
+    "(lambda ip, lc, json: json.dumps({"
+    "'names': sorted(ip.user_ns), 'hidden': sorted(ip.user_ns_hidden), "
+    "'values': {n: repr(ip.user_ns.get(n)) for n in ('_', '__', '___', '_i', '_ii', '_iii', '_ih', '_oh', '_dh', "
+    "'In', 'Out')}, "
+    "'count': ip.execution_count, "
+    "'history': [list(ip.history_manager.input_hist_raw), repr(ip.history_manager.output_hist_reprs), "
+    "repr(ip.history_manager.db_input_cache), repr(ip.history_manager.db_output_cache)], "
+    "'displayhook': [repr(ip.displayhook._), repr(ip.displayhook.__), repr(ip.displayhook.___), "
+    "ip.displayhook.prompt_count], "
+    "'cells': sorted(name for name in lc.cache if 'ipython-input' in name), "
+    "'cell_numbers': sorted(ip.compile._filename_map.items()), "
+    "'last': [repr(ip.last_execution_result), ip.last_execution_succeeded]}))"
+    "(get_ipython(), __import__('linecache'), __import__('json'))")
+
+
+def test_a_forks_first_cell_sees_what_an_execd_workers_first_cell_sees(tmp_path, monkeypatch):
+    monkeypatch.delenv("CELLBLOCK_TEST_ZYGOTE", raising=False)  # this worker must be the exec path's
+    exec_dir = tmp_path / "exec"
+    exec_dir.mkdir()
+    executed = WorkerProcess(exec_dir)
+    try:
+        exec_state = json.loads(eval(executed.execute(FIRST_CELL).assert_ok().result["data"]["text/plain"]))
+    finally:
+        executed.stop()
+    fork_dir = tmp_path / "fork"
+    fork_dir.mkdir()
+    result = run_template(fork_dir, [FIRST_CELL, "1+1"], ["1+1"])
+    first = result["sessions"][0]
+    fork_state = json.loads(eval(value(first["replies"][FIRST_CELL])))
+    # The only difference allowed: the directory each was started in (both list exactly their own).
+    assert str(exec_dir) in exec_state["values"].pop("_dh")
+    assert str(fork_dir) in fork_state["values"].pop("_dh")
+    for key in exec_state:
+        assert fork_state[key] == exec_state[key], f"{key}: fork {fork_state[key]!r} != exec {exec_state[key]!r}"
+    assert exec_state["count"] == 1 and exec_state["values"]["_"] == "''", exec_state  # really a first cell
+    # And the fork goes on as a fresh session: its second cell is number 2.
+    assert value(first["replies"]["1+1"]) == "2"

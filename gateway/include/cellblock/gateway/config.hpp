@@ -81,6 +81,12 @@ struct GatewayConfig {
     double orphan_timeout = 600;
     // SIGTERM normally leaves kernels running for the next gateway (upgrade, restart); this stops them.
     bool shutdown_kernels_on_exit = false;
+    // The worker zygote's tenant (kernel/README.md "Worker zygote"): every kernel this gateway starts gets it
+    // as CELLBLOCK_ZYGOTE_TENANT, so their workers are forks of that tenant's template when the kernel config
+    // switches the zygote on. Sessions of one tenant share a template's hash secret and address-space layout,
+    // so it names one trust domain; never taken from a client. Empty = none. A plain name: at most 64 of
+    // A-Za-z0-9._-.
+    std::string zygote_tenant;
 
     std::string log_level = "warning";
 
@@ -123,6 +129,8 @@ struct GatewayConfig {
     // Throws std::invalid_argument for network settings that cannot work (bad patterns, a default beyond the
     // ceiling, an unreadable --egress-hosts file), so the gateway refuses to start with the reason.
     void check_network() const;
+    // Throws std::invalid_argument when zygote_tenant is not a plain name (the kernel would refuse to start).
+    void check_zygote_tenant() const;
     // Kernelspec directories to scan, with the installed default when none is configured.
     std::vector<std::string> effective_kernelspec_dirs() const;
 };

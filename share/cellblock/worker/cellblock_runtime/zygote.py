@@ -48,15 +48,136 @@ def occupy_worker_fds():
                 os.close(fresh)
 
 
-def make_template(worker_dir, preload=DEFAULT_PRELOAD):
-    """Prepares the worker, imports `preload`, and freezes the heap. Returns main.Prepared for the forks."""
+def make_template(worker_dir, preload=DEFAULT_PRELOAD, warm_up_rounds=None):
+    """Prepares the worker, imports `preload`, warms the execute path up, and freezes the heap. Returns
+    main.Prepared for the forks."""
     occupy_worker_fds()
     prepared = main.prepare(worker_dir)
     for name in preload:
         importlib.import_module(name)
+    warm_up(prepared, WARM_UP_ROUNDS if warm_up_rounds is None else warm_up_rounds)
+    # What every fork runs once before its first request, run once here too, so that what it builds lazily (the
+    # libc handle, numpy's seeding machinery) is in the shared heap; the template's own random state is never a
+    # session's (each fork draws its own in serve_forked).
+    redraw_session_state()
+    _process_control()
     gc.collect()
     gc.freeze()
     return prepared
+
+
+# A fork's memory of its own is mostly the pages of inherited objects it writes to. What every session's first
+# `execute` would write once (the runtime modules main.attach imports, IPython's lazily built caches, CPython
+# 3.11's specialised bytecode, written in place into code objects after a few calls) the template writes before
+# it forks, so those pages stay shared. Eight calls quicken a 3.11 function; a few more specialise its branches.
+WARM_UP_CELL = "1+1"
+WARM_UP_ROUNDS = 12
+
+
+class WarmUpChangedState(RuntimeError):
+    """The warm-up left something a session could see (a fork must look like an exec'd worker)."""
+
+
+_MISSING = object()
+
+
+class _DiscardingChannel:
+    """Where a warm-up's frames go: nowhere (the template has no channel, and nothing of it may leave)."""
+
+    def send(self, message, finishes_request=False):
+        pass
+
+
+def visible_shell_state(shell):
+    """What a session can see of its shell and interpreter that running a cell may change: the user namespace
+    (names and the objects they hold), the hidden names, the history and output caches, the execution count, the
+    result and error of the last cell, IPython's cell-source cache, our own per-request fields, and the
+    interpreter hooks a request touches (streams, input, SIGINT)."""
+    import builtins
+    import getpass
+    import linecache
+
+    history = shell.history_manager
+    displayhook = shell.displayhook
+    return {
+        "user_ns": {name: id(value) for name, value in shell.user_ns.items()},
+        "user_ns_hidden": {name: id(value) for name, value in shell.user_ns_hidden.items()},
+        "execution_count": shell.execution_count,
+        "In": list(history.input_hist_parsed), "In_raw": list(history.input_hist_raw),
+        "Out": {key: id(value) for key, value in history.output_hist.items()},
+        "Out_reprs": dict(history.output_hist_reprs),
+        "history_caches": (list(history.db_input_cache), list(history.db_output_cache)),
+        "displayhook": (id(displayhook._), id(displayhook.__), id(displayhook.___), displayhook.exec_result),
+        "last_execution": (id(shell.last_execution_result), shell.last_execution_succeeded),
+        "cells": (sorted(linecache.cache), sorted(getattr(linecache, "_ipython_cache", {})),
+                  dict(shell.compile._filename_map)),
+        "request": (shell.current_cell, shell.last_error, shell.payload_manager.read_payload(),
+                    shell.output_route.silent),
+        "hooks": (id(sys.stdout), id(sys.stderr), id(builtins.input), id(getpass.getpass),
+                  signal.getsignal(signal.SIGINT), id(sys.displayhook), id(sys.excepthook)),
+        "last_exception": tuple(hasattr(sys, name) for name in ("last_type", "last_value", "last_traceback")),
+    }
+
+
+def warm_up(prepared, rounds):
+    """Runs WARM_UP_CELL `rounds` times through the worker's own execute path (RequestHandlers.execute, the
+    displayhook's formatting, the frames) with nothing stored in the history, then puts back everything the
+    execute changed, and checks that nothing a session could see differs from before."""
+    if rounds <= 0:
+        return
+    import linecache
+
+    from .requests import RequestHandlers
+    from .stdin import StdinForwarder
+
+    shell = prepared.shell
+    history = shell.history_manager
+    displayhook = shell.displayhook
+    before = visible_shell_state(shell)
+    saved_user_ns, saved_hidden = dict(shell.user_ns), dict(shell.user_ns_hidden)
+    saved_output = (dict(history.output_hist), dict(history.output_hist_reprs))
+    saved_displayhook = (displayhook._, displayhook.__, displayhook.___)
+    saved_last = (shell.last_execution_result, shell.last_execution_succeeded)
+    saved_request = (shell.current_cell, shell.last_error)
+    saved_cells = (set(linecache.cache), set(getattr(linecache, "_ipython_cache", {})),
+                   set(shell.compile._filename_map))
+    saved_count = shell.execution_count
+
+    channel = _DiscardingChannel()
+    prepared.route.attach(channel)
+    # Never installed (that replaces builtins.input): the execute path only reads its `allowed`.
+    handlers = RequestHandlers(shell, prepared.gate, StdinForwarder(channel))
+    try:
+        for _ in range(rounds):
+            content = handlers.execute({"type": "execute", "code": WARM_UP_CELL, "store_history": False})
+            if content.get("status") != "ok":
+                raise WarmUpChangedState(f"the warm-up cell failed: {content}")
+    finally:
+        prepared.route.attach(None)
+        shell.execution_count = saved_count
+        displayhook._, displayhook.__, displayhook.___ = saved_displayhook
+        for namespace, saved in ((shell.user_ns, saved_user_ns), (shell.user_ns_hidden, saved_hidden)):
+            for name in [name for name in namespace if name not in saved]:
+                del namespace[name]
+            for name, value in saved.items():
+                if namespace.get(name, _MISSING) is not value:
+                    namespace[name] = value
+        for live, saved in zip((history.output_hist, history.output_hist_reprs), saved_output):
+            live.clear()
+            live.update(saved)
+        shell.last_execution_result, shell.last_execution_succeeded = saved_last
+        shell.current_cell, shell.last_error = saved_request
+        for live, saved in zip((linecache.cache, getattr(linecache, "_ipython_cache", {}),
+                                shell.compile._filename_map), saved_cells):
+            for name in [name for name in live if name not in saved]:
+                del live[name]
+        for name in ("last_type", "last_value", "last_traceback"):
+            if before["last_exception"] == (False, False, False) and hasattr(sys, name):
+                delattr(sys, name)
+    after = visible_shell_state(shell)
+    if after != before:
+        changed = sorted(key for key in before if before[key] != after[key])
+        raise WarmUpChangedState(f"the warm-up changed what a session sees: {', '.join(changed)}")
 
 
 def check_forkable():
@@ -125,12 +246,21 @@ def recreate_start_directories(shell):
 PR_SET_DUMPABLE = 4
 
 
+_PRCTL = []
+
+
+def _process_control():
+    """libc's prctl, looked up once (in the template, so that a fork does not build a ctypes library of its own)."""
+    if not _PRCTL:
+        _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+    return _PRCTL[0]
+
+
 def make_dumpable_again():
     """The confinement changed a root process's credentials, which makes the kernel mark it not dumpable (execve
     would reset that): its /proc/PID files then belong to root and the worker cannot read its own
     /proc/self/environ, nor can its tools (ps, a debugger) look at it. Be what an exec'd worker is."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+    if _process_control()(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"prctl(PR_SET_DUMPABLE): {os.strerror(error)}")
 
@@ -529,7 +659,7 @@ def serve_template(worker_dir):
         spawner = LibrarySpawner(settings.library)
         prepared = make_template(worker_dir, settings.preload)
         check_forkable()
-    except (OSError, ImportError, NotForkable) as error:
+    except (OSError, ImportError, NotForkable, WarmUpChangedState) as error:
         _log("template_failed", detail=f"{type(error).__name__}: {error}")
         return 1
     service = TemplateService(listener_fd, spawner, host_mount_namespace_fd, own_mount_namespace_fd, own_cwd_fd,

@@ -1,0 +1,91 @@
+"""The gateway names the worker zygote's tenant of the kernels it starts (`--zygote-tenant`, gateway/README.md):
+each kernel gets it as CELLBLOCK_ZYGOTE_TENANT, and with the zygote switched on in the kernel config its worker is a
+fork of that tenant's template. The tenant decides which sessions share a template's hash secret and layout, so
+it is the operator's word only: a client that asks for another tenant through the kernel's environment does not
+get it. Checked on the host: the kernel's /proc/PID/environ and the worker's parent process."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import cellblock_zygote
+import pytest
+
+from gateway_harness import PREFIX, kernel_pids
+
+TEMPLATE_START_TIMEOUT = 240  # the template imports IPython, numpy, pandas and matplotlib on a loaded machine
+ZYGOTE_KERNEL = "cellblock-zygote-untenanted"
+
+
+@pytest.fixture(scope="module")
+def zygote_kernelspec(tmp_path_factory):
+    """cellblock-python with `worker.zygote: true` and no tenant of its own: only the environment can name one."""
+    directory = tmp_path_factory.mktemp("zygote-kernelspec")
+    installed = PREFIX / "share" / "jupyter" / "kernels" / "cellblock-python" / "kernel.json"
+    spec = json.loads(installed.read_text())
+    argv = spec["argv"]
+    config = cellblock_zygote.resolved_config(Path(argv[argv.index("--config") + 1]))
+    config["worker"]["zygote"] = True
+    config["worker"].pop("zygote_tenant", None)
+    (directory / "kernel-config.json").write_text(json.dumps(config))
+    argv[argv.index("--config") + 1] = str(directory / "kernel-config.json")
+    (directory / "kernels" / ZYGOTE_KERNEL).mkdir(parents=True)
+    (directory / "kernels" / ZYGOTE_KERNEL / "kernel.json").write_text(json.dumps(spec))
+    yield directory / "kernels", Path(config["sandbox_policy"])
+    cellblock_zygote.stop_templates(config["sandbox_policy"])
+
+
+def kernel_environment(gateway, kernel_id) -> dict:
+    pids = kernel_pids(kernel_id)
+    assert len(pids) == 1, pids
+    raw = Path(f"/proc/{pids[0]}/environ").read_bytes()
+    return dict(entry.partition("=")[::2] for entry in raw.decode().split("\0") if entry)
+
+
+def test_a_gateway_started_kernels_worker_is_a_fork_of_the_gateways_tenant(make_gateway, zygote_kernelspec):
+    kernels, policy = zygote_kernelspec
+    tenant = cellblock_zygote.other_tenant("gateway")
+    gateway = make_gateway("--kernelspec-dir", str(kernels), "--zygote-tenant", tenant, warm_pool=0)
+    model = gateway.start_kernel(name=ZYGOTE_KERNEL)
+    assert kernel_environment(gateway, model["id"])["CELLBLOCK_ZYGOTE_TENANT"] == tenant
+    socket = gateway.connect(model["id"])
+    try:
+        socket.wait_ready()
+        # The tenant's first launch goes by exec while it starts the template; the next worker is a fork.
+        template = cellblock_zygote.template_serving(policy, tenant, timeout=TEMPLATE_START_TIMEOUT)
+        kernel_pid = kernel_pids(model["id"])[0]
+
+        def worker():
+            return [pid for pid in cellblock_zygote.kernel_tree(kernel_pid) if pid != kernel_pid]
+
+        for _ in range(5):
+            if any(cellblock_zygote._ppid(pid) == template for pid in worker()):
+                break
+            socket.execute("import os; os._exit(0)")
+            replies = socket.execute("1+1")
+            assert any(m["msg_type"] == "execute_result" for m in replies), replies
+        forked = [pid for pid in worker() if cellblock_zygote._ppid(pid) == template]
+        assert forked, f"no worker of kernel {kernel_pid} is a child of template {template}: {worker()}"
+        results = [m["content"]["data"]["text/plain"] for m in socket.execute("6*7")
+                   if m["msg_type"] == "execute_result"]
+        assert results == ["42"]
+    finally:
+        socket.close()
+
+
+@pytest.mark.parametrize("gateway_tenant", [None, "operators-choice"])
+def test_a_client_cannot_choose_the_tenant(make_gateway, gateway_tenant):
+    # Even when the operator lets clients pass that variable (KG_ENV_WHITELIST), the gateway's word stands.
+    arguments = ["--zygote-tenant", gateway_tenant] if gateway_tenant else []
+    gateway = make_gateway(*arguments, warm_pool=0, env={"KG_ENV_WHITELIST": "CELLBLOCK_ZYGOTE_TENANT,LANG"})
+    model = gateway.start_kernel(env={"CELLBLOCK_ZYGOTE_TENANT": "someone-else", "LANG": "C.UTF-8"})
+    environment = kernel_environment(gateway, model["id"])
+    assert environment.get("LANG") == "C.UTF-8"  # the whitelist does pass client variables
+    assert environment.get("CELLBLOCK_ZYGOTE_TENANT") == gateway_tenant
+
+
+def test_a_tenant_that_is_not_a_plain_name_stops_the_start(make_gateway):
+    with pytest.raises(RuntimeError, match="zygote_tenant"):
+        make_gateway("--zygote-tenant", "../elsewhere")
