@@ -1,4 +1,5 @@
-"""Frames on the kernel channel (fd 3): a 4-byte big-endian length, then that many bytes of UTF-8 JSON.
+"""Frames on the kernel channel (fd 3): a 4-byte big-endian length, then that many bytes of UTF-8 JSON, or of
+a stream frame (a channel byte, 0x01 stdout or 0x02 stderr, then the text's UTF-8 bytes, not JSON-encoded).
 
 See ../PROTOCOL.md. The kernel is the trusted side; this module makes sure the untrusted worker never
 emits a frame the kernel would have to treat as a protocol error (oversized, invalid UTF-8, NaN, lone
@@ -19,10 +20,16 @@ import time
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 _HEADER = struct.Struct(">I")
+STDOUT_CHANNEL = b"\x01"
+STDERR_CHANNEL = b"\x02"
+# A stream frame's body is the channel byte and at most this many bytes of text: a larger write is split.
+MAX_STREAM_CHUNK = MAX_FRAME_BYTES - 1
 _READ_CHUNK = 1024 * 1024
 STREAM_FDS = (1, 2)
 # How long a frame may wait for the kernel to read fds 1/2 before it is sent anyway (the kernel is busy,
-# or a background process keeps writing).
+# or a background process keeps writing). Only text written at the fd level (subprocesses, C code) is in the
+# pipes: Python-level sys.stdout/sys.stderr travel on the channel itself, ordered with the frames by
+# construction.
 STREAM_CATCH_UP_SECONDS = 0.1
 _STALL_SECONDS = 0.02
 
@@ -99,6 +106,7 @@ class FrameChannel:
         self._receive_lock = threading.Lock()
         self._received = bytearray()
         self._pipe_fds = list(STREAM_FDS)
+        self._pipes_lagging = False
 
     def fileno(self):
         return self._fd
@@ -119,9 +127,10 @@ class FrameChannel:
                 f"{message.get('type', 'message')} of {len(payload)} bytes exceeds the "
                 f"{MAX_FRAME_BYTES}-byte frame limit of the kernel channel")
         frame = _HEADER.pack(len(payload)) + payload
-        # Ordering rule: stream text written before this event must reach fds 1/2 before the frame...
+        # A sys.stdout/sys.stderr the user installed may buffer; ours are written through on the channel.
         _flush_standard_streams()
-        # ...and the kernel must have read it, so text written after the frame can never overtake it.
+        # Ordering rule for fd-level text (subprocesses, C code): the kernel must have read what reached
+        # fds 1/2 before this frame, so text written after the frame can never overtake it.
         self._wait_until_streams_are_read()
         with self._send_lock, self._gate.frame_io():
             if finishes_request:
@@ -129,10 +138,30 @@ class FrameChannel:
                 # interrupt for that one at once), and with SIGINT held back: an interrupt that arrives from
                 # here on is a late one for this request, unless the next request is already waiting.
                 self._gate.request_finished()
-            view = memoryview(frame)
+            self._write_all([frame])
+
+    def send_text(self, channel_byte, data):
+        """Python-level stdout (STDOUT_CHANNEL) or stderr text as stream frames: in band, so ordered with the
+        other frames by the channel itself. `data` is UTF-8 bytes (or anything the kernel then repairs)."""
+        view = memoryview(data).cast("B")
+        if not view:
+            return
+        self._wait_until_streams_are_read()
+        with self._send_lock, self._gate.frame_io():
             while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
+                chunk = view[:MAX_STREAM_CHUNK]
+                view = view[len(chunk):]
+                self._write_all([_HEADER.pack(len(chunk) + 1) + channel_byte, chunk])
+
+    def _write_all(self, parts):
+        """One frame's bytes, whole (the caller holds the send lock with SIGINT held back)."""
+        while parts:
+            written = os.writev(self._fd, parts)
+            while parts and written >= len(parts[0]):
+                written -= len(parts[0])
+                parts.pop(0)
+            if parts and written:
+                parts[0] = memoryview(parts[0])[written:]
 
     def _unread_stream_bytes(self):
         unread = 0
@@ -146,6 +175,11 @@ class FrameChannel:
     def _wait_until_streams_are_read(self):
         unread = self._unread_stream_bytes()
         if unread == 0:
+            self._pipes_lagging = False
+            return
+        if self._pipes_lagging:
+            # The last wait gave up (a background process keeps writing, or the kernel is busy) and the
+            # pipes have not been empty since: waiting again would cost every print up to 100 ms.
             return
         start = last_progress = time.monotonic()
         while unread:
@@ -156,6 +190,7 @@ class FrameChannel:
                 last_progress = now
             unread = remaining
             if now - start > STREAM_CATCH_UP_SECONDS or now - last_progress > _STALL_SECONDS:
+                self._pipes_lagging = True
                 return
 
     def _complete_frame(self):
@@ -224,6 +259,8 @@ class FrameChannel:
 
 def _flush_standard_streams():
     for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "writes_through_channel", False):
+            continue  # nothing buffered (and flushing it would take the send lock)
         try:
             stream.flush()
         except Exception:
