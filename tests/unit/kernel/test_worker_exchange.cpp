@@ -207,7 +207,7 @@ TEST_F(WorkerExchangeTest, ALargePrintArrivesWholeAndInOrder) {
 // the worker (PROTOCOL.md), the tail of a large print and the stderr line still come before the result.
 TEST_F(WorkerExchangeTest, PrintDisplayPrintResultKeepTheirOrderWhenTheKernelIsSlowToRead) {
     RecordingSink sink;
-    stall_after_each_display(sink, std::chrono::milliseconds(400));
+    stall_after_each_display(sink, std::chrono::milliseconds(1000));
     const auto result = execute(
         "import sys\n"
         "from IPython.display import display\n"
