@@ -24,6 +24,10 @@ STDOUT_CHANNEL = b"\x01"
 STDERR_CHANNEL = b"\x02"
 # A stream frame's body is the channel byte and at most this many bytes of text: a larger write is split.
 MAX_STREAM_CHUNK = MAX_FRAME_BYTES - 1
+# Stream text is sent when a line ends (at most one frame of whole lines per TEXT_DELAY_SECONDS), when this
+# much is pending, or this long after it was written (the kernel batches stream text for 3 ms anyway).
+TEXT_AT_ONCE_BYTES = 64 * 1024
+TEXT_DELAY_SECONDS = 0.002
 _READ_CHUNK = 1024 * 1024
 STREAM_FDS = (1, 2)
 # How long a frame may wait for the kernel to read fds 1/2 before it is sent anyway (the kernel is busy,
@@ -107,6 +111,13 @@ class FrameChannel:
         self._received = bytearray()
         self._pipe_fds = list(STREAM_FDS)
         self._pipes_lagging = False
+        # Stream text not sent yet: the pieces of one stream's unfinished line (see write_text).
+        self._pending = []
+        self._pending_channel = None
+        self._pending_bytes = 0
+        self._last_text_sent = 0.0
+        self._text_due = threading.Condition(self._send_lock)
+        self._flusher = None
 
     def fileno(self):
         return self._fd
@@ -127,31 +138,95 @@ class FrameChannel:
                 f"{message.get('type', 'message')} of {len(payload)} bytes exceeds the "
                 f"{MAX_FRAME_BYTES}-byte frame limit of the kernel channel")
         frame = _HEADER.pack(len(payload)) + payload
-        # A sys.stdout/sys.stderr the user installed may buffer; ours are written through on the channel.
+        # A sys.stdout/sys.stderr the user installed may buffer.
         _flush_standard_streams()
-        # Ordering rule for fd-level text (subprocesses, C code): the kernel must have read what reached
-        # fds 1/2 before this frame, so text written after the frame can never overtake it.
-        self._wait_until_streams_are_read()
-        with self._send_lock, self._gate.frame_io():
-            if finishes_request:
-                # Before the reply can reach the kernel (which may answer it with the next request and an
-                # interrupt for that one at once), and with SIGINT held back: an interrupt that arrives from
-                # here on is a late one for this request, unless the next request is already waiting.
-                self._gate.request_finished()
-            self._write_all([frame])
+        with self._send_lock:
+            # Ordering rule for fd-level text (subprocesses, C code): the kernel must have read what reached
+            # fds 1/2 before this frame, so text written after the frame can never overtake it.
+            self._wait_until_streams_are_read()
+            with self._gate.frame_io():
+                if finishes_request:
+                    # Before the reply can reach the kernel (which may answer it with the next request and an
+                    # interrupt for that one at once), and with SIGINT held back: an interrupt that arrives
+                    # from here on is a late one for this request, unless the next request is already waiting.
+                    self._gate.request_finished()
+                self._write_pending_text()  # stream text written before this frame goes before it
+                self._write_all([frame])
 
-    def send_text(self, channel_byte, data):
-        """Python-level stdout (STDOUT_CHANNEL) or stderr text as stream frames: in band, so ordered with the
-        other frames by the channel itself. `data` is UTF-8 bytes (or anything the kernel then repairs)."""
-        view = memoryview(data).cast("B")
-        if not view:
+    def write_text(self, channel_byte, data):
+        """Python-level stdout (STDOUT_CHANNEL) or stderr text, sent in band as stream frames, so ordered with
+        the other frames by the channel itself. `data` is UTF-8 bytes (or anything the kernel then repairs).
+
+        Sent at once: a write that ends a line (print's last write) unless the last stream frame went less
+        than TEXT_DELAY_SECONDS ago, a large write, and the text before any other frame or a child process.
+        Otherwise the text waits at most TEXT_DELAY_SECONDS (a progress dot still shows live). So `print(x)`
+        is one frame, not two, and a loop of prints one frame per TEXT_DELAY_SECONDS, not one per line."""
+        if not data:
+            return
+        with self._send_lock:
+            if self._pending_channel != channel_byte and self._pending:
+                self._flush_pending_locked()
+            # In this order, so a KeyboardInterrupt between two of these lines leaves nothing inconsistent.
+            self._pending_channel = channel_byte
+            self._pending.append(data)
+            self._pending_bytes += len(data)
+            if self._pending_bytes >= TEXT_AT_ONCE_BYTES or (
+                    data[-1:] == b"\n" and time.monotonic() - self._last_text_sent >= TEXT_DELAY_SECONDS):
+                self._flush_pending_locked()
+            elif len(self._pending) == 1:
+                self._start_flusher_locked()
+                self._text_due.notify()
+
+    def flush_text(self):
+        """Sends the unfinished line now (sys.stdout.flush(), before a child process starts)."""
+        with self._send_lock:
+            self._flush_pending_locked()
+
+    def forget_text(self):
+        """In a forked child: the pending text is the parent's to send."""
+        self._pending = []
+        self._pending_channel = None
+        self._pending_bytes = 0
+        self._send_lock = threading.Lock()
+        self._text_due = threading.Condition(self._send_lock)
+        self._flusher = None
+
+    def _flush_pending_locked(self):
+        if not self._pending:
             return
         self._wait_until_streams_are_read()
-        with self._send_lock, self._gate.frame_io():
-            while view:
-                chunk = view[:MAX_STREAM_CHUNK]
-                view = view[len(chunk):]
-                self._write_all([_HEADER.pack(len(chunk) + 1) + channel_byte, chunk])
+        with self._gate.stream_frame_io():
+            self._write_pending_text()
+
+    def _write_pending_text(self):
+        """The pending text as stream frames (the caller holds the send lock with SIGINT held back)."""
+        if not self._pending:
+            return
+        pieces, channel_byte = self._pending, self._pending_channel
+        self._pending, self._pending_channel, self._pending_bytes = [], None, 0
+        self._last_text_sent = time.monotonic()
+        view = memoryview(pieces[0] if len(pieces) == 1 else b"".join(pieces)).cast("B")
+        while view:
+            chunk = view[:MAX_STREAM_CHUNK]
+            view = view[len(chunk):]
+            self._write_all([_HEADER.pack(len(chunk) + 1) + channel_byte, chunk])
+
+    def _start_flusher_locked(self):
+        if self._flusher is None:
+            # Started on first use: a zygote template's forks must not inherit a thread.
+            self._flusher = threading.Thread(target=self._flush_after_delay, name="cellblock-output", daemon=True)
+            self._flusher.start()
+
+    def _flush_after_delay(self):
+        while True:
+            with self._send_lock:
+                while not self._pending:
+                    self._text_due.wait()
+            time.sleep(TEXT_DELAY_SECONDS)
+            try:
+                self.flush_text()
+            except OSError:
+                return  # the kernel is gone
 
     def _write_all(self, parts):
         """One frame's bytes, whole (the caller holds the send lock with SIGINT held back)."""
@@ -259,8 +334,6 @@ class FrameChannel:
 
 def _flush_standard_streams():
     for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "writes_through_channel", False):
-            continue  # nothing buffered (and flushing it would take the send lock)
         try:
             stream.flush()
         except Exception:

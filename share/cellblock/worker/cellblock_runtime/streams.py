@@ -8,6 +8,7 @@ characters (lone surrogates) become U+FFFD rather than raising inside user code.
 
 import io
 import os
+import sys
 
 from .framing import REPLACE_SURROGATES, STDERR_CHANNEL, STDOUT_CHANNEL
 
@@ -40,6 +41,10 @@ class _FdWriter(io.RawIOBase):
         super().close()
 
 
+_CHILD_PROCESS_EVENTS = frozenset({"os.system", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.exec",
+                                   "os.fork", "os.forkpty"})
+
+
 class _ChannelWriter(io.RawIOBase):
     """Raw binary writer that sends each write as stream frames; in a forked child (multiprocessing, os.fork),
     where the channel's lock and framing are not the child's to use, it writes to the fd instead."""
@@ -64,9 +69,13 @@ class _ChannelWriter(io.RawIOBase):
     def write(self, data):
         if self.forked:
             return self._fd_writer.write(data)
-        view = memoryview(data).cast("B")
-        self._channel.send_text(self._channel_byte, view)
-        return len(view)
+        data = bytes(data) if not isinstance(data, bytes) else data
+        self._channel.write_text(self._channel_byte, data)
+        return len(data)
+
+    def flush(self):
+        if not self.forked:
+            self._channel.flush_text()
 
     def close(self):
         super().close()
@@ -80,8 +89,15 @@ def open_channel_text_streams(channel):
     def in_forked_child():
         for writer in writers:
             writer.forked = True
+        channel.forget_text()
+
+    def before_child_process(event, args):
+        # Text of an unfinished line goes first, so it comes before what the child writes to fds 1/2.
+        if event in _CHILD_PROCESS_EVENTS and not writers[0].forked:
+            channel.flush_text()
 
     os.register_at_fork(after_in_child=in_forked_child)
+    sys.addaudithook(before_child_process)
     return tuple(io.TextIOWrapper(writer, encoding="utf-8", errors=REPLACE_SURROGATES, newline="\n",
                                   line_buffering=False, write_through=True) for writer in writers)
 
