@@ -170,8 +170,12 @@ class FrameChannel:
             self._pending_channel = channel_byte
             self._pending.append(data)
             self._pending_bytes += len(data)
-            if self._pending_bytes >= TEXT_AT_ONCE_BYTES or (
-                    data[-1:] == b"\n" and time.monotonic() - self._last_text_sent >= TEXT_DELAY_SECONDS):
+            if self._pending_bytes >= TEXT_AT_ONCE_BYTES:
+                self._flush_pending_locked()
+                # The end of its line (print's "\n") follows at once, so the kernel's batch has both: a
+                # 1 MiB print stays one stream message.
+                self._last_text_sent = 0.0
+            elif data[-1:] == b"\n" and time.monotonic() - self._last_text_sent >= TEXT_DELAY_SECONDS:
                 self._flush_pending_locked()
             elif len(self._pending) == 1:
                 self._start_flusher_locked()
