@@ -28,6 +28,9 @@ MAX_STREAM_CHUNK = MAX_FRAME_BYTES - 1
 # much is pending, or this long after it was written (the kernel batches stream text for 3 ms anyway).
 TEXT_AT_ONCE_BYTES = 64 * 1024
 TEXT_DELAY_SECONDS = 0.002
+# An unfinished line is held back (for the rest of its line, at most TEXT_DELAY_SECONDS) up to this size.
+TEXT_HOLD_BYTES = 8 * 1024 * 1024
+_MAX_IOVECS = 64
 _READ_CHUNK = 1024 * 1024
 STREAM_FDS = (1, 2)
 # How long a frame may wait for the kernel to read fds 1/2 before it is sent anyway (the kernel is busy,
@@ -158,7 +161,8 @@ class FrameChannel:
         the other frames by the channel itself. `data` is UTF-8 bytes (or anything the kernel then repairs).
 
         Sent at once: a write that ends a line (print's last write) unless the last stream frame went less
-        than TEXT_DELAY_SECONDS ago, a large write, and the text before any other frame or a child process.
+        than TEXT_DELAY_SECONDS ago and less than TEXT_AT_ONCE_BYTES are pending, more than TEXT_HOLD_BYTES,
+        and the text before any other frame or a child process.
         Otherwise the text waits at most TEXT_DELAY_SECONDS (a progress dot still shows live). So `print(x)`
         is one frame, not two, and a loop of prints one frame per TEXT_DELAY_SECONDS, not one per line."""
         if not data:
@@ -170,12 +174,10 @@ class FrameChannel:
             self._pending_channel = channel_byte
             self._pending.append(data)
             self._pending_bytes += len(data)
-            if self._pending_bytes >= TEXT_AT_ONCE_BYTES:
+            if data[-1:] == b"\n" and (self._pending_bytes >= TEXT_AT_ONCE_BYTES
+                                       or time.monotonic() - self._last_text_sent >= TEXT_DELAY_SECONDS):
                 self._flush_pending_locked()
-                # The end of its line (print's "\n") follows at once, so the kernel's batch has both: a
-                # 1 MiB print stays one stream message.
-                self._last_text_sent = 0.0
-            elif data[-1:] == b"\n" and time.monotonic() - self._last_text_sent >= TEXT_DELAY_SECONDS:
+            elif self._pending_bytes >= TEXT_HOLD_BYTES:
                 self._flush_pending_locked()
             elif len(self._pending) == 1:
                 self._start_flusher_locked()
@@ -209,7 +211,12 @@ class FrameChannel:
         pieces, channel_byte = self._pending, self._pending_channel
         self._pending, self._pending_channel, self._pending_bytes = [], None, 0
         self._last_text_sent = time.monotonic()
-        view = memoryview(pieces[0] if len(pieces) == 1 else b"".join(pieces)).cast("B")
+        total = sum(len(piece) for piece in pieces)
+        if total <= MAX_STREAM_CHUNK and len(pieces) <= _MAX_IOVECS:
+            # One frame, the pieces as they are (a 1 MiB print and its "\n": no copy).
+            self._write_all([_HEADER.pack(total + 1) + channel_byte, *pieces])
+            return
+        view = memoryview(b"".join(pieces)).cast("B")
         while view:
             chunk = view[:MAX_STREAM_CHUNK]
             view = view[len(chunk):]
