@@ -1,7 +1,9 @@
 #include "worker_channel.hpp"
 
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 
 namespace cellblock::kernel {
@@ -22,7 +24,36 @@ std::string encode_frame(const nlohmann::json& message) {
     return frame;
 }
 
-std::optional<nlohmann::json> FrameDecoder::next() {
+ssize_t FrameDecoder::read_from(int fd) {
+    constexpr std::size_t least_read_bytes = 65536;
+    constexpr std::size_t most_read_bytes = std::size_t{max_frame_bytes} + 4;
+    int queued = 0;
+    if (::ioctl(fd, FIONREAD, &queued) < 0 || queued < 0) {
+        queued = 0;
+    }
+    if (consumed_ > 0 && consumed_ == buffer_.size()) {
+        buffer_.clear();
+        consumed_ = 0;
+    }
+    const std::size_t want =
+        std::clamp<std::size_t>(static_cast<std::size_t>(queued), least_read_bytes, most_read_bytes);
+    const std::size_t from = buffer_.size();
+    buffer_.resize(from + want);
+    const ssize_t got = ::recv(fd, buffer_.data() + from, want, MSG_DONTWAIT);
+    buffer_.resize(from + static_cast<std::size_t>(std::max<ssize_t>(got, 0)));
+    return got;
+}
+
+std::optional<WorkerFrame> FrameDecoder::next() {
+    // Compact once the consumed part dominates, so long sessions do not grow the buffer (here, not after a
+    // frame: a stream frame's text is a view into the buffer until this is called again).
+    if (consumed_ == buffer_.size()) {
+        buffer_.clear();
+        consumed_ = 0;
+    } else if (consumed_ > (1u << 20) && consumed_ * 2 > buffer_.size()) {
+        buffer_.erase(0, consumed_);
+        consumed_ = 0;
+    }
     const std::size_t available = buffer_.size() - consumed_;
     if (available < 4) {
         return std::nullopt;
@@ -37,21 +68,29 @@ std::optional<nlohmann::json> FrameDecoder::next() {
         return std::nullopt;
     }
     const std::string_view body(buffer_.data() + consumed_ + 4, size);
+    const unsigned char channel = body.empty() ? 0 : static_cast<unsigned char>(body.front());
+    if (channel == 0x01 || channel == 0x02) {
+        if (body.size() < 2) {
+            throw ProtocolError("worker sent a stream frame without text");
+        }
+        consumed_ += 4 + std::size_t{size};
+        WorkerFrame frame;
+        frame.kind = channel == 0x01 ? WorkerFrame::Kind::stdout_text : WorkerFrame::Kind::stderr_text;
+        frame.text = body.substr(1);
+        return frame;
+    }
+    if (channel != '{') {
+        throw ProtocolError("worker sent a frame that is neither a JSON object nor a stream frame");
+    }
     auto message = nlohmann::json::parse(body, nullptr, false);
     consumed_ += 4 + std::size_t{size};
-    // Compact once the consumed part dominates, so long sessions do not grow the buffer.
-    if (consumed_ == buffer_.size()) {
-        buffer_.clear();
-        consumed_ = 0;
-    } else if (consumed_ > (1u << 20) && consumed_ * 2 > buffer_.size()) {
-        buffer_.erase(0, consumed_);
-        consumed_ = 0;
-    }
     if (message.is_discarded() || !message.is_object() || !message.contains("type") ||
         !message["type"].is_string()) {
         throw ProtocolError("worker sent a frame that is not a JSON object with a type");
     }
-    return message;
+    WorkerFrame frame;
+    frame.message = std::move(message);
+    return frame;
 }
 
 bool send_all(int fd, std::string_view bytes) noexcept {

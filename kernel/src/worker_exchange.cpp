@@ -28,7 +28,6 @@ using nlohmann::json;
 
 // Pipe text up to this size is read onto the stack; more goes straight into the stream batch.
 constexpr std::size_t small_read_bytes = 65536;
-constexpr std::size_t channel_read_bytes = 65536;
 // Stream text is batched for a few milliseconds so a print() that reaches the pipe as several writes
 // becomes one stream message, while prints further apart still arrive apart. A batch is published early
 // once it is this large, so a flood of output reaches clients in pieces of a bounded size. Every message
@@ -285,9 +284,9 @@ void WorkerExchange::size_pipes(const std::shared_ptr<LiveWorker>& worker) {
 }
 
 // Reads what the pipe holds at this moment (FIONREAD) and not more. The worker sends a frame only once the
-// pipes are empty, so bytes that arrive after a read that emptied the pipe may have been written after a
-// frame that is now waiting on the channel: they wait for the next poll round, which looks at the channel
-// first.
+// pipes are empty (bounded, PROTOCOL.md), so bytes that arrive after a read that emptied the pipe may have
+// been written after a frame that is now waiting on the channel: they wait for the next poll round, which
+// looks at the channel first.
 void WorkerExchange::read_stream(LiveWorker& worker, int index, Run& run, ExchangeSink& sink) {
     const int fd = index == stderr_index ? worker.stderr_fd() : worker.stdout_fd();
     auto& decoder = index == stderr_index ? worker.stderr_text : worker.stdout_text;
@@ -295,10 +294,7 @@ void WorkerExchange::read_stream(LiveWorker& worker, int index, Run& run, Exchan
     if (::ioctl(fd, FIONREAD, &available) < 0 || available < 0) {
         available = 0;  // not a pipe: read what one read gives
     }
-    if (run.pending_stream != index && !run.pending_text.empty()) {
-        flush_text(run, sink);
-    }
-    run.pending_stream = index;
+    batch_text(index, run, sink);
     std::string& text = run.pending_text;
     const std::size_t from = text.size();
     ssize_t got = 0;
@@ -323,10 +319,33 @@ void WorkerExchange::read_stream(LiveWorker& worker, int index, Run& run, Exchan
         run.stream_open[index] = false;
         text += decoder.finish();
     }
-    if (text.empty()) {
+    schedule_flush(run, sink);
+}
+
+// Python-level text from a stream frame joins the same batch, output limit and UTF-8 check as pipe text.
+void WorkerExchange::append_frame_text(LiveWorker& worker, int index, std::string_view bytes, Run& run,
+                                       ExchangeSink& sink) {
+    auto& decoder = index == stderr_index ? worker.stderr_frame_text : worker.stdout_frame_text;
+    batch_text(index, run, sink);
+    const std::size_t from = run.pending_text.size();
+    run.pending_text.append(bytes);
+    decoder.decode_appended(run.pending_text, from);
+    schedule_flush(run, sink);
+}
+
+// The batch holds text of one stream: text of the other one publishes it first.
+void WorkerExchange::batch_text(int index, Run& run, ExchangeSink& sink) {
+    if (run.pending_stream != index && !run.pending_text.empty()) {
+        flush_text(run, sink);
+    }
+    run.pending_stream = index;
+}
+
+void WorkerExchange::schedule_flush(Run& run, ExchangeSink& sink) {
+    if (run.pending_text.empty()) {
         return;
     }
-    if (text.size() >= stream_batch_bytes) {
+    if (run.pending_text.size() >= stream_batch_bytes) {
         flush_text(run, sink);
     } else if (run.flush_at == Clock::time_point::max()) {
         run.flush_at = Clock::now() + stream_batch_window;
@@ -493,8 +512,6 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
     if (controls_.take_interrupt(run.msg_id)) {
         interrupt_worker(*worker, run);
     }
-    std::array<char, channel_read_bytes> buffer;
-
     while (true) {
         const auto now = Clock::now();
         if (!run.timed_out && now >= run.deadline) {
@@ -520,11 +537,15 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
             wait_ms = static_cast<int>(std::max<long long>(
                 0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
         }
-        std::array<pollfd, 5> fds = {{{channel_open ? worker->channel_fd() : -1, POLLIN, 0},
-                                      {run.stream_open[0] ? worker->stdout_fd() : -1, POLLIN, 0},
-                                      {run.stream_open[1] ? worker->stderr_fd() : -1, POLLIN, 0},
-                                      {worker->pidfd(), POLLIN, 0},
-                                      {controls_.wakeup_fd(), POLLIN, 0}}};
+        // While a frame is only partly read, pipe text that became readable was written after it began
+        // (the worker waits for the pipes to be read before it sends a frame), so it waits for the frame.
+        const bool frame_complete = worker->frames.empty() || !channel_open;
+        std::array<pollfd, 5> fds = {
+            {{channel_open ? worker->channel_fd() : -1, POLLIN, 0},
+             {run.stream_open[0] && frame_complete ? worker->stdout_fd() : -1, POLLIN, 0},
+             {run.stream_open[1] && frame_complete ? worker->stderr_fd() : -1, POLLIN, 0},
+             {worker->pidfd(), POLLIN, 0},
+             {controls_.wakeup_fd(), POLLIN, 0}}};
         const int ready = ::poll(fds.data(), fds.size(), wait_ms);
         if (ready < 0) {
             if (errno == EINTR) {
@@ -536,16 +557,24 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
         // The channel before the pipes: the worker sends a frame only after the kernel has read what it
         // wrote to fds 1/2 before it, so pipe text readable together with a frame was written after it.
         if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
-            const ssize_t got = ::recv(worker->channel_fd(), buffer.data(), buffer.size(), MSG_DONTWAIT);
+            const ssize_t got = worker->frames.read_from(worker->channel_fd());
             if (got > 0) {
-                worker->frames.append({buffer.data(), static_cast<std::size_t>(got)});
                 try {
-                    while (auto message = worker->frames.next()) {
+                    while (auto frame = worker->frames.next()) {
+                        if (frame->kind != WorkerFrame::Kind::message) {
+                            // Python-level text: in band, so already in the worker's order.
+                            append_frame_text(
+                                *worker,
+                                frame->kind == WorkerFrame::Kind::stderr_text ? stderr_index : stdout_index,
+                                frame->text, run, sink);
+                            continue;
+                        }
+                        json& message = frame->message;
                         // Text read before the frame was written before it: publish it first.
                         flush_text(run, sink);
-                        if (handle_worker_message(*worker, *message, run, sink)) {
-                            const auto reply_id = message->find("id");
-                            if (reply_id == message->end() || !reply_id->is_number_unsigned()) {
+                        if (handle_worker_message(*worker, message, run, sink)) {
+                            const auto reply_id = message.find("id");
+                            if (reply_id == message.end() || !reply_id->is_number_unsigned()) {
                                 throw ProtocolError("worker reply without a numeric id");
                             }
                             if (reply_id->get<std::uint64_t>() != id) {
@@ -554,7 +583,7 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
                             }
                             // Output of children or C code that raced with the reply still belongs here.
                             drain_streams(*worker, run, sink);
-                            Ending ending{Ending::Kind::reply, object_field(*message, "content"), {}};
+                            Ending ending{Ending::Kind::reply, object_field(message, "content"), {}};
                             ending.earlier_state_lost = earlier_state_lost;
                             return ending;
                         }
@@ -577,9 +606,11 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
                 }
             }
         }
-        for (const int index : {stdout_index, stderr_index}) {
-            if (fds[1 + index].revents & (POLLIN | POLLHUP)) {
-                read_stream(*worker, index, run, sink);
+        if (worker->frames.empty() || !channel_open) {
+            for (const int index : {stdout_index, stderr_index}) {
+                if (fds[1 + index].revents & (POLLIN | POLLHUP)) {
+                    read_stream(*worker, index, run, sink);
+                }
             }
         }
         if (Clock::now() >= run.flush_at) {

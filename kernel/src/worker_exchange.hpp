@@ -4,9 +4,10 @@
 // interrupt the code ignores (running → interrupted → killed after the grace period), answers input()
 // through its sink, and decides what the execute_reply says happened (`cellblock.outcome`).
 //
-// Everything it publishes goes to an ExchangeSink, in the order the worker produced it: stream text read
-// before a frame arrived is published before that frame's output, and all of a cell's output before the
-// reply is returned (PROTOCOL.md, "Ordering rule").
+// Everything it publishes goes to an ExchangeSink, in the order the worker produced it (PROTOCOL.md,
+// "Ordering rule"): Python-level stream text comes in band, as stream frames, so the channel orders it with
+// displays and results; fd-level text (subprocesses, C code) read from the pipes before a frame is published
+// before that frame's output; all of a cell's output is published before the reply is returned.
 #pragma once
 
 #include <chrono>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernel_config.hpp"
@@ -90,6 +92,10 @@ class WorkerExchange {
 
     Ending converse(nlohmann::json request, Run& run, ExchangeSink& sink);
     void read_stream(LiveWorker& worker, int index, Run& run, ExchangeSink& sink);
+    void append_frame_text(LiveWorker& worker, int index, std::string_view bytes, Run& run,
+                           ExchangeSink& sink);
+    void batch_text(int index, Run& run, ExchangeSink& sink);
+    void schedule_flush(Run& run, ExchangeSink& sink);
     void drain_streams(LiveWorker& worker, Run& run, ExchangeSink& sink);
     void flush_text(Run& run, ExchangeSink& sink);
     void publish_text(int index, std::string text, Run& run, ExchangeSink& sink);

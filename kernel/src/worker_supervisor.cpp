@@ -285,6 +285,14 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
         throw system_error("socketpair");
     }
     UniqueFd kernel_end(pair[0]), worker_end(pair[1]);
+    // Python-level output is in band (PROTOCOL.md): let the worker's end queue a 1 MiB print as one piece
+    // (Linux doubles the value, capped by net.core.wmem_max) rather than hand it over in 200 KiB pieces, one
+    // wake-up of each side per piece, as the pipes are enlarged for the same reason.
+    const int send_buffer_bytes = 1 << 20;
+    if (::setsockopt(worker_end.get(), SOL_SOCKET, SO_SNDBUF, &send_buffer_bytes,
+                     sizeof(send_buffer_bytes)) != 0) {
+        log_event(LogLevel::debug, "channel_resize_failed", {{"errno", errno}});
+    }
     std::array<int, 2> out{}, err{};
     if (::pipe2(out.data(), O_CLOEXEC) != 0) {
         throw system_error("pipe2 (worker stdout)");
@@ -370,16 +378,21 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
             }
         }
         if (fds[0].revents & (POLLIN | POLLHUP)) {
-            const ssize_t got = ::recv(worker->channel_fd(), buffer.data(), buffer.size(), MSG_DONTWAIT);
+            const ssize_t got = worker->frames.read_from(worker->channel_fd());
             if (got > 0) {
-                worker->frames.append({buffer.data(), static_cast<std::size_t>(got)});
-                if (auto message = worker->frames.next()) {
-                    if ((*message)["type"] != "ready") {
+                while (auto frame = worker->frames.next()) {
+                    if (frame->kind != WorkerFrame::Kind::message) {
+                        // Python-level output of the start-up (the runtime prints nothing before 'ready').
+                        keep_tail(tail, frame->text.data(), frame->text.size());
+                        continue;
+                    }
+                    auto& message = frame->message;
+                    if (message["type"] != "ready") {
                         worker->kill();
-                        throw std::runtime_error("the worker sent '" + (*message)["type"].get<std::string>() +
+                        throw std::runtime_error("the worker sent '" + message["type"].get<std::string>() +
                                                  "' before 'ready'");
                     }
-                    worker->ready_info = std::move(*message);
+                    worker->ready_info = std::move(message);
                     return worker;
                 }
             } else if (got == 0) {

@@ -88,8 +88,10 @@ class LiveWorker {
 
     // Shell-thread state.
     FrameDecoder frames;
-    Utf8StreamDecoder stdout_text;
+    Utf8StreamDecoder stdout_text;  // of the pipes (fd-level output)
     Utf8StreamDecoder stderr_text;
+    Utf8StreamDecoder stdout_frame_text;  // of stream frames (Python-level output, cut anywhere)
+    Utf8StreamDecoder stderr_frame_text;
     nlohmann::json ready_info;
 
   private:

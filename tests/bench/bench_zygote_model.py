@@ -56,9 +56,11 @@ def receive(sock, buffer):
         if len(buffer) >= 4:
             size = struct.unpack(">I", bytes(buffer[:4]))[0]
             if len(buffer) >= 4 + size:
-                message = json.loads(bytes(buffer[4:4 + size]))
+                body = bytes(buffer[4:4 + size])
                 del buffer[:4 + size]
-                return message
+                if body[:1] in (b"\x01", b"\x02"):
+                    continue  # a stream frame (Python-level output)
+                return json.loads(body)
         chunk = sock.recv(65536)
         if not chunk:
             raise EOFError("worker closed its channel")

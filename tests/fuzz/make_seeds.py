@@ -197,6 +197,12 @@ def worker_stream():
     write("worker_stream", "stdout_invalid_utf8", b"\x01\x02" + b"ok \xc3\x28 \xed\xa0\x80 \xf4\x90\x80\x80 \xe2\x82")
     write("worker_stream", "frame_without_type", b"\x10\x10" + frame({"id": "r1"}))
     write("worker_stream", "oversized_length", b"\x04\x04" + b"\x7f\xff\xff\xff{}")
+    stdout = b"\x01" + "caf\u00e9 \u2603\n".encode()
+    stderr = b"\x02" + b"cut \xe2\x82"
+    write("worker_stream", "stream_frames", b"\x03\x05" + struct.pack(">I", len(stdout)) + stdout + display
+          + struct.pack(">I", len(stderr)) + stderr + reply)
+    write("worker_stream", "stream_frame_without_text", b"\x02\x02" + b"\x00\x00\x00\x01\x01")
+    write("worker_stream", "unknown_channel_byte", b"\x02\x02" + b"\x00\x00\x00\x03\x03ab")
 
 
 def sandbox_policy():

@@ -1,11 +1,13 @@
-// What the confined worker writes to the kernel: length-prefixed JSON frames on the worker socket
-// (kernel/src/worker_channel.cpp, FrameDecoder) and raw stdout/stderr bytes turned into UTF-8 text
+// What the confined worker writes to the kernel: length-prefixed JSON frames and stream frames (0x01/0x02 and
+// raw text) on the worker socket (kernel/src/worker_channel.cpp, FrameDecoder) and raw stdout/stderr bytes
+// (of the pipes and of stream frames) turned into UTF-8 text
 // (kernel/src/utf8_decoder.cpp, Utf8StreamDecoder and utf8_prefix). The worker runs untrusted code, so every
 // byte here is hostile.
 //
 // Input: two bytes that pick the read-chunk sizes, then the byte stream.
 // Invariants: the frame decoder throws nothing but ProtocolError, yields only JSON objects with a string
-// "type", and yields the same messages and the same error whether the bytes arrive at once or in chunks; the
+// "type" or stream frames with text, and yields the same messages, the same stream text and the same error
+// whether the bytes arrive at once or in chunks; the
 // UTF-8 decoder's output is valid UTF-8, independent of the chunking, equal to the input when the input is
 // valid UTF-8; utf8_prefix cuts valid UTF-8 on a code point boundary within its limit.
 #include <nlohmann/json.hpp>
@@ -27,6 +29,7 @@ using nlohmann::json;
 namespace {
 struct Decoded {
     std::vector<json> messages;
+    std::string stream_text;  // of all stream frames, each tagged with its channel byte
     std::optional<std::string> error;
 };
 
@@ -49,10 +52,18 @@ Decoded decode_frames(std::string_view stream, const std::uint8_t* sizes) {
         }
         decoder.append(chunk);
         try {
-            while (auto message = decoder.next()) {
-                require(message->is_object() && message->contains("type") && (*message)["type"].is_string(),
+            while (auto frame = decoder.next()) {
+                if (frame->kind != cellblock::kernel::WorkerFrame::Kind::message) {
+                    require(!frame->text.empty(), "the frame decoder yielded a stream frame without text");
+                    decoded.stream_text +=
+                        frame->kind == cellblock::kernel::WorkerFrame::Kind::stdout_text ? '\1' : '\2';
+                    decoded.stream_text += frame->text;
+                    continue;
+                }
+                const json& message = frame->message;
+                require(message.is_object() && message.contains("type") && message["type"].is_string(),
                         "the frame decoder yielded a message without a string type");
-                decoded.messages.push_back(std::move(*message));
+                decoded.messages.push_back(message);
             }
         } catch (const ProtocolError& error) {
             decoded.error = error.what();
@@ -103,6 +114,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const Decoded at_once = decode_frames(stream, nullptr);
     const Decoded chunked = decode_frames(stream, sizes);
     require(at_once.messages == chunked.messages, "chunking changed the decoded worker messages");
+    require(at_once.stream_text == chunked.stream_text, "chunking changed the decoded stream frames");
     require(at_once.error.has_value() == chunked.error.has_value(),
             "chunking changed whether the stream is refused");
 

@@ -137,3 +137,21 @@ def test_wrongly_typed_worker_frame_ends_the_worker_not_the_limit(fresh_kernel, 
     assert "protocol error" in run.content["evalue"]
     assert outcome(run) == {"outcome": "worker_died", "state_lost": True, "output_truncated": False}
     assert kernel.execute("6 * 7").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "42"
+
+
+@pytest.mark.parametrize("body", [b"", b"\x01", b"\x03text"], ids=["empty", "stream-without-text", "unknown-channel"])
+def test_malformed_stream_frame_ends_the_worker_and_the_kernel_keeps_serving(fresh_kernel, body):
+    # Python-level output travels as stream frames (a channel byte, then text); user code can forge one on fd 3.
+    kernel = fresh_kernel(CELLBLOCK_TIMEOUT_S=600)
+    code = ("import os, struct, time\n"
+            "print('before', flush=True)\n"
+            f"body = {body!r}\n"
+            "os.write(3, struct.pack('>I', len(body)) + body)\n"
+            "time.sleep(600)")
+    started = time.monotonic()
+    run = kernel.execute(code, timeout=BOUND_S)
+    assert time.monotonic() - started < BOUND_S
+    assert run.content["ename"] == "WorkerDied", run.content
+    assert "protocol error" in run.content["evalue"]
+    assert outcome(run)["outcome"] == "worker_died"
+    assert kernel.execute("print('next')").stream_text("stdout") == "next\n"

@@ -1,8 +1,9 @@
 """Drives cellblock_worker.py directly, as cellblock-kernel does, without the kernel or the sandbox.
 
-The worker gets a socketpair end as fd 3, pipes as fds 1/2 and /dev/null as fd 0. The worker sends a
-frame only once the reader has consumed the stream text written before it, so a reader that services the
-channel before the pipes records events in exactly the order the worker produced them.
+The worker gets a socketpair end as fd 3, pipes as fds 1/2 and /dev/null as fd 0. Python-level stdout/stderr
+arrive in band, as stream frames (recorded as "stdout"/"stderr" events like pipe text); the worker sends a frame
+only once the reader has consumed the fd-level text written before it, so a reader that services the channel
+before the pipes records events in exactly the order the worker produced them.
 """
 
 import ctypes
@@ -101,6 +102,8 @@ class WorkerProcess:
         self._received = bytearray()
         self._decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
                           "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+        self._frame_decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+                                "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
         self._pipes = {self.process.stdout.fileno(): "stdout", self.process.stderr.fileno(): "stderr"}
         for fd in self._pipes:
             os.set_blocking(fd, False)
@@ -117,6 +120,8 @@ class WorkerProcess:
         self._received = bytearray()
         self._decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
                           "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+        self._frame_decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+                                "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
         self._pipes = {stdout_read: "stdout", stderr_read: "stderr"}
         for fd in self._pipes:
             os.set_blocking(fd, False)
@@ -144,14 +149,21 @@ class WorkerProcess:
                     self.events.append((name, text, time.monotonic()))
 
     def _pop_frame(self):
-        if len(self._received) < 4:
-            return None
-        (length,) = struct.unpack_from(">I", self._received)
-        if len(self._received) < 4 + length:
-            return None
-        payload = bytes(self._received[4:4 + length])
-        del self._received[:4 + length]
-        return json.loads(payload.decode("utf-8"))
+        while len(self._received) >= 4:
+            (length,) = struct.unpack_from(">I", self._received)
+            if len(self._received) < 4 + length:
+                return None
+            payload = bytes(self._received[4:4 + length])
+            del self._received[:4 + length]
+            if payload[:1] in (b"\x01", b"\x02"):
+                assert len(payload) > 1, "a stream frame without text"
+                name = "stdout" if payload[:1] == b"\x01" else "stderr"
+                text = self._frame_decoders[name].decode(payload[1:])
+                if text:
+                    self.events.append((name, text, time.monotonic()))
+                continue
+            return json.loads(payload.decode("utf-8"))
+        return None
 
     def next_frame(self, timeout=DEFAULT_TIMEOUT):
         deadline = time.monotonic() + timeout

@@ -53,6 +53,40 @@ def test_output_streams_while_the_cell_runs(worker, tmp_path):
     assert "".join(event[1] for event in worker.events if event[0] == "stdout").endswith("early\nlate\n")
 
 
+def test_an_unfinished_line_streams_while_the_cell_runs(worker, tmp_path):
+    # A progress dot without newline or flush: the worker holds an unfinished line back only briefly.
+    gate = tmp_path / "gate"
+    worker.send({"type": "execute", "id": "gated", "silent": False, "store_history": True, "user_expressions": {},
+                 "allow_stdin": False,
+                 "code": f"import os, sys, time\nsys.stdout.write('dot')\nwhile not os.path.exists({str(gate)!r}):\n"
+                         "    time.sleep(0.01)\nprint('done')"})
+    deadline = time.monotonic() + 60
+    while "dot" not in "".join(event[1] for event in worker.events if event[0] == "stdout"):
+        assert time.monotonic() < deadline, "an unfinished line did not arrive while the cell ran"
+        try:
+            frame = worker.next_frame(timeout=0.05)
+            assert frame["type"] != "reply", f"the cell ended before its gate opened: {frame}"
+        except TimeoutError:
+            pass
+    gate.touch()
+    frames = [worker.next_frame(timeout=60)]
+    while frames[-1]["type"] != "reply":
+        frames.append(worker.next_frame(timeout=60))
+    assert frames[-1]["content"]["status"] == "ok", frames
+    assert "".join(event[1] for event in worker.events if event[0] == "stdout").endswith("dotdone\n")
+
+
+def test_print_then_a_subprocess_keep_their_order(worker):
+    # print's text may wait a moment in the worker; it goes before anything a child process writes to fds 1/2.
+    exchange = worker.execute("import os, subprocess\n"
+                              "for i in range(3):\n"
+                              "    print('py', i, end=' ')\n"
+                              "    os.system('echo sh')\n"
+                              "    print('py', i)\n"
+                              "    subprocess.run(['echo', 'popen'])\n").assert_ok()
+    assert exchange.text() == "".join(f"py {i} sh\npy {i}\npopen\n" for i in range(3))
+
+
 def test_subprocess_and_fd_output_reach_the_kernel(worker):
     code = ("import os, subprocess\n"
             "os.write(1, b'raw fd 1\\n')\n"

@@ -85,6 +85,22 @@ def test_interrupts_never_corrupt_frames(worker):
     assert worker.execute("'alive'").result["data"]["text/plain"] == "'alive'"
 
 
+def test_interrupts_never_corrupt_stream_frames(worker):
+    # The same for Python-level output, which travels as stream frames: large prints (each more than a socket
+    # buffer) and small ones from a loop, interrupted repeatedly.
+    for attempt, body in enumerate(["print('x' * 2_000_000)", "print('y' * 2_000_000)", "print(1)", "print(2)"]):
+        worker.send({"type": "execute", "id": f"flood-{attempt}", "silent": False, "store_history": False,
+                     "user_expressions": {}, "allow_stdin": False,
+                     "code": f"print('go', flush=True)\nwhile True:\n    {body}"})
+        _wait_for_stdout(worker, "go")
+        time.sleep(0.1)
+        worker.interrupt()
+        frames = _reply_after(worker, timeout=30)
+        assert frames[-1]["content"]["ename"] == "KeyboardInterrupt"
+        worker.events.clear()
+    assert worker.execute("print('alive')").text() == "alive\n"
+
+
 def test_shutdown_exits_zero(worker):
     worker.execute("1").assert_ok()
     worker.send({"type": "shutdown"})

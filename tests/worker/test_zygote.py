@@ -32,7 +32,8 @@ DRIVER = textwrap.dedent(r"""
                     return
                 buffer += chunk
             size = struct.unpack(">I", bytes(buffer[:4]))[0]
-            yield json.loads(bytes(buffer[4:4 + size]))
+            if buffer[4:5] not in (b"\x01", b"\x02"):  # stream frames (Python-level output) are not needed here
+                yield json.loads(bytes(buffer[4:4 + size]))
             del buffer[:4 + size]
 
     sessions = []

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "worker_exchange.hpp"
@@ -39,7 +40,12 @@ class RecordingSink final : public ExchangeSink {
             on_stream(text);
         }
     }
-    void display_data(json data, json, json) override { events.push_back({"display_data", "", "", data}); }
+    void display_data(json data, json, json) override {
+        events.push_back({"display_data", "", "", data});
+        if (on_display) {
+            on_display();
+        }
+    }
     void update_display_data(json data, json, json) override {
         events.push_back({"update_display_data", "", "", data});
     }
@@ -93,7 +99,14 @@ class RecordingSink final : public ExchangeSink {
     std::vector<std::string> prompts;
     std::string input_answer;
     std::function<void(const std::string&)> on_stream;
+    std::function<void()> on_display;
 };
+
+// A kernel that is slow to read: its thread is off the worker's fds for a while after a display (a loaded
+// machine, a slow client behind the sink).
+void stall_after_each_display(RecordingSink& sink, std::chrono::milliseconds stall) {
+    sink.on_display = [stall] { std::this_thread::sleep_for(stall); };
+}
 
 std::string outcome(const ExecuteResult& result) {
     return result.reply.at("cellblock").at("outcome").get<std::string>();
@@ -179,15 +192,68 @@ TEST_F(WorkerExchangeTest, StreamTextIsPublishedBeforeTheDisplayAndResultThatFol
     EXPECT_EQ(result.result_text, "42");
 }
 
-// Whole and in order. (Not asserted: that all of it comes before the result. The worker waits at most 20 ms
-// without progress for the kernel to read its pipes before it sends a frame (PROTOCOL.md), and on a loaded
-// machine the kernel's thread can be off the CPU that long.)
+// Whole, in order, and all of it before the result, by construction: Python-level text is in band.
 TEST_F(WorkerExchangeTest, ALargePrintArrivesWholeAndInOrder) {
+    limits_.output_bytes = 8 << 20;  // all of it streamed (past half the limit, only a tail is kept, for the end)
     RecordingSink sink;
     const auto result = execute("print('x' * 300000)\nprint('y' * 300000)\n1 + 1", sink);
     ASSERT_EQ(result.reply.at("status"), "ok") << result.reply.dump();
     EXPECT_EQ(sink.text("stdout"), std::string(300000, 'x') + "\n" + std::string(300000, 'y') + "\n");
+    EXPECT_TRUE(sink.stream_text_before("execute_result") == sink.text("stdout")) << "text after the result";
     EXPECT_EQ(result.result_text, "2");
+}
+
+// The order does not rest on the kernel reading in time: while it is away for far longer than any wait of
+// the worker (PROTOCOL.md), the tail of a large print and the stderr line still come before the result.
+TEST_F(WorkerExchangeTest, PrintDisplayPrintResultKeepTheirOrderWhenTheKernelIsSlowToRead) {
+    RecordingSink sink;
+    stall_after_each_display(sink, std::chrono::milliseconds(1000));
+    const auto result = execute(
+        "import sys\n"
+        "from IPython.display import display\n"
+        "print('a')\n"
+        "display('shown')\n"
+        "print('b' * 200000)\n"
+        "print('warning', file=sys.stderr)\n"
+        "6 * 7",
+        sink);
+    ASSERT_EQ(result.reply.at("status"), "ok") << result.reply.dump();
+    EXPECT_EQ(sink.kinds(), (std::vector<std::string>{"stream:stdout", "display_data", "stream:stdout",
+                                                      "stream:stderr", "execute_result"}));
+    EXPECT_TRUE(sink.text("stdout") == "a\n" + std::string(200000, 'b') + "\n") << sink.text("stdout").size();
+    EXPECT_EQ(sink.text("stderr"), "warning\n");
+}
+
+// fd-level text (a subprocess) keeps its place among Python-level text and frames: written before a display,
+// it comes before it; written after a print, after it, even when both wait for a slow kernel together.
+TEST_F(WorkerExchangeTest, SubprocessOutputKeepsItsPlaceAmongPrintsAndDisplays) {
+    RecordingSink sink;
+    stall_after_each_display(sink, std::chrono::milliseconds(400));
+    const auto result = execute(
+        "import os\n"
+        "from IPython.display import display\n"
+        "os.system('echo sub-before')\n"
+        "display('shown')\n"
+        "print('py-after')\n"
+        "os.system('echo sub-after')\n",
+        sink);
+    ASSERT_EQ(result.reply.at("status"), "ok") << result.reply.dump();
+    EXPECT_EQ(sink.stream_text_before("display_data"), "sub-before\n");
+    EXPECT_EQ(sink.text("stdout"), "sub-before\npy-after\nsub-after\n");
+}
+
+TEST_F(WorkerExchangeTest, ASilentExecutePublishesNoStream) {
+    RecordingSink sink;
+    ExecuteRequest request;
+    request.msg_id = "msg-silent";
+    request.code = "import os, sys\nprint('out')\nprint('err', file=sys.stderr)\nos.system('echo sub')\n5";
+    request.silent = true;
+    const auto result = exchange().execute(request, sink);
+    EXPECT_EQ(result.reply.at("status"), "ok") << result.reply.dump();
+    EXPECT_TRUE(sink.events.empty()) << sink.events.size() << " event(s), the first: " << sink.events[0].kind;
+    RecordingSink next;
+    execute("print('seen')", next);
+    EXPECT_EQ(next.text("stdout"), "seen\n");  // nothing of the silent execute is left over for the next one
 }
 
 TEST_F(WorkerExchangeTest, TextCutAcrossReadsAndInvalidBytesArriveAsValidUtf8) {
@@ -326,8 +392,8 @@ TEST_F(WorkerExchangeTest, InputIsAnsweredThroughTheSink) {
     EXPECT_EQ(sink.text("stdout"), "got abc\n");
 }
 
-// User code can write to the channel (fd 3): a frame with a field of the wrong type ends the worker at
-// once, instead of leaving the cell running until its time limit.
+// User code can write to the channel (fd 3): a frame with a field of the wrong type, or a malformed stream
+// frame, ends the worker at once, instead of leaving the cell running until its time limit.
 class WronglyTypedFrameTest : public WorkerExchangeTest, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(WronglyTypedFrameTest, IsAProtocolErrorThatEndsTheWorker) {
@@ -355,8 +421,9 @@ INSTANTIATE_TEST_SUITE_P(Frames, WronglyTypedFrameTest,
                          ::testing::Values(R"({"type": "display_data", "data": "not an object"})",
                                            R"({"type": "clear_output", "wait": "yes"})",
                                            R"({"type": "error", "ename": 7})",
-                                           R"({"type": "reply", "id": "1", "content": {}})",
-                                           R"({"type": 3})"));
+                                           R"({"type": "reply", "id": "1", "content": {}})", R"({"type": 3})",
+                                           // stream frames: empty body, no text, unknown channel byte
+                                           "", R"(\x01)", R"(\x03text)"));
 
 TEST_F(WorkerExchangeTest, AssistRequestsReturnTheWorkersContent) {
     const auto content =

@@ -1,4 +1,5 @@
-"""Frames on the kernel channel (fd 3): a 4-byte big-endian length, then that many bytes of UTF-8 JSON.
+"""Frames on the kernel channel (fd 3): a 4-byte big-endian length, then that many bytes of UTF-8 JSON, or of
+a stream frame (a channel byte, 0x01 stdout or 0x02 stderr, then the text's UTF-8 bytes, not JSON-encoded).
 
 See ../PROTOCOL.md. The kernel is the trusted side; this module makes sure the untrusted worker never
 emits a frame the kernel would have to treat as a protocol error (oversized, invalid UTF-8, NaN, lone
@@ -19,10 +20,23 @@ import time
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 _HEADER = struct.Struct(">I")
+STDOUT_CHANNEL = b"\x01"
+STDERR_CHANNEL = b"\x02"
+# A stream frame's body is the channel byte and at most this many bytes of text: a larger write is split.
+MAX_STREAM_CHUNK = MAX_FRAME_BYTES - 1
+# Stream text is sent when a line ends (at most one frame of whole lines per TEXT_DELAY_SECONDS), when this
+# much is pending, or this long after it was written (the kernel batches stream text for 3 ms anyway).
+TEXT_AT_ONCE_BYTES = 64 * 1024
+TEXT_DELAY_SECONDS = 0.002
+# An unfinished line is held back (for the rest of its line, at most TEXT_DELAY_SECONDS) up to this size.
+TEXT_HOLD_BYTES = 8 * 1024 * 1024
+_MAX_IOVECS = 64
 _READ_CHUNK = 1024 * 1024
 STREAM_FDS = (1, 2)
 # How long a frame may wait for the kernel to read fds 1/2 before it is sent anyway (the kernel is busy,
-# or a background process keeps writing).
+# or a background process keeps writing). Only text written at the fd level (subprocesses, C code) is in the
+# pipes: Python-level sys.stdout/sys.stderr travel on the channel itself, ordered with the frames by
+# construction.
 STREAM_CATCH_UP_SECONDS = 0.1
 _STALL_SECONDS = 0.02
 
@@ -99,6 +113,14 @@ class FrameChannel:
         self._receive_lock = threading.Lock()
         self._received = bytearray()
         self._pipe_fds = list(STREAM_FDS)
+        self._pipes_lagging = False
+        # Stream text not sent yet: the pieces of one stream's unfinished line (see write_text).
+        self._pending = []
+        self._pending_channel = None
+        self._pending_bytes = 0
+        self._last_text_sent = 0.0
+        self._text_due = threading.Condition(self._send_lock)
+        self._flusher = None
 
     def fileno(self):
         return self._fd
@@ -119,20 +141,113 @@ class FrameChannel:
                 f"{message.get('type', 'message')} of {len(payload)} bytes exceeds the "
                 f"{MAX_FRAME_BYTES}-byte frame limit of the kernel channel")
         frame = _HEADER.pack(len(payload)) + payload
-        # Ordering rule: stream text written before this event must reach fds 1/2 before the frame...
+        # A sys.stdout/sys.stderr the user installed may buffer.
         _flush_standard_streams()
-        # ...and the kernel must have read it, so text written after the frame can never overtake it.
+        with self._send_lock:
+            # Ordering rule for fd-level text (subprocesses, C code): the kernel must have read what reached
+            # fds 1/2 before this frame, so text written after the frame can never overtake it.
+            self._wait_until_streams_are_read()
+            with self._gate.frame_io():
+                if finishes_request:
+                    # Before the reply can reach the kernel (which may answer it with the next request and an
+                    # interrupt for that one at once), and with SIGINT held back: an interrupt that arrives
+                    # from here on is a late one for this request, unless the next request is already waiting.
+                    self._gate.request_finished()
+                self._write_pending_text()  # stream text written before this frame goes before it
+                self._write_all([frame])
+
+    def write_text(self, channel_byte, data):
+        """Python-level stdout (STDOUT_CHANNEL) or stderr text, sent in band as stream frames, so ordered with
+        the other frames by the channel itself. `data` is UTF-8 bytes (or anything the kernel then repairs).
+
+        Sent at once: a write that ends a line (print's last write) unless the last stream frame went less
+        than TEXT_DELAY_SECONDS ago and less than TEXT_AT_ONCE_BYTES are pending, more than TEXT_HOLD_BYTES,
+        and the text before any other frame or a child process.
+        Otherwise the text waits at most TEXT_DELAY_SECONDS (a progress dot still shows live). So `print(x)`
+        is one frame, not two, and a loop of prints one frame per TEXT_DELAY_SECONDS, not one per line."""
+        if not data:
+            return
+        with self._send_lock:
+            if self._pending_channel != channel_byte and self._pending:
+                self._flush_pending_locked()
+            # In this order, so a KeyboardInterrupt between two of these lines leaves nothing inconsistent.
+            self._pending_channel = channel_byte
+            self._pending.append(data)
+            self._pending_bytes += len(data)
+            if data[-1:] == b"\n" and (self._pending_bytes >= TEXT_AT_ONCE_BYTES
+                                       or time.monotonic() - self._last_text_sent >= TEXT_DELAY_SECONDS):
+                self._flush_pending_locked()
+            elif self._pending_bytes >= TEXT_HOLD_BYTES:
+                self._flush_pending_locked()
+            elif len(self._pending) == 1:
+                self._start_flusher_locked()
+                self._text_due.notify()
+
+    def flush_text(self):
+        """Sends the unfinished line now (sys.stdout.flush(), before a child process starts)."""
+        with self._send_lock:
+            self._flush_pending_locked()
+
+    def forget_text(self):
+        """In a forked child: the pending text is the parent's to send."""
+        self._pending = []
+        self._pending_channel = None
+        self._pending_bytes = 0
+        self._send_lock = threading.Lock()
+        self._text_due = threading.Condition(self._send_lock)
+        self._flusher = None
+
+    def _flush_pending_locked(self):
+        if not self._pending:
+            return
         self._wait_until_streams_are_read()
-        with self._send_lock, self._gate.frame_io():
-            if finishes_request:
-                # Before the reply can reach the kernel (which may answer it with the next request and an
-                # interrupt for that one at once), and with SIGINT held back: an interrupt that arrives from
-                # here on is a late one for this request, unless the next request is already waiting.
-                self._gate.request_finished()
-            view = memoryview(frame)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
+        with self._gate.stream_frame_io():
+            self._write_pending_text()
+
+    def _write_pending_text(self):
+        """The pending text as stream frames (the caller holds the send lock with SIGINT held back)."""
+        if not self._pending:
+            return
+        pieces, channel_byte = self._pending, self._pending_channel
+        self._pending, self._pending_channel, self._pending_bytes = [], None, 0
+        self._last_text_sent = time.monotonic()
+        total = sum(len(piece) for piece in pieces)
+        if total <= MAX_STREAM_CHUNK and len(pieces) <= _MAX_IOVECS:
+            # One frame, the pieces as they are (a 1 MiB print and its "\n": no copy).
+            self._write_all([_HEADER.pack(total + 1) + channel_byte, *pieces])
+            return
+        view = memoryview(b"".join(pieces)).cast("B")
+        while view:
+            chunk = view[:MAX_STREAM_CHUNK]
+            view = view[len(chunk):]
+            self._write_all([_HEADER.pack(len(chunk) + 1) + channel_byte, chunk])
+
+    def _start_flusher_locked(self):
+        if self._flusher is None:
+            # Started on first use: a zygote template's forks must not inherit a thread.
+            self._flusher = threading.Thread(target=self._flush_after_delay, name="cellblock-output", daemon=True)
+            self._flusher.start()
+
+    def _flush_after_delay(self):
+        while True:
+            with self._send_lock:
+                while not self._pending:
+                    self._text_due.wait()
+            time.sleep(TEXT_DELAY_SECONDS)
+            try:
+                self.flush_text()
+            except OSError:
+                return  # the kernel is gone
+
+    def _write_all(self, parts):
+        """One frame's bytes, whole (the caller holds the send lock with SIGINT held back)."""
+        while parts:
+            written = os.writev(self._fd, parts)
+            while parts and written >= len(parts[0]):
+                written -= len(parts[0])
+                parts.pop(0)
+            if parts and written:
+                parts[0] = memoryview(parts[0])[written:]
 
     def _unread_stream_bytes(self):
         unread = 0
@@ -146,6 +261,11 @@ class FrameChannel:
     def _wait_until_streams_are_read(self):
         unread = self._unread_stream_bytes()
         if unread == 0:
+            self._pipes_lagging = False
+            return
+        if self._pipes_lagging:
+            # The last wait gave up (a background process keeps writing, or the kernel is busy) and the
+            # pipes have not been empty since: waiting again would cost every print up to 100 ms.
             return
         start = last_progress = time.monotonic()
         while unread:
@@ -156,6 +276,7 @@ class FrameChannel:
                 last_progress = now
             unread = remaining
             if now - start > STREAM_CATCH_UP_SECONDS or now - last_progress > _STALL_SECONDS:
+                self._pipes_lagging = True
                 return
 
     def _complete_frame(self):

@@ -61,8 +61,16 @@ def attach(prepared):
     gate = prepared.gate
     # Again, for a forked worker: the confinement between fork and here reset every signal disposition.
     gate.ignore_interrupts()
+    from .streams import open_channel_text_streams
+
     channel = FrameChannel(CHANNEL_FD, gate)
     gate.watch_requests(channel.request_waiting)
+    # Python-level output in band from here on (PROTOCOL.md, "Ordering rule"); what was written before is on
+    # the pipes already.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.stdout, sys.stderr = open_channel_text_streams(channel)
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
     prepared.route.attach(channel)
     stdin_forwarder = StdinForwarder(channel)
     stdin_forwarder.install()
@@ -84,8 +92,13 @@ def _error_content(ename, evalue):
 
 
 def _log(event, **fields):
-    # Structured, and only for events that end the worker: normal operation logs nothing.
-    print(json.dumps({"component": "cellblock-worker", "event": event, **fields}), file=sys.__stderr__)
+    # Structured, and only for events that end the worker: normal operation logs nothing. On fd 2, not in
+    # band: the channel is what just failed.
+    line = json.dumps({"component": "cellblock-worker", "event": event, **fields}) + "\n"
+    try:
+        os.write(2, line.encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
 def _answer(handlers, request):
