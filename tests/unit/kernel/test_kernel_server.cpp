@@ -284,11 +284,48 @@ TEST_F(KernelServerTest, MessagesGoOutInTheOrderXeusSentThem) {
         replies.push_back(part(reply, 2)["msg_type"]);
     }
     EXPECT_EQ(replies, (std::vector<std::string>{"kernel_info_reply", "execute_reply"}));
+    // The last message, e1's idle, goes out after its reply (as a client would, wait for it before asking).
+    bool idle_seen = false;
+    while (!idle_seen) {
+        const Frames message = receive(client_iopub);
+        ASSERT_FALSE(message.empty()) << "no idle for e1";
+        idle_seen = part(message, 3).value("msg_id", "") == "e1" &&
+                    part(message, 5).value("execution_state", "") == "idle";
+    }
+    ASSERT_TRUE(idle_seen);
     EXPECT_EQ(
         sent_order("r1"),
         (std::vector<std::string>{"iopub:k1:status:busy", "iopub:k1:stream", "shell:k1:kernel_info_reply:ok",
                                   "iopub:k1:status:idle", "iopub:e1:status:busy", "iopub:e1:stream",
                                   "shell:e1:execute_reply:ok", "iopub:e1:status:idle"}));
+}
+
+// Requests that arrive while the interpreter thread sends replies (a client that does not wait for each
+// reply) are all served: a reply sent on the shell ROUTER from the interpreter thread may take in the command
+// that announced the next request, and the I/O thread must still hear of that request.
+TEST_F(KernelServerTest, RequestsArrivingWhileRepliesAreSentAreAllAnswered) {
+    on_shell = [this](const xeus::xmessage& request) {
+        // Over a millisecond between sends, so libzmq takes in pending commands on each one.
+        std::this_thread::sleep_for(std::chrono::microseconds(1200));
+        server->send_shell(reply_to(request, "execute_reply", {{"status", "ok"}}));
+    };
+    constexpr int requests = 200;
+    std::thread sender([this] {
+        for (int i = 0; i < requests; ++i) {
+            send(client_shell, signed_message("execute_request", {{"code", "1"}}, "p" + std::to_string(i)));
+            std::this_thread::sleep_for(std::chrono::microseconds(i % 7 == 0 ? 2500 : 300));
+        }
+    });
+    int answered = 0;
+    for (; answered < requests; ++answered) {
+        const Frames reply = receive(client_shell, 5000);
+        if (reply.empty()) {
+            break;
+        }
+        ASSERT_EQ(part(reply, 3)["msg_id"], "p" + std::to_string(answered));
+    }
+    sender.join();
+    EXPECT_EQ(answered, requests) << "the kernel stopped answering: a request was never read";
 }
 
 // stop_on_error: the failing execute finishes (its idle) before the queued requests are aborted, each
