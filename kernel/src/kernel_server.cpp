@@ -326,9 +326,12 @@ void KernelServer::interrupt_pending_input() {
 }
 
 void KernelServer::abort_queue_impl(const listener& abort, long) {
-    // Called by xeus from inside the failing execute (before its idle); the queued requests are aborted
-    // once that execute is done (run_interpreter), so each gets busy, aborted reply, idle after it.
+    // Called by xeus from inside the failing execute (after its reply, before its idle); the requests queued
+    // now are aborted once that execute is done (run_interpreter), so each gets busy, aborted reply, idle
+    // after it. Requests that arrive later were sent after the reply and run.
     pending_abort_ = abort;
+    std::lock_guard lock(shell_mutex_);
+    abort_queued_ = shell_queue_.size();
 }
 
 void KernelServer::stop_impl() {
@@ -394,7 +397,10 @@ void KernelServer::run_interpreter() {
             std::deque<xeus::xmessage> queued;
             {
                 std::lock_guard lock(shell_mutex_);
-                queued.swap(shell_queue_);
+                const auto count = static_cast<std::ptrdiff_t>(std::min(abort_queued_, shell_queue_.size()));
+                std::move(shell_queue_.begin(), shell_queue_.begin() + count, std::back_inserter(queued));
+                shell_queue_.erase(shell_queue_.begin(), shell_queue_.begin() + count);
+                abort_queued_ = 0;
             }
             for (auto& message : queued) {
                 try {

@@ -214,7 +214,11 @@ class KernelServer final : public xeus::xserver {
     std::deque<xeus::xmessage> shell_queue_;
     bool shell_closed_ = false;
     std::thread interpreter_;
-    listener pending_abort_;  // interpreter thread: stop_on_error asked to abort what is queued
+    // stop_on_error: xeus asked (after the failing execute's reply, before its idle) to abort what is queued.
+    // Only the requests queued by then are aborted: a client that saw the idle may already have sent the next
+    // request, which must run. Interpreter thread; abort_queued_ is the count of requests queued when asked.
+    listener pending_abort_;
+    std::size_t abort_queued_ = 0;
 
     // The input() the interpreter thread waits for (xeus 2.4.1's send_stdin blocks until the answer).
     // Only an input_reply for a prompt that went out and is unanswered is taken, so a stale reply can

@@ -361,6 +361,48 @@ TEST_F(KernelServerTest, QueuedRequestsAreAbortedAfterTheFailingExecute) {
                                         "shell:a2:execute_reply:aborted", "iopub:a2:status:idle"}));
 }
 
+// stop_on_error aborts what was queued when the execute failed, not a request the client sent after it saw
+// the failing execute's idle (the interpreter thread sends that idle itself and may still be returning from
+// the execute when the next request arrives).
+TEST_F(KernelServerTest, RequestSentAfterTheFailingExecutesIdleRuns) {
+    std::promise<void> next_queued_promise;
+    auto next_queued = next_queued_promise.get_future().share();
+    on_shell = [this, next_queued](const xeus::xmessage& request) {
+        if (msg_id(request) != "e1") {
+            behave_like_xeus(*server, request, "execute_reply");
+            return;
+        }
+        server->publish(published_for(request, "status", {{"execution_state", "busy"}}),
+                        xeus::channel::SHELL);
+        server->send_shell(reply_to(request, "execute_reply",
+                                    {{"status", "error"}, {"ename", "ZeroDivisionError"}, {"evalue", ""}}));
+        server->abort_queue(
+            [this](xeus::xmessage aborted) {
+                server->send_shell(reply_to(aborted, "execute_reply", {{"status", "error"}}));
+            },
+            50);
+        server->publish(published_for(request, "status", {{"execution_state", "idle"}}),
+                        xeus::channel::SHELL);
+        next_queued.wait();  // still inside the failing execute when the next request is queued
+    };
+    send(client_shell, signed_message("execute_request", {{"code", "1/0"}}, "e1"));
+    ASSERT_FALSE(receive(client_shell).empty());
+    bool idle_seen = false;
+    while (!idle_seen) {
+        const Frames message = receive(client_iopub);
+        ASSERT_FALSE(message.empty()) << "no idle for e1";
+        idle_seen = part(message, 3).value("msg_id", "") == "e1" &&
+                    part(message, 5).value("execution_state", "") == "idle";
+    }
+    send(client_shell, signed_message("execute_request", {{"code", "2"}}, "n2"));
+    ::usleep(300000);  // n2 is queued while e1's handler has not returned
+    next_queued_promise.set_value();
+    const Frames reply = receive(client_shell);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_EQ(part(reply, 3)["msg_id"], "n2");
+    EXPECT_EQ(part(reply, 5)["status"], "ok") << "a request sent after the error's idle was aborted";
+}
+
 TEST_F(KernelServerTest, RefusedMessagesNeverReachTheInterpreter) {
     auto junk = signed_message("execute_request", {{"code", "1"}}, "j");
     junk[1] += "00";
