@@ -201,6 +201,13 @@ bool KernelServer::on_io_thread() const noexcept {
     return io_thread_.load() == std::this_thread::get_id();
 }
 
+void KernelServer::wake_io_thread() {
+    const std::uint64_t one = 1;
+    if (::write(wake_.get(), &one, sizeof(one)) != sizeof(one) && errno != EAGAIN) {
+        log_event(LogLevel::error, "kernel_server_wake_failed", {{"error", std::strerror(errno)}});
+    }
+}
+
 void KernelServer::enqueue(Outbound outbound) {
     bool was_empty = false;
     {
@@ -209,10 +216,35 @@ void KernelServer::enqueue(Outbound outbound) {
         outbound_.push_back(std::move(outbound));
     }
     if (was_empty) {
-        const std::uint64_t one = 1;
-        if (::write(wake_.get(), &one, sizeof(one)) != sizeof(one) && errno != EAGAIN) {
-            log_event(LogLevel::error, "kernel_server_wake_failed", {{"error", std::strerror(errno)}});
-        }
+        wake_io_thread();
+    }
+}
+
+void KernelServer::send_now(Outbound outbound) {
+    std::lock_guard lock(server_mutex_);
+    // What other threads queued went out first, as it would have from the I/O thread.
+    send_queued();
+    if (!sockets_->open || stopping_) {
+        return;  // as send_queued: a closed or leaving server sends nothing more
+    }
+    try {
+        send_outbound(outbound);
+    } catch (const std::exception& error) {
+        log_event(LogLevel::error, "kernel_server_error", {{"error", error.what()}});
+    }
+}
+
+void KernelServer::keep_inbound_announced(int channel_index) {
+    const std::size_t polled = polled_index(channel_index);
+    if (on_io_thread()) {
+        unread_[polled] = true;  // the loop reads the socket again before it waits
+        return;
+    }
+    // ZMQ_EVENTS takes in pending commands and says whether a message is readable. If none is, a message
+    // that arrives later announces itself on the socket's fd again.
+    if ((sockets_->routers[channel_index].get(zmq::sockopt::events) & ZMQ_POLLIN) != 0 && !unread_[polled]) {
+        unread_[polled] = true;
+        wake_io_thread();
     }
 }
 
@@ -223,7 +255,7 @@ void KernelServer::send_shell_impl(xeus::xmessage message) {
     if (on_io_thread()) {
         send_outbound(outbound);
     } else {
-        enqueue(std::move(outbound));
+        send_now(std::move(outbound));
     }
 }
 
@@ -234,7 +266,7 @@ void KernelServer::send_control_impl(xeus::xmessage message) {
     if (on_io_thread()) {
         send_outbound(outbound);
     } else {
-        enqueue(std::move(outbound));
+        send_now(std::move(outbound));
     }
 }
 
@@ -245,7 +277,7 @@ void KernelServer::publish_impl(xeus::xpub_message message, xeus::channel) {
     if (on_io_thread()) {
         send_outbound(outbound);
     } else {
-        enqueue(std::move(outbound));
+        send_now(std::move(outbound));
     }
 }
 
@@ -268,7 +300,7 @@ void KernelServer::send_stdin_impl(xeus::xmessage message) {
     Outbound outbound;
     outbound.kind = Outbound::Kind::stdin_channel;
     outbound.message = std::move(message);
-    enqueue(std::move(outbound));
+    send_now(std::move(outbound));
     std::optional<xeus::xmessage> answer;
     {
         std::unique_lock lock(input_mutex_);
@@ -295,17 +327,17 @@ void KernelServer::interrupt_pending_input() {
 }
 
 void KernelServer::abort_queue_impl(const listener& abort, long) {
-    // Called by xeus from inside the failing execute (before its idle); the queued requests are aborted
-    // once that execute is done (run_interpreter), so each gets busy, aborted reply, idle after it.
+    // Called by xeus from inside the failing execute (after its reply, before its idle); the requests queued
+    // now are aborted once that execute is done (run_interpreter), so each gets busy, aborted reply, idle
+    // after it. Requests that arrive later were sent after the reply and run.
     pending_abort_ = abort;
+    std::lock_guard lock(shell_mutex_);
+    abort_queued_ = shell_queue_.size();
 }
 
 void KernelServer::stop_impl() {
     stopping_ = true;
-    const std::uint64_t one = 1;
-    if (::write(wake_.get(), &one, sizeof(one)) != sizeof(one) && errno != EAGAIN) {
-        log_event(LogLevel::error, "kernel_server_wake_failed", {{"error", std::strerror(errno)}});
-    }
+    wake_io_thread();
 }
 
 void KernelServer::update_config_impl(xeus::xconfiguration& config) const {
@@ -376,7 +408,10 @@ void KernelServer::run_interpreter() {
             std::deque<xeus::xmessage> queued;
             {
                 std::lock_guard lock(shell_mutex_);
-                queued.swap(shell_queue_);
+                const auto count = static_cast<std::ptrdiff_t>(std::min(abort_queued_, shell_queue_.size()));
+                std::move(shell_queue_.begin(), shell_queue_.begin() + count, std::back_inserter(queued));
+                shell_queue_.erase(shell_queue_.begin(), shell_queue_.begin() + count);
+                abort_queued_ = 0;
             }
             for (auto& message : queued) {
                 try {
@@ -398,14 +433,19 @@ void KernelServer::start_impl(xeus::xpub_message message) {
         log_event(LogLevel::info, "lease_started", {{"lease_s", lease_seconds(*lease_duration_)}});
     }
     interpreter_ = std::thread([this] { run_interpreter(); });
-    Outbound starting;
-    starting.kind = Outbound::Kind::iopub;
-    starting.publish = std::move(message);
-    send_outbound(starting);
+    {
+        std::lock_guard lock(server_mutex_);
+        Outbound starting;
+        starting.kind = Outbound::Kind::iopub;
+        starting.publish = std::move(message);
+        send_outbound(starting);
+    }
     run_io_loop();
+    std::lock_guard lock(server_mutex_);
     close_sockets();
 }
 
+// Server lock held.
 void KernelServer::close_sockets() {
     // Whatever the interpreter queued before the end still goes out (within the linger).
     if (sockets_->open) {
@@ -423,6 +463,7 @@ void KernelServer::run_io_loop() {
     const std::array<zmq::socket_t*, polled_sockets> sockets = {&s.routers[control], &s.routers[shell],
                                                                 &s.routers[stdin_channel], &s.heartbeat};
     std::array<pollfd, polled_sockets + 1> fds{};
+    std::unique_lock lock(server_mutex_);
     for (std::size_t i = 0; i < polled_sockets; ++i) {
         fds[i] = {sockets[i]->get(zmq::sockopt::fd), POLLIN, 0};
     }
@@ -431,11 +472,16 @@ void KernelServer::run_io_loop() {
     while (s.open && !stopping_) {
         try {
             const bool unread = std::find(unread_.begin(), unread_.end(), true) != unread_.end();
-            const int ready = ::poll(fds.data(), fds.size(), unread ? 0 : poll_timeout_ms());
+            const int timeout_ms = unread ? 0 : poll_timeout_ms();
+            // The interpreter thread sends while this thread waits.
+            lock.unlock();
+            const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+            const int poll_errno = errno;
+            lock.lock();
             if (ready < 0) {
-                if (errno != EINTR) {
+                if (poll_errno != EINTR) {
                     log_event(LogLevel::error, "kernel_server_poll_failed",
-                              {{"error", std::strerror(errno)}});
+                              {{"error", std::strerror(poll_errno)}});
                 }
                 continue;
             }
@@ -746,7 +792,7 @@ void KernelServer::send_frames(int channel_index, std::vector<zmq::message_t>& f
         zmq::send_multipart(s.publisher, frames);
     } else {
         zmq::send_multipart(s.routers[channel_index], frames);
-        unread_[polled_index(channel_index)] = true;
+        keep_inbound_announced(channel_index);
     }
     if (channel_index != control && record_.enabled()) {
         std::vector<std::string> recorded_buffers;
@@ -811,7 +857,7 @@ void KernelServer::send_own(int channel_index, const std::vector<std::string>& i
     frames.emplace_back("{}", 2);
     frames.emplace_back(content_text.data(), content_text.size());
     zmq::send_multipart(sockets_->routers[channel_index], frames);
-    unread_[polled_index(channel_index)] = true;
+    keep_inbound_announced(channel_index);
 }
 
 void KernelServer::publish_status(const std::string& parent_header, const char* state) {

@@ -1,13 +1,16 @@
 // The kernel's Jupyter server: the xeus::xserver that owns the public sockets of the connection file and
 // hands verified messages to xeus with one thread hop at most.
 //
-// Threads. One I/O thread (the one that calls start(), i.e. xeus::xkernel::start) owns every public socket
-// and runs one zmq poll loop over shell, control, stdin, heartbeat and a wake-up eventfd. The interpreter
-// runs on its own thread, fed by a queue of verified shell messages. Control messages are dispatched to
-// xeus on the I/O thread itself, so control is served while a cell runs. What xeus sends from the
-// interpreter thread (replies, IOPub, input_request) is queued for the I/O thread in program order, so
-// clients get, for every shell request, busy, outputs, reply, idle, as xeus produced them: no reordering
-// and no holding is needed.
+// Threads. One I/O thread (the one that calls start(), i.e. xeus::xkernel::start) polls every public socket
+// it reads (shell, control, stdin, heartbeat) and a wake-up eventfd. The interpreter runs on its own
+// thread, fed by a queue of verified shell messages. Control messages are dispatched to xeus on the I/O
+// thread itself, so control is served while a cell runs. The sockets and the server's bookkeeping belong to
+// whichever thread holds the server lock: the I/O thread holds it except while it waits in poll(2), and the
+// interpreter thread takes it to send what xeus sends from there (replies, IOPub, input_request) itself, in
+// program order, so clients get, for every shell request, busy, outputs, reply, idle, as xeus produced
+// them, without a wake-up of the I/O thread per message (which cost more CPU than the sends themselves).
+// Messages of other threads (publish_kernel_message) are queued for the I/O thread and go out before the
+// interpreter's next message.
 //
 // Inbound, every message is verified strictly (inbound_verifier.hpp); refused messages get no reply and are
 // logged, and the server keeps serving. Outbound, the xeus 2.4.1 fixups (protocol_fixups.hpp) are applied
@@ -129,6 +132,13 @@ class KernelServer final : public xeus::xserver {
     };
     void enqueue(Outbound outbound);
     bool on_io_thread() const noexcept;
+    // From the interpreter (or any non-I/O) thread: sends under the server lock, after what is queued.
+    void send_now(Outbound outbound);
+    // After a send on a ROUTER by a thread other than the I/O thread: that send may have taken in the command
+    // that announced an inbound message (the I/O thread's poll(2) then never hears of it), so the I/O thread
+    // is woken if the socket has a message to read. Server lock held.
+    void keep_inbound_announced(int channel_index);
+    void wake_io_thread();
 
     // I/O thread.
     struct Sockets;
@@ -188,6 +198,11 @@ class KernelServer final : public xeus::xserver {
     std::deque<std::string> awaiting_reply_;
     std::map<std::string, std::string, std::less<>> awaited_execute_headers_;
 
+    // The server lock: the sockets and everything the I/O loop owns (unread_, the record, the awaited
+    // replies, the refusal counts). Held by the I/O thread except while it polls; never taken while
+    // outbound_mutex_, shell_mutex_ or input_mutex_ is held (input_mutex_ may be taken under it).
+    std::mutex server_mutex_;
+
     // Other threads -> I/O thread. The eventfd is written only when the queue becomes non-empty.
     std::mutex outbound_mutex_;
     std::vector<Outbound> outbound_;
@@ -199,7 +214,11 @@ class KernelServer final : public xeus::xserver {
     std::deque<xeus::xmessage> shell_queue_;
     bool shell_closed_ = false;
     std::thread interpreter_;
-    listener pending_abort_;  // interpreter thread: stop_on_error asked to abort what is queued
+    // stop_on_error: xeus asked (after the failing execute's reply, before its idle) to abort what is queued.
+    // Only the requests queued by then are aborted: a client that saw the idle may already have sent the next
+    // request, which must run. Interpreter thread; abort_queued_ is the count of requests queued when asked.
+    listener pending_abort_;
+    std::size_t abort_queued_ = 0;
 
     // The input() the interpreter thread waits for (xeus 2.4.1's send_stdin blocks until the answer).
     // Only an input_reply for a prompt that went out and is unanswered is taken, so a stale reply can

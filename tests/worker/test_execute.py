@@ -194,3 +194,28 @@ def test_history_search_magic_sees_recent_and_old_cells(worker):
     found = worker.execute("%history -g cell_12 -n", execution_count=132).assert_ok().text()
     # cell_12 went to the history database with the periodic write-out, cell_125 came from the cache.
     assert "cell_12 = 12" in found and "cell_125 = 125" in found
+
+
+def test_plain_text_results_follow_the_users_formatter_settings(worker):
+    # The worker formats ints, floats and strs without IPython's pretty printer while it would print their repr;
+    # anything the user changed about text/plain still applies.
+    def shown(code):
+        return worker.execute(code).assert_ok().result["data"]["text/plain"]
+
+    assert shown("2**70") == "1180591620717411303424"
+    assert shown("1/3") == "0.3333333333333333"
+    assert shown("'tab\\tquote\\'\\u2028' + chr(0x85)") == "\"tab\\tquote'\\u2028\\x85\""
+    worker.execute("%precision 3").assert_ok()
+    assert shown("1/3") == "0.333"
+    worker.execute("%precision").assert_ok()
+    assert shown("1/3") == "0.3333333333333333"
+    worker.execute("get_ipython().display_formatter.formatters['text/plain']"
+                   ".for_type(int, lambda n, p, cycle: p.text(f'int {n}'))").assert_ok()
+    assert shown("7") == "int 7"
+    assert shown("True") == "True"
+
+
+def test_semicolons_that_do_not_end_the_cell_keep_the_result(worker):
+    assert worker.execute("'a;b'").assert_ok().result["data"]["text/plain"] == "'a;b'"
+    assert worker.execute("3  # ;").assert_ok().result["data"]["text/plain"] == "3"
+    assert worker.execute("3;  # shown? no").assert_ok().frames == []

@@ -284,11 +284,48 @@ TEST_F(KernelServerTest, MessagesGoOutInTheOrderXeusSentThem) {
         replies.push_back(part(reply, 2)["msg_type"]);
     }
     EXPECT_EQ(replies, (std::vector<std::string>{"kernel_info_reply", "execute_reply"}));
+    // The last message, e1's idle, goes out after its reply (as a client would, wait for it before asking).
+    bool idle_seen = false;
+    while (!idle_seen) {
+        const Frames message = receive(client_iopub);
+        ASSERT_FALSE(message.empty()) << "no idle for e1";
+        idle_seen = part(message, 3).value("msg_id", "") == "e1" &&
+                    part(message, 5).value("execution_state", "") == "idle";
+    }
+    ASSERT_TRUE(idle_seen);
     EXPECT_EQ(
         sent_order("r1"),
         (std::vector<std::string>{"iopub:k1:status:busy", "iopub:k1:stream", "shell:k1:kernel_info_reply:ok",
                                   "iopub:k1:status:idle", "iopub:e1:status:busy", "iopub:e1:stream",
                                   "shell:e1:execute_reply:ok", "iopub:e1:status:idle"}));
+}
+
+// Requests that arrive while the interpreter thread sends replies (a client that does not wait for each
+// reply) are all served: a reply sent on the shell ROUTER from the interpreter thread may take in the command
+// that announced the next request, and the I/O thread must still hear of that request.
+TEST_F(KernelServerTest, RequestsArrivingWhileRepliesAreSentAreAllAnswered) {
+    on_shell = [this](const xeus::xmessage& request) {
+        // Over a millisecond between sends, so libzmq takes in pending commands on each one.
+        std::this_thread::sleep_for(std::chrono::microseconds(1200));
+        server->send_shell(reply_to(request, "execute_reply", {{"status", "ok"}}));
+    };
+    constexpr int requests = 200;
+    std::thread sender([this] {
+        for (int i = 0; i < requests; ++i) {
+            send(client_shell, signed_message("execute_request", {{"code", "1"}}, "p" + std::to_string(i)));
+            std::this_thread::sleep_for(std::chrono::microseconds(i % 7 == 0 ? 2500 : 300));
+        }
+    });
+    int answered = 0;
+    for (; answered < requests; ++answered) {
+        const Frames reply = receive(client_shell, 5000);
+        if (reply.empty()) {
+            break;
+        }
+        ASSERT_EQ(part(reply, 3)["msg_id"], "p" + std::to_string(answered));
+    }
+    sender.join();
+    EXPECT_EQ(answered, requests) << "the kernel stopped answering: a request was never read";
 }
 
 // stop_on_error: the failing execute finishes (its idle) before the queued requests are aborted, each
@@ -322,6 +359,48 @@ TEST_F(KernelServerTest, QueuedRequestsAreAbortedAfterTheFailingExecute) {
               (std::vector<std::string>{"iopub:e1:status:busy", "shell:e1:execute_reply:error",
                                         "iopub:e1:status:idle", "iopub:a2:status:busy",
                                         "shell:a2:execute_reply:aborted", "iopub:a2:status:idle"}));
+}
+
+// stop_on_error aborts what was queued when the execute failed, not a request the client sent after it saw
+// the failing execute's idle (the interpreter thread sends that idle itself and may still be returning from
+// the execute when the next request arrives).
+TEST_F(KernelServerTest, RequestSentAfterTheFailingExecutesIdleRuns) {
+    std::promise<void> next_queued_promise;
+    auto next_queued = next_queued_promise.get_future().share();
+    on_shell = [this, next_queued](const xeus::xmessage& request) {
+        if (msg_id(request) != "e1") {
+            behave_like_xeus(*server, request, "execute_reply");
+            return;
+        }
+        server->publish(published_for(request, "status", {{"execution_state", "busy"}}),
+                        xeus::channel::SHELL);
+        server->send_shell(reply_to(request, "execute_reply",
+                                    {{"status", "error"}, {"ename", "ZeroDivisionError"}, {"evalue", ""}}));
+        server->abort_queue(
+            [this](xeus::xmessage aborted) {
+                server->send_shell(reply_to(aborted, "execute_reply", {{"status", "error"}}));
+            },
+            50);
+        server->publish(published_for(request, "status", {{"execution_state", "idle"}}),
+                        xeus::channel::SHELL);
+        next_queued.wait();  // still inside the failing execute when the next request is queued
+    };
+    send(client_shell, signed_message("execute_request", {{"code", "1/0"}}, "e1"));
+    ASSERT_FALSE(receive(client_shell).empty());
+    bool idle_seen = false;
+    while (!idle_seen) {
+        const Frames message = receive(client_iopub);
+        ASSERT_FALSE(message.empty()) << "no idle for e1";
+        idle_seen = part(message, 3).value("msg_id", "") == "e1" &&
+                    part(message, 5).value("execution_state", "") == "idle";
+    }
+    send(client_shell, signed_message("execute_request", {{"code", "2"}}, "n2"));
+    ::usleep(300000);  // n2 is queued while e1's handler has not returned
+    next_queued_promise.set_value();
+    const Frames reply = receive(client_shell);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_EQ(part(reply, 3)["msg_id"], "n2");
+    EXPECT_EQ(part(reply, 5)["status"], "ok") << "a request sent after the error's idle was aborted";
 }
 
 TEST_F(KernelServerTest, RefusedMessagesNeverReachTheInterpreter) {

@@ -309,10 +309,11 @@ class FrameChannel:
         """
         with self._receive_lock:
             while True:
-                with self._gate.frame_io():
-                    message = self._complete_frame()
-                if message is not None:
-                    return message
+                if self._received:  # else there is no frame to complete (and no signal mask to change)
+                    with self._gate.frame_io():
+                        message = self._complete_frame()
+                    if message is not None:
+                        return message
                 # Wait with SIGINT deliverable (outside user code its handler never raises), then read and
                 # decode with it held back: a SIGINT is either seen while nothing is waiting (a late one,
                 # dropped) or while bytes or a frame are in hand (kept for that request).

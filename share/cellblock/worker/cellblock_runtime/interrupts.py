@@ -10,11 +10,19 @@ not enough, because a signal delivered to another (user) thread still trips CPyt
 the handler would run between two partial writes of one frame.
 """
 
+import _signal
 import contextlib
 import signal
 import threading
 
-_SIGINT_ONLY = frozenset({signal.SIGINT})
+# The C functions behind signal.signal / getsignal / pthread_sigmask: the wrappers in signal.py convert every
+# argument and result to enums, which cost more than the syscalls themselves on each request (four handler
+# switches and four mask changes per `1+1`). Handlers and results compare the same (`is`) either way.
+_set_handler = _signal.signal
+_get_handler = _signal.getsignal
+_set_mask = _signal.pthread_sigmask
+_SIGINT = int(signal.SIGINT)
+_SIGINT_ONLY = (_SIGINT,)
 
 
 class InterruptGate:
@@ -59,21 +67,21 @@ class InterruptGate:
     def ignore_interrupts(self):
         """Outside user code: SIGINT never raises (see the module docstring)."""
         self._accepting = False
-        signal.signal(signal.SIGINT, self._idle_handler)
+        _set_handler(_SIGINT, self._idle_handler)
 
     @contextlib.contextmanager
     def interruptible(self):
         """Run the body with SIGINT raising KeyboardInterrupt; back to ignoring afterwards."""
         self._deferred = False
         self._accepting = True
-        signal.signal(signal.SIGINT, self._user_handler or self._handler)
+        _set_handler(_SIGINT, self._user_handler or self._handler)
         try:
             if self._early:
                 self._early = False
                 raise KeyboardInterrupt
             yield
         finally:
-            current = signal.getsignal(signal.SIGINT)
+            current = _get_handler(_SIGINT)
             self.ignore_interrupts()
             if current is self._handler or current is signal.default_int_handler or current is None:
                 self._user_handler = None
@@ -95,13 +103,13 @@ class InterruptGate:
             # Only the main thread runs Python signal handlers, so a user thread needs no deferral.
             yield
             return
-        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT_ONLY)
+        previous_mask = _set_mask(signal.SIG_BLOCK, _SIGINT_ONLY)
         self._frame_depth += 1
         try:
             yield
         finally:
             self._frame_depth -= 1
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+            _set_mask(signal.SIG_SETMASK, previous_mask)
         # Unblocking may deliver a pending SIGINT right here (the handler raises since depth is 0 again);
         # one that a user thread received during the frame was deferred and is raised now.
         if self._frame_depth == 0 and self._deferred:

@@ -85,11 +85,12 @@ class RequestHandlers:
                 # else: it came after the cell had finished; the cell's outcome stands.
             if result is not None and result.success:
                 expressions = {}
-                try:
-                    with self._gate.interruptible():
-                        expressions = shell.user_expressions(user_expressions)
-                except KeyboardInterrupt:
-                    pass  # the cell itself succeeded; an interrupted expression evaluation yields none
+                if user_expressions:  # usually none: then no SIGINT handler switch either
+                    try:
+                        with self._gate.interruptible():
+                            expressions = shell.user_expressions(user_expressions)
+                    except KeyboardInterrupt:
+                        pass  # the cell itself succeeded; an interrupted expression evaluation yields none
                 return {"status": "ok", "user_expressions": expressions,
                         "payload": shell.payload_manager.read_payload()}
             return self._error_content(result)

@@ -18,6 +18,7 @@ from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell, InteractiveShellABC
+from IPython.lib.pretty import _repr_pprint
 from IPython.utils.text import LSString, SList
 from traitlets import Any, Type
 from traitlets.config import Config
@@ -88,6 +89,16 @@ class FrameDisplayPublisher(DisplayPublisher):
 
 
 _PLAIN_ONLY_TYPES = frozenset({int, float, complex, bool, str, bytes, type(None)})
+# Types whose text/plain is their repr() while the plain-text formatter keeps IPython's printer for them.
+_REPR_TYPES = frozenset({int, float, str})
+
+
+def _trait(owner, name):
+    """A trait's value without the descriptor (about 1 us per read, and the per-cell checks read dozens)."""
+    try:
+        return owner._trait_values[name]
+    except (AttributeError, KeyError):
+        return getattr(owner, name)  # a lazy default not computed yet
 
 
 class FrameDisplayHook(DisplayHook):
@@ -98,6 +109,8 @@ class FrameDisplayHook(DisplayHook):
     def quiet(self):
         # IPython looks at the last *stored* history entry, which is stale for store_history=False cells.
         cell = self.shell.current_cell
+        if ";" not in cell:
+            return False  # no `;` token can end it (tokenizing costs more than the rest of this hook)
         try:
             tokens = list(tokenize.generate_tokens(io.StringIO(cell).readline))
         except (tokenize.TokenError, SyntaxError):
@@ -118,7 +131,8 @@ class FrameDisplayHook(DisplayHook):
         if type(result) in _PLAIN_ONLY_TYPES and self._only_plain_text_applies(type(result)):
             # Fast path (about 80 us of a 1+1 cell): running all twelve formatters on an int or a str can
             # only produce text/plain, unless the user registered a formatter for the type.
-            return {"text/plain": self.shell.display_formatter.formatters["text/plain"](result)}, {}
+            plain = _trait(self.shell.display_formatter, "formatters")["text/plain"]
+            return {"text/plain": self._plain_text(plain, result)}, {}
         data, metadata = super().compute_format_data(result)
         if "text/plain" not in data:
             # Clients that render only text (agents) must always get something.
@@ -126,21 +140,39 @@ class FrameDisplayHook(DisplayHook):
             data["text/plain"] = safe_repr(result)
         return data, metadata
 
+    @staticmethod
+    def _plain_text(plain, result):
+        """What the plain-text formatter makes of an int, float or str it has IPython's printer for: repr(), as
+        IPython's _repr_pprint writes it (the repr of these types has no line break), without the formatter's
+        pretty-printer set-up and error-catching decorator (about 12 us). Anything else goes to the formatter."""
+        if type(result) in _REPR_TYPES and id(result) not in _trait(plain, "singleton_printers") and (
+                not _trait(plain, "pprint") or _trait(plain, "type_printers").get(type(result)) is _repr_pprint):
+            try:
+                return repr(result)
+            except Exception:
+                pass  # e.g. an int too long for str(): the formatter reports it as IPython does
+        return plain(result)
+
     def _only_plain_text_applies(self, result_type):
-        formatters = self.shell.display_formatter.formatters
-        plain = formatters.get("text/plain")
-        if plain is None or not plain.enabled:
-            return False
-        for mime, formatter in formatters.items():
-            if mime == "text/plain" or not formatter.enabled:
-                continue
-            if formatter.deferred_printers or any(cls in formatter.type_printers for cls in result_type.__mro__):
-                return False
         display_formatter = self.shell.display_formatter
-        return not (display_formatter.ipython_display_formatter.type_printers
-                    or display_formatter.ipython_display_formatter.deferred_printers
-                    or display_formatter.mimebundle_formatter.type_printers
-                    or display_formatter.mimebundle_formatter.deferred_printers)
+        formatters = _trait(display_formatter, "formatters")
+        plain = formatters.get("text/plain")
+        if plain is None or not _trait(plain, "enabled"):
+            return False
+        mro = result_type.__mro__
+        for mime, formatter in formatters.items():
+            if mime == "text/plain" or not _trait(formatter, "enabled"):
+                continue
+            if _trait(formatter, "deferred_printers"):
+                return False
+            type_printers = _trait(formatter, "type_printers")
+            if type_printers and any(cls in type_printers for cls in mro):
+                return False
+        for formatter in (_trait(display_formatter, "ipython_display_formatter"),
+                          _trait(display_formatter, "mimebundle_formatter")):
+            if _trait(formatter, "type_printers") or _trait(formatter, "deferred_printers"):
+                return False
+        return True
 
     def write_format_data(self, format_dict, md_dict=None):
         self._pending = (format_dict, md_dict or {})
