@@ -24,6 +24,18 @@ std::string encode_frame(const nlohmann::json& message) {
     return frame;
 }
 
+void FrameDecoder::drop_consumed() {
+    // The room a large frame needed is not kept by an idle session's kernel: freed, it goes back to the heap,
+    // which the kernel trims once idle (heap_policy). Up to this much stays for the next frames.
+    constexpr std::size_t kept_buffer_bytes = 256 * 1024;
+    if (buffer_.capacity() > kept_buffer_bytes) {
+        std::string().swap(buffer_);
+    } else {
+        buffer_.clear();
+    }
+    consumed_ = 0;
+}
+
 ssize_t FrameDecoder::read_from(int fd) {
     constexpr std::size_t least_read_bytes = 65536;
     constexpr std::size_t most_read_bytes = std::size_t{max_frame_bytes} + 4;
@@ -32,8 +44,7 @@ ssize_t FrameDecoder::read_from(int fd) {
         queued = 0;
     }
     if (consumed_ > 0 && consumed_ == buffer_.size()) {
-        buffer_.clear();
-        consumed_ = 0;
+        drop_consumed();
     }
     const std::size_t want =
         std::clamp<std::size_t>(static_cast<std::size_t>(queued), least_read_bytes, most_read_bytes);
@@ -48,8 +59,7 @@ std::optional<WorkerFrame> FrameDecoder::next() {
     // Compact once the consumed part dominates, so long sessions do not grow the buffer (here, not after a
     // frame: a stream frame's text is a view into the buffer until this is called again).
     if (consumed_ == buffer_.size()) {
-        buffer_.clear();
-        consumed_ = 0;
+        drop_consumed();
     } else if (consumed_ > (1u << 20) && consumed_ * 2 > buffer_.size()) {
         buffer_.erase(0, consumed_);
         consumed_ = 0;

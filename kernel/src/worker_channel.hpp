@@ -46,6 +46,8 @@ class FrameDecoder {
     bool empty() const noexcept { return consumed_ == buffer_.size(); }
 
   private:
+    void drop_consumed();
+
     std::string buffer_;
     std::size_t consumed_ = 0;
 };
