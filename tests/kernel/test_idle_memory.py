@@ -31,13 +31,14 @@ def test_an_idle_kernel_gives_back_the_heap_a_large_output_used(fresh_kernel):
     busy = private_dirty_kib(kernel.pid)
     # The prints did use the heap (else this test could not fail)...
     assert busy > idle + 2048, (idle, busy)
-    # ...and once the shell is quiet it goes back, within a generous bound on a loaded machine.
+    # ...and once the shell is quiet it goes back, within a generous bound on a loaded machine (what stays is
+    # fragments of pages still partly in use, measured 1.0-1.3 MiB; keeping the heap kept 6+ MiB).
     deadline = time.monotonic() + 20
     settled = busy
     while time.monotonic() < deadline:
         settled = settled_private_dirty_kib(kernel.pid, 1.0)
-        if settled <= idle + 1024:
+        if settled <= idle + 1536:
             break
-    assert settled <= idle + 1024, f"idle {idle} KiB, right after the prints {busy} KiB, 20 s later {settled} KiB"
+    assert settled <= idle + 1536, f"idle {idle} KiB, right after the prints {busy} KiB, 20 s later {settled} KiB"
     # And it still serves a large output afterwards.
     assert len(kernel.execute(f"print('x' * {OUTPUT})").stream_text()) == OUTPUT + 1
