@@ -31,14 +31,17 @@ def test_an_idle_kernel_gives_back_the_heap_a_large_output_used(fresh_kernel):
     busy = private_dirty_kib(kernel.pid)
     # The prints did use the heap (else this test could not fail)...
     assert busy > idle + 2048, (idle, busy)
-    # ...and once the shell is quiet it goes back, within a generous bound on a loaded machine (what stays is
-    # fragments of pages still partly in use, measured 1.0-1.3 MiB; keeping the heap kept 6+ MiB).
+    # ...and once the shell is quiet most of it goes back. What stays varies with the allocator's fragments and
+    # the path the worker took (measured 1.0-1.8 MiB of the ~8 MiB the prints used); a kernel that keeps its
+    # heap keeps ~90 % of it (6.8 of 7.7 MiB before heap_policy).
+    used = busy - idle
     deadline = time.monotonic() + 20
     settled = busy
     while time.monotonic() < deadline:
         settled = settled_private_dirty_kib(kernel.pid, 1.0)
-        if settled <= idle + 1536:
+        if settled - idle <= used // 2:
             break
-    assert settled <= idle + 1536, f"idle {idle} KiB, right after the prints {busy} KiB, 20 s later {settled} KiB"
+    assert settled - idle <= used // 2, \
+        f"idle {idle} KiB, right after the prints {busy} KiB, 20 s later {settled} KiB: kept more than half"
     # And it still serves a large output afterwards.
     assert len(kernel.execute(f"print('x' * {OUTPUT})").stream_text()) == OUTPUT + 1
