@@ -45,30 +45,19 @@ _CHILD_PROCESS_EVENTS = frozenset({"os.system", "subprocess.Popen", "os.posix_sp
                                    "os.fork", "os.forkpty"})
 
 
-class _ChannelWriter(io.RawIOBase):
+class _ChannelWriter(_FdWriter):
     """Raw binary writer that sends each write as stream frames; in a forked child (multiprocessing, os.fork),
     where the channel's lock and framing are not the child's to use, it writes to the fd instead."""
 
     def __init__(self, fd, channel, channel_byte):
-        super().__init__()
-        self._fd = fd
+        super().__init__(fd)
         self._channel = channel
         self._channel_byte = channel_byte
-        self._fd_writer = _FdWriter(fd)
         self.forked = False
-
-    def writable(self):
-        return True
-
-    def fileno(self):
-        return self._fd
-
-    def isatty(self):
-        return False
 
     def write(self, data):
         if self.forked:
-            return self._fd_writer.write(data)
+            return super().write(data)
         data = bytes(data) if not isinstance(data, bytes) else data
         self._channel.write_text(self._channel_byte, data)
         return len(data)
@@ -76,9 +65,6 @@ class _ChannelWriter(io.RawIOBase):
     def flush(self):
         if not self.forked:
             self._channel.flush_text()
-
-    def close(self):
-        super().close()
 
 
 def open_channel_text_streams(channel):
