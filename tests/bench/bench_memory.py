@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Memory per idle session and session creation under load, cellblock vs ipykernel and xpython / Jupyter Server.
 
-    /usr/bin/python3 tests/bench/bench_memory.py [--quick] [--zygote [--starts N] [--only-idle]]
+    /usr/bin/python3 tests/bench/bench_memory.py [--quick] [--no-zygote] [--starts N] [--only-idle] [--no-peers]
 
 1. PSS per idle session: N kernels of each kind run at once (started in parallel through jupyter_client), each has
    answered one `1+1`, then after a pause the PSS (/proc/<pid>/smaps_rollup) of each kernel's process tree (kernel +
@@ -14,7 +14,7 @@
 3. Through the servers' REST API: 50 concurrent `POST /api/kernels` each followed by a WebSocket kernel_info_reply
    (time until all 50 answered, failures within 120 s), cellblock-gateway vs Jupyter Server 1.23 (ipykernel,
    xpython); then the servers' own RSS with those sessions open, and for the gateway at 100 sessions.
-4. With --zygote: a fourth kind, "cellblock (zygote)", the same kernel with `worker.zygote: true` (workers forked
+4. Unless --no-zygote: a fourth kind, "cellblock (zygote)", the same kernel with `worker.zygote: true` (workers forked
    from one preloaded template of a tenant of this run, sandbox/README.md "Worker zygote"). Its PSS per session
    includes the template's PSS / N (the template exists for these sessions; it is also reported alone), and only
    forked workers count (a worker that fell back to exec fails the figure). Then, for exec and zygote alternately,
@@ -231,7 +231,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 sessions of each kind (smoke run)")
     parser.add_argument("--idle-sessions", type=int, default=32, help="kernels of each kind for the PSS figure")
-    parser.add_argument("--zygote", action="store_true", help="also cellblock with worker.zygote: true (4. above)")
+    parser.add_argument("--no-zygote", dest="zygote", action="store_false",
+                        help="leave out cellblock with worker.zygote: true (4. above)")
     parser.add_argument("--starts", type=int, default=20, help="sequential starts of exec and zygote kernels")
     parser.add_argument("--only-idle", action="store_true", help="skip the REST part (3.)")
     parser.add_argument("--no-peers", action="store_true", help="cellblock only: no ipykernel/xpython idle figures")
