@@ -331,12 +331,14 @@ def measure_all(args, zygote_dir) -> int:
         rows = [Row("start → kernel_info_reply", sample(zygote_starts, "info_ms"),
                     {"exec path": sample(exec_starts, "info_ms")}),
                 Row("start → first `1+1` answered (worker ready)", sample(zygote_starts, "ready_ms"),
-                    {"exec path": sample(exec_starts, "ready_ms")}, target="≤ 50 ms cold, ≤ 30 ms p50"),
+                    {"exec path": sample(exec_starts, "ready_ms")},
+                    note="through jupyter_client's KernelManager and wait_for_ready, which cost most of it; "
+                         "the lean-client cold start (issue 11's ≤ 50 ms) is bench_kernel.py's"),
                 Row("first `import pandas` in a session", sample(zygote_starts, "pandas_ms"),
                     {"exec path": sample(exec_starts, "pandas_ms")}, target="≤ 5 ms"),
                 Row("failed starts", Stats([zygote_starts.get("failures", 0)]),
                     {"exec path": Stats([exec_starts.get("failures", 0)])}, unit="failed")]
-        print(markdown_table(f"Kernels started one at a time, zygote vs exec, interleaved ({args.starts} each; "
+        print(markdown_table(f"Kernels started one at a time, zygote vs exec, interleaved ({2 if args.quick else args.starts} each; "
                              "cellblock column = zygote)", rows))
         ok = ok and zygote_starts.get("failures", 1) == 0 and exec_starts.get("failures", 1) == 0
         if args.only_idle:
