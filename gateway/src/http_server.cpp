@@ -62,6 +62,10 @@ class BeastWebSocketTransport : public WebSocketTransport,
         timeouts.keep_alive_pings = ping > 0;
         ws_.set_option(timeouts);
         ws_.read_message_max(context_.config.max_message_bytes);
+        // One frame per message, as Jupyter Server sends: Beast would otherwise cut every message into 4 KiB
+        // frames, so a 1 MiB stream message reached a client as 256 frames to parse and join (a Python
+        // client spent more CPU on that than on the JSON).
+        ws_.auto_fragment(false);
         ws_.set_option(
             websocket::stream_base::decorator([protocol = subprotocol_](websocket::response_type& response) {
                 response.set(beast::http::field::server, server_name);

@@ -93,6 +93,31 @@ def test_legacy_is_used_without_subprotocol_and_binary_only_with_buffers(gateway
     client.close()
 
 
+def test_a_large_message_arrives_as_one_frame(gateway, kernel):
+    """A 200 KB stream message is one WebSocket frame, as Jupyter Server sends it, not fifty 4 KiB pieces
+    that every client must parse and join."""
+    client = gateway.connect(kernel["id"])
+    client.wait_ready()
+    client.ws.settimeout(60)
+    msg_id = client.send("execute_request", {"code": "print('y' * 200_000)", "silent": False})
+    text = []
+    while True:
+        frame = client.ws.recv_frame()
+        if frame.opcode not in (websocket.ABNF.OPCODE_TEXT, websocket.ABNF.OPCODE_CONT):
+            continue
+        assert frame.opcode == websocket.ABNF.OPCODE_TEXT and frame.fin, \
+            f"a message was cut into frames (opcode {frame.opcode}, fin {frame.fin}, {len(frame.data)} bytes)"
+        message = json.loads(frame.data)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        if message["msg_type"] == "stream":
+            text.append(message["content"]["text"])
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            break
+    assert "".join(text) == "y" * 200_000 + "\n"
+    client.close()
+
+
 def test_legacy_binary_frames_from_clients_are_accepted(gateway, kernel):
     client = gateway.connect(kernel["id"])
     header = new_header("execute_request", session=client.session)
