@@ -111,8 +111,8 @@ void prepare_workspace(const std::filesystem::path& workspace, uid_t uid, const 
 // this long. It forks one worker at a time while every kernel that starts beside it competes for the same
 // cores: 150 kernels started at once on an idle 2-core machine had 146 launches outwait 2 s, and each
 // fallback's exec (≈ 0.35 s of CPU importing IPython) slowed the template further (57 s until all answered).
-// Kept well inside the kernel's worker start budget (worker.start_timeout_s, 60 s by default), which still
-// has to cover an exec after a template that never answered.
+// Kept well below the minute a caller usually gives a worker to become ready, which must still cover an exec
+// after a template that never answered.
 constexpr std::chrono::milliseconds zygote_answer_timeout{15000};
 // A forked child's setup ends with the error pipe closed by the child and by the template (which holds a
 // copy of every fd of the plan); an exec'd child's ends with execve, which cannot be held up by anyone else.
