@@ -37,9 +37,10 @@ import zmq
 
 import benchlib
 from benchlib import Row, Stats, markdown_table, progress
+from bench_memory import ZYGOTE_KIND, cellblock_zygote, install_zygote_kernelspec, warm_template
 
 KINDS = [("cellblock", "cellblock-python"), ("ipykernel", "python3")]
-ZYGOTE_LABEL = "cellblock (zygote)"
+ZYGOTE_LABEL = ZYGOTE_KIND[0]
 DELIMITER = b"<IDS|MSG>"
 
 
@@ -203,7 +204,6 @@ def main() -> int:
         kinds = list(KINDS)
         zygote_policy = None
         if args.zygote:
-            from bench_memory import ZYGOTE_KIND, install_zygote_kernelspec, warm_template
             zygote_policy = install_zygote_kernelspec(workdir)
             warm_template(zygote_policy)
             kinds.insert(1, (ZYGOTE_LABEL, ZYGOTE_KIND[1]))
@@ -211,7 +211,6 @@ def main() -> int:
             measure_kinds(context, kinds, workdir, starts, executes, cold, first_result, round_trip, memory)
         finally:
             if zygote_policy is not None:
-                from bench_memory import cellblock_zygote
                 cellblock_zygote.stop_templates(zygote_policy)
     context.term()
 

@@ -269,7 +269,8 @@ def measure_all(args, zygote_dir) -> int:
         template = warm_template(ZYGOTE_POLICY[0])
         idle[ZYGOTE_KIND[0]] = idle_session_memory(ZYGOTE_KIND[0], ZYGOTE_KIND[1], idle_count,
                                                    0.5 if args.quick else 3.0, template)
-        for round_index in range(2 if args.quick else args.starts):
+        start_rounds = 2 if args.quick else args.starts
+        for round_index in range(start_rounds):
             for label, kernel_name in (KINDS[0], ZYGOTE_KIND):  # interleaved: the shared machine's load hits both
                 one = start_latency(kernel_name, 1)
                 into = starts.setdefault(label, {"info_ms": [], "ready_ms": [], "pandas_ms": [], "failures": 0})
@@ -338,7 +339,7 @@ def measure_all(args, zygote_dir) -> int:
                     {"exec path": sample(exec_starts, "pandas_ms")}, target="≤ 5 ms"),
                 Row("failed starts", Stats([zygote_starts.get("failures", 0)]),
                     {"exec path": Stats([exec_starts.get("failures", 0)])}, unit="failed")]
-        print(markdown_table(f"Kernels started one at a time, zygote vs exec, interleaved ({2 if args.quick else args.starts} each; "
+        print(markdown_table(f"Kernels started one at a time, zygote vs exec, interleaved ({start_rounds} each; "
                              "cellblock column = zygote)", rows))
         ok = ok and zygote_starts.get("failures", 1) == 0 and exec_starts.get("failures", 1) == 0
         if args.only_idle:
