@@ -1,6 +1,7 @@
 """Signals, lifecycle, malformed requests and child processes."""
 
 import os
+import random
 import signal
 import socket
 import struct
@@ -54,6 +55,34 @@ def test_sigint_sent_with_the_request_is_not_lost(worker):
         assert frames[-1]["id"] == f"early-{attempt}"
         assert frames[-1]["content"]["ename"] == "KeyboardInterrupt", frames[-1]
     assert worker.execute("kept").result["data"]["text/plain"] == "3"
+
+
+def test_sigints_at_every_moment_of_short_cells_never_kill_or_wedge_the_worker(worker):
+    # Interrupts at random moments around tiny cells land everywhere: before the code, inside it, in IPython's
+    # bookkeeping around it, after the reply. Each cell is answered, interrupted or not, and nothing is left
+    # broken for the next one: not the worker (it died of the next interrupt while waiting for a request when
+    # one had raised outside user code), not IPython (an interrupt inside its history's lock hung every
+    # later cell).
+    worker.execute("total = 0").assert_ok()
+    rng = random.Random(11)
+    outcomes = {"ok": 0, "KeyboardInterrupt": 0}
+    for attempt in range(3000):
+        worker.send({"type": "execute", "id": f"short-{attempt}", "code": "total += 1", "silent": False,
+                     "store_history": True, "user_expressions": {}, "allow_stdin": False})
+        spin_until = time.perf_counter() + rng.random() * 0.0008  # sub-millisecond: sleep() is too coarse
+        while time.perf_counter() < spin_until:
+            pass
+        worker.interrupt()
+        reply = _reply_after(worker, timeout=60)[-1]
+        assert reply["id"] == f"short-{attempt}"
+        content = reply["content"]
+        outcomes["ok" if content["status"] == "ok" else content["ename"]] += 1
+        worker.events.clear()
+    assert outcomes["ok"] > 0 and outcomes["KeyboardInterrupt"] > 0, outcomes  # both sides of the race were hit
+    total = int(worker.execute("total").result["data"]["text/plain"])
+    # Every cell answered ok ran; one answered interrupted may have run to its end first.
+    assert outcomes["ok"] <= total <= 3000, (total, outcomes)
+    assert worker.execute("total * 0 + 42").result["data"]["text/plain"] == "42"
 
 
 def test_sigint_while_idle_is_harmless(worker):

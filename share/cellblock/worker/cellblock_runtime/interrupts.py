@@ -26,30 +26,37 @@ _SIGINT_ONLY = (_SIGINT,)
 
 
 class InterruptGate:
-    """Owns the worker's SIGINT handler and the 'frame in progress' deferral."""
+    """Owns the worker's SIGINT handler, whether user code is running, and the 'frame in progress' deferral.
+
+    One handler stays installed and decides from that state, rather than a raising handler being swapped in
+    for user code and out again: CPython runs a handler at the next check of its eval loop, which can be at
+    the end of the very call that installed it or at the entry of the function meant to remove it, so a
+    swapped-in handler could raise outside user code and outlive it (the worker then died of the next
+    interrupt while waiting for a request). The flag it reads is cleared where no handler can run in between:
+    in request_finished(), which runs with SIGINT held back, and first thing on every way out of user code.
+    """
 
     def __init__(self):
         self._main_thread = threading.main_thread()
         self._frame_depth = 0  # > 0 while the main thread is inside a frame read/write
         self._deferred = False
-        self._accepting = False
+        self._accepting = False  # user code is running: an interrupt raises KeyboardInterrupt
         self._handler = self._on_sigint  # one bound method, so it can be recognised later
         self._user_handler = None  # a SIGINT handler installed by user code, kept for later requests
-        self._idle_handler = self._on_idle_sigint
         self._request_in_hand = False
         self._early = False  # an interrupt for the request in hand arrived before its code started
         self._request_waiting = lambda: False  # set by the channel: unread request bytes?
         self._stream_frame_io = _DeferredInterrupts(self)
+        self._user_code = _UserCode(self)
 
     def _on_sigint(self, signum, frame):
         if self._frame_depth > 0:
             self._deferred = True
-            return
-        signal.default_int_handler(signum, frame)
-
-    def _on_idle_sigint(self, signum, frame):
-        if self._request_in_hand or self._request_waiting():
+        elif self._accepting:
+            signal.default_int_handler(signum, frame)
+        elif self._request_in_hand or self._request_waiting():
             self._early = True
+        # else: a late interrupt for a request already answered, dropped
 
     def watch_requests(self, request_waiting):
         """`request_waiting()` says whether request bytes are buffered or readable on the channel."""
@@ -60,34 +67,30 @@ class InterruptGate:
         self._request_in_hand = True
 
     def request_finished(self):
-        """The reply was sent: an interrupt that comes now was meant for it, not for the next request."""
+        """The reply is being sent: an interrupt that comes now was meant for it, not for the next request."""
+        self._accepting = False  # also ends a user-code state that an interrupt kept from being left normally
         self._request_in_hand = False
         self._early = False
 
     def ignore_interrupts(self):
         """Outside user code: SIGINT never raises (see the module docstring)."""
         self._accepting = False
-        _set_handler(_SIGINT, self._idle_handler)
+        _set_handler(_SIGINT, self._handler)
 
-    @contextlib.contextmanager
     def interruptible(self):
-        """Run the body with SIGINT raising KeyboardInterrupt; back to ignoring afterwards."""
-        self._deferred = False
-        self._accepting = True
-        _set_handler(_SIGINT, self._user_handler or self._handler)
-        try:
-            if self._early:
-                self._early = False
-                raise KeyboardInterrupt
-            yield
-        finally:
-            current = _get_handler(_SIGINT)
-            self.ignore_interrupts()
-            if current is self._handler or current is signal.default_int_handler or current is None:
-                self._user_handler = None
-            else:
-                # User code installed its own disposition: it applies whenever user code runs.
-                self._user_handler = current
+        """Context manager: its body is user code, where SIGINT raises KeyboardInterrupt."""
+        return self._user_code
+
+    def _leave_user_code(self):
+        self._accepting = False
+        current = _get_handler(_SIGINT)
+        if current is self._handler:
+            self._user_handler = None
+            return
+        # User code installed its own disposition: it applies whenever user code runs, ours outside it.
+        is_users = current is not signal.default_int_handler and current is not None
+        self._user_handler = current if is_users else None
+        _set_handler(_SIGINT, self._handler)
 
     def stream_frame_io(self):
         """frame_io for stream frames, which are many and small: the deferral without the two sigmask calls
@@ -110,7 +113,7 @@ class InterruptGate:
         finally:
             self._frame_depth -= 1
             _set_mask(signal.SIG_SETMASK, previous_mask)
-        # Unblocking may deliver a pending SIGINT right here (the handler raises since depth is 0 again);
+        # Unblocking may deliver a pending SIGINT right here (in user code the handler raises: depth is 0 again);
         # one that a user thread received during the frame was deferred and is raised now.
         if self._frame_depth == 0 and self._deferred:
             self._deferred = False
@@ -139,4 +142,36 @@ class _DeferredInterrupts:
             gate._deferred = False
             if gate._accepting and exc_info[0] is None:
                 raise KeyboardInterrupt
+        return False
+
+
+class _UserCode:
+    """InterruptGate.interruptible(). A class rather than a generator, and the state changes inline, so that no
+    call (where CPython may run a handler) sits between them and the try that undoes them. The one place left,
+    the entry of __exit__, is covered by request_finished()."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate):
+        self._gate = gate
+
+    def __enter__(self):
+        gate = self._gate
+        try:
+            gate._deferred = False
+            gate._accepting = True
+            if gate._user_handler is not None:
+                _set_handler(_SIGINT, gate._user_handler)
+            if gate._early:
+                gate._early = False
+                raise KeyboardInterrupt
+        except BaseException:
+            gate._accepting = False
+            gate._leave_user_code()
+            raise
+
+    def __exit__(self, *exc_info):
+        gate = self._gate
+        gate._accepting = False
+        gate._leave_user_code()
         return False

@@ -46,7 +46,7 @@ def prepare(worker_dir):
     from .shell import OutputRoute, create_shell
 
     route = OutputRoute(None)
-    shell = create_shell(route)
+    shell = create_shell(route, gate)
     reaper = ZombieReaper()
     reaper.track_popen_objects()
     return Prepared(worker_dir, gate, route, shell, reaper)

@@ -74,16 +74,9 @@ class RequestHandlers:
         if silent:
             sys.stdout = sys.stderr = DiscardingTextStream()
         try:
-            result = None
-            try:
-                with self._gate.interruptible():
-                    result = shell.run_cell(code, store_history=store_history, silent=silent)
-            except KeyboardInterrupt:
-                if result is None:
-                    # The interrupt landed outside the user's code (IPython's own bookkeeping or a hook).
-                    shell.showtraceback(exception_only=True)
-                # else: it came after the cell had finished; the cell's outcome stands.
-            if result is not None and result.success:
+            # Interruptible where the user's code runs (CellblockShell.run_code), not around IPython's work.
+            result = shell.run_cell(code, store_history=store_history, silent=silent)
+            if result.success:
                 expressions = {}
                 if user_expressions:  # usually none: then no SIGINT handler switch either
                     try:
@@ -122,7 +115,7 @@ class RequestHandlers:
 
     def _error_content(self, result):
         error = self._shell.last_error
-        if error is None and result is not None:
+        if error is None:
             exception = result.error_before_exec or result.error_in_exec
             if exception is not None:
                 error = {"ename": type(exception).__name__, "evalue": safe_text(exception), "traceback": []}

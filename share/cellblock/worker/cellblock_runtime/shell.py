@@ -206,6 +206,7 @@ class CellblockShell(InteractiveShell):
     displayhook_class = Type(FrameDisplayHook)
     display_pub_class = Type(FrameDisplayPublisher)
     output_route = Any(None, help="OutputRoute for frames (set by the worker before any request)")
+    interrupt_gate = Any(None, help="InterruptGate: SIGINT raises only while the user's code runs")
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -226,6 +227,25 @@ class CellblockShell(InteractiveShell):
         }
         self.last_error = error
         self.output_route.publish({"type": "error", **error})
+
+    # -- interrupts -----------------------------------------------------------------------------
+    async def run_code(self, code_obj, result=None, *, async_=False):
+        """Only the user's code is interruptible, not IPython's bookkeeping around it: a KeyboardInterrupt
+        inside IPython (between taking and releasing its history's lock, say) could break every later cell.
+        An interrupt that arrives in between is kept by the gate and raised here, before the code starts."""
+        finished = None
+        try:
+            with self.interrupt_gate.interruptible():
+                finished = await super().run_code(code_obj, result, async_=async_)
+        except KeyboardInterrupt as error:
+            if finished is not None:
+                return finished  # a late interrupt, after the code had finished: its outcome stands
+            if result is not None:
+                result.error_in_exec = error
+            self._showtraceback(KeyboardInterrupt, error,
+                                ["KeyboardInterrupt: interrupted before the code started"])
+            return True
+        return finished
 
     # -- payloads -------------------------------------------------------------------------------
     def set_next_input(self, s, replace=False):
@@ -272,8 +292,8 @@ def shell_config():
     return config
 
 
-def create_shell(output_route):
-    shell = CellblockShell.instance(config=shell_config(), output_route=output_route)
+def create_shell(output_route, interrupt_gate):
+    shell = CellblockShell.instance(config=shell_config(), output_route=output_route, interrupt_gate=interrupt_gate)
     jedi = sys.modules.get("jedi")
     if jedi is not None:
         # Jedi pickles parsed stubs under ~/.cache; HOME is the agent's workspace, so keep them in /tmp.
