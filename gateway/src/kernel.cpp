@@ -160,7 +160,8 @@ Kernel::Kernel(boost::asio::io_context& io, zmq::context_t& zmq_context, const L
       launch_(std::move(launch)),
       signer_(launch_.key.empty() ? random_hex(32) : launch_.key),  // 256-bit key, fresh per kernel
       probe_timer_(io),
-      shutdown_timer_(io) {
+      shutdown_timer_(io),
+      reply_timer_(io) {
     endpoints_.base = launch_.endpoint_base.empty()
                           ? (launch_.runtime_dir / ("k-" + launch_.id.substr(0, 8) + random_hex(4))).string()
                           : launch_.endpoint_base;
@@ -259,7 +260,12 @@ void Kernel::connect_gateway_sockets() {
             if (!self)
                 return;
             try {
-                self->handle_iopub(decode_wire(Channel::iopub, std::move(frames), self->signer_));
+                JupyterMessage message = decode_wire(Channel::iopub, std::move(frames), self->signer_);
+                std::string msg_id = message.msg_id;
+                self->handle_iopub(std::move(message));
+                // After it went to the clients: a reply held for this message may follow it now.
+                self->hand_out_replies(
+                    self->reply_order_.iopub_arrived(msg_id, std::chrono::steady_clock::now()));
             } catch (const MessageError& error) {
                 self->logger_.warn("kernel_message_rejected",
                                    {{"kernel_id", self->id()}, {"error", error.what()}});
@@ -845,6 +851,34 @@ void Kernel::handle_iopub(JupyterMessage&& message) {
         broadcast(message);
 }
 
+void Kernel::hand_out_replies(std::vector<ReplyOrder::Reply> replies) {
+    const std::size_t late = reply_order_.released_without_iopub();
+    if (late != replies_released_late_) {
+        logger_.warn("reply_before_its_output",
+                     {{"kernel_id", id()},
+                      {"detail", "the IOPub message published before a reply did not arrive in time"},
+                      {"count", late - replies_released_late_}});
+        replies_released_late_ = late;
+    }
+    for (auto& reply : replies) {
+        const auto found = sessions_.find(reply.session_id);
+        if (found != sessions_.end())
+            found->second->deliver_or_buffer(reply.message);
+    }
+    const auto deadline = reply_order_.next_deadline();
+    if (!deadline || reply_timer_armed_)
+        return;
+    reply_timer_armed_ = true;
+    reply_timer_.expires_at(*deadline);
+    reply_timer_.async_wait([weak = weak_from_this()](const boost::system::error_code& error) {
+        auto self = weak.lock();
+        if (!self || error)
+            return;
+        self->reply_timer_armed_ = false;
+        self->hand_out_replies(self->reply_order_.expire(std::chrono::steady_clock::now()));
+    });
+}
+
 void Kernel::broadcast(const JupyterMessage& message) {
     for (auto& [session_id, session] : sessions_)
         session->deliver_or_buffer(message);
@@ -1016,12 +1050,18 @@ std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& 
             try {
                 JupyterMessage message = decode_wire(channel, std::move(frames), self->signer_);
                 self->last_activity_ = std::chrono::system_clock::now();
-                // The kernel publishes outputs before it replies, but they travel on
-                // another socket: hand out IOPub that already arrived first, so clients
-                // that stop at execute_reply (OpenHands) do not lose the tail.
-                if (self->iopub_)
+                // The outputs the kernel published before this message travel on another socket. A shell
+                // reply that names the last of them waits for it (ReplyOrder); for anything else, what has
+                // arrived goes first (a prompt's text before its input_request). Not for a reply that names
+                // its output: IOPub already received may include what the kernel sent after the reply.
+                if (self->iopub_ && (channel != Channel::shell || ReplyOrder::awaited_iopub(message).empty()))
                     self->iopub_->flush_received();
-                target->deliver_or_buffer(message);
+                if (channel != Channel::shell) {
+                    target->deliver_or_buffer(message);
+                    return;
+                }
+                self->hand_out_replies(self->reply_order_.reply_arrived(
+                    {target->session_id(), std::move(message)}, std::chrono::steady_clock::now()));
             } catch (const MessageError& error) {
                 self->logger_.warn("kernel_message_rejected",
                                    {{"kernel_id", self->id()}, {"error", error.what()}});

@@ -749,6 +749,14 @@ void KernelServer::send_xmessage(int channel_index, const xeus::xmessage_base& m
             move_outcome_to_metadata(*content, *metadata);
         }
     }
+    if (channel == WireChannel::shell && !last_published_id_.empty()) {
+        if (!metadata) {
+            metadata = message.metadata();
+        }
+        name_last_iopub_message(*metadata, last_published_id_);
+    } else if (channel == WireChannel::iopub) {
+        last_published_id_ = msg_id_of(header);
+    }
     const std::string parent_text = dump(message.parent_header());
     std::vector<zmq::message_t> frames;
     if (identities) {
@@ -836,6 +844,7 @@ void KernelServer::send_own(int channel_index, const std::vector<std::string>& i
                                    {"version", "5.3"}};
     std::vector<zmq::message_t> frames;
     if (channel_index == iopub) {
+        last_published_id_ = header["msg_id"].get<std::string>();
         frames.emplace_back(msg_type.data(), msg_type.size());  // IOPub topic
     } else {
         for (const auto& identity : identities) {

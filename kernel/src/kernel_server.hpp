@@ -188,6 +188,7 @@ class KernelServer final : public xeus::xserver {
     ControlMessenger messenger_{*this};
     std::vector<unsigned long> refusals_;  // per InboundVerdict::Kind, for log-once
     OutboundRecord record_;
+    std::string last_published_id_;  // msg_id of the last IOPub message sent (I/O thread); see send_xmessage
     std::optional<std::chrono::milliseconds> lease_duration_;
     std::optional<Lease> lease_;  // from start(); I/O thread only
     std::atomic<std::thread::id> io_thread_;

@@ -57,4 +57,15 @@ bool move_outcome_to_metadata(nlohmann::json& content, nlohmann::json& metadata)
     return true;
 }
 
+void name_last_iopub_message(nlohmann::json& metadata, const std::string& msg_id) {
+    if (!metadata.is_object()) {
+        metadata = nlohmann::json::object();
+    }
+    nlohmann::json& ours = metadata["cellblock"];
+    if (!ours.is_object()) {
+        ours = nlohmann::json::object();
+    }
+    ours["last_iopub_msg_id"] = msg_id;
+}
+
 }  // namespace cellblock::kernel

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <string>
 #include <string_view>
 
 namespace cellblock::kernel {
@@ -27,5 +28,11 @@ Fixup fix_outbound(WireChannel channel, std::string_view msg_type, nlohmann::jso
 // metadata.cellblock. Returns true if content and metadata were changed (metadata that is not an object
 // is replaced).
 bool move_outcome_to_metadata(nlohmann::json& content, nlohmann::json& metadata);
+
+// Every shell reply names, in metadata.cellblock.last_iopub_msg_id, the IOPub message the kernel published
+// last before it. IOPub and shell are separate sockets, so a large output can reach a client after the reply
+// sent after it; a client (the gateway) that holds the reply until that IOPub message has arrived sees the
+// kernel's order (PROTOCOL.md, "Clients"). Metadata that is not an object is replaced.
+void name_last_iopub_message(nlohmann::json& metadata, const std::string& msg_id);
 
 }  // namespace cellblock::kernel

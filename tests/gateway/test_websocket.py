@@ -118,6 +118,37 @@ def test_a_large_message_arrives_as_one_frame(gateway, kernel):
     client.close()
 
 
+def test_outputs_arrive_before_the_reply_even_when_large(gateway, kernel):
+    """A client that stops at execute_reply (OpenHands does) has every output of the cell by then, however
+    large: IOPub and shell are separate sockets, so a big output still in transit could otherwise be overtaken
+    by the small reply sent after it."""
+    client = gateway.connect(kernel["id"])
+    client.wait_ready()
+    client.ws.settimeout(60)
+    for size in [100_000, 300_000, 450_000] * 4:  # a stream and a display each: within the 1 MiB output limit
+        code = (f"print('a' * {size})\nfrom IPython.display import display\n"
+                f"display({{'text/plain': 'b' * {size}}}, raw=True)")
+        msg_id = client.send("execute_request", {"code": code, "silent": False})
+        text, displays, idle = [], [], False
+        while True:
+            message = json.loads(client.ws.recv())
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            if message["msg_type"] == "stream":
+                text.append(message["content"]["text"])
+            if message["msg_type"] == "display_data":
+                displays.append(message["content"]["data"]["text/plain"])
+            idle = idle or message["msg_type"] == "status" and message["content"]["execution_state"] == "idle"
+            if message["msg_type"] == "execute_reply":
+                break
+        assert "".join(text) == "a" * size + "\n" and displays == ["b" * size], \
+            f"{size}: the reply came before {size + 1 - len(''.join(text))} bytes of text, {1 - len(displays)} display"
+        while not idle:  # idle is published after the reply, on the other socket: it may come either side
+            message = json.loads(client.ws.recv())
+            idle = message["msg_type"] == "status" and message["content"]["execution_state"] == "idle"
+    client.close()
+
+
 def test_legacy_binary_frames_from_clients_are_accepted(gateway, kernel):
     client = gateway.connect(kernel["id"])
     header = new_header("execute_request", session=client.session)

@@ -300,6 +300,29 @@ TEST_F(KernelServerTest, MessagesGoOutInTheOrderXeusSentThem) {
                                   "shell:e1:execute_reply:ok", "iopub:e1:status:idle"}));
 }
 
+// IOPub and shell are separate sockets, so a client can receive a reply before a large output sent ahead of
+// it; each shell reply names the IOPub message published last before it, for the client to wait for.
+TEST_F(KernelServerTest, EachShellReplyNamesTheIOPubMessagePublishedLastBeforeIt) {
+    on_shell = [this](const xeus::xmessage& request) { behave_like_xeus(*server, request, "execute_reply"); };
+    for (const char* request_id : {"e1", "e2"}) {
+        send(client_shell, signed_message("execute_request", {{"code", "1"}}, request_id));
+        const Frames reply = receive(client_shell);
+        ASSERT_FALSE(reply.empty());
+        EXPECT_TRUE(signature_valid(reply));
+        std::string stream_id;
+        for (Frames message = receive(client_iopub); !message.empty(); message = receive(client_iopub)) {
+            if (part(message, 3).value("msg_id", "") != request_id)
+                continue;
+            if (part(message, 2)["msg_type"] == "stream")
+                stream_id = part(message, 2)["msg_id"];
+            if (part(message, 5).value("execution_state", "") == "idle")
+                break;
+        }
+        ASSERT_FALSE(stream_id.empty());
+        EXPECT_EQ(part(reply, 4)["cellblock"]["last_iopub_msg_id"], stream_id) << request_id;
+    }
+}
+
 // Requests that arrive while the interpreter thread sends replies (a client that does not wait for each
 // reply) are all served: a reply sent on the shell ROUTER from the interpreter thread may take in the command
 // that announced the next request, and the I/O thread must still hear of that request.

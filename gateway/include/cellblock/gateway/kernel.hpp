@@ -22,6 +22,7 @@
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/provisioner.hpp"
+#include "cellblock/gateway/reply_order.hpp"
 #include "cellblock/gateway/store.hpp"
 #include "cellblock/gateway/zmq_channel.hpp"
 
@@ -222,6 +223,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void hand_backlog(KernelClientLink& session);
     void watch_process();
     void broadcast(const JupyterMessage& message);
+    // Delivers replies ReplyOrder released to their sessions, and keeps its timer armed while it holds some.
+    void hand_out_replies(std::vector<ReplyOrder::Reply> replies);
     void set_state(KernelState state) { state_ = state; }
     void report_launch_failure(std::string_view cause) const {
         if (launch_failed_handler_)
@@ -255,6 +258,11 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::chrono::steady_clock::time_point launch_deadline_;
     boost::asio::steady_timer probe_timer_;
     boost::asio::steady_timer shutdown_timer_;
+    // Shell replies wait for the IOPub messages published before them, at most 2 s (reply_order.hpp).
+    ReplyOrder reply_order_{std::chrono::seconds(2)};
+    boost::asio::steady_timer reply_timer_;
+    bool reply_timer_armed_ = false;
+    std::size_t replies_released_late_ = 0;
     std::vector<ReadyHandler> ready_handlers_;
     std::function<void(const std::string&)> terminated_handler_;
     std::function<void(const Kernel&)> spawned_handler_;

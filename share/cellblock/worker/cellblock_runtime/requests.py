@@ -78,7 +78,7 @@ class RequestHandlers:
             result = shell.run_cell(code, store_history=store_history, silent=silent)
             if result.success:
                 expressions = {}
-                if user_expressions:  # usually none: then no SIGINT handler switch either
+                if user_expressions:  # usually none
                     try:
                         with self._gate.interruptible():
                             expressions = shell.user_expressions(user_expressions)
