@@ -71,11 +71,21 @@ class Run:
     """One execute: the reply, the IOPub messages for it (with arrival times) and stdin traffic."""
     reply: dict
     outputs: list = field(default_factory=list)      # (seconds since the request, msg)
+    published: list = field(default_factory=list)    # msg_id of every IOPub message for it but the idle, in order
     input_requests: list = field(default_factory=list)
 
     @property
     def content(self) -> dict:
         return self.reply["content"]
+
+    @property
+    def outcome(self) -> dict:
+        """What happened (metadata.cellblock) without the ordering hint beside it, which is checked here: it
+        names the IOPub message the kernel published last before the reply, this execute's last before idle."""
+        ours = dict(self.reply["metadata"]["cellblock"])
+        named = ours.pop("last_iopub_msg_id")
+        assert self.published and named == self.published[-1], (named, self.published)
+        return ours
 
     def of_type(self, msg_type: str) -> list:
         return [msg for _, msg in self.outputs if msg["msg_type"] == msg_type]
@@ -179,8 +189,11 @@ class Kernel:
     @staticmethod
     def _note_iopub(run: Run, msg: dict, started: float) -> bool:
         """Records an output; returns True for the idle status that ends the request."""
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return True
+        run.published.append(msg["header"]["msg_id"])
         if msg["msg_type"] == "status":
-            return msg["content"]["execution_state"] == "idle"
+            return False
         run.outputs.append((time.monotonic() - started, msg))
         return False
 

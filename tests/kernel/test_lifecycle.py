@@ -72,8 +72,8 @@ def test_memory_bomb_names_the_memory_limit(fresh_kernel):
     assert run.content["status"] == "error"
     assert run.content["ename"] == "WorkerDied", run.content
     assert "memory limit" in run.content["evalue"], run.content
-    assert run.reply["metadata"]["cellblock"] == {"outcome": "memory_limit", "state_lost": True,
-                                                  "output_truncated": False}
+    assert run.outcome == {"outcome": "memory_limit", "state_lost": True,
+                          "output_truncated": False}
     assert k.execute("1 + 1").content["status"] == "ok"
 
 
@@ -83,8 +83,8 @@ def test_timeout_interrupts_then_kills(fresh_kernel):
     assert run.content["status"] == "error"
     assert run.content["ename"] == "TimeoutError"
     assert "time limit" in run.content["evalue"]
-    assert run.reply["metadata"]["cellblock"] == {"outcome": "time_limit", "state_lost": False,
-                                                  "output_truncated": False}
+    assert run.outcome == {"outcome": "time_limit", "state_lost": False,
+                          "output_truncated": False}
     assert k.execute("survivor = 1").content["status"] == "ok"
 
     # A prompt nobody answers is bound by the same limit.
@@ -99,8 +99,8 @@ def test_timeout_interrupts_then_kills(fresh_kernel):
     run = k.execute(stubborn, timeout=60)
     assert run.content["ename"] == "WorkerDied"
     assert "time limit" in run.content["evalue"]
-    assert run.reply["metadata"]["cellblock"] == {"outcome": "time_limit", "state_lost": True,
-                                                  "output_truncated": False}
+    assert run.outcome == {"outcome": "time_limit", "state_lost": True,
+                          "output_truncated": False}
     assert time.monotonic() - started < 20
     assert k.execute("1 + 1").content["status"] == "ok"
 

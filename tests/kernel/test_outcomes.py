@@ -13,7 +13,7 @@ SWALLOWING_CELL = ("import time\nprint('swallowing', flush=True)\n"
 
 
 def outcome(run):
-    return run.reply["metadata"]["cellblock"]
+    return run.outcome
 
 
 def execute_with_metadata(kernel, code, metadata, timeout=BOUND_S):

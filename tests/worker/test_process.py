@@ -85,6 +85,25 @@ def test_sigints_at_every_moment_of_short_cells_never_kill_or_wedge_the_worker(w
     assert worker.execute("total * 0 + 42").result["data"]["text/plain"] == "42"
 
 
+def test_code_that_runs_a_cell_itself_stays_interruptible_after_it(worker):
+    # %%capture and user code call IPython's run_cell from within a cell: when that inner cell ends, the
+    # outer cell is still user code.
+    worker.send({"type": "execute", "id": "outer", "silent": False, "store_history": True,
+                 "user_expressions": {}, "allow_stdin": False,
+                 "code": "import time\n"
+                         "def outer():\n"  # one statement: IPython runs each top-level one separately
+                         "    get_ipython().run_cell('inner = 1')\n"
+                         "    print('inner done', flush=True)\n"
+                         "    time.sleep(600)\n"
+                         "outer()"})
+    _wait_for_stdout(worker, "inner done")
+    worker.interrupt()
+    frames = _reply_after(worker, timeout=60)
+    assert frames[-1]["id"] == "outer"
+    assert frames[-1]["content"]["ename"] == "KeyboardInterrupt", frames[-1]
+    assert worker.execute("inner").result["data"]["text/plain"] == "1"
+
+
 def test_sigint_while_idle_is_harmless(worker):
     worker.execute("counter = 5").assert_ok()
     for _ in range(5):

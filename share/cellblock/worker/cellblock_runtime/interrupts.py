@@ -32,15 +32,16 @@ class InterruptGate:
     for user code and out again: CPython runs a handler at the next check of its eval loop, which can be at
     the end of the very call that installed it or at the entry of the function meant to remove it, so a
     swapped-in handler could raise outside user code and outlive it (the worker then died of the next
-    interrupt while waiting for a request). The flag it reads is cleared where no handler can run in between:
-    in request_finished(), which runs with SIGINT held back, and first thing on every way out of user code.
+    interrupt while waiting for a request). The state it reads, how deep in user code the main thread is, is
+    changed first thing on every way into and out of user code, before any point where a handler could run,
+    and reset in request_finished(), which runs with SIGINT held back.
     """
 
     def __init__(self):
         self._main_thread = threading.main_thread()
         self._frame_depth = 0  # > 0 while the main thread is inside a frame read/write
         self._deferred = False
-        self._accepting = False  # user code is running: an interrupt raises KeyboardInterrupt
+        self._user_code_depth = 0  # > 0 while user code runs (nested: user code may run a cell itself)
         self._handler = self._on_sigint  # one bound method, so it can be recognised later
         self._user_handler = None  # a SIGINT handler installed by user code, kept for later requests
         self._request_in_hand = False
@@ -52,7 +53,7 @@ class InterruptGate:
     def _on_sigint(self, signum, frame):
         if self._frame_depth > 0:
             self._deferred = True
-        elif self._accepting:
+        elif self._user_code_depth > 0:
             signal.default_int_handler(signum, frame)
         elif self._request_in_hand or self._request_waiting():
             self._early = True
@@ -68,13 +69,13 @@ class InterruptGate:
 
     def request_finished(self):
         """The reply is being sent: an interrupt that comes now was meant for it, not for the next request."""
-        self._accepting = False  # also ends a user-code state that an interrupt kept from being left normally
+        self._user_code_depth = 0  # also ends a user-code state that an interrupt kept from being left normally
         self._request_in_hand = False
         self._early = False
 
     def ignore_interrupts(self):
         """Outside user code: SIGINT never raises (see the module docstring)."""
-        self._accepting = False
+        self._user_code_depth = 0
         _set_handler(_SIGINT, self._handler)
 
     def interruptible(self):
@@ -82,7 +83,7 @@ class InterruptGate:
         return self._user_code
 
     def _leave_user_code(self):
-        self._accepting = False
+        """Back to our handler after the outermost user code (the depth is already 0)."""
         current = _get_handler(_SIGINT)
         if current is self._handler:
             self._user_handler = None
@@ -117,7 +118,7 @@ class InterruptGate:
         # one that a user thread received during the frame was deferred and is raised now.
         if self._frame_depth == 0 and self._deferred:
             self._deferred = False
-            if self._accepting:
+            if self._user_code_depth > 0:
                 raise KeyboardInterrupt
 
 
@@ -140,7 +141,7 @@ class _DeferredInterrupts:
         gate._frame_depth -= 1
         if gate._frame_depth == 0 and gate._deferred:
             gate._deferred = False
-            if gate._accepting and exc_info[0] is None:
+            if gate._user_code_depth > 0 and exc_info[0] is None:
                 raise KeyboardInterrupt
         return False
 
@@ -148,7 +149,8 @@ class _DeferredInterrupts:
 class _UserCode:
     """InterruptGate.interruptible(). A class rather than a generator, and the state changes inline, so that no
     call (where CPython may run a handler) sits between them and the try that undoes them. The one place left,
-    the entry of __exit__, is covered by request_finished()."""
+    the entry of __exit__, is covered by request_finished(). Nested use (user code that runs a cell itself,
+    `%%capture`) counts: only the outermost exit ends user code."""
 
     __slots__ = ("_gate",)
 
@@ -158,20 +160,23 @@ class _UserCode:
     def __enter__(self):
         gate = self._gate
         try:
-            gate._deferred = False
-            gate._accepting = True
-            if gate._user_handler is not None:
-                _set_handler(_SIGINT, gate._user_handler)
+            gate._user_code_depth += 1
+            if gate._user_code_depth == 1:
+                gate._deferred = False
+                if gate._user_handler is not None:
+                    _set_handler(_SIGINT, gate._user_handler)
             if gate._early:
                 gate._early = False
                 raise KeyboardInterrupt
         except BaseException:
-            gate._accepting = False
-            gate._leave_user_code()
+            gate._user_code_depth -= 1
+            if gate._user_code_depth == 0:
+                gate._leave_user_code()
             raise
 
     def __exit__(self, *exc_info):
         gate = self._gate
-        gate._accepting = False
-        gate._leave_user_code()
+        gate._user_code_depth -= 1
+        if gate._user_code_depth == 0:
+            gate._leave_user_code()
         return False
