@@ -30,8 +30,8 @@ bool looks_like_kernel_id(std::string_view id) {
 
 namespace {
 
-// A deletion is answered once it is in the store, so that another gateway on a shared store (which the client
-// may ask next) already sees it.
+// A creation or deletion is answered once it is in the store, so that another gateway on a shared store
+// (which the client may ask next) already sees it.
 void answer_once_stored(GatewayServices& services, Responder respond, HttpResponse response) {
     services.writer.after_pending([respond = std::move(respond), response = std::move(response)]() mutable {
         respond(std::move(response));
@@ -412,7 +412,8 @@ class SessionsResource : public RestResource {
             if (!find_kernel(services_, kernel_id))
                 throw HttpError(http::status::not_found, "Kernel does not exist: " + kernel_id);
             JupyterSessionRecord& record = services_.sessions.create(path, name, type, kernel_id);
-            respond(created(session_model(services_, record), location_base + record.id));
+            answer_once_stored(services_, std::move(respond),
+                               created(session_model(services_, record), location_base + record.id));
             return;
         }
         KernelStartRequest request{optional_string(kernel_request, "name"), request_env(kernel_request)};
@@ -431,7 +432,8 @@ class SessionsResource : public RestResource {
             }
             const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
             JupyterSessionRecord& record = services.sessions.create(path, name, type, kernel->id());
-            respond(created(session_model(services, record), location_base + record.id));
+            answer_once_stored(services, respond,
+                               created(session_model(services, record), location_base + record.id));
         });
     }
 

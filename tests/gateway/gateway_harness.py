@@ -278,15 +278,19 @@ def outputs(messages):
 
 
 def kernel_pids(kernel_id):
-    """PIDs of processes whose command line names this kernel's connection file."""
-    pids = []
+    """PIDs of processes whose command line names this kernel's connection file, less their children: a
+    process the kernel has just forked (the sandbox's clone of a new worker) shows the same command line until
+    it execs."""
+    parents = {}
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_bytes()
         except OSError:
             continue
         if f"kernel-{kernel_id}.json".encode() in cmdline:
-            pids.append(int(entry.name))
-    return pids
+            # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
+            parents[int(entry.name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+    return sorted(pid for pid, parent in parents.items() if parent not in parents)
