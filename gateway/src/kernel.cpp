@@ -262,10 +262,11 @@ void Kernel::connect_gateway_sockets() {
             try {
                 JupyterMessage message = decode_wire(Channel::iopub, std::move(frames), self->signer_);
                 std::string msg_id = message.msg_id;
-                self->handle_iopub(std::move(message));
-                // After it went to the clients: a reply held for this message may follow it now.
-                self->hand_out_replies(
-                    self->reply_order_.iopub_arrived(msg_id, std::chrono::steady_clock::now()));
+                // After it went to the clients: a reply held for this message may follow it now (one held
+                // for re-adoption releases its replies when it goes out, in handle_replay_reply).
+                if (self->handle_iopub(std::move(message)))
+                    self->hand_out_replies(
+                        self->reply_order_.iopub_arrived(msg_id, std::chrono::steady_clock::now()));
             } catch (const MessageError& error) {
                 self->logger_.warn("kernel_message_rejected",
                                    {{"kernel_id", self->id()}, {"error", error.what()}});
@@ -702,9 +703,16 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
                                     {"missed", backlog_.size()},
                                     {"lossy", backlog_lossy_},
                                     {"dropped_by_kernel", content.value("dropped", 0)}});
-    // Sessions that attached while the record was on its way get it now.
+    // Sessions that attached while the record was on its way get it now (with the live output held
+    // meanwhile), then what the kernel addressed to them meanwhile: a reply never before its output.
     for (auto& [session_id, session] : sessions_)
         hand_backlog(*session);
+    for (const JupyterMessage& message : live_during_adoption_)
+        hand_out_replies(reply_order_.iopub_arrived(message.msg_id, std::chrono::steady_clock::now()));
+    auto addressed = std::move(addressed_during_adoption_);
+    addressed_during_adoption_.clear();
+    for (auto& [session_id, message] : addressed)
+        hand_addressed(std::move(session_id), std::move(message));
     if (ready)
         finish_readiness(std::nullopt);
 }
@@ -817,7 +825,7 @@ void Kernel::finish_readiness(std::optional<std::string> error) {
             handler(error);
 }
 
-void Kernel::handle_iopub(JupyterMessage&& message) {
+bool Kernel::handle_iopub(JupyterMessage&& message) {
     last_iopub_id_ = message.msg_id;
     progress_changed_ = true;
     if (!iopub_seen_) {
@@ -828,9 +836,9 @@ void Kernel::handle_iopub(JupyterMessage&& message) {
     // The gateway's own probe traffic (kernel_info during startup) is neither shown to clients nor counted as
     // activity or execution state.
     if (message.parent_header.find(probe_session_) != std::string::npos)
-        return;
+        return true;
     last_activity_ = std::chrono::system_clock::now();
-    const bool adopting = replay_phase_ == ReplayPhase::pending || replay_phase_ == ReplayPhase::awaiting;
+    const bool adopting = this->adopting();
     if (adopting && live_during_adoption_.size() < max_live_during_adoption)
         live_during_adoption_.push_back(message);
     else if (adopting)
@@ -847,8 +855,33 @@ void Kernel::handle_iopub(JupyterMessage&& message) {
         }
     }
     // While the record is on its way, live output is held: clients get the record first, then this, in order.
-    if (!adopting)
-        broadcast(message);
+    if (adopting)
+        return false;
+    broadcast(message);
+    return true;
+}
+
+void Kernel::hand_addressed(std::string session_id, JupyterMessage&& message) {
+    // While the record is on its way the live output is held (handle_iopub), and so is what follows it.
+    if (adopting() && addressed_during_adoption_.size() < max_live_during_adoption) {
+        addressed_during_adoption_.push_back({std::move(session_id), std::move(message)});
+        return;
+    }
+    // The outputs the kernel published before this message travel on another socket. A shell reply that
+    // names the last of them waits for it (ReplyOrder); for anything else, what has arrived goes first (a
+    // prompt's text before its input_request). Not for a reply that names its output: IOPub already received
+    // may include what the kernel sent after the reply.
+    std::string awaited = ReplyOrder::awaited_iopub(message);  // empty unless a shell reply
+    if (iopub_ && awaited.empty())
+        iopub_->flush_received();
+    if (message.channel != Channel::shell) {
+        const auto found = sessions_.find(session_id);
+        if (found != sessions_.end())
+            found->second->deliver_or_buffer(message);
+        return;
+    }
+    hand_out_replies(reply_order_.reply_arrived({std::move(session_id), std::move(message)},
+                                                std::move(awaited), std::chrono::steady_clock::now()));
 }
 
 void Kernel::hand_out_replies(std::vector<ReplyOrder::Reply> replies) {
@@ -1050,18 +1083,7 @@ std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& 
             try {
                 JupyterMessage message = decode_wire(channel, std::move(frames), self->signer_);
                 self->last_activity_ = std::chrono::system_clock::now();
-                // The outputs the kernel published before this message travel on another socket. A shell
-                // reply that names the last of them waits for it (ReplyOrder); for anything else, what has
-                // arrived goes first (a prompt's text before its input_request). Not for a reply that names
-                // its output: IOPub already received may include what the kernel sent after the reply.
-                if (self->iopub_ && (channel != Channel::shell || ReplyOrder::awaited_iopub(message).empty()))
-                    self->iopub_->flush_received();
-                if (channel != Channel::shell) {
-                    target->deliver_or_buffer(message);
-                    return;
-                }
-                self->hand_out_replies(self->reply_order_.reply_arrived(
-                    {target->session_id(), std::move(message)}, std::chrono::steady_clock::now()));
+                self->hand_addressed(target->session_id(), std::move(message));
             } catch (const MessageError& error) {
                 self->logger_.warn("kernel_message_rejected",
                                    {{"kernel_id", self->id()}, {"error", error.what()}});

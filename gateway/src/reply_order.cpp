@@ -26,8 +26,8 @@ std::string ReplyOrder::awaited_iopub(const JupyterMessage& reply) {
     return named != ours->end() && named->is_string() ? named->get<std::string>() : std::string();
 }
 
-std::vector<ReplyOrder::Reply> ReplyOrder::reply_arrived(Reply reply, Clock::time_point now) {
-    std::string awaited = awaited_iopub(reply.message);
+std::vector<ReplyOrder::Reply> ReplyOrder::reply_arrived(Reply reply, std::string awaited,
+                                                         Clock::time_point now) {
     if (held_.empty() && (awaited.empty() || seen(awaited))) {
         std::vector<Reply> ready;
         ready.push_back(std::move(reply));

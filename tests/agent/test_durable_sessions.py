@@ -251,6 +251,34 @@ def test_websocket_client_reconnecting_after_sigterm_gets_what_it_missed(tmp_pat
         second.stop()
 
 
+def test_a_reply_arriving_during_re_adoption_still_follows_its_output(tmp_path):
+    """A re-adopting gateway holds the kernel's live output until the kernel's record has reached the clients. A
+    reply that arrives meanwhile must be held with it, or a client that stops reading at execute_reply loses the
+    output. ipykernel keeps no record, so the gateway waits 5 s for one: a wide, certain window."""
+    specs = tmp_path / "specs"
+    (specs / "plain-ipykernel").mkdir(parents=True)
+    (specs / "plain-ipykernel" / "kernel.json").write_text(json.dumps({
+        "argv": ["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "ipykernel, which keeps no record", "language": "python"}))
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", "--kernelspec-dir", str(specs), keep_kernels=True)
+    response = first.request("POST", "/api/kernels", json={"name": "plain-ipykernel"})
+    assert response.status_code == 201, f"{response.status_code} {response.text}"
+    kernel_id = response.json()["id"]
+    assert first.stop() == 0, first.log_tail()  # SIGTERM: the kernel keeps running
+    second = AgentGateway(state, tmp_path / "second.log", "--kernelspec-dir", str(specs))
+    try:
+        channels = Channels(second, kernel_id, "watcher")
+        msg_id = channels.execute("print('printed before the reply'); 6*7")
+        types = [message["msg_type"] for message in channels.collect(msg_id)]
+        assert "stream" in types and "execute_result" in types, f"the reply overtook its output: {types}"
+        # The window was the one meant: the gateway waited for a record (and ipykernel answers `6*7` at once).
+        wait_until(lambda: "kernel_keeps_no_record" in second.log_path.read_text(), 10, "the record wait to end")
+        channels.close()
+    finally:
+        second.stop()
+
+
 def test_orphaned_kernel_stops_itself_and_removes_its_workspace(tmp_path):
     state = tmp_path / "state"
     first = AgentGateway(state, tmp_path / "first.log", "--orphan-timeout", "3", keep_kernels=True)

@@ -79,6 +79,8 @@ class Worker:
                 if len(self.received) >= 4 + length:
                     payload = bytes(self.received[4:4 + length])
                     del self.received[:4 + length]
+                    if payload[:1] in (b"\x01", b"\x02"):  # stream text in band (PROTOCOL.md), not JSON
+                        return {"type": "stream", "text": payload[1:].decode()}
                     return json.loads(payload)
             readable, _, _ = select.select([self.channel, self.process.stdout, self.process.stderr], [], [], 30)
             if not readable:

@@ -212,7 +212,13 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void on_process_exit(InstanceExit exit);
     void probe_readiness();
     void finish_readiness(std::optional<std::string> error);
-    void handle_iopub(JupyterMessage&& message);
+    // False while the message is held for re-adoption (handed to clients after the kernel's record).
+    bool handle_iopub(JupyterMessage&& message);
+    bool adopting() const {
+        return replay_phase_ == ReplayPhase::pending || replay_phase_ == ReplayPhase::awaiting;
+    }
+    // A message the kernel addressed to one client (a reply, an input request), in the order it came.
+    void hand_addressed(std::string session_id, JupyterMessage&& message);
     void handle_probe_reply(JupyterMessage&& message);
     // Readiness reached: a re-adopted kernel still fetches its record before the handlers run.
     void on_probe_complete();
@@ -284,6 +290,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::string replay_request_id_;
     std::string replay_after_id_;  // the last IOPub message the previous gateway received
     std::vector<JupyterMessage> live_during_adoption_;  // IOPub received (and held) before the record arrived
+    // Replies and input requests to clients received meanwhile: held too, they follow the output before them.
+    std::vector<ReplyOrder::Reply> addressed_during_adoption_;
     std::vector<JupyterMessage> replayed_;              // everything the kernel recorded, plus the above
     std::vector<JupyterMessage> backlog_;               // what clients missed: after last_iopub_id
     bool backlog_lossy_ = false;                        // the record no longer reaches back that far

@@ -33,8 +33,10 @@ class ReplyOrder {
     // The IOPub message the kernel names in `reply` (empty: none, deliver at once).
     static std::string awaited_iopub(const JupyterMessage& reply);
 
-    // A reply arrived: the replies to deliver now, in order.
-    std::vector<Reply> reply_arrived(Reply reply, Clock::time_point now);
+    // A reply arrived that waits for the IOPub message `awaited` (awaited_iopub(reply.message), which the
+    // caller has worked out already to decide what to flush; empty: none): the replies to deliver now, in
+    // order.
+    std::vector<Reply> reply_arrived(Reply reply, std::string awaited, Clock::time_point now);
     // An IOPub message was delivered: the replies it releases, in order.
     std::vector<Reply> iopub_arrived(const std::string& msg_id, Clock::time_point now);
     // The replies whose wait has run out by `now` (and those queued behind them that may go too).
