@@ -20,7 +20,8 @@ DRIVER = textwrap.dedent(r"""
     import numpy
     zygote.check_forkable()
     template = {"random": list(random.getstate()[1][:8]), "numpy": numpy.random.get_state()[1][:8].tolist(),
-                "authkey": multiprocessing.process.current_process().authkey.hex(), "hash": hash("x")}
+                "authkey": multiprocessing.process.current_process().authkey.hex(), "hash": hash("x"),
+                "start_tree": eval(sys.argv[4])}
     libc = ctypes.CDLL(None, use_errno=True)
 
     def frames(sock):
@@ -88,8 +89,11 @@ PROBE = ("import random, numpy, multiprocessing.process, json; json.dumps({'rand
          "'authkey': multiprocessing.process.current_process().authkey.hex(), 'hash': hash('x')})")
 FDS = ("import os; fds = sorted(int(fd) for fd in os.listdir('/proc/self/fd')); "
        "[(fd, os.readlink('/proc/self/fd/%d' % fd)) for fd in fds if os.path.lexists('/proc/self/fd/%d' % fd)]")
-DIRECTORIES = ("import os, matplotlib; (sorted(os.listdir(get_ipython().profile_dir.location)), "
-               "os.path.isdir(os.environ['MPLCONFIGDIR']))")
+# What a worker's start makes under IPYTHONDIR (path, mode, content) and whether MPLCONFIGDIR exists; evaluated in
+# the template after its start and in a fork (whose /tmp is fresh).
+START_TREE = ("(lambda os, root: sorted((os.path.relpath(os.path.join(d, n), root), oct(os.lstat(os.path.join(d, n)).st_mode), "
+              "open(os.path.join(d, n)).read() if n in fs else None) for d, ds, fs in os.walk(root) for n in ds + fs) "
+              "+ [os.path.isdir(os.environ['MPLCONFIGDIR'])])(__import__('os'), __import__('os').environ['IPYTHONDIR'])")
 PIPE = ("import os; r, w = os.pipe(); os.close(r)\n"
         "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    print('broken pipe raised')\n"
         "finally:\n    os.close(w)")
@@ -100,7 +104,8 @@ def run_template(tmp_path, first_cells, second_cells):
     environment = dict(worker_environment(tmp_path), IPYTHONDIR=str(tmp_path / "ipython"),
                        MPLCONFIGDIR=str(tmp_path / "matplotlib"))
     completed = subprocess.run(
-        ["/usr/bin/python3", "-c", DRIVER, str(worker_dir), json.dumps(first_cells), json.dumps(second_cells)],
+        ["/usr/bin/python3", "-c", DRIVER, str(worker_dir), json.dumps(first_cells), json.dumps(second_cells),
+         START_TREE],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL)
     for line in completed.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -134,7 +139,7 @@ def test_two_forks_of_one_template_are_separate_sessions(tmp_path):
 
 
 def test_a_fork_has_only_its_own_fds_and_the_interpreters_signal_dispositions(tmp_path):
-    result = run_template(tmp_path, [FDS, PIPE, DIRECTORIES], ["1+1"])
+    result = run_template(tmp_path, [FDS, PIPE, START_TREE], ["1+1"])
     first = result["sessions"][0]
     fds = dict(eval(value(first["replies"][FDS])))
     # 0-2, the channel, and IPython's /dev/null put back at its number (the listing's own fd is gone by the
@@ -144,8 +149,15 @@ def test_a_fork_has_only_its_own_fds_and_the_interpreters_signal_dispositions(tm
     assert list(extra.values()) == ["/dev/null"], fds
     # SIGPIPE is ignored again (the confinement had reset it): a closed pipe raises instead of killing.
     assert first["replies"][PIPE]["status"] == "ok", first["replies"][PIPE]
-    # What the template's start made under its /tmp exists again in the fork's fresh one.
-    assert eval(value(first["replies"][DIRECTORIES])) == (["log", "pid", "security", "startup"], True)
+    # What the template's start made under its /tmp (IPython's profile directory with its modes and README,
+    # matplotlib's config directory) exists again, the same, in the fork's fresh one.
+    made_by_the_start = result["template"]["start_tree"]
+    assert [entry[0] for entry in made_by_the_start[:-1]] == [
+        "profile_default", "profile_default/db", "profile_default/log", "profile_default/pid",
+        "profile_default/security", "profile_default/startup", "profile_default/startup/README"], made_by_the_start
+    assert made_by_the_start[-1] is True
+    assert [list(entry) if isinstance(entry, tuple) else entry
+            for entry in eval(value(first["replies"][START_TREE]))] == made_by_the_start
 
 
 # Everything of the shell a session's first cell can see that running a cell changes (the template's warm-up runs

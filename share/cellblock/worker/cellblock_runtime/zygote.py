@@ -10,6 +10,7 @@ What a fork cannot redraw: the interpreter's hash secret (every string and dict 
 hashes made with it) and the address-space layout. Workers forked from one template share both.
 """
 
+import _signal
 import array
 import ctypes
 import errno
@@ -21,6 +22,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -49,21 +51,107 @@ def occupy_worker_fds():
 
 
 def make_template(worker_dir, preload=DEFAULT_PRELOAD, warm_up_rounds=None):
-    """Prepares the worker, imports `preload`, warms the execute path up, and freezes the heap. Returns
-    main.Prepared for the forks."""
+    """Prepares the worker, imports `preload`, warms the execute path up, works out what a fork replays before
+    its first request (Template), and freezes the heap."""
     occupy_worker_fds()
     prepared = main.prepare(worker_dir)
     for name in preload:
         importlib.import_module(name)
     warm_up(prepared, WARM_UP_ROUNDS if warm_up_rounds is None else warm_up_rounds)
     # What every fork runs once before its first request, run once here too, so that what it builds lazily (the
-    # libc handle, numpy's seeding machinery) is in the shared heap; the template's own random state is never a
+    # libc handle, numpy's state setter) is in the shared heap; the template's own random state is never a
     # session's (each fork draws its own in serve_forked).
     redraw_session_state()
     _process_control()
+    template = Template(prepared)
     gc.collect()
     gc.freeze()
-    return prepared
+    return template
+
+
+class Template:
+    """A prepared worker (main.Prepared) and what each of its forks replays before the first request.
+
+    A fork pays a copy-on-write fault for every inherited page it writes (11-30 us each on the VMs measured in
+    tests/bench/README.md), and general code (signal.valid_signals, IPython's ProfileDir.check_dirs) writes
+    many. So the template works out once what that code would find, and a fork only replays the result:
+    - the Python-level signal dispositions that are not the default (the confinement reset all of them in the
+      kernel; a default one already agrees);
+    - the files and directories the template's start made under IPYTHONDIR, which a fork's fresh /tmp lacks.
+    """
+
+    MAX_START_FILE_BYTES = 1 << 16
+    MAX_START_ENTRIES = 64
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        # _signal's own objects: its signal() takes SIG_IGN only as the very object its getsignal() returns.
+        self.dispositions = tuple(
+            (signo, handler) for signo in signal.valid_signals() if signo not in (signal.SIGKILL, signal.SIGSTOP)
+            for handler in (_signal.getsignal(signo),) if handler is not None and handler != _signal.SIG_DFL)
+        profile = getattr(prepared.shell, "profile_dir", None)
+        self.start_tree = self._snapshot(profile.location) if profile is not None else ()
+        self.matplotlib_config_dir = os.environ.get("MPLCONFIGDIR") if "matplotlib" in sys.modules else None
+
+    @classmethod
+    def _snapshot(cls, profile_location):
+        """(path, mode, bytes or None for a directory), parents first: IPYTHONDIR itself and, under the profile
+        directory, the directories and small regular files (the startup README). In a template's private /tmp
+        that is all its start made; anything else found there (other users' files in a shared /tmp, a cache) is
+        not the start's, and is not replayed."""
+        root = os.path.dirname(profile_location)
+        entries = [(root, os.stat(root).st_mode & 0o7777, None)]
+        for directory, subdirectories, files in os.walk(profile_location):
+            subdirectories.sort()
+            entries.append((directory, os.stat(directory).st_mode & 0o7777, None))
+            for name in sorted(files):
+                path = os.path.join(directory, name)
+                status = os.lstat(path)
+                if stat.S_ISREG(status.st_mode) and status.st_size <= cls.MAX_START_FILE_BYTES:
+                    with open(path, "rb") as made:
+                        entries.append((path, status.st_mode & 0o7777, made.read()))
+            if len(entries) > cls.MAX_START_ENTRIES:
+                raise NotForkable(f"{profile_location}: more than {cls.MAX_START_ENTRIES} entries to replay")
+        return tuple(entries)
+
+    def restore_signal_dispositions(self):
+        """The confinement after the fork reset every disposition to the default in the kernel, while Python's
+        own table still shows the template's (SIGPIPE and SIGXFSZ ignored, SIGINT handled): set those again, so
+        that a closed pipe raises BrokenPipeError and a file size limit OSError, as in an exec'd worker."""
+        for signo, handler in self.dispositions:
+            _set_signal_handler(signo, handler)
+
+    def recreate_start_directories(self):
+        """The fork's /tmp is a fresh tmpfs, without what the template's start made there: IPython's profile
+        directory (IPYTHONDIR) and matplotlib's config directory. Make them again, as an exec'd worker's start
+        does (what already exists is left as it is)."""
+        for path, mode, content in self.start_tree:
+            if content is None:
+                _make_directory(path, mode)
+                continue
+            try:
+                made = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            except FileExistsError:
+                continue
+            try:
+                os.write(made, content)
+            finally:
+                os.close(made)
+        if self.matplotlib_config_dir:
+            _make_directory(self.matplotlib_config_dir, 0o777)
+
+
+# signal.signal without its enum conversions (about 60 us a call in a fresh fork).
+_set_signal_handler = _signal.signal
+
+
+def _make_directory(path, mode):
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path, mode, exist_ok=True)
 
 
 # A fork's memory of its own is mostly the pages of inherited objects it writes to. What every session's first
@@ -193,25 +281,20 @@ def redraw_session_state():
     import random
 
     random.seed()  # also done by random's own at-fork hook; explicit, so it does not depend on how we forked
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        numpy_random.seed()  # the legacy global RandomState, drawn once at import
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and "numpy.random" in sys.modules:
+        # The legacy global RandomState, drawn once at import: its whole MT19937 state straight from the OS (as
+        # many words as random.seed() reads); numpy.random.seed() derives one through SeedSequence, which takes
+        # twice the time in a fork.
+        words = numpy.frombuffer(os.urandom(MT19937_STATE_WORDS * 4), dtype=numpy.uint32)
+        numpy.random.set_state(("MT19937", words, MT19937_STATE_WORDS))
     process = sys.modules.get("multiprocessing.process")
     if process is not None:
         # The authkey of the main process is drawn at import; a session must not know another's.
         process.current_process().authkey = os.urandom(32)
 
 
-def restore_signal_dispositions():
-    """Confinement after the fork resets every disposition to the default in the kernel, while Python's own
-    table still shows the template's (SIGPIPE and SIGXFSZ ignored, SIGINT handled): make them agree again,
-    so that a closed pipe raises BrokenPipeError and a file size limit OSError, as in an exec'd worker."""
-    for signo in signal.valid_signals():
-        if signo in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        handler = signal.getsignal(signo)
-        if handler is not None:
-            signal.signal(signo, handler)
+MT19937_STATE_WORDS = 624  # also the position that makes the next draw regenerate the whole state
 
 
 def reopen_inherited_devnull():
@@ -229,18 +312,6 @@ def reopen_inherited_devnull():
     if fresh != number:
         os.dup2(fresh, number, inheritable=False)
         os.close(fresh)
-
-
-def recreate_start_directories(shell):
-    """The fork's /tmp is a fresh tmpfs, without what the template's start made there: IPython's profile
-    directory (IPYTHONDIR) and matplotlib's config directory. Make them again, as an exec'd worker's start does."""
-    profile = getattr(shell, "profile_dir", None)
-    if profile is not None:
-        os.makedirs(profile.location, exist_ok=True)
-        profile.check_dirs()
-    config_dir = os.environ.get("MPLCONFIGDIR")
-    if config_dir and "matplotlib" in sys.modules:
-        os.makedirs(config_dir, exist_ok=True)
 
 
 PR_SET_DUMPABLE = 4
@@ -265,15 +336,15 @@ def make_dumpable_again():
         raise OSError(error, f"prctl(PR_SET_DUMPABLE): {os.strerror(error)}")
 
 
-def serve_forked(prepared):
+def serve_forked(template):
     """Runs in a confined fork of the template with fds 0-3 in place and every other fd closed (the
     confinement's close_range), before any code of the user's. Returns the exit status."""
     make_dumpable_again()
     reopen_inherited_devnull()
-    restore_signal_dispositions()
+    template.restore_signal_dispositions()
     redraw_session_state()
-    recreate_start_directories(prepared.shell)
-    return main.serve(*main.attach(prepared))
+    template.recreate_start_directories()
+    return main.serve(*main.attach(template.prepared))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -657,7 +728,7 @@ def serve_template(worker_dir):
     own_cwd_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         spawner = LibrarySpawner(settings.library)
-        prepared = make_template(worker_dir, settings.preload)
+        template = make_template(worker_dir, settings.preload)
         check_forkable()
     except (OSError, ImportError, NotForkable, WarmUpChangedState) as error:
         _log("template_failed", detail=f"{type(error).__name__}: {error}")
@@ -668,6 +739,6 @@ def serve_template(worker_dir):
          generation_seconds=settings.generation_seconds)
     if service.run() is FORKED_CHILD:
         del service
-        return serve_forked(prepared)
+        return serve_forked(template)
     _log("exited", forks=service.forks)
     return 0
