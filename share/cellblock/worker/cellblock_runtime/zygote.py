@@ -134,7 +134,9 @@ class Template:
             except FileExistsError:
                 continue
             try:
-                os.write(made, content)
+                unwritten = memoryview(content)
+                while unwritten:
+                    unwritten = unwritten[os.write(made, unwritten):]
             finally:
                 os.close(made)
         if self.matplotlib_config_dir:
