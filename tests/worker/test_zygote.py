@@ -91,9 +91,10 @@ FDS = ("import os; fds = sorted(int(fd) for fd in os.listdir('/proc/self/fd')); 
        "[(fd, os.readlink('/proc/self/fd/%d' % fd)) for fd in fds if os.path.lexists('/proc/self/fd/%d' % fd)]")
 # What a worker's start makes under IPYTHONDIR (path, mode, content) and whether MPLCONFIGDIR exists; evaluated in
 # the template after its start and in a fork (whose /tmp is fresh).
-START_TREE = ("(lambda os, root: sorted((os.path.relpath(os.path.join(d, n), root), oct(os.lstat(os.path.join(d, n)).st_mode), "
-              "open(os.path.join(d, n)).read() if n in fs else None) for d, ds, fs in os.walk(root) for n in ds + fs) "
-              "+ [os.path.isdir(os.environ['MPLCONFIGDIR'])])(__import__('os'), __import__('os').environ['IPYTHONDIR'])")
+START_TREE = ("(lambda os, root: sorted((os.path.relpath(os.path.join(d, n), root), "
+              "oct(os.lstat(os.path.join(d, n)).st_mode), open(os.path.join(d, n)).read() if n in fs else None) "
+              "for d, ds, fs in os.walk(root) for n in ds + fs) + [os.path.isdir(os.environ['MPLCONFIGDIR'])])"
+              "(__import__('os'), __import__('os').environ['IPYTHONDIR'])")
 PIPE = ("import os; r, w = os.pipe(); os.close(r)\n"
         "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    print('broken pipe raised')\n"
         "finally:\n    os.close(w)")
