@@ -37,6 +37,10 @@ DRIVER = textwrap.dedent(r"""
                 yield json.loads(bytes(buffer[4:4 + size]))
             del buffer[:4 + size]
 
+    # A fork's /tmp is a fresh tmpfs, without what the template's start made there: here the forks share the
+    # template's filesystem, so that is removed once, before either fork replays it.
+    for made_by_the_template in (os.environ["IPYTHONDIR"], os.environ["MPLCONFIGDIR"]):
+        shutil.rmtree(made_by_the_template)
     sessions = []
     for index in range(2):
         kernel_end, worker_end = socket.socketpair()
@@ -47,9 +51,6 @@ DRIVER = textwrap.dedent(r"""
             os.dup2(output_write, 2)
             os.dup2(worker_end.fileno(), 3)
             os.closerange(4, 65536)  # what run_child's close_range does
-            if index == 0:  # the fork's /tmp is a fresh tmpfs (the first one stands for it; they run at once)
-                for made_by_the_template in (os.environ["IPYTHONDIR"], os.environ["MPLCONFIGDIR"]):
-                    shutil.rmtree(made_by_the_template)
             for signo in signal.valid_signals():  # what run_child's reset does (in the kernel only)
                 if signo not in (signal.SIGKILL, signal.SIGSTOP):
                     libc.signal(ctypes.c_int(signo), ctypes.c_void_p(0))
