@@ -475,6 +475,9 @@ void KernelServer::run_io_loop() {
             const int timeout_ms = unread ? 0 : poll_timeout_ms();
             // The interpreter thread sends while this thread waits.
             lock.unlock();
+            if (std::exchange(shell_wake_due_, false)) {
+                shell_ready_.notify_one();
+            }
             const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
             const int poll_errno = errno;
             lock.lock();
@@ -651,7 +654,7 @@ void KernelServer::handle_inbound(int channel_index, std::vector<zmq::message_t>
         std::lock_guard lock(shell_mutex_);
         shell_queue_.push_back(std::move(message));
     }
-    shell_ready_.notify_one();
+    shell_wake_due_ = true;
 }
 
 void KernelServer::deliver_input_reply(xeus::xmessage reply) {

@@ -214,6 +214,10 @@ class KernelServer final : public xeus::xserver {
     std::condition_variable shell_ready_;
     std::deque<xeus::xmessage> shell_queue_;
     bool shell_closed_ = false;
+    // A request was queued since the I/O loop last woke the interpreter thread. The loop wakes it only after
+    // it has let go of the server lock: woken earlier, the interpreter thread would at once block on that
+    // lock to publish `busy` (a futex wait and wake, and a second wake-up, per request). I/O thread.
+    bool shell_wake_due_ = false;
     std::thread interpreter_;
     // stop_on_error: xeus asked (after the failing execute's reply, before its idle) to abort what is queued.
     // Only the requests queued by then are aborted: a client that saw the idle may already have sent the next
