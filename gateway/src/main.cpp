@@ -229,6 +229,13 @@ int main(int argc, char** argv) {
     app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
     cellblock::gateway::agent::AgentConfig agent_config;
     cellblock::gateway::agent::add_agent_options(app, agent_config);
+    // An option that takes one value may be given again, and the last one counts (as in most command lines):
+    // start.sh passes its own --ip, --port and --state-dir before the user's (README: start.sh --port 9999).
+    for (CLI::Option* option : app.get_options()) {
+        if (option->get_items_expected_max() == 1) {
+            option->take_last();
+        }
+    }
     CLI11_PARSE(app, argc, argv);
     // The agent API's default limits are the kernel's own, so warm-pool kernels can serve default sessions.
     agent_config.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");

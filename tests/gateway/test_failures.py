@@ -206,6 +206,18 @@ def test_reconnect_replay_is_bounded_and_says_what_was_dropped(launch, cap):
 # ------------------------------------------------------------------------------------------ gateway exit
 
 
+def test_an_option_given_twice_takes_its_last_value(tmp_path):
+    # What `share/scripts/start.sh --port 9999` runs (README): the script's defaults, then the user's arguments.
+    state = tmp_path / "state"
+    completed = subprocess.run(
+        [gateway_binary(), "--ip", "127.0.0.1", "--port", "8888", "--state-dir", "/var/lib/cellblock",
+         "--port", "9999", "--state-dir", str(state), "--print-config"],
+        capture_output=True, text=True, timeout=30)
+    assert completed.returncode == 0, completed.stderr
+    effective = json.loads(completed.stdout)
+    assert (effective["port"], effective["state_dir"]) == (9999, str(state))
+
+
 def gateway_accepts(option):
     return option in subprocess.run([gateway_binary(), "--help"], capture_output=True, text=True).stdout
 
