@@ -16,6 +16,7 @@
 #include <zmq_addon.hpp>
 
 #include "heap_policy.hpp"
+#include "json_text.hpp"
 #include "logging.hpp"
 #include "protocol_fixups.hpp"
 
@@ -35,14 +36,8 @@ constexpr std::array<const char*, 4> channel_names = {"shell", "control", "stdin
 constexpr std::array<WireChannel, 4> wire_channels = {WireChannel::shell, WireChannel::control,
                                                       WireChannel::stdin_channel, WireChannel::iopub};
 
-constexpr auto dump_handler = nlohmann::json::error_handler_t::replace;
-
 std::string_view view(const zmq::message_t& frame) {
     return {static_cast<const char*>(frame.data()), frame.size()};
-}
-
-std::string dump(const nlohmann::json& value) {
-    return value.dump(-1, ' ', false, dump_handler);
 }
 
 std::string msg_id_of(const nlohmann::json& header) {
@@ -760,7 +755,7 @@ void KernelServer::send_xmessage(int channel_index, const xeus::xmessage_base& m
     } else if (channel == WireChannel::iopub) {
         last_published_id_ = msg_id_of(header);
     }
-    const std::string parent_text = dump(message.parent_header());
+    const std::string parent_text = dump_json(message.parent_header());
     std::vector<zmq::message_t> frames;
     if (identities) {
         for (const auto& identity : *identities) {
@@ -777,9 +772,9 @@ void KernelServer::send_xmessage(int channel_index, const xeus::xmessage_base& m
     if (aborted) {
         publish_status(parent_text, "busy");
     }
-    send_frames(channel_index, frames, dump(header), parent_text,
-                dump(metadata ? *metadata : message.metadata()), dump(content ? *content : message.content()),
-                message.buffers());
+    send_frames(channel_index, frames, dump_json(header), parent_text,
+                dump_json(metadata ? *metadata : message.metadata()),
+                dump_json(content ? *content : message.content()), message.buffers());
     if (aborted) {
         publish_status(parent_text, "idle");
     }
@@ -854,8 +849,8 @@ void KernelServer::send_own(int channel_index, const std::vector<std::string>& i
             frames.emplace_back(identity.data(), identity.size());
         }
     }
-    const std::string header_text = header.dump();
-    const std::string content_text = dump(content);
+    const std::string header_text = dump_json(header);
+    const std::string content_text = dump_json(content);
     if (record) {
         send_frames(channel_index, frames, header_text, parent_header, "{}", content_text, {});
         return;
@@ -880,7 +875,7 @@ void KernelServer::answer_shutdown(const InboundVerdict& verdict, const std::vec
                                    int channel_index) {
     const bool restart = verdict.content.is_object() && verdict.content.value("restart", false);
     log_event(LogLevel::info, "shutdown_request", {{"restart", restart}});
-    const std::string request_header = dump(verdict.header);
+    const std::string request_header = dump_json(verdict.header);
     publish_status(request_header, "busy");
     send_own(channel_index, identities, request_header, "shutdown_reply",
              {{"status", "ok"}, {"restart", restart}}, true);
@@ -910,13 +905,13 @@ void KernelServer::answer_replay(const InboundVerdict& verdict, const std::vecto
                {"found", content.value("found", false)},
                {"messages", content.contains("messages") ? content["messages"].size() : 0},
                {"dropped", record_.dropped()}});
-    send_own(control, identities, dump(verdict.header), "cellblock_replay_reply", content, false);
+    send_own(control, identities, dump_json(verdict.header), "cellblock_replay_reply", content, false);
 }
 
 void KernelServer::answer_lease(const InboundVerdict& verdict, const std::vector<std::string>& identities) {
     // Renewed by handle_inbound already, as for every verified message.
     send_own(
-        control, identities, dump(verdict.header), "cellblock_lease_reply",
+        control, identities, dump_json(verdict.header), "cellblock_lease_reply",
         {{"status", "ok"}, {"lease_s", lease_duration_ ? lease_seconds(*lease_duration_) : nlohmann::json()}},
         false);
 }
@@ -933,7 +928,8 @@ void KernelServer::answer_approval_decision(const InboundVerdict& verdict,
                    {"traceback", nlohmann::json::array()}};
     }
     // Not recorded, like the lease and replay replies.
-    send_own(control, identities, dump(verdict.header), "cellblock_approval_decision_reply", content, false);
+    send_own(control, identities, dump_json(verdict.header), "cellblock_approval_decision_reply", content,
+             false);
 }
 
 void KernelServer::expire_lease() {

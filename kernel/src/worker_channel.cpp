@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "json_text.hpp"
+
 namespace cellblock::kernel {
 
 std::string encode_frame(const nlohmann::json& message) {
-    const std::string body = message.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    const std::string body = dump_json(message);
     if (body.size() > max_frame_bytes) {
         throw ProtocolError("message to the worker exceeds the frame limit");
     }

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <thread>
 
+#include "json_text.hpp"
 #include "logging.hpp"
 #include "output_budget.hpp"
 #include "reply_builders.hpp"
@@ -253,7 +254,7 @@ bool WorkerExchange::admit_rich_output(const json& data, Run& run) {
     if (run.output.limit_bytes() == 0) {
         return true;
     }
-    return run.output.admit_rich(data.dump(-1, ' ', false, json::error_handler_t::replace).size());
+    return run.output.admit_rich(dump_json(data).size());
 }
 
 void WorkerExchange::start_escalation(Run& run, int cause) {

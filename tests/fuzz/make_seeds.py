@@ -239,8 +239,19 @@ def tls_client_hello():
     write("tls_client_hello", "plain_http_in_tunnel", b"\x00\x05" + b"GET / HTTP/1.1\r\nHost: pypi.test\r\n\r\n")
 
 
+def json_text():
+    # Text a cell prints (long plain runs, escapes, valid and broken UTF-8) and a message the kernel sends.
+    write("json_text", "long_print", b"x" * 300 + b"\n")
+    write("json_text", "escapes_and_utf8", "tab\t quote\" back\\ bell\x07 caf\u00e9 \u2603 \U0001F600 "
+          .encode() * 8 + b"\x7f")
+    write("json_text", "broken_utf8", b"ok " * 30 + b"\xc3\x28 \xed\xa0\x80 \xf4\x90\x80\x80 \xe2\x82")
+    write("json_text", "stream_message", compact({"name": "stdout", "text": "0123456789abcdef" * 8 + "\n"}))
+    write("json_text", "display_data", compact({"data": {"text/plain": "<Figure>", "image/png": "iVBOR" * 30},
+                                                "metadata": {}, "transient": {}}))
+
+
 if __name__ == "__main__":
     for target in ["kernel_wire_verifier", "gateway_wire_decode", "websocket_message", "router", "worker_stream",
-                   "sandbox_policy", "tls_client_hello"]:
+                   "sandbox_policy", "tls_client_hello", "json_text"]:
         shutil.rmtree(HERE / "corpus" / target, ignore_errors=True)
         globals()[target]()
