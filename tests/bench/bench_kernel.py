@@ -11,6 +11,11 @@ on IOPub, requests signed with hmac-sha256.
   `1+1` sent right after it (cellblock answers kernel_info while its worker is still starting; this one waits
   for the worker);
 - `1+1`: execute_request sent -> IOPub `status: idle` for it (execute_input, execute_result and the reply included);
+- 1 MiB print: execute_request sent -> IOPub `status: idle`, every IOPub message's signature checked, twice: with
+  the client's JSON parsing (`json.loads` of the four parts of every message, as a client that shows the output
+  must) and without it (what the kernel's delivery costs; the stream's content frames are kept and checked after
+  the clock stops). cellblock's output cap, 1 MiB by default, is raised to 64 MiB so that the print arrives
+  whole, as the peer sends it;
 - idle PSS: the kernel process and every descendant (for cellblock: the sandbox and the Python worker), after
   the executes and a second of rest.
 Unless --no-zygote, cellblock is measured twice: with its worker exec'd (the default) and with `worker.zygote: true`
@@ -95,6 +100,40 @@ class LeanClient:
                     return
         raise TimeoutError("no idle")
 
+    def wait_output(self, msg_id: bytes, timeout: float, parse: bool) -> list[bytes | str]:
+        """The stream output of a request, up to its IOPub idle: every message's signature checked; with `parse`,
+        its JSON parsed and the stream texts returned, as a client that shows them must, else the stream messages'
+        content frames (the idle is found as wait_idle finds it)."""
+        deadline = time.monotonic() + timeout
+        text = []
+        while time.monotonic() < deadline:
+            if not self.iopub.poll(50):
+                continue
+            frames = self.iopub.recv_multipart()
+            start = frames.index(DELIMITER)
+            parts = frames[start + 2:start + 6]
+            signature = hmac.new(self.key, digestmod=hashlib.sha256)
+            for part in parts:
+                signature.update(part)
+            if not hmac.compare_digest(signature.hexdigest().encode(), frames[start + 1]):
+                raise RuntimeError("IOPub message with a bad signature")
+            if not parse:
+                if msg_id not in parts[1]:
+                    continue
+                if b'"stream"' in parts[0]:
+                    text.append(parts[3])
+                elif b'"status"' in parts[0] and b"idle" in parts[3]:
+                    return text
+                continue
+            header, parent, _, content = (json.loads(part) for part in parts)
+            if parent.get("msg_id", "").encode() != msg_id:
+                continue
+            if header["msg_type"] == "stream":
+                text.append(content["text"])
+            elif header["msg_type"] == "status" and content["execution_state"] == "idle":
+                return text
+        raise TimeoutError("no idle")
+
     def drain_shell(self) -> None:
         while self.shell.poll(0):
             self.shell.recv_multipart()
@@ -103,7 +142,7 @@ class LeanClient:
 class LaunchedKernel:
     """A kernel started from its kernelspec argv with our own connection file."""
 
-    def __init__(self, kernel_name: str, workdir: Path):
+    def __init__(self, kernel_name: str, workdir: Path, env: dict[str, str] | None = None):
         from jupyter_client.connect import write_connection_file
         from jupyter_client.kernelspec import KernelSpecManager
         spec = KernelSpecManager().get_kernel_spec(kernel_name)
@@ -112,7 +151,7 @@ class LaunchedKernel:
         with open(self.connection_file) as f:
             self.info = json.load(f)
         self.argv = [arg.replace("{connection_file}", self.connection_file) for arg in spec.argv]
-        self.env = dict(os.environ, **spec.env)
+        self.env = dict(os.environ, **spec.env, **(env or {}))
         self.process = None
 
     def start(self) -> None:
@@ -148,8 +187,19 @@ def cold_start_ms(context: zmq.Context, kernel_name: str, workdir: Path) -> tupl
         kernel.stop()
 
 
-def execute_and_memory(context: zmq.Context, kernel_name: str, workdir: Path, executes: int) -> tuple[Stats, Stats]:
-    kernel = LaunchedKernel(kernel_name, workdir)
+ONE_MIB_PRINT = "print('x' * 1048576)"
+
+
+def check_one_mib(output: list[bytes | str]) -> None:
+    text = "".join(json.loads(part)["text"] if isinstance(part, bytes) else part for part in output)
+    if len(text) != 1048577 or text.strip("x\n"):
+        raise AssertionError(f"1 MiB print: got {len(text)} characters of stream (expected 1048577)")
+
+
+def execute_and_memory(context: zmq.Context, kernel_name: str, workdir: Path, executes: int,
+                       prints: int) -> tuple[Stats, Stats, dict[bool, Stats]]:
+    """`1+1` round trips, then the idle PSS, then 1 MiB print round trips ({parsed: Stats})."""
+    kernel = LaunchedKernel(kernel_name, workdir, env={"CELLBLOCK_OUTPUT_BYTES": str(64 << 20)})
     client = LeanClient(context, kernel.info)
     try:
         kernel.start()
@@ -176,7 +226,18 @@ def execute_and_memory(context: zmq.Context, kernel_name: str, workdir: Path, ex
             client.drain_shell()
         time.sleep(1.0)
         pss_mb = sum(benchlib.pss_kib(pid) for pid in benchlib.descendants(kernel.process.pid)) / 1024.0
-        return Stats(samples), Stats([pss_mb])
+        print_content = dict(content, code=ONE_MIB_PRINT)
+        print_samples = {False: [], True: []}
+        for index in range(2 * prints + 2):  # two warm-ups: the first 1 MiB buffers on both sides
+            parse = index % 2 == 1  # interleaved, so that both see the same machine
+            started = time.perf_counter()
+            output = client.wait_output(client.send("execute_request", print_content), timeout=30, parse=parse)
+            elapsed = (time.perf_counter() - started) * 1000.0
+            check_one_mib(output)
+            if index >= 2:
+                print_samples[parse].append(elapsed)
+            client.drain_shell()
+        return Stats(samples), Stats([pss_mb]), {parse: Stats(values) for parse, values in print_samples.items()}
     finally:
         client.close()
         kernel.stop()
@@ -187,11 +248,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument("--starts", type=int, help="cold starts per kernel (default 20, quick 3)")
     parser.add_argument("--executes", type=int, help="timed `1+1` per kernel (default 300, quick 30)")
+    parser.add_argument("--prints", type=int, help="timed 1 MiB prints per kernel (default 30, quick 3)")
     parser.add_argument("--no-zygote", dest="zygote", action="store_false",
                         help="leave out cellblock with its worker forked from a template")
     args = parser.parse_args()
     starts = args.starts or (3 if args.quick else 20)
     executes = args.executes or (30 if args.quick else 300)
+    prints = args.prints or (3 if args.quick else 30)  # of each of the two kinds
 
     benchlib.use_installed_kernelspecs()
     context = zmq.Context()
@@ -199,6 +262,7 @@ def main() -> int:
     first_result: dict[str, Stats | None] = {}
     round_trip: dict[str, Stats | None] = {}
     memory: dict[str, Stats | None] = {}
+    big_print: dict[str, Stats | None] = {}
     with tempfile.TemporaryDirectory(prefix="bench-kernel-") as tmp:
         workdir = Path(tmp)
         kinds = list(KINDS)
@@ -208,11 +272,15 @@ def main() -> int:
             warm_template(zygote_policy)
             kinds.insert(1, (ZYGOTE_LABEL, ZYGOTE_KIND[1]))
         try:
-            measure_kinds(context, kinds, workdir, starts, executes, cold, first_result, round_trip, memory)
+            measure_kinds(context, kinds, workdir, starts, (executes, prints), cold, first_result,
+                          (round_trip, memory, big_print))
         finally:
             if zygote_policy is not None:
                 cellblock_zygote.stop_templates(zygote_policy)
     context.term()
+
+    def parsed_print(label: str, parse: bool) -> Stats | None:
+        return big_print[label][parse] if big_print.get(label) else None
 
     rows = [
         Row("cold start → kernel_info_reply", cold.get("cellblock"), {"ipykernel": cold.get("ipykernel")},
@@ -228,20 +296,28 @@ def main() -> int:
     rows += [
         Row("execute `1+1` → idle (ZMQ)", round_trip.get("cellblock"), {"ipykernel": round_trip.get("ipykernel")},
             target="≤ 1.5 ms"),
+        Row("1 MiB print → idle (ZMQ), client parses", parsed_print("cellblock", True),
+            {"ipykernel": parsed_print("ipykernel", True)},
+            note="every IOPub message's signature checked and its JSON parsed (`json.loads`)"),
+        Row("1 MiB print → idle (ZMQ), kernel's delivery", parsed_print("cellblock", False),
+            {"ipykernel": parsed_print("ipykernel", False)}, target="≤ 8 ms (issue 11)",
+            note="every IOPub message's signature checked, the JSON parsed after the clock stops"),
         Row("idle PSS, kernel + worker", memory.get("cellblock"), {"ipykernel": memory.get("ipykernel")}, unit="MB",
             note="sum over the kernel's process tree"),
     ]
     print(markdown_table("cellblock-kernel vs ipykernel (raw ZMQ client)", rows))
-    ok = all(x is not None for x in (cold.get("cellblock"), round_trip.get("cellblock"), memory.get("cellblock")))
+    ok = all(table.get("cellblock") is not None for table in (cold, round_trip, memory, big_print))
     ok = ok and (not args.zygote or first_result.get(ZYGOTE_LABEL) is not None)
     return 0 if ok else 1
 
 
-def measure_kinds(context, kinds, workdir, starts, executes, cold, first_result, round_trip, memory) -> None:
+def measure_kinds(context, kinds, workdir, starts, counts, cold, first_result, running) -> None:
+    executes, prints = counts
+    round_trip, memory, big_print = running
     for label, kernel_name in kinds:
         if not benchlib.kernelspec_available(kernel_name):
             progress(f"{label}: kernelspec {kernel_name} not available, skipped")
-            cold[label] = first_result[label] = round_trip[label] = memory[label] = None
+            cold[label] = first_result[label] = round_trip[label] = memory[label] = big_print[label] = None
             continue
         try:
             progress(f"{label}: {starts} cold starts")
@@ -251,11 +327,12 @@ def measure_kinds(context, kinds, workdir, starts, executes, cold, first_result,
             first_result[label] = Stats([first for _, first in pairs])
             if label == ZYGOTE_LABEL:
                 continue  # the same kernel once started: its executes are cellblock's
-            progress(f"{label}: {executes} executes of 1+1, then idle PSS")
-            round_trip[label], memory[label] = execute_and_memory(context, kernel_name, workdir, executes)
+            progress(f"{label}: {executes} executes of 1+1, idle PSS, {prints} prints of 1 MiB")
+            round_trip[label], memory[label], big_print[label] = execute_and_memory(
+                context, kernel_name, workdir, executes, prints)
         except Exception as error:  # a peer failing must not hide our figures (and vice versa)
             progress(f"{label}: failed: {error!r}")
-            for table in (cold, first_result, round_trip, memory):
+            for table in (cold, first_result, round_trip, memory, big_print):
                 table.setdefault(label, None)
 
 

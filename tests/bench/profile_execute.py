@@ -2,7 +2,7 @@
 """Where one kernel's CPU goes under a steady stream of `1+1` executes: per process and per thread, and syscalls.
 
     /usr/bin/python3 tests/bench/profile_execute.py [--kernel cellblock-python] [--executes 2000] [--rounds 3]
-                                                    [--strace] [--perf SECONDS]
+                                                    [--code CODE] [--strace] [--perf SECONDS]
 
 One kernel, launched from its kernelspec argv with a fresh connection file, driven by bench_kernel.py's lean client
 (one execute in flight: send, wait for the IOPub idle, drain the reply). For each round of `--executes`:
@@ -150,7 +150,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--strace", action="store_true", help="also count syscalls (strace -c) of kernel and worker")
     parser.add_argument("--perf", type=float, default=0.0, help="also perf record the kernel for this many seconds")
+    parser.add_argument("--code", default="1+1",
+                        help="the cell to execute (default 1+1); the kernel's output cap is raised to 64 MiB")
     args = parser.parse_args()
+    CONTENT["code"] = args.code
+    os.environ["CELLBLOCK_OUTPUT_BYTES"] = str(64 << 20)  # a large print arrives whole, as bench_outputs.py has it
 
     benchlib.use_installed_kernelspecs()
     context = zmq.Context()
