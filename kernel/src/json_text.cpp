@@ -70,9 +70,13 @@ bool holds_long_string(const json& value) noexcept {
         case json::value_t::string:
             return value.get_ref<const std::string&>().size() >= short_string;
         case json::value_t::object:
+            return std::any_of(value.get_ref<const json::object_t&>().begin(),
+                               value.get_ref<const json::object_t&>().end(),
+                               [](const auto& member) { return holds_long_string(member.second); });
         case json::value_t::array:
-            return std::any_of(value.begin(), value.end(),
-                               [](const json& inner) { return holds_long_string(inner); });
+            return std::any_of(value.get_ref<const json::array_t&>().begin(),
+                               value.get_ref<const json::array_t&>().end(),
+                               [](const json& element) { return holds_long_string(element); });
         default:
             return false;
     }
@@ -127,6 +131,9 @@ void append_json(std::string& out, const json& value) {
 }
 
 std::string dump_json(const json& value) {
+    if (!holds_long_string(value)) {
+        return value.dump(-1, ' ', false, replace_invalid);
+    }
     std::string out;
     append_json(out, value);
     return out;
