@@ -82,8 +82,7 @@ bool holds_long_string(const json& value) noexcept {
     }
 }
 
-}  // namespace
-
+// Appends dump_json(value) to `out`.
 void append_json(std::string& out, const json& value) {
     if (!holds_long_string(value)) {  // the usual message: one dump, no scan
         out += value.dump(-1, ' ', false, replace_invalid);
@@ -129,6 +128,8 @@ void append_json(std::string& out, const json& value) {
             return;
     }
 }
+
+}  // namespace
 
 std::string dump_json(const json& value) {
     if (!holds_long_string(value)) {

@@ -14,7 +14,4 @@ namespace cellblock::kernel {
 // Equal to value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).
 std::string dump_json(const nlohmann::json& value);
 
-// Appends dump_json(value) to `out`.
-void append_json(std::string& out, const nlohmann::json& value);
-
 }  // namespace cellblock::kernel

@@ -43,6 +43,7 @@ import zmq
 import benchlib
 from benchlib import Row, Stats, markdown_table, progress
 from bench_memory import ZYGOTE_KIND, cellblock_zygote, install_zygote_kernelspec, warm_template
+from bench_outputs import ONE_MIB_PRINT, check_output
 
 KINDS = [("cellblock", "cellblock-python"), ("ipykernel", "python3")]
 ZYGOTE_LABEL = ZYGOTE_KIND[0]
@@ -187,13 +188,10 @@ def cold_start_ms(context: zmq.Context, kernel_name: str, workdir: Path) -> tupl
         kernel.stop()
 
 
-ONE_MIB_PRINT = "print('x' * 1048576)"
-
-
 def check_one_mib(output: list[bytes | str]) -> None:
-    text = "".join(json.loads(part)["text"] if isinstance(part, bytes) else part for part in output)
-    if len(text) != 1048577 or text.strip("x\n"):
-        raise AssertionError(f"1 MiB print: got {len(text)} characters of stream (expected 1048577)")
+    """bench_outputs.py's check of the print, on what wait_output returned (texts or unparsed content frames)."""
+    texts = [json.loads(part)["text"] if isinstance(part, bytes) else part for part in output]
+    check_output(ONE_MIB_PRINT, [{"msg_type": "stream", "content": {"text": text}} for text in texts])
 
 
 def execute_and_memory(context: zmq.Context, kernel_name: str, workdir: Path, executes: int,

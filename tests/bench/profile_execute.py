@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Where one kernel's CPU goes under a steady stream of `1+1` executes: per process and per thread, and syscalls.
+"""Where one kernel's CPU goes under a steady stream of executes (`1+1` unless --code): per process and per thread,
+and syscalls.
 
     /usr/bin/python3 tests/bench/profile_execute.py [--kernel cellblock-python] [--executes 2000] [--rounds 3]
                                                     [--code CODE] [--strace] [--perf SECONDS]
@@ -33,7 +34,7 @@ import benchlib
 from bench_kernel import LaunchedKernel, LeanClient
 from benchlib import Stats, progress
 
-CONTENT = {"code": "1+1", "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False,
+REQUEST = {"code": "1+1", "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False,
            "stop_on_error": True}
 
 
@@ -82,29 +83,30 @@ def tree_times(root: int) -> dict[tuple[int, str], dict[tuple[int, str], int]]:
     return result
 
 
-def run_executes(client: LeanClient, count: int) -> list[float]:
+def run_executes(client: LeanClient, count: int, request: dict) -> list[float]:
     samples = []
     for _ in range(count):
         started = time.perf_counter()
-        msg_id = client.send("execute_request", CONTENT)
+        msg_id = client.send("execute_request", request)
         client.wait_idle(msg_id, timeout=30)
         samples.append((time.perf_counter() - started) * 1000.0)
         client.drain_shell()
     return samples
 
 
-def warm_up(client: LeanClient) -> None:
+def warm_up(client: LeanClient, request: dict) -> None:
     client.wait_reply(client.send("kernel_info_request", {}), timeout=60)
     for attempt in range(100):
         try:
-            client.wait_idle(client.send("execute_request", CONTENT), timeout=30 if attempt == 0 else 2)
+            client.wait_idle(client.send("execute_request", request), timeout=30 if attempt == 0 else 2)
             break
         except TimeoutError:
             continue
-    run_executes(client, 50)
+    run_executes(client, 50, request)
 
 
-def strace_counts(pid: int, client: LeanClient, executes: int, follow_threads: bool) -> tuple[int, list[str]]:
+def strace_counts(pid: int, client: LeanClient, request: dict, executes: int,
+                  follow_threads: bool) -> tuple[int, list[str]]:
     """Total syscalls of pid (and its threads) over `executes` executes, and strace's table."""
     out = tempfile.NamedTemporaryFile(prefix="strace-", suffix=".txt", delete=False)
     out.close()
@@ -113,7 +115,7 @@ def strace_counts(pid: int, client: LeanClient, executes: int, follow_threads: b
         argv.insert(1, "-f")
     tracer = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # attached to every thread
-    run_executes(client, executes)
+    run_executes(client, executes, request)
     tracer.send_signal(signal.SIGINT)
     tracer.wait(timeout=30)
     text = Path(out.name).read_text()
@@ -126,7 +128,7 @@ def strace_counts(pid: int, client: LeanClient, executes: int, follow_threads: b
     return total, text.splitlines()
 
 
-def perf_top(pid: int, client: LeanClient, seconds: float) -> list[str]:
+def perf_top(pid: int, client: LeanClient, request: dict, seconds: float) -> list[str]:
     data = tempfile.NamedTemporaryFile(prefix="perf-", suffix=".data", delete=False)
     data.close()
     recorder = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-g", "-o", data.name, "-p", str(pid)],
@@ -134,7 +136,7 @@ def perf_top(pid: int, client: LeanClient, seconds: float) -> list[str]:
     time.sleep(0.5)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        run_executes(client, 100)
+        run_executes(client, 100, request)
     recorder.send_signal(signal.SIGINT)
     recorder.wait(timeout=60)
     report = subprocess.run(["perf", "report", "-i", data.name, "--no-children", "--sort", "dso,sym", "--stdio",
@@ -153,17 +155,17 @@ def main() -> int:
     parser.add_argument("--code", default="1+1",
                         help="the cell to execute (default 1+1); the kernel's output cap is raised to 64 MiB")
     args = parser.parse_args()
-    CONTENT["code"] = args.code
-    os.environ["CELLBLOCK_OUTPUT_BYTES"] = str(64 << 20)  # a large print arrives whole, as bench_outputs.py has it
+    request = dict(REQUEST, code=args.code)
 
     benchlib.use_installed_kernelspecs()
     context = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="profile-execute-") as tmp:
-        kernel = LaunchedKernel(args.kernel, Path(tmp))
+        # A large print arrives whole, as bench_outputs.py has it.
+        kernel = LaunchedKernel(args.kernel, Path(tmp), env={"CELLBLOCK_OUTPUT_BYTES": str(64 << 20)})
         client = LeanClient(context, kernel.info)
         try:
             kernel.start()
-            warm_up(client)
+            warm_up(client, request)
             root = kernel.process.pid
             progress(f"load average {os.getloadavg()}")
             per_thread = collections.defaultdict(list)  # (process, comm) -> [us per execute per round]
@@ -173,7 +175,7 @@ def main() -> int:
             for round_index in range(args.rounds):
                 before = tree_times(root)
                 switches_before = context_switches(root)
-                samples = run_executes(client, args.executes)
+                samples = run_executes(client, args.executes, request)
                 after = tree_times(root)
                 switches.append((context_switches(root) - switches_before) / args.executes)
                 latencies.append(Stats(samples))
@@ -209,18 +211,18 @@ def main() -> int:
                 if not shutil.which("strace"):
                     raise SystemExit("strace not installed")
                 count = min(args.executes, 300)
-                total, table = strace_counts(root, client, count, follow_threads=True)
+                total, table = strace_counts(root, client, request, count, follow_threads=True)
                 print(f"\nstrace -f -c of the kernel over {count} executes: {total / count:.1f} syscalls per execute")
                 print("\n".join("    " + line for line in table[:24]))
                 workers = [pid for pid in benchlib.descendants(root) if "python" in benchlib.process_name(pid)]
                 for worker in workers[-1:]:
-                    total, table = strace_counts(worker, client, count, follow_threads=True)
+                    total, table = strace_counts(worker, client, request, count, follow_threads=True)
                     print(f"\nstrace -f -c of the worker ({worker}) over {count} executes: "
                           f"{total / count:.1f} syscalls per execute")
                     print("\n".join("    " + line for line in table[:24]))
             if args.perf > 0:
                 print(f"\nperf record -e cpu-clock -g of the kernel, {args.perf:g} s (self time by dso, symbol):")
-                print("\n".join("    " + line for line in perf_top(root, client, args.perf)[:60]))
+                print("\n".join("    " + line for line in perf_top(root, client, request, args.perf)[:60]))
         finally:
             client.close()
             kernel.stop()
