@@ -244,7 +244,7 @@ def cold_starts(context: zmq.Context, workdir: Path, starts: int, zygote: bool) 
             started = time.perf_counter()
             subprocess.run(["/bin/true"], check=True)
             samples["true"].append((time.perf_counter() - started) * 1000.0)
-            samples["floor_info"].append(cold_start_ms_info(context, workdir))
+            samples["floor_info"].append(cold_start_ms(context, FLOOR[1], workdir)[0])
             samples["fork"].append(template.fork_ms())
             if zygote:
                 samples["cellblock"].append(cold_start_ms(context, ZYGOTE_KIND[1], workdir)[1])
@@ -254,20 +254,6 @@ def cold_starts(context: zmq.Context, workdir: Path, starts: int, zygote: bool) 
     finally:
         template.stop()
     return {key: Stats(values) for key, values in samples.items() if values}
-
-
-def cold_start_ms_info(context: zmq.Context, workdir: Path) -> float:
-    """Popen -> kernel_info_reply of the floor kernel, as bench_kernel.py times any kernel."""
-    kernel = LaunchedKernel(FLOOR[1], workdir)
-    client = LeanClient(context, kernel.info)
-    try:
-        started = time.perf_counter()
-        kernel.start()
-        client.wait_reply(client.send("kernel_info_request", {}), timeout=60)
-        return (time.perf_counter() - started) * 1000.0
-    finally:
-        client.close()
-        kernel.stop()
 
 
 def main() -> int:
@@ -338,15 +324,15 @@ def main() -> int:
           "worker) and os.times (client), one figure per round.\n")
     print(markdown_table("`1+1`: cellblock, the floor kernel and ipykernel", rows))
 
-    floor_rt_16 = throughput[FLOOR[0]].get(sessions)
+    floor_at_level = throughput[FLOOR[0]].get(sessions)
     cell_ms = cell_cpu.median
     floors = []
     floors.append(("kernel CPU per `1+1`", "≤ 0.25 ms", f"{floor['kernel'].median:.3f} ms",
                    f"{ours['kernel'].median:.3f} ms", "the floor kernel's CPU per execute"))
     floors.append(("`1+1` over ZMQ", "≤ 0.4 ms", f"{floor['rt'].median:.3f} ms", f"{ours['rt'].median:.3f} ms",
                    f"the floor kernel's round trip, its worker busy for run_cell's {cell_ms:.3f} ms"))
-    if floor_rt_16 and "error" not in throughput[FLOOR[0]]:
-        rate, _, _, client_cpu, kernel_cpu = floor_rt_16
+    if floor_at_level and "error" not in throughput[FLOOR[0]]:
+        rate, _, _, client_cpu, kernel_cpu = floor_at_level
         bound = cores * 1000.0 / (kernel_cpu + cell_ms + client_cpu)
         ours_16 = throughput["cellblock"].get(sessions)
         floors.append((f"exec/s, {sessions} sessions", "≥ 2,000", f"{rate:.0f} exec/s",
