@@ -59,6 +59,10 @@ class EchoWorker {
         }
         pid_ = ::fork();
         if (pid_ < 0) {
+            const int error = errno;
+            ::close(ends[0]);
+            ::close(ends[1]);
+            errno = error;
             fail_errno("fork");
         }
         if (pid_ == 0) {
@@ -86,13 +90,18 @@ class EchoWorker {
     }
 
   private:
-    [[noreturn]] static void serve(int fd, std::chrono::microseconds busy) {
-        std::string request;
-        while (read_frame(fd, request)) {
-            const auto until = std::chrono::steady_clock::now() + busy;
-            while (std::chrono::steady_clock::now() < until) {
+    // Never returns into the kernel's code: the child leaves with _exit, also when the kernel has gone.
+    [[noreturn]] static void serve(int fd, std::chrono::microseconds busy) noexcept {
+        try {
+            std::string request;
+            while (read_frame(fd, request)) {
+                const auto until = std::chrono::steady_clock::now() + busy;
+                while (std::chrono::steady_clock::now() < until) {
+                }
+                write_frame(fd, "2");
             }
-            write_frame(fd, "2");
+        } catch (const std::exception&) {
+            ::_exit(1);
         }
         ::_exit(0);
     }
