@@ -315,8 +315,8 @@ def main() -> int:
     ]
     for level in levels:
         rows.append(Row(f"`1+1` exec/s, {level} session{'s' if level > 1 else ''}",
-                        bench_throughput_stat(throughput["cellblock"], level, 0),
-                        {FLOOR[0]: bench_throughput_stat(throughput[FLOOR[0]], level, 0)}, unit="exec/s",
+                        bench_throughput.level_stat(throughput["cellblock"], level, 0),
+                        {FLOOR[0]: bench_throughput.level_stat(throughput[FLOOR[0]], level, 0)}, unit="exec/s",
                         target="≥ 2,000 (issue 11)" if level == 16 else "",
                         note="bench_throughput.py's driver"))
     print(f"{cores} cores, load average {os.getloadavg()[0]:.1f} at the end. Round trips: {rounds} interleaved rounds "
@@ -342,7 +342,8 @@ def main() -> int:
                        f"ms per execute) = {bound:.0f})"))
     sequential = starts_ms["floor_info"].median + starts_ms["fork"].median
     overlapped = max(starts_ms["floor_info"].median, starts_ms["fork"].median)
-    floors.append(("cold start → first `1+1`", "≤ 50 ms", f"{sequential:.1f} ms ({overlapped:.1f} if the two ran side by side)",
+    floors.append(("cold start → first `1+1`", "≤ 50 ms",
+                   f"{sequential:.1f} ms ({overlapped:.1f} if the two ran side by side)",
                    f"{starts_ms['cellblock'].median:.1f} ms" if "cellblock" in starts_ms else "–",
                    f"floor kernel → kernel_info_reply {starts_ms['floor_info'].median:.1f} + fork → first `1+1` "
                    f"{starts_ms['fork'].median:.1f} (`/bin/true` {starts_ms['true'].median:.1f})"))
@@ -357,11 +358,6 @@ def main() -> int:
           f"{starts_ms['floor_info'].median:.1f} ms (p99 {starts_ms['floor_info'].p99:.1f}).")
     measured_all = all("error" not in result for result in throughput.values())
     return 0 if measured_all and (not args.zygote or "cellblock" in starts_ms) else 1
-
-
-def bench_throughput_stat(result: dict, level: int, index: int) -> Stats | None:
-    value = result.get(level)
-    return Stats([value[index]]) if value else None
 
 
 if __name__ == "__main__":

@@ -177,6 +177,14 @@ def measure_kind(label: str, kernel_name: str, levels: list[int], seconds: float
     return results
 
 
+def level_stat(result: dict, level: int, index: int) -> Stats | None:
+    """Field `index` of measure_kind's result at `level` (rate, latencies, CPU figures) as Stats, or None."""
+    value = result.get(level)
+    if value is None:
+        return None
+    return value[index] if isinstance(value[index], Stats) else Stats([value[index]])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 and 2 sessions, half a second each (smoke run)")
@@ -202,29 +210,23 @@ def main() -> int:
     ours = measured.get("cellblock", {"error": "kernelspec cellblock-python not installed"})
     peers = {label: result for label, result in measured.items() if label != "cellblock"}
 
-    def pick(result: dict, level: int, index: int):
-        value = result.get(level)
-        if value is None:
-            return None
-        return value[index] if isinstance(value[index], Stats) else Stats([value[index]])
-
     rows = []
     for level in levels:
         target = "≥ 2,000" if level == 16 else ""
-        rows.append(Row(f"`1+1` exec/s, {level} session{'s' if level > 1 else ''}", pick(ours, level, 0),
-                        {p: pick(r, level, 0) for p, r in peers.items()}, unit="exec/s", target=target))
+        rows.append(Row(f"`1+1` exec/s, {level} session{'s' if level > 1 else ''}", level_stat(ours, level, 0),
+                        {p: level_stat(r, level, 0) for p, r in peers.items()}, unit="exec/s", target=target))
     for level in levels:
-        rows.append(Row(f"round trip at {level} in flight", pick(ours, level, 1),
-                        {p: pick(r, level, 1) for p, r in peers.items()}))
+        rows.append(Row(f"round trip at {level} in flight", level_stat(ours, level, 1),
+                        {p: level_stat(r, level, 1) for p, r in peers.items()}))
     for level in levels:
-        rows.append(Row(f"kernel (+ worker) CPU per execute, {level}", pick(ours, level, 2),
-                        {p: pick(r, level, 2) for p, r in peers.items()}, unit="ms CPU"))
+        rows.append(Row(f"kernel (+ worker) CPU per execute, {level}", level_stat(ours, level, 2),
+                        {p: level_stat(r, level, 2) for p, r in peers.items()}, unit="ms CPU"))
     for level in levels:
-        rows.append(Row(f"… of which the kernel process itself, {level}", pick(ours, level, 4),
-                        {p: pick(r, level, 4) for p, r in peers.items()}, unit="ms CPU"))
+        rows.append(Row(f"… of which the kernel process itself, {level}", level_stat(ours, level, 4),
+                        {p: level_stat(r, level, 4) for p, r in peers.items()}, unit="ms CPU"))
     for level in levels:
-        rows.append(Row(f"client CPU per execute, {level}", pick(ours, level, 3),
-                        {p: pick(r, level, 3) for p, r in peers.items()}, unit="ms CPU"))
+        rows.append(Row(f"client CPU per execute, {level}", level_stat(ours, level, 3),
+                        {p: level_stat(r, level, 3) for p, r in peers.items()}, unit="ms CPU"))
     print(f"One lean pyzmq client thread drives all sessions, one request in flight per session, {seconds:g} s per "
           f"level after a warm-up; exec/s = completed execute_replies / window. {os.cpu_count()} cores: the CPU rows "
           "bound what the machine can do (cores × 1000 / (kernel + client CPU ms per execute)).\n")
