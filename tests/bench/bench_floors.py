@@ -20,6 +20,9 @@ process) can go below here:
   to children), up to the end of its first `run_cell("1+1")`: what a forked worker's start costs before any
   confinement, protocol or kernel is added.
 - **`/bin/true`**: the cost of starting any program here.
+- **what the floors are made of**: one system call, one page fault (a first touch, and a copy-on-write fault in a
+  forked child, which a zygote worker takes on every page of the template it writes) and one wake-up round trip
+  between two processes, each timed in a loop against the same loop without it.
 
 The floors: kernel CPU = the floor kernel's CPU per execute (every thread, libzmq's I/O thread included); `1+1` =
 the floor kernel's round trip, its worker busy for `run_cell`'s time; exec/s at 16 sessions = 16 floor kernels
@@ -116,6 +119,77 @@ for line in sys.stdin:
     sys.__stdout__.flush()
 """
 
+
+# What the floors are made of here: the price of one system call, one page fault (a first touch, and a copy-on-write
+# after fork, as a forked worker takes them) and one wake-up of another process. Each is the time of a loop that
+# pays it once per pass minus the same loop without it, so Python's own cost per pass cancels; medians of rounds.
+MACHINE_COSTS = r"""
+import json, mmap, os, statistics, sys, time
+rounds, calls, pages = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+PAGE = mmap.PAGESIZE
+def per_pass(function, count):
+    started = time.perf_counter()
+    function(count)
+    return (time.perf_counter() - started) / count * 1e6
+def getppid_loop(count):
+    for _ in range(count):
+        os.getppid()
+def empty_loop(count):
+    nothing = int
+    for _ in range(count):
+        nothing()
+def touch(memory, count):
+    for index in range(0, count * PAGE, PAGE):
+        memory[index] = 1
+results = {"syscall": [], "fault": [], "cow": [], "wake": []}
+for _ in range(rounds):
+    results["syscall"].append(per_pass(getppid_loop, calls) - per_pass(empty_loop, calls))
+    memory = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    first = per_pass(lambda count: touch(memory, count), pages)
+    again = per_pass(lambda count: touch(memory, count), pages)
+    results["fault"].append(first - again)
+    answer_read, answer_write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        cow = per_pass(lambda count: touch(memory, count), pages)
+        again = per_pass(lambda count: touch(memory, count), pages)
+        os.write(answer_write, json.dumps(cow - again).encode())
+        os._exit(0)
+    os.close(answer_write)
+    results["cow"].append(json.loads(os.read(answer_read, 100)))
+    os.close(answer_read)
+    os.waitpid(child, 0)
+    memory.close()
+    # Ping-pong over two pipes with a child: each round trip wakes each side once (plus 4 reads/writes).
+    ping_read, ping_write = os.pipe()
+    pong_read, pong_write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        while os.read(ping_read, 1) == b"p":
+            os.write(pong_write, b"p")
+        os._exit(0)
+    trips = max(calls // 100, 100)
+    started = time.perf_counter()
+    for _ in range(trips):
+        os.write(ping_write, b"p")
+        os.read(pong_read, 1)
+    results["wake"].append((time.perf_counter() - started) / trips * 1e6)
+    os.write(ping_write, b"q")
+    os.waitpid(child, 0)
+    for fd in (ping_read, ping_write, pong_read, pong_write):
+        os.close(fd)
+print(json.dumps({key: statistics.median(values) for key, values in results.items()}))
+"""
+
+
+def machine_costs(rounds: int, calls: int, pages: int) -> dict[str, float]:
+    """µs per system call (getppid), per first-touch page fault, per copy-on-write fault in a forked child, and per
+    process wake-up round trip over pipes."""
+    out = subprocess.run([sys.executable, "-c", MACHINE_COSTS, str(rounds), str(calls), str(pages)],
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"machine cost measurement failed: {out.stderr.strip()[-400:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 def floor_kernel_path(given: str | None) -> Path:
     path = given or os.environ.get("CELLBLOCK_FLOOR_KERNEL")
@@ -280,6 +354,8 @@ def main() -> int:
     context = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="bench-floors-") as tmp:
         workdir = Path(tmp)
+        progress("machine costs: a system call, a page fault, a copy-on-write fault, a wake-up")
+        costs = machine_costs(3 if args.quick else 7, 20000 if args.quick else 200000, 1024 if args.quick else 4096)
         progress(f"IPython's run_cell('1+1'), {executes * rounds} cells")
         cell_wall, cell_cpu = run_cell_times(executes * rounds)
         install_floor_kernelspec(binary, workdir / "jupyter", cell_cpu.median)
@@ -356,6 +432,9 @@ def main() -> int:
           f"{cell_cpu.median:.3f} ms CPU; fork of a warmed template to its first `1+1`: {starts_ms['fork'].median:.1f} "
           f"ms (p99 {starts_ms['fork'].p99:.1f}); floor kernel start → kernel_info_reply "
           f"{starts_ms['floor_info'].median:.1f} ms (p99 {starts_ms['floor_info'].p99:.1f}).")
+    print(f"\nWhat they are made of here (medians of rounds): a system call (getppid) {costs['syscall']:.2f} µs; a page "
+          f"fault on first touch {costs['fault']:.2f} µs; a copy-on-write fault in a forked child {costs['cow']:.2f} µs; "
+          f"a wake-up round trip between two processes over pipes {costs['wake']:.1f} µs.")
     measured_all = all("error" not in result for result in throughput.values())
     return 0 if measured_all and (not args.zygote or "cellblock" in starts_ms) else 1
 
