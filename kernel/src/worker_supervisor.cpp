@@ -9,10 +9,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 
 #include "logging.hpp"
 
@@ -43,6 +46,55 @@ void keep_tail(std::string& tail, const char* data, std::size_t size) {
 
 // A template that is not listening is started again at most this often (per tenant and host).
 constexpr std::chrono::seconds template_restart_interval{30};
+
+// Whether the last template started for the tenant ended its generation (forks or age): its log (the file its
+// stdout and stderr go to, truncated at each start) has its "retired" line, written before it stops
+// listening. Only such an end lets the next template start within the restart interval; a template that died
+// (while preparing or later) has none.
+bool last_template_retired(const std::filesystem::path& log_path) {
+    constexpr std::size_t read_limit = 1 << 20;  // a template logs a line per event of its life
+    UniqueFd log(::open(log_path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!log) {
+        return false;
+    }
+    struct stat info {};
+    if (::fstat(log.get(), &info) != 0) {
+        return false;
+    }
+    std::string text(std::min(static_cast<std::size_t>(std::max<off_t>(info.st_size, 0)), read_limit), '\0');
+    std::size_t filled = 0;
+    while (filled < text.size()) {
+        const ssize_t got = ::read(log.get(), text.data() + filled, text.size() - filled);
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got <= 0) {
+            break;
+        }
+        filled += static_cast<std::size_t>(got);
+    }
+    text.resize(filled);
+    std::size_t line_start = 0;
+    while (line_start < text.size()) {
+        std::size_t line_end = text.find('\n', line_start);
+        if (line_end == std::string::npos) {
+            line_end = text.size();
+        }
+        const std::string_view line(text.data() + line_start, line_end - line_start);
+        line_start = line_end + 1;
+        if (line.find("\"retired\"") == std::string_view::npos) {
+            continue;
+        }
+        const auto event = nlohmann::json::parse(line, nullptr, false);
+        if (event.is_object() && event.contains("component") && event["component"] == "cellblock-zygote" &&
+            event.contains("event") && event["event"] == "retired") {
+            // Used up or aged out; a template that retired because it could not fork ("threads") would do the
+            // same again.
+            return event.contains("reason") && (event["reason"] == "forks" || event["reason"] == "age");
+        }
+    }
+    return false;
+}
 
 // Whether something listens on the template socket (a refused or missing socket is a dead template).
 bool template_listens(const std::filesystem::path& socket_path) {
@@ -122,11 +174,13 @@ std::string start_template_if_dead(sandbox::Launcher& launcher, const WorkerLaun
         }
         const auto since_last = std::chrono::system_clock::now() -
                                 std::chrono::system_clock::from_time_t(lock_info.st_mtim.tv_sec);
-        if (lock_info.st_size > 0 && since_last < template_restart_interval) {
+        const auto log_path = state_dir / (name + ".log");
+        // A generation used up within the interval (200 forks at a few launches a second) is no failure.
+        if (lock_info.st_size > 0 && since_last < template_restart_interval &&
+            !last_template_retired(log_path)) {
             return "a template was started less than " + std::to_string(template_restart_interval.count()) +
                    " s ago and is not listening; not starting another yet";
         }
-        const auto log_path = state_dir / (name + ".log");
         UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
         if (!log) {
             throw system_error("open " + log_path.string());

@@ -149,3 +149,36 @@ def test_a_template_started_by_a_kernel_preloads_what_its_config_names(tmp_path,
             os.kill(pid, signal.SIGKILL)
         import shutil
         shutil.rmtree(STATE_DIR / "templates" / f"zygote-{tenant}", ignore_errors=True)
+
+
+def test_a_generation_used_up_within_the_restart_interval_is_replaced_at_once(tmp_path, tenant):
+    """A template retires after its generation's forks (one here); the next launch starts the next template at once,
+    well within the restart interval that holds back a template that died, and the launch after it is forked."""
+    import shutil
+    import signal
+
+    import cellblock_zygote
+
+    policy = (KERNEL_CONFIG.parent / json.loads(KERNEL_CONFIG.read_text())["sandbox_policy"]).resolve()
+    probe = "import sys; 'colorsys' in sys.modules"
+    settings = dict(zygote=True, zygote_tenant=tenant, zygote_preload=["colorsys"], zygote_generation_forks=1)
+    try:
+        run_one_plus_one(tmp_path / "a", "cellblock-zygote-generation-a", code=probe, **settings)
+        first_template = cellblock_zygote.template_serving(policy, tenant, timeout=240)
+        forked, log = run_one_plus_one(tmp_path / "b", "cellblock-zygote-generation-b", code=probe, **settings)
+        assert forked == "True" and not [line for line in log if line.get("event") == "zygote_fallback"], log
+
+        # The first template has used its one fork and retired: this launch goes by exec and starts the next one.
+        by_exec, log = run_one_plus_one(tmp_path / "c", "cellblock-zygote-generation-c", code=probe, **settings)
+        [fallback] = [line for line in log if line.get("event") == "zygote_fallback"]
+        assert by_exec == "False"
+        assert "started the template" in fallback["template"], fallback
+        second_template = cellblock_zygote.template_serving(policy, tenant, timeout=240)
+        assert second_template != first_template
+
+        forked, log = run_one_plus_one(tmp_path / "d", "cellblock-zygote-generation-d", code=probe, **settings)
+        assert forked == "True" and not [line for line in log if line.get("event") == "zygote_fallback"], log
+    finally:
+        for pid in cellblock_zygote.template_pids(policy, tenant):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(STATE_DIR / "templates" / f"zygote-{tenant}", ignore_errors=True)

@@ -690,15 +690,17 @@ class TemplateService:
     # -- generations -------------------------------------------------------------------------------------------
     def retire(self, reason):
         """Stops accepting (a connecting kernel finds the socket dead and starts the next generation); the live
-        workers are still reaped and reported, and the template exits after the last one."""
+        workers are still reaped and reported, and the template exits after the last one. The "retired" line comes
+        first: a kernel that finds the socket dead reads it to tell a generation's end, after which it starts the
+        next template at once, from a template's death, after which it waits (kernel/README.md)."""
         if not self.accepting:
             return
+        _log("retired", reason=reason, forks=self.forks, workers=len(self.pidfds))
         self.accepting = False
         self.poller.unregister(self.listener.fileno())
         self.listener.close()
         for fd in list(self.pending):
             self._drop_pending(fd)
-        _log("retired", reason=reason, forks=self.forks, workers=len(self.pidfds))
 
     # -- in the fork -------------------------------------------------------------------------------------------
     def _forget_after_fork(self, view, size):
