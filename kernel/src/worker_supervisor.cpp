@@ -9,13 +9,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <stdexcept>
 #include <string>
-#include <string_view>
 
 #include "logging.hpp"
 
@@ -53,36 +52,10 @@ constexpr std::chrono::seconds template_restart_interval{30};
 // (while preparing or later) has none.
 bool last_template_retired(const std::filesystem::path& log_path) {
     constexpr std::size_t read_limit = 1 << 20;  // a template logs a line per event of its life
-    UniqueFd log(::open(log_path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-    if (!log) {
-        return false;
-    }
-    struct stat info {};
-    if (::fstat(log.get(), &info) != 0) {
-        return false;
-    }
-    std::string text(std::min(static_cast<std::size_t>(std::max<off_t>(info.st_size, 0)), read_limit), '\0');
-    std::size_t filled = 0;
-    while (filled < text.size()) {
-        const ssize_t got = ::read(log.get(), text.data() + filled, text.size() - filled);
-        if (got < 0 && errno == EINTR) {
-            continue;
-        }
-        if (got <= 0) {
-            break;
-        }
-        filled += static_cast<std::size_t>(got);
-    }
-    text.resize(filled);
-    std::size_t line_start = 0;
-    while (line_start < text.size()) {
-        std::size_t line_end = text.find('\n', line_start);
-        if (line_end == std::string::npos) {
-            line_end = text.size();
-        }
-        const std::string_view line(text.data() + line_start, line_end - line_start);
-        line_start = line_end + 1;
-        if (line.find("\"retired\"") == std::string_view::npos) {
+    std::ifstream log(log_path);
+    std::size_t read = 0;
+    for (std::string line; read < read_limit && std::getline(log, line); read += line.size() + 1) {
+        if (line.find("\"retired\"") == std::string::npos) {
             continue;
         }
         const auto event = nlohmann::json::parse(line, nullptr, false);
