@@ -23,6 +23,7 @@ _get_handler = _signal.getsignal
 _set_mask = _signal.pthread_sigmask
 _SIGINT = int(signal.SIGINT)
 _SIGINT_ONLY = (_SIGINT,)
+_thread_id = threading.get_ident
 
 
 class InterruptGate:
@@ -39,6 +40,7 @@ class InterruptGate:
 
     def __init__(self):
         self._main_thread = threading.main_thread()
+        self._main_thread_id = self._main_thread.ident
         self._frame_depth = 0  # > 0 while the main thread is inside a frame read/write
         self._deferred = False
         self._user_code_depth = 0  # > 0 while user code runs (nested: user code may run a cell itself)
@@ -47,7 +49,7 @@ class InterruptGate:
         self._request_in_hand = False
         self._early = False  # an interrupt for the request in hand arrived before its code started
         self._request_waiting = lambda: False  # set by the channel: unread request bytes?
-        self._stream_frame_io = _DeferredInterrupts(self)
+        self._deferred_interrupts = _DeferredInterrupts(self)
         self._user_code = _UserCode(self)
 
     def _on_sigint(self, signum, frame):
@@ -94,15 +96,25 @@ class InterruptGate:
         _set_handler(_SIGINT, self._handler)
 
     def stream_frame_io(self):
-        """frame_io for stream frames, which are many and small: the deferral without the two sigmask calls
-        (about 12 us a frame on a VM). A SIGINT during the write still runs our handler, which defers it
-        (an interrupted write is retried, PEP 475); only a SIGINT handler the user installed is not held back
-        (as with frame_io when another thread receives the signal)."""
-        return self._stream_frame_io
+        """frame_io for stream frames, which are many and small: always the deferral alone, even under a SIGINT
+        handler the user installed (which then may run between two partial writes of a stream frame, as it may
+        when another thread receives the signal; stream text is the only thing it could cut short)."""
+        return self._deferred_interrupts
+
+    def frame_io(self):
+        """Context manager: keep SIGINT out of a frame read/write.
+
+        Under our handler (outside user code always, and in user code that installed none) the deferral is
+        enough: a SIGINT during the read or write runs our handler, which only remembers it (an interrupted
+        call is retried, PEP 475), and it is raised when the frame is complete. Under a handler the user
+        installed, which would run mid-frame, SIGINT is also blocked for this thread; that costs two
+        sigprocmask calls, about 12 us a frame on a VM, so only then."""
+        if _get_handler(_SIGINT) is self._handler:
+            return self._deferred_interrupts
+        return self._masked_interrupts()
 
     @contextlib.contextmanager
-    def frame_io(self):
-        """Keep SIGINT out of a frame read/write (blocked for this thread, deferred if another thread gets it)."""
+    def _masked_interrupts(self):
         if threading.current_thread() is not self._main_thread:
             # Only the main thread runs Python signal handlers, so a user thread needs no deferral.
             yield
@@ -114,35 +126,42 @@ class InterruptGate:
         finally:
             self._frame_depth -= 1
             _set_mask(signal.SIG_SETMASK, previous_mask)
-        # Unblocking may deliver a pending SIGINT right here (in user code the handler raises: depth is 0 again);
-        # one that a user thread received during the frame was deferred and is raised now.
-        if self._frame_depth == 0 and self._deferred:
-            self._deferred = False
-            if self._user_code_depth > 0:
+        # Unblocking may deliver a pending SIGINT right here (the handler then decides, at depth 0 again); one
+        # that a user thread received during the frame was deferred and is decided now.
+        self._decide_deferred(raise_allowed=True)
+
+    def _decide_deferred(self, raise_allowed):
+        """A SIGINT deferred during a frame, now that the frame is complete: what our handler would have done
+        had it come now (raise in user code, else keep it for the request in hand or waiting, else drop it)."""
+        if self._frame_depth != 0 or not self._deferred:
+            return
+        self._deferred = False
+        if self._user_code_depth > 0:
+            if raise_allowed:
                 raise KeyboardInterrupt
+        elif self._request_in_hand or self._request_waiting():
+            self._early = True
 
 
 class _DeferredInterrupts:
-    """The main thread's frame depth without signal masking (InterruptGate.stream_frame_io)."""
+    """The main thread's frame depth without signal masking (InterruptGate.frame_io under our handler)."""
 
     def __init__(self, gate):
         self._gate = gate
 
+    # One instance serves every thread, and a user thread may enter while the main thread is inside: the thread
+    # is asked again on exit rather than remembered.
     def __enter__(self):
         gate = self._gate
-        self._in_main_thread = threading.current_thread() is gate._main_thread
-        if self._in_main_thread:
+        if _thread_id() == gate._main_thread_id:
             gate._frame_depth += 1
 
     def __exit__(self, *exc_info):
         gate = self._gate
-        if not self._in_main_thread:
+        if _thread_id() != gate._main_thread_id:
             return False
         gate._frame_depth -= 1
-        if gate._frame_depth == 0 and gate._deferred:
-            gate._deferred = False
-            if gate._user_code_depth > 0 and exc_info[0] is None:
-                raise KeyboardInterrupt
+        gate._decide_deferred(raise_allowed=exc_info[0] is None)
         return False
 
 
