@@ -126,8 +126,9 @@ KernelServer::KernelServer(const ConnectionInfo& connection, ServerActions actio
       refusals_(InboundVerdict::kinds, 0),
       record_(options.record),
       lease_duration_(options.lease),
-      wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
-    if (!wake_) {
+      wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+      interpreter_wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    if (!wake_ || !interpreter_wake_) {
         throw std::runtime_error(std::string("kernel server: eventfd: ") + std::strerror(errno));
     }
     auto& s = *sockets_;
@@ -156,12 +157,28 @@ KernelServer::KernelServer(const ConnectionInfo& connection, ServerActions actio
     s.heartbeat.bind(connection.endpoint(connection.hb_port));
 }
 
-KernelServer::~KernelServer() {
-    {
-        std::lock_guard lock(shell_mutex_);
-        shell_closed_ = true;
+namespace {
+
+void signal_eventfd(int fd) {
+    const std::uint64_t one = 1;
+    // Fails only when the counter is saturated, and then the fd is readable anyway.
+    if (::write(fd, &one, sizeof(one)) != sizeof(one) && errno != EAGAIN) {
+        log_event(LogLevel::error, "kernel_server_wake_failed", {{"error", std::strerror(errno)}});
     }
-    shell_ready_.notify_all();
+}
+
+void drain_eventfd(int fd) {
+    std::uint64_t count = 0;
+    if (::read(fd, &count, sizeof(count)) < 0 && errno != EAGAIN) {
+        log_event(LogLevel::error, "kernel_server_wake_failed", {{"error", std::strerror(errno)}});
+    }
+}
+
+}  // namespace
+
+KernelServer::~KernelServer() {
+    shell_closed_ = true;
+    signal_eventfd(interpreter_wake_.get());
     {
         std::lock_guard lock(input_mutex_);
         stopping_ = true;
@@ -197,10 +214,7 @@ bool KernelServer::on_io_thread() const noexcept {
 }
 
 void KernelServer::wake_io_thread() {
-    const std::uint64_t one = 1;
-    if (::write(wake_.get(), &one, sizeof(one)) != sizeof(one) && errno != EAGAIN) {
-        log_event(LogLevel::error, "kernel_server_wake_failed", {{"error", std::strerror(errno)}});
-    }
+    signal_eventfd(wake_.get());
 }
 
 void KernelServer::enqueue(Outbound outbound) {
@@ -230,7 +244,10 @@ void KernelServer::send_now(Outbound outbound) {
 }
 
 void KernelServer::keep_inbound_announced(int channel_index) {
-    const std::size_t polled = polled_index(channel_index);
+    if (channel_index == shell) {
+        return;  // the interpreter thread, the only one that uses it, reads it before every wait
+    }
+    const std::size_t polled = channel_index == control ? polled_control : polled_stdin;
     if (on_io_thread()) {
         unread_[polled] = true;  // the loop reads the socket again before it waits
         return;
@@ -326,7 +343,12 @@ void KernelServer::abort_queue_impl(const listener& abort, long) {
     // now are aborted once that execute is done (run_interpreter), so each gets busy, aborted reply, idle
     // after it. Requests that arrive later were sent after the reply and run.
     pending_abort_ = abort;
-    std::lock_guard lock(shell_mutex_);
+    // What the client sent before this reply is queued in the socket, if not read yet.
+    {
+        std::lock_guard lock(server_mutex_);
+        while (sockets_->open && !receive_all(shell)) {
+        }
+    }
     abort_queued_ = shell_queue_.size();
 }
 
@@ -371,50 +393,63 @@ std::unique_ptr<xeus::xserver> ServerHandoff::take(xeus::xcontext& context, cons
 
 // ---- interpreter thread -----------------------------------------------------------------------------------
 
+// The shell socket's ZMQ_FD only signals new commands, so the socket is read until it has nothing left before
+// each wait (a send on it, a reply, may have taken in the command that announced a message).
 void KernelServer::run_interpreter() {
     bool heap_release_due = false;  // a request ran since the last release (heap_policy.hpp)
-    for (;;) {
-        std::optional<xeus::xmessage> next;
-        {
-            std::unique_lock lock(shell_mutex_);
-            const auto request_or_close = [this] { return shell_closed_ || !shell_queue_.empty(); };
-            if (heap_release_due &&
-                !shell_ready_.wait_for(lock, quiet_before_heap_release, request_or_close)) {
-                lock.unlock();
-                release_free_heap();
-                heap_release_due = false;
-                continue;
+    const int shell_fd = sockets_->routers[shell].get(zmq::sockopt::fd);
+    bool shell_open = true;
+    while (!shell_closed_) {
+        if (shell_queue_.empty() && shell_open) {
+            std::lock_guard lock(server_mutex_);
+            shell_open = sockets_->open;
+            if (shell_open) {
+                receive_all(shell);  // what it left unread is read once the queue is empty again
             }
-            shell_ready_.wait(lock, request_or_close);
-            if (shell_closed_) {
-                return;
-            }
-            heap_release_due = true;
-            next = std::move(shell_queue_.front());
+        }
+        if (!shell_queue_.empty()) {
+            xeus::xmessage next = std::move(shell_queue_.front());
             shell_queue_.pop_front();
+            heap_release_due = true;
+            try {
+                notify_shell_listener(std::move(next));
+            } catch (const std::exception& error) {
+                log_event(LogLevel::error, "shell_dispatch_failed", {{"error", error.what()}});
+            }
+            if (pending_abort_) {
+                abort_queued();
+            }
+            continue;
         }
+        // Closed sockets are not polled: their fds may already belong to something else.
+        std::array<pollfd, 2> fds = {
+            {{shell_open ? shell_fd : -1, POLLIN, 0}, {interpreter_wake_.get(), POLLIN, 0}}};
+        const int timeout_ms = heap_release_due ? static_cast<int>(quiet_before_heap_release.count()) : -1;
+        const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+        if (ready == 0 && heap_release_due) {
+            release_free_heap();
+            heap_release_due = false;
+        } else if (ready < 0 && errno != EINTR) {
+            log_event(LogLevel::error, "kernel_server_poll_failed", {{"error", std::strerror(errno)}});
+        }
+        if (fds[1].revents & POLLIN) {
+            drain_eventfd(interpreter_wake_.get());
+        }
+    }
+}
+
+void KernelServer::abort_queued() {
+    const listener abort = std::exchange(pending_abort_, nullptr);
+    const auto count = static_cast<std::ptrdiff_t>(std::min(abort_queued_, shell_queue_.size()));
+    std::deque<xeus::xmessage> queued;
+    std::move(shell_queue_.begin(), shell_queue_.begin() + count, std::back_inserter(queued));
+    shell_queue_.erase(shell_queue_.begin(), shell_queue_.begin() + count);
+    abort_queued_ = 0;
+    for (auto& message : queued) {
         try {
-            notify_shell_listener(std::move(*next));
+            abort(std::move(message));
         } catch (const std::exception& error) {
-            log_event(LogLevel::error, "shell_dispatch_failed", {{"error", error.what()}});
-        }
-        if (pending_abort_) {
-            const listener abort = std::exchange(pending_abort_, nullptr);
-            std::deque<xeus::xmessage> queued;
-            {
-                std::lock_guard lock(shell_mutex_);
-                const auto count = static_cast<std::ptrdiff_t>(std::min(abort_queued_, shell_queue_.size()));
-                std::move(shell_queue_.begin(), shell_queue_.begin() + count, std::back_inserter(queued));
-                shell_queue_.erase(shell_queue_.begin(), shell_queue_.begin() + count);
-                abort_queued_ = 0;
-            }
-            for (auto& message : queued) {
-                try {
-                    abort(std::move(message));
-                } catch (const std::exception& error) {
-                    log_event(LogLevel::error, "shell_abort_failed", {{"error", error.what()}});
-                }
-            }
+            log_event(LogLevel::error, "shell_abort_failed", {{"error", error.what()}});
         }
     }
 }
@@ -447,6 +482,7 @@ void KernelServer::close_sockets() {
         send_queued();
     }
     sockets_->close_all();
+    signal_eventfd(interpreter_wake_.get());  // it stops polling the shell socket's fd
 }
 
 // The loop polls the sockets' ZMQ_FDs (and the wake-up eventfd) with one poll(2) instead of zmq_poll, which
@@ -455,7 +491,7 @@ void KernelServer::close_sockets() {
 // again) and read again after the loop sent on it (a send may take in the command that announced a message).
 void KernelServer::run_io_loop() {
     auto& s = *sockets_;
-    const std::array<zmq::socket_t*, polled_sockets> sockets = {&s.routers[control], &s.routers[shell],
+    const std::array<zmq::socket_t*, polled_sockets> sockets = {&s.routers[control],
                                                                 &s.routers[stdin_channel], &s.heartbeat};
     std::array<pollfd, polled_sockets + 1> fds{};
     std::unique_lock lock(server_mutex_);
@@ -468,11 +504,8 @@ void KernelServer::run_io_loop() {
         try {
             const bool unread = std::find(unread_.begin(), unread_.end(), true) != unread_.end();
             const int timeout_ms = unread ? 0 : poll_timeout_ms();
-            // The interpreter thread sends while this thread waits.
+            // The interpreter thread reads shell and sends while this thread waits.
             lock.unlock();
-            if (std::exchange(shell_wake_due_, false)) {
-                shell_ready_.notify_one();
-            }
             const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
             const int poll_errno = errno;
             lock.lock();
@@ -486,12 +519,8 @@ void KernelServer::run_io_loop() {
             for (std::size_t i = 0; i < polled_sockets; ++i) {
                 unread_[i] = unread_[i] || (fds[i].revents & POLLIN) != 0;
             }
-            // Control first: an interrupt or shutdown must not queue behind shell traffic.
             if (unread_[polled_control]) {
                 unread_[polled_control] = !receive_all(control);
-            }
-            if (s.open && unread_[polled_shell]) {
-                unread_[polled_shell] = !receive_all(shell);
             }
             if (s.open && unread_[polled_stdin]) {
                 unread_[polled_stdin] = !receive_all(stdin_channel);
@@ -500,11 +529,7 @@ void KernelServer::run_io_loop() {
                 unread_[polled_heartbeat] = !echo_heartbeat();
             }
             if (s.open && (fds[polled_sockets].revents & POLLIN)) {
-                std::uint64_t count = 0;
-                if (::read(wake_.get(), &count, sizeof(count)) < 0 && errno != EAGAIN) {
-                    log_event(LogLevel::error, "kernel_server_wake_failed",
-                              {{"error", std::strerror(errno)}});
-                }
+                drain_eventfd(wake_.get());
                 send_queued();
             }
             if (s.open && lease_ && lease_->expired(Lease::Clock::now())) {
@@ -645,11 +670,7 @@ void KernelServer::handle_inbound(int channel_index, std::vector<zmq::message_t>
             awaited_execute_headers_.insert_or_assign(msg_id, std::string(frame_views[d + 2]));
         }
     }
-    {
-        std::lock_guard lock(shell_mutex_);
-        shell_queue_.push_back(std::move(message));
-    }
-    shell_wake_due_ = true;
+    shell_queue_.push_back(std::move(message));
 }
 
 void KernelServer::deliver_input_reply(xeus::xmessage reply) {

@@ -1,16 +1,16 @@
 // The kernel's Jupyter server: the xeus::xserver that owns the public sockets of the connection file and
-// hands verified messages to xeus with one thread hop at most.
+// hands verified messages to xeus without a thread hop.
 //
-// Threads. One I/O thread (the one that calls start(), i.e. xeus::xkernel::start) polls every public socket
-// it reads (shell, control, stdin, heartbeat) and a wake-up eventfd. The interpreter runs on its own
-// thread, fed by a queue of verified shell messages. Control messages are dispatched to xeus on the I/O
-// thread itself, so control is served while a cell runs. The sockets and the server's bookkeeping belong to
-// whichever thread holds the server lock: the I/O thread holds it except while it waits in poll(2), and the
-// interpreter thread takes it to send what xeus sends from there (replies, IOPub, input_request) itself, in
-// program order, so clients get, for every shell request, busy, outputs, reply, idle, as xeus produced
-// them, without a wake-up of the I/O thread per message (which cost more CPU than the sends themselves).
-// Messages of other threads (publish_kernel_message) are queued for the I/O thread and go out before the
-// interpreter's next message.
+// Threads. The interpreter thread reads the shell socket itself and runs each request on the spot, so a
+// request costs no hand-over between threads (kernel/README.md has the figures). The I/O thread (the one that calls start(), i.e. xeus::xkernel::start)
+// polls control, stdin, heartbeat and a wake-up eventfd; it sleeps through ordinary executes. Control
+// messages are dispatched to xeus on the I/O thread itself, so control is served while a cell runs. The
+// sockets and the server's bookkeeping belong to whichever thread holds the server lock: the I/O thread holds
+// it except while it waits in poll(2), and the interpreter thread takes it to read the shell socket and to
+// send what xeus sends from there (replies, IOPub, input_request), in program order, so clients get, for
+// every shell request, busy, outputs, reply, idle, as xeus produced them. Only the interpreter thread ever
+// touches the shell socket. Messages of other threads (publish_kernel_message) are queued for the I/O
+// thread and go out before the interpreter's next message.
 //
 // Inbound, every message is verified strictly (inbound_verifier.hpp); refused messages get no reply and are
 // logged, and the server keeps serving. Outbound, the xeus 2.4.1 fixups (protocol_fixups.hpp) are applied
@@ -143,7 +143,10 @@ class KernelServer final : public xeus::xserver {
     // I/O thread.
     struct Sockets;
     void run_io_loop();
+    // Interpreter thread: reads shell, runs requests, until the server is destroyed.
     void run_interpreter();
+    // stop_on_error: aborts the requests that were queued when xeus asked (abort_queue_impl).
+    void abort_queued();
     // False if it stopped before the socket had nothing left.
     bool receive_all(int channel_index);
     void handle_inbound(int channel_index, std::vector<zmq::message_t>& frames);
@@ -173,10 +176,7 @@ class KernelServer final : public xeus::xserver {
     int poll_timeout_ms() const;
 
     // The sockets the I/O loop polls, and which of them may have messages its poll(2) will not announce.
-    enum PolledSocket { polled_control, polled_shell, polled_stdin, polled_heartbeat, polled_sockets };
-    static constexpr std::size_t polled_index(int channel_index) noexcept {
-        return channel_index == 0 ? polled_shell : channel_index == 1 ? polled_control : polled_stdin;
-    }
+    enum PolledSocket { polled_control, polled_stdin, polled_heartbeat, polled_sockets };
     std::array<bool, polled_sockets> unread_{};
 
     MessageSigner signer_;
@@ -188,20 +188,21 @@ class KernelServer final : public xeus::xserver {
     ControlMessenger messenger_{*this};
     std::vector<unsigned long> refusals_;  // per InboundVerdict::Kind, for log-once
     OutboundRecord record_;
-    std::string last_published_id_;  // msg_id of the last IOPub message sent (I/O thread); see send_xmessage
+    std::string last_published_id_;  // msg_id of the last IOPub message sent (server lock); see send_xmessage
     std::optional<std::chrono::milliseconds> lease_duration_;
-    std::optional<Lease> lease_;  // from start(); I/O thread only
+    std::optional<Lease> lease_;  // from start(); server lock
     std::atomic<std::thread::id> io_thread_;
     std::atomic<bool> stopping_{false};
 
     // Shell requests handed to the interpreter whose reply has not gone out, oldest first (capped), and the
-    // headers of the execute_requests among them (the parent of the kernel's own messages). I/O thread.
+    // headers of the execute_requests among them (the parent of the kernel's own messages). Server lock.
     std::deque<std::string> awaiting_reply_;
     std::map<std::string, std::string, std::less<>> awaited_execute_headers_;
 
-    // The server lock: the sockets and everything the I/O loop owns (unread_, the record, the awaited
-    // replies, the refusal counts). Held by the I/O thread except while it polls; never taken while
-    // outbound_mutex_, shell_mutex_ or input_mutex_ is held (input_mutex_ may be taken under it).
+    // The server lock: the sockets and the bookkeeping both threads use (unread_, the record, the awaited
+    // replies, the refusal counts, the verifier's replay memory, the lease). Held by the I/O thread except
+    // while it polls; never taken while outbound_mutex_ or input_mutex_ is held (input_mutex_ may be taken
+    // under it).
     std::mutex server_mutex_;
 
     // Other threads -> I/O thread. The eventfd is written only when the queue becomes non-empty.
@@ -209,15 +210,13 @@ class KernelServer final : public xeus::xserver {
     std::vector<Outbound> outbound_;
     UniqueFd wake_;
 
-    // I/O thread -> interpreter thread.
-    std::mutex shell_mutex_;
-    std::condition_variable shell_ready_;
+    // Verified shell requests read and not run yet (more than one only when a read found several, or when
+    // stop_on_error drained the socket to abort what was queued). Interpreter thread.
     std::deque<xeus::xmessage> shell_queue_;
-    bool shell_closed_ = false;
-    // A request was queued since the I/O loop last woke the interpreter thread. The loop wakes it only after
-    // it has let go of the server lock: woken earlier, the interpreter thread would at once block on that
-    // lock to publish `busy` (a futex wait and wake, and a second wake-up, per request). I/O thread.
-    bool shell_wake_due_ = false;
+    // Set (and interpreter_wake_ written) when the server is destroyed; the wake-up also tells the
+    // interpreter thread that the sockets were closed.
+    std::atomic<bool> shell_closed_{false};
+    UniqueFd interpreter_wake_;
     std::thread interpreter_;
     // stop_on_error: xeus asked (after the failing execute's reply, before its idle) to abort what is queued.
     // Only the requests queued by then are aborted: a client that saw the idle may already have sent the next
