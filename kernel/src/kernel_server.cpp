@@ -462,7 +462,6 @@ void KernelServer::start_impl(xeus::xpub_message message) {
         lease_.emplace(*lease_duration_, Lease::Clock::now());
         log_event(LogLevel::info, "lease_started", {{"lease_s", lease_seconds(*lease_duration_)}});
     }
-    interpreter_ = std::thread([this] { run_interpreter(); });
     {
         std::lock_guard lock(server_mutex_);
         Outbound starting;
@@ -470,6 +469,8 @@ void KernelServer::start_impl(xeus::xpub_message message) {
         starting.publish = std::move(message);
         send_outbound(starting);
     }
+    // Only now: `starting` is the first IOPub message, before anything a request makes.
+    interpreter_ = std::thread([this] { run_interpreter(); });
     run_io_loop();
     std::lock_guard lock(server_mutex_);
     close_sockets();
