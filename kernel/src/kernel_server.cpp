@@ -794,7 +794,7 @@ void KernelServer::send_xmessage(int channel_index, const xeus::xmessage_base& m
     if (aborted) {
         publish_status(parent_text, "busy");
     }
-    send_frames(channel_index, frames, dump_json(header), parent_text,
+    send_frames(channel_index, frames, msg_id_of(header), dump_json(header), parent_text,
                 dump_json(metadata ? *metadata : message.metadata()),
                 dump_json(content ? *content : message.content()), message.buffers());
     if (aborted) {
@@ -802,9 +802,9 @@ void KernelServer::send_xmessage(int channel_index, const xeus::xmessage_base& m
     }
 }
 
-void KernelServer::send_frames(int channel_index, std::vector<zmq::message_t>& frames, std::string header,
-                               std::string parent_header, std::string metadata, std::string content,
-                               const xeus::buffer_sequence& buffers) {
+void KernelServer::send_frames(int channel_index, std::vector<zmq::message_t>& frames, std::string msg_id,
+                               std::string header, std::string parent_header, std::string metadata,
+                               std::string content, const xeus::buffer_sequence& buffers) {
     const std::string signature = signer_.sign({header, parent_header, metadata, content});
     frames.emplace_back(delimiter_frame.data(), delimiter_frame.size());
     frames.emplace_back(signature.data(), signature.size());
@@ -828,7 +828,8 @@ void KernelServer::send_frames(int channel_index, std::vector<zmq::message_t>& f
         for (const auto& buffer : buffers) {
             recorded_buffers.emplace_back(buffer.data(), buffer.size());
         }
-        record_.add({channel_names[channel_index], std::move(header), std::move(parent_header),
+        record_.add(std::move(msg_id),
+                    {channel_names[channel_index], std::move(header), std::move(parent_header),
                      std::move(metadata), std::move(content), std::move(recorded_buffers)});
     }
 }
@@ -874,7 +875,8 @@ void KernelServer::send_own(int channel_index, const std::vector<std::string>& i
     const std::string header_text = dump_json(header);
     const std::string content_text = dump_json(content);
     if (record) {
-        send_frames(channel_index, frames, header_text, parent_header, "{}", content_text, {});
+        send_frames(channel_index, frames, header["msg_id"].get<std::string>(), header_text, parent_header,
+                    "{}", content_text, {});
         return;
     }
     // Replies to the kernel's own control requests: never recorded, so a replay is never itself replayed.

@@ -154,9 +154,10 @@ class KernelServer final : public xeus::xserver {
     void send_outbound(Outbound& outbound);
     void send_xmessage(int channel_index, const xeus::xmessage_base& message,
                        const std::vector<std::string>* identities, const std::string& topic);
-    // Signs, sends and (except on control) records; the texts move into the record.
-    void send_frames(int channel_index, std::vector<zmq::message_t>& frames, std::string header,
-                     std::string parent_header, std::string metadata, std::string content,
+    // Signs, sends and (except on control) records; the texts move into the record. `msg_id` is the one in
+    // `header`.
+    void send_frames(int channel_index, std::vector<zmq::message_t>& frames, std::string msg_id,
+                     std::string header, std::string parent_header, std::string metadata, std::string content,
                      const xeus::buffer_sequence& buffers);
     bool echo_heartbeat();
     void publish_status(const std::string& parent_header, const char* state);

@@ -43,14 +43,6 @@ nlohmann::json to_json(const RecordedMessage& message) {
             {"buffers", std::move(buffers)}};
 }
 
-std::string msg_id_of(const std::string& header) {
-    const auto parsed = nlohmann::json::parse(header, nullptr, false);
-    if (!parsed.is_object() || !parsed.contains("msg_id") || !parsed["msg_id"].is_string()) {
-        return {};
-    }
-    return parsed["msg_id"].get<std::string>();
-}
-
 }  // namespace
 
 RecordLimits RecordLimits::from_environment(const char* bytes, const char* messages) {
@@ -68,12 +60,11 @@ std::size_t RecordedMessage::bytes() const noexcept {
     return total;
 }
 
-void OutboundRecord::add(RecordedMessage message) {
+void OutboundRecord::add(std::string msg_id, RecordedMessage message) {
     if (!limits_.enabled()) {
         return;
     }
     bytes_ += message.bytes();
-    std::string msg_id = msg_id_of(message.header);
     entries_.push_back({std::move(msg_id), std::move(message)});
     while (!entries_.empty() && (bytes_ > limits_.max_bytes || entries_.size() > limits_.max_messages)) {
         bytes_ -= entries_.front().message.bytes();

@@ -44,9 +44,10 @@ class OutboundRecord {
   public:
     explicit OutboundRecord(RecordLimits limits) : limits_(limits) {}
 
-    // Records `message` (its msg_id is read from the header), then drops the oldest messages until both
-    // bounds hold again; a single message larger than the byte bound is therefore dropped at once.
-    void add(RecordedMessage message);
+    // Records `message`, whose header has `msg_id` (the sender knows it: reading it back from the header
+    // text cost a JSON parse per message), then drops the oldest messages until both bounds hold again; a
+    // single message larger than the byte bound is therefore dropped at once.
+    void add(std::string msg_id, RecordedMessage message);
 
     // The content of a cellblock_replay_reply: every recorded message after the one whose msg_id is
     // `after` (found: true), or every recorded message when `after` is empty (found: true) or not in the

@@ -32,7 +32,7 @@ std::string texts(const json& reply) {
 TEST(OutboundRecord, ReplaysEverythingInOrderWithPartsAsJson) {
     OutboundRecord record(RecordLimits{});
     for (int i = 0; i < 5; ++i) {
-        record.add(stream("m" + std::to_string(i), std::to_string(i)));
+        record.add("m" + std::to_string(i), stream("m" + std::to_string(i), std::to_string(i)));
     }
     const json reply = record.replay(std::nullopt);
     EXPECT_EQ(reply["status"], "ok");
@@ -50,7 +50,8 @@ TEST(OutboundRecord, ReplaysEverythingInOrderWithPartsAsJson) {
 TEST(OutboundRecord, AfterAKnownMessageReturnsOnlyWhatFollowsIt) {
     OutboundRecord record(RecordLimits{});
     for (int i = 0; i < 5; ++i) {
-        record.add(stream("m" + std::to_string(i), std::to_string(i), i == 3 ? "shell" : "iopub"));
+        record.add("m" + std::to_string(i),
+                   stream("m" + std::to_string(i), std::to_string(i), i == 3 ? "shell" : "iopub"));
     }
     json reply = record.replay("m1");
     EXPECT_EQ(reply["found"], true);
@@ -63,8 +64,8 @@ TEST(OutboundRecord, AfterAKnownMessageReturnsOnlyWhatFollowsIt) {
 
 TEST(OutboundRecord, UnknownAfterReturnsEverythingAndSaysSo) {
     OutboundRecord record(RecordLimits{});
-    record.add(stream("m0", "a"));
-    record.add(stream("m1", "b"));
+    record.add("m0", stream("m0", "a"));
+    record.add("m1", stream("m1", "b"));
     for (const std::string unknown : {"never-sent", ""}) {
         const json reply = record.replay(unknown);
         EXPECT_EQ(reply["found"], false) << unknown;
@@ -75,7 +76,7 @@ TEST(OutboundRecord, UnknownAfterReturnsEverythingAndSaysSo) {
 TEST(OutboundRecord, CountBoundDropsOldestFirstAndCountsDrops) {
     OutboundRecord record(RecordLimits{1 << 20, 3});
     for (int i = 0; i < 7; ++i) {
-        record.add(stream("m" + std::to_string(i), std::to_string(i)));
+        record.add("m" + std::to_string(i), stream("m" + std::to_string(i), std::to_string(i)));
     }
     EXPECT_EQ(record.size(), 3U);
     EXPECT_EQ(record.dropped(), 4U);
@@ -93,24 +94,24 @@ TEST(OutboundRecord, ByteBoundDropsOldestAndAnOversizedMessageAtOnce) {
     const std::size_t one = stream("m0", std::string(100, 'x')).bytes();
     OutboundRecord record(RecordLimits{3 * one, 1000});
     for (int i = 0; i < 5; ++i) {
-        record.add(stream("m" + std::to_string(i), std::string(100, 'x')));
+        record.add("m" + std::to_string(i), stream("m" + std::to_string(i), std::string(100, 'x')));
     }
     EXPECT_EQ(record.size(), 3U);
     EXPECT_LE(record.bytes(), 3 * one);
     EXPECT_EQ(record.dropped(), 2U);
-    record.add(stream("huge", std::string(4 * one, 'y')));
+    record.add("huge", stream("huge", std::string(4 * one, 'y')));
     EXPECT_EQ(record.size(), 0U)
         << "a message over the whole bound cannot be kept, nor can what it displaced";
     EXPECT_EQ(record.dropped(), 6U);
     EXPECT_EQ(record.bytes(), 0U);
-    record.add(stream("m9", "after"));
+    record.add("m9", stream("m9", "after"));
     EXPECT_EQ(texts(record.replay(std::nullopt)), "after");
 }
 
 TEST(OutboundRecord, ZeroDisablesRecording) {
     for (const RecordLimits limits : {RecordLimits{0, 10}, RecordLimits{1 << 20, 0}}) {
         OutboundRecord record(limits);
-        record.add(stream("m0", "a"));
+        record.add("m0", stream("m0", "a"));
         EXPECT_EQ(record.size(), 0U);
         EXPECT_TRUE(record.replay(std::nullopt)["messages"].empty());
     }
@@ -120,7 +121,7 @@ TEST(OutboundRecord, BuffersAreBase64) {
     OutboundRecord record(RecordLimits{});
     RecordedMessage message = stream("b0", "");
     message.buffers = {std::string("\x00\xff\x10", 3), "hello", ""};
-    record.add(std::move(message));
+    record.add("b0", std::move(message));
     const json reply = record.replay(std::nullopt);
     EXPECT_EQ(reply["messages"][0]["buffers"], (json{"AP8Q", "aGVsbG8=", ""}));
 }
