@@ -96,9 +96,9 @@ class InterruptGate:
         _set_handler(_SIGINT, self._handler)
 
     def stream_frame_io(self):
-        """frame_io for stream frames, which are many and small: always the deferral alone, even under a SIGINT
-        handler the user installed (which then may run between two partial writes of a stream frame, as it may
-        when another thread receives the signal; stream text is the only thing it could cut short)."""
+        """frame_io for stream frames, which are many and small: always the deferral alone, without the two
+        sigprocmask calls even under a SIGINT handler the user installed, which is then not held back (as with
+        frame_io when another thread receives the signal)."""
         return self._deferred_interrupts
 
     def frame_io(self):
