@@ -2,15 +2,15 @@
 // hands verified messages to xeus without a thread hop.
 //
 // Threads. The interpreter thread reads the shell socket itself and runs each request on the spot, so a
-// request costs no hand-over between threads (kernel/README.md has the figures). The I/O thread (the one that calls start(), i.e. xeus::xkernel::start)
-// polls control, stdin, heartbeat and a wake-up eventfd; it sleeps through ordinary executes. Control
-// messages are dispatched to xeus on the I/O thread itself, so control is served while a cell runs. The
-// sockets and the server's bookkeeping belong to whichever thread holds the server lock: the I/O thread holds
-// it except while it waits in poll(2), and the interpreter thread takes it to read the shell socket and to
-// send what xeus sends from there (replies, IOPub, input_request), in program order, so clients get, for
-// every shell request, busy, outputs, reply, idle, as xeus produced them. Only the interpreter thread ever
-// touches the shell socket. Messages of other threads (publish_kernel_message) are queued for the I/O
-// thread and go out before the interpreter's next message.
+// request costs no hand-over between threads (kernel/README.md has the figures). The I/O thread (the one that
+// calls start(), i.e. xeus::xkernel::start) polls control, stdin, heartbeat and a wake-up eventfd; it sleeps
+// through ordinary executes. Control messages are dispatched to xeus on the I/O thread itself, so control is
+// served while a cell runs. The sockets and the server's bookkeeping belong to whichever thread holds the
+// server lock: the I/O thread holds it except while it waits in poll(2), and the interpreter thread takes it
+// to read the shell socket and to send what xeus sends from there (replies, IOPub, input_request), in program
+// order, so clients get, for every shell request, busy, outputs, reply, idle, as xeus produced them. Only the
+// interpreter thread ever touches the shell socket. Messages of other threads (publish_kernel_message) are
+// queued for the I/O thread and go out before the interpreter's next message.
 //
 // Inbound, every message is verified strictly (inbound_verifier.hpp); refused messages get no reply and are
 // logged, and the server keeps serving. Outbound, the xeus 2.4.1 fixups (protocol_fixups.hpp) are applied
