@@ -24,6 +24,13 @@ SCRIPT = textwrap.dedent(r"""
     def blocked():
         return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
+    def run_request_code(label):  # the next request's code: it runs, or a kept interrupt stops it at once
+        try:
+            with gate.interruptible():
+                return [label]
+        except KeyboardInterrupt:
+            return ["KeyboardInterrupt"]
+
     gate = InterruptGate()
     gate.ignore_interrupts()
     result = {}
@@ -44,25 +51,13 @@ SCRIPT = textwrap.dedent(r"""
     gate.frame_taken()
     with gate.frame_io():
         sigint_now()
-    steps = []
-    try:
-        with gate.interruptible():
-            steps.append("request's code ran")
-    except KeyboardInterrupt:
-        steps.append("KeyboardInterrupt")
-    result["request_in_hand"] = steps
+    result["request_in_hand"] = run_request_code("request's code ran")
     gate.request_finished()
 
     # Outside user code with nothing in hand or waiting: a late interrupt, dropped.
     with gate.frame_io():
         sigint_now()
-    steps = []
-    try:
-        with gate.interruptible():
-            steps.append("next request's code ran")
-    except KeyboardInterrupt:
-        steps.append("KeyboardInterrupt")
-    result["late"] = steps
+    result["late"] = run_request_code("next request's code ran")
 
     # Under a handler the user installed: it does not run mid-frame; it runs once the frame is complete.
     calls = []
