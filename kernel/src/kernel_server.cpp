@@ -554,7 +554,10 @@ int KernelServer::poll_timeout_ms() const {
         return -1;
     }
     const auto wait = lease_->remaining(Lease::Clock::now());
-    return static_cast<int>(std::clamp<std::chrono::milliseconds::rep>(wait.count(), 0, 60 * 60 * 1000));
+    constexpr auto longest_wait =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::hours(1));
+    return static_cast<int>(
+        std::clamp<std::chrono::milliseconds::rep>(wait.count(), 0, longest_wait.count()));
 }
 
 bool KernelServer::receive_all(int channel_index) {

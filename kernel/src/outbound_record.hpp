@@ -18,7 +18,7 @@
 namespace cellblock::kernel {
 
 struct RecordLimits {
-    std::size_t max_bytes = 8 * 1024 * 1024;
+    std::size_t max_bytes = std::size_t{8} << 20;
     std::size_t max_messages = 10000;
 
     bool enabled() const noexcept { return max_bytes > 0 && max_messages > 0; }
