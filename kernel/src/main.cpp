@@ -44,6 +44,7 @@
 #include "outbound_record.hpp"
 #include "python_interpreter.hpp"
 #include "runtime_dir.hpp"
+#include "scheduling.hpp"
 #include "signal_router.hpp"
 #include "worker_supervisor.hpp"
 
@@ -347,6 +348,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
 }  // namespace cellblock::kernel
 
 int main(int argc, char** argv) {
+    cellblock::kernel::schedule_as_batch_work();
     cellblock::kernel::block_kernel_signals();
     cellblock::kernel::keep_large_blocks_on_the_heap();
     // OpenSSL's atexit cleanup would race with the server's I/O thread still signing (xpython crashes in

@@ -266,3 +266,37 @@ def test_kernel_info_names_the_workers_python_version_before_the_worker_is_ready
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+def _scheduling_policies(pids) -> dict:
+    """{(pid, tid): policy} of every thread of `pids` that still exists."""
+    policies = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                policies[(pid, int(tid))] = os.sched_getscheduler(int(tid))
+            except OSError:
+                pass
+    return policies
+
+
+def test_kernel_and_worker_run_as_batch_work(kernel):
+    """kernel/README.md, "Scheduling": the kernel's threads and everything below it (sandbox, worker, by exec
+    or forked) run SCHED_BATCH, so that many busy sessions do not preempt each other on every wake-up; user
+    code sees that policy and may change its own."""
+    assert kernel.execute("1+1").outcome["outcome"] == "ok"  # the worker is up
+    policies = _scheduling_policies([kernel.pid])
+    assert len(policies) >= 3, policies  # the I/O thread, the interpreter thread, libzmq's
+    assert set(policies.values()) == {os.SCHED_BATCH}, policies
+    below = _scheduling_policies(_descendants(kernel.pid))
+    assert below, "the kernel's worker was not found"
+    assert set(below.values()) == {os.SCHED_BATCH}, below
+    run = kernel.execute("import os\nprint(os.sched_getscheduler(0) == os.SCHED_BATCH)\n"
+                         "os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))\n"
+                         "print(os.sched_getscheduler(0) == os.SCHED_OTHER)")
+    assert run.outcome["outcome"] == "ok", run.content
+    assert run.stream_text().split() == ["True", "True"]
