@@ -1,4 +1,5 @@
 """Kernel and worker lifecycle: crashes, limits, shutdown, restart, kill."""
+import contextlib
 import json
 import os
 import queue
@@ -272,15 +273,9 @@ def _scheduling_policies(pids) -> dict:
     """{(pid, tid): policy} of every thread of `pids` that still exists."""
     policies = {}
     for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                policies[(pid, int(tid))] = os.sched_getscheduler(int(tid))
-            except OSError:
-                pass
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                policies[(pid, int(task.name))] = os.sched_getscheduler(int(task.name))
     return policies
 
 
