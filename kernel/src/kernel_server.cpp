@@ -772,13 +772,14 @@ void KernelServer::send_xmessage(int channel_index, const xeus::xmessage_base& m
             move_outcome_to_metadata(*content, *metadata);
         }
     }
+    std::string msg_id = msg_id_of(header);
     if (channel == WireChannel::shell && !last_published_id_.empty()) {
         if (!metadata) {
             metadata = message.metadata();
         }
         name_last_iopub_message(*metadata, last_published_id_);
     } else if (channel == WireChannel::iopub) {
-        last_published_id_ = msg_id_of(header);
+        last_published_id_ = msg_id;
     }
     const std::string parent_text = dump_json(message.parent_header());
     std::vector<zmq::message_t> frames;
@@ -797,7 +798,7 @@ void KernelServer::send_xmessage(int channel_index, const xeus::xmessage_base& m
     if (aborted) {
         publish_status(parent_text, "busy");
     }
-    send_frames(channel_index, frames, msg_id_of(header), dump_json(header), parent_text,
+    send_frames(channel_index, frames, std::move(msg_id), dump_json(header), parent_text,
                 dump_json(metadata ? *metadata : message.metadata()),
                 dump_json(content ? *content : message.content()), message.buffers());
     if (aborted) {
@@ -860,15 +861,13 @@ bool KernelServer::echo_heartbeat() {
 void KernelServer::send_own(int channel_index, const std::vector<std::string>& identities,
                             const std::string& parent_header, std::string_view msg_type,
                             const nlohmann::json& content, bool record) {
-    const nlohmann::json header = {{"msg_id", std::string(xeus::new_xguid().c_str())},
-                                   {"username", "cellblock"},
-                                   {"session", session_id_},
-                                   {"date", utc_now_iso8601()},
-                                   {"msg_type", std::string(msg_type)},
-                                   {"version", "5.3"}};
+    std::string msg_id = xeus::new_xguid().c_str();
+    const nlohmann::json header = {
+        {"msg_id", msg_id},          {"username", "cellblock"},           {"session", session_id_},
+        {"date", utc_now_iso8601()}, {"msg_type", std::string(msg_type)}, {"version", "5.3"}};
     std::vector<zmq::message_t> frames;
     if (channel_index == iopub) {
-        last_published_id_ = header["msg_id"].get<std::string>();
+        last_published_id_ = msg_id;
         frames.emplace_back(msg_type.data(), msg_type.size());  // IOPub topic
     } else {
         for (const auto& identity : identities) {
@@ -878,8 +877,8 @@ void KernelServer::send_own(int channel_index, const std::vector<std::string>& i
     const std::string header_text = dump_json(header);
     const std::string content_text = dump_json(content);
     if (record) {
-        send_frames(channel_index, frames, header["msg_id"].get<std::string>(), header_text, parent_header,
-                    "{}", content_text, {});
+        send_frames(channel_index, frames, std::move(msg_id), header_text, parent_header, "{}", content_text,
+                    {});
         return;
     }
     // Replies to the kernel's own control requests: never recorded, so a replay is never itself replayed.

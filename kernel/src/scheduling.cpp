@@ -10,9 +10,9 @@
 namespace cellblock::kernel {
 
 // A session is a chain of wake-ups (client -> libzmq -> kernel -> worker and back). Under the default policy
-// each woken task preempts whatever runs on its core, so with many busy sessions on few cores the kernel's
-// interpreter thread was preempted 3.3 times per `1+1` (16 sessions on 2 cores), each a context switch and a
-// cold cache. SCHED_BATCH tasks do not preempt on wake-up: they run when the current task blocks or its slice
+// each woken task preempts whatever runs on its core, so the kernel's interpreter thread was preempted
+// several times per `1+1`, each a context switch and a cold cache (kernel/README.md, "Scheduling", has the
+// figures). SCHED_BATCH tasks do not preempt on wake-up: they run when the current task blocks or its slice
 // ends. On an idle core nothing changes (a woken task runs at once), and the gateway and other interactive
 // processes, under the default policy, still preempt kernels. Unprivileged; a worker may change its own.
 void schedule_as_batch_work() {
