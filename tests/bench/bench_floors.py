@@ -478,33 +478,30 @@ def main() -> int:
           "worker) and os.times (client), one figure per round.\n")
     print(markdown_table("`1+1`: cellblock, the floor kernel and ipykernel", rows))
 
-    floor_at_level = throughput[FLOOR[0]].get(sessions)
-    shared_floor_at_level = throughput[FLOOR_SHARED[0]].get(sessions)
     cell_ms = cell_cpu.median
     floors = []
     floors.append(("kernel CPU per `1+1`", "≤ 0.25 ms", f"{floor['kernel'].median:.3f} ms",
                    f"{ours['kernel'].median:.3f} ms", "the floor kernel's CPU per execute"))
     floors.append(("`1+1` over ZMQ", "≤ 0.4 ms", f"{floor['rt'].median:.3f} ms", f"{ours['rt'].median:.3f} ms",
                    f"the floor kernel's round trip, its worker busy for run_cell's {cell_ms:.3f} ms"))
-    if floor_at_level and "error" not in throughput[FLOOR[0]]:
-        rate, _, _, client_cpu, kernel_cpu = floor_at_level
-        bound = cores * 1000.0 / (kernel_cpu + cell_ms + client_cpu)
-        ours_16 = throughput["cellblock"].get(sessions)
-        floors.append((f"exec/s, {sessions} sessions", "≥ 2,000", f"{rate:.0f} exec/s",
-                       f"{ours_16[0]:.0f} exec/s" if ours_16 else "–",
-                       f"{sessions} floor kernels, their workers busy for run_cell's time (CPU bound: {cores} cores "
-                       f"× 1000 / (floor kernel {kernel_cpu:.3f} + run_cell {cell_ms:.3f} + client {client_cpu:.3f} "
-                       f"ms per execute) = {bound:.0f})"))
-    if shared_floor_at_level and "error" not in throughput[FLOOR_SHARED[0]]:
-        rate, _, _, client_cpu, kernel_cpu = shared_floor_at_level
-        shared_ms = shared_cell_cpu.median
-        bound = cores * 1000.0 / (kernel_cpu + shared_ms + client_cpu)
-        ours_16 = throughput["cellblock"].get(sessions)
-        floors.append((f"exec/s, {sessions} sessions (workers sharing the cores)", "≥ 2,000", f"{rate:.0f} exec/s",
-                       f"{ours_16[0]:.0f} exec/s" if ours_16 else "–",
-                       f"{sessions} floor kernels, their workers busy for run_cell's time when {sessions} shells take "
-                       f"turns ({shared_ms:.3f} ms, {shared_ms / cell_ms:.1f}× alone; CPU bound: {cores} × 1000 / "
-                       f"({kernel_cpu:.3f} + {shared_ms:.3f} + {client_cpu:.3f}) = {bound:.0f})"))
+    def add_rate_floor(title: str, kind: str, worker_ms: float, workers_busy_for: str) -> None:
+        result = throughput[kind]
+        at_level = result.get(sessions)
+        if not at_level or "error" in result:
+            return
+        rate, _, _, client_cpu, kernel_cpu = at_level
+        bound = cores * 1000.0 / (kernel_cpu + worker_ms + client_cpu)
+        ours_at_level = throughput["cellblock"].get(sessions)
+        floors.append((title, "≥ 2,000", f"{rate:.0f} exec/s",
+                       f"{ours_at_level[0]:.0f} exec/s" if ours_at_level else "–",
+                       f"{sessions} floor kernels, their workers busy for {workers_busy_for} (CPU bound: {cores} "
+                       f"cores × 1000 / (floor kernel {kernel_cpu:.3f} + worker {worker_ms:.3f} + client "
+                       f"{client_cpu:.3f} ms per execute) = {bound:.0f})"))
+
+    shared_ms = shared_cell_cpu.median
+    add_rate_floor(f"exec/s, {sessions} sessions", FLOOR[0], cell_ms, "run_cell's time")
+    add_rate_floor(f"exec/s, {sessions} sessions (workers sharing the cores)", FLOOR_SHARED[0], shared_ms,
+                   f"run_cell's time when {sessions} shells take turns ({shared_ms / cell_ms:.1f}× alone)")
     sequential = starts_ms["floor_info"].median + starts_ms["fork"].median
     overlapped = max(starts_ms["floor_info"].median, starts_ms["fork"].median)
     floors.append(("cold start → first `1+1`", "≤ 50 ms",
