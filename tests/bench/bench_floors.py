@@ -30,9 +30,8 @@ The floors: kernel CPU = the floor kernel's CPU per execute (every thread, libzm
 the floor kernel's round trip, its worker busy for `run_cell`'s time; exec/s at 16 sessions = 16 floor kernels
 driven by bench_throughput.py's driver, their workers busy as before (and, as a check, cores × 1000 / the CPU per
 execute of kernel, `run_cell` and client), and again with their workers busy for the shells-taking-turns time;
-cold start = the floor kernel's start to kernel_info_reply + the fork
-to its first `1+1` (in sequence; run side by side on two cores they would overlap, so the larger of the two is
-also given). Round trips are driven by bench_kernel.py's lean client, one execute in flight, every kernel in
+cold start = the floor kernel's start to kernel_info_reply + the fork to its first `1+1` (in sequence; run side by
+side on two cores they would overlap, so the larger of the two is also given). Round trips are driven by bench_kernel.py's lean client, one execute in flight, every kernel in
 interleaved rounds.
 """
 from __future__ import annotations
@@ -62,20 +61,23 @@ FLOOR = ("floor kernel", "cellblock-floor")
 FLOOR_SHARED = ("floor kernel, workers sharing the cores", "cellblock-floor-shared")
 KINDS = [("cellblock", "cellblock-python"), FLOOR, ("ipykernel", "python3")]
 
-# A warmed IPython shell as a worker holds one: prints the wall and CPU ms of each timed run_cell("1+1") as JSON.
-RUN_CELL = r"""
+# A warmed IPython shell as a worker holds one (history in memory, output to /dev/null); both scripts below start so.
+WARMED_SHELL = r"""
 import json, os, sys, time
 from traitlets.config import Config
 from IPython.core.interactiveshell import InteractiveShell
-count = int(sys.argv[1])
 config = Config()
 config.HistoryManager.hist_file = ":memory:"
 shell = InteractiveShell.instance(config=config)
 sys.stdout = open(os.devnull, "w")
 for _ in range(200):
     shell.run_cell("1+1", store_history=True)
+"""
+
+# Prints the wall and CPU ms of each timed run_cell("1+1") as JSON.
+RUN_CELL = WARMED_SHELL + r"""
 wall, cpu = [], []
-for _ in range(count):
+for _ in range(int(sys.argv[1])):
     started, started_cpu = time.perf_counter(), time.thread_time()
     result = shell.run_cell("1+1", store_history=True)
     cpu.append((time.thread_time() - started_cpu) * 1000.0)
@@ -84,28 +86,18 @@ for _ in range(count):
 sys.__stdout__.write(json.dumps({"wall": wall, "cpu": cpu}) + "\n")
 """
 
-# The same warmed shell, one of several taking turns: after "ready" it runs one timed run_cell("1+1") per byte on
-# stdin and answers each with its CPU ms as a line, until stdin closes.
-RUN_CELL_TURNS = r"""
-import os, sys, time
-from traitlets.config import Config
-from IPython.core.interactiveshell import InteractiveShell
-config = Config()
-config.HistoryManager.hist_file = ":memory:"
-shell = InteractiveShell.instance(config=config)
-answers = sys.__stdout__
-sys.stdout = open(os.devnull, "w")
-for _ in range(200):
-    shell.run_cell("1+1", store_history=True)
-answers.write("ready\n")
-answers.flush()
+# One of several shells taking turns: after "ready" it runs one timed run_cell("1+1") per byte on stdin and answers
+# each with its CPU ms as a line, until stdin closes.
+RUN_CELL_TURNS = WARMED_SHELL + r"""
+sys.__stdout__.write("ready\n")
+sys.__stdout__.flush()
 while os.read(0, 1):
     started_cpu = time.thread_time()
     result = shell.run_cell("1+1", store_history=True)
     cpu = (time.thread_time() - started_cpu) * 1000.0
     assert result.result == 2, result
-    answers.write(f"{cpu}\n")
-    answers.flush()
+    sys.__stdout__.write(f"{cpu}\n")
+    sys.__stdout__.flush()
 """
 
 # A template as cellblock's zygote keeps one: for each line on stdin it forks a child that enters new namespaces and
@@ -323,11 +315,11 @@ def shared_run_cell_cpu(shells: int, count: int) -> Stats:
     16 sessions' workers do; no kernel, no sockets. The first pass of every shell is left out."""
     processes = [subprocess.Popen([sys.executable, "-c", RUN_CELL_TURNS], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True) for _ in range(shells)]
+    selector = selectors.DefaultSelector()
     try:
         for process in processes:
             if process.stdout.readline().strip() != "ready":
                 raise RuntimeError("a run_cell shell did not start")
-        selector = selectors.DefaultSelector()
         left = {}
         for process in processes:
             selector.register(process.stdout, selectors.EVENT_READ, process)
@@ -352,6 +344,7 @@ def shared_run_cell_cpu(shells: int, count: int) -> Stats:
                     process.stdin.flush()
         return Stats(cpu)
     finally:
+        selector.close()
         for process in processes:
             process.stdin.close()
             benchlib.stop_process(process)
@@ -484,6 +477,7 @@ def main() -> int:
                    f"{ours['kernel'].median:.3f} ms", "the floor kernel's CPU per execute"))
     floors.append(("`1+1` over ZMQ", "≤ 0.4 ms", f"{floor['rt'].median:.3f} ms", f"{ours['rt'].median:.3f} ms",
                    f"the floor kernel's round trip, its worker busy for run_cell's {cell_ms:.3f} ms"))
+
     def add_rate_floor(title: str, kind: str, worker_ms: float, workers_busy_for: str) -> None:
         result = throughput[kind]
         at_level = result.get(sessions)
