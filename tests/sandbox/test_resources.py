@@ -3,12 +3,14 @@ ended the program. Where the attack's own count would be the only evidence, the 
 and the host counts it through /proc (threads, fds, limits, the /tmp file), after the same attack run
 unconfined showed that the host's count sees more than the limit."""
 import os
+import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import PRELUDE, Run, assert_no_session_process
+from conftest import PRELUDE, Run, assert_no_session_process, session_processes
 from witnesses import PYTHON, Measured, SandboxedAttack, UnconfinedAttack, cgroup_file
 
 
@@ -286,6 +288,66 @@ def test_cpu_quota_holds_two_busy_threads_to_about_one_core(sandbox):
     # The host's accounting of the whole run (start-up included, which only lowers the ratio).
     assert measured.cpu_seconds / measured.wall_seconds < 1.5, vars(measured)
     assert Run(measured.returncode, measured.stdout, measured.stderr, 0, workspace, 0).result()["ratio"] < 1.5
+
+
+SPINNER = """
+import time
+print("up", flush=True)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    pass
+"""
+
+
+def is_spinner(pid):
+    try:
+        return b"print(\"up\", flush=True)" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def host_cpu_seconds(pids):
+    """CPU time the host has charged to `pids` (every thread), from /proc/<pid>/schedstat."""
+    return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
+
+
+def test_busy_sessions_together_weigh_one_process_against_the_host(sandbox):
+    """Busy loops in any number of sessions cannot starve the processes that start, supervise and interrupt them:
+    every session's cgroup sits under one parent, which the scheduler weighs as one process. Host-side: with the
+    cores contended by as many busy host processes as busy sessions, the sessions together get about what one
+    host process gets (a third of the host processes' CPU here; as much as they, were each session weighed alone)."""
+    count = (os.cpu_count() or 1) + 1
+    sessions, workspaces, hosts = [], [], []
+    try:
+        for _ in range(count):
+            process, workspace = sandbox.spawn_python(SPINNER)
+            sessions.append(process)
+            workspaces.append(workspace)
+        for process in sessions:
+            assert process.stdout.readline().strip() == "up", process.stderr.read()
+        # Each in a session of its own, as a kernel is: with autogroup scheduling, the processes of one session
+        # are one entity too.
+        hosts = [subprocess.Popen([PYTHON, "-c", SPINNER], stdout=subprocess.PIPE, text=True, start_new_session=True)
+                 for _ in range(count)]
+        for process in hosts:
+            assert process.stdout.readline().strip() == "up"
+        session_pids = [pid for workspace in workspaces for pid, _ in session_processes(workspace.stat().st_uid)
+                        if is_spinner(pid)]
+        assert len(session_pids) == count, session_pids
+        host_pids = [process.pid for process in hosts]
+        time.sleep(0.5)
+        before = host_cpu_seconds(session_pids), host_cpu_seconds(host_pids)
+        time.sleep(3)
+        after = host_cpu_seconds(session_pids), host_cpu_seconds(host_pids)
+        in_sessions, on_host = after[0] - before[0], after[1] - before[1]
+        assert in_sessions > 0.1, (in_sessions, on_host)
+        assert in_sessions / on_host < 0.6, f"sessions {in_sessions:.2f} s of CPU, host processes {on_host:.2f} s"
+    finally:
+        for process in [*sessions, *hosts]:
+            process.kill()
+            process.wait()
+    for workspace in workspaces:
+        assert_no_session_process(workspace.stat().st_uid)
 
 
 def test_crash_leaves_no_core_dump(sandbox):
