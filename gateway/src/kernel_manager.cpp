@@ -21,6 +21,11 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
+// A kernel handed out from the pool is replaced after this pause, not at once: a kernel's start takes tens of
+// ms of CPU, which on a small machine competes with the new session's WebSocket connect and first requests
+// (tests/bench/README.md, "A warm create").
+constexpr auto pool_refill_pause = std::chrono::milliseconds(100);
+
 fs::path make_private_directory(const fs::path& path) {
     if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST)
         throw std::system_error(errno, std::generic_category(), "cannot create " + path.string());
@@ -58,6 +63,7 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       zmq_context_(1),
       cull_timer_(io),
       pool_retry_timer_(io),
+      pool_refill_timer_(io),
       housekeeping_timer_(io) {
     provisioners_["local"] = make_local_provisioner(io);
     provisioners_["slurm"] = make_slurm_provisioner(io, zmq_context_, logger, config);
@@ -551,6 +557,9 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
     }
     std::shared_ptr<Kernel> kernel;
     if (request.trusted_env.empty() && pool_can_serve(*spec, request)) {
+        if (pool_.empty() && pool_refill_pending_)
+            refill_pool();  // a create within the pause takes the refill, started now, as it would have
+                            // before
         // Prefer a ready warm kernel, else one that is still warming up (it is ahead of a cold start).
         auto ready = std::find_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); });
         auto chosen = ready != pool_.end() ? ready : pool_.begin();
@@ -586,7 +595,7 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
     if (from_pool) {
         logger_.info("kernel_from_pool", {{"kernel_id", kernel->id()}});
         kernel->when_ready(finish);
-        boost::asio::post(io_, [this] { refill_pool(); });
+        refill_pool_soon();
     } else {
         kernel->start(finish);
     }
@@ -597,7 +606,22 @@ std::size_t KernelManager::pool_ready_count() const {
         std::count_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); }));
 }
 
+void KernelManager::refill_pool_soon() {
+    if (pool_refill_pending_)
+        return;
+    pool_refill_pending_ = true;
+    pool_refill_timer_.expires_after(pool_refill_pause);
+    pool_refill_timer_.async_wait([this](const boost::system::error_code& timer_error) {
+        if (!timer_error)  // else cancelled: refilled already, or the manager is stopping (or gone)
+            refill_pool();
+    });
+}
+
 void KernelManager::refill_pool() {
+    if (pool_refill_pending_) {
+        pool_refill_pending_ = false;
+        pool_refill_timer_.cancel();
+    }
     if (stopping_ || config_.warm_pool <= 0)
         return;
     auto spec = registry_.find(registry_.default_name());
@@ -682,6 +706,7 @@ void KernelManager::detach_all() {
     stopping_ = true;
     cull_timer_.cancel();
     pool_retry_timer_.cancel();
+    pool_refill_timer_.cancel();
     housekeeping_timer_.cancel();
     // Kernels handed out or pooled are kept; ones already being shut down finish stopping.
     std::vector<std::shared_ptr<Kernel>> kept, stopping;
@@ -711,6 +736,7 @@ void KernelManager::shutdown_all() {
     stopping_ = true;
     cull_timer_.cancel();
     pool_retry_timer_.cancel();
+    pool_refill_timer_.cancel();
     housekeeping_timer_.cancel();
     // Taken before the pool lets go of its kernels: a pooled kernel is stopped and forgotten like the others
     // (dropped first, it would die in its destructor and stay recorded in the store).

@@ -199,6 +199,35 @@ def test_metrics_need_the_token_and_pass_promtool():
         gateway.stop()
 
 
+def wait_for_ready_pool(gateway, deadline_s=120):
+    deadline = time.monotonic() + deadline_s
+    while gateway.get("/api/status").json().get("warm_pool_ready", 0) < 1:
+        assert time.monotonic() < deadline, "the warm pool did not fill"
+        time.sleep(0.05)
+
+
+def test_back_to_back_creates_are_both_served_by_the_warm_pool():
+    """The pool replaces a kernel it hands out after a short pause (so that the new kernel's start does not compete
+    with the new session's first moments); a create within that pause still takes the replacement, started at once,
+    and is counted as a pool hit, as before the pause. Then the pool fills again by itself."""
+    gateway = Gateway(warm_pool=1)
+    try:
+        wait_for_ready_pool(gateway)
+        first = gateway.start_kernel()
+        second = gateway.start_kernel()
+        assert first["id"] != second["id"]
+        counted = samples(scrape(gateway).text)
+        assert counted["cellblock_warm_pool_hits_total"] == 2, counted
+        assert counted["cellblock_warm_pool_misses_total"] == 0, counted
+        wait_for_ready_pool(gateway)
+        for kernel in (first, second):
+            client = gateway.connect(kernel["id"])
+            assert outputs(client.execute("print(6 * 7)")) == "42\n"
+            client.close()
+    finally:
+        gateway.stop()
+
+
 # ------------------------------------------------------------------------------------------ through Prometheus
 
 

@@ -112,6 +112,8 @@ class KernelManager {
     std::shared_ptr<Provisioner> provisioner_for(const KernelSpec& spec) const;
     bool pool_can_serve(const KernelSpec& spec, const KernelStartRequest& request) const;
     void refill_pool();
+    // After a kernel is handed out from the pool: refill once the new session's first moments are over.
+    void refill_pool_soon();
     void schedule_cull();
     void cull();
     // Shared store: only the gateway holding the cull-leader lease culls, over every kernel in the store,
@@ -155,6 +157,8 @@ class KernelManager {
     int pool_failures_ = 0;
     boost::asio::steady_timer cull_timer_;
     boost::asio::steady_timer pool_retry_timer_;
+    boost::asio::steady_timer pool_refill_timer_;
+    bool pool_refill_pending_ = false;
     boost::asio::steady_timer housekeeping_timer_;  // progress to the store, lease renewals
     std::chrono::steady_clock::time_point next_lease_renewal_;
     std::map<std::string, std::string> lost_causes_;
