@@ -23,7 +23,7 @@ namespace fs = std::filesystem;
 namespace {
 // A kernel handed out from the pool is replaced after this pause, not at once: a kernel's start takes tens of
 // ms of CPU, which on a small machine competes with the new session's WebSocket connect and first requests
-// (tests/bench/README.md, "A warm create").
+// (tests/bench/README.md, "A warm create without the pool's refill beside it").
 constexpr auto pool_refill_pause = std::chrono::milliseconds(100);
 
 fs::path make_private_directory(const fs::path& path) {
@@ -557,9 +557,9 @@ void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler
     }
     std::shared_ptr<Kernel> kernel;
     if (request.trusted_env.empty() && pool_can_serve(*spec, request)) {
+        // A create within the pause starts the refill now and takes it, as it would have without a pause.
         if (pool_.empty() && pool_refill_pending_)
-            refill_pool();  // a create within the pause takes the refill, started now, as it would have
-                            // before
+            refill_pool();
         // Prefer a ready warm kernel, else one that is still warming up (it is ahead of a cold start).
         auto ready = std::find_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); });
         auto chosen = ready != pool_.end() ? ready : pool_.begin();

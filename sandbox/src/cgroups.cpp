@@ -80,8 +80,8 @@ std::optional<std::string> own_cgroup(const std::string& controller) {
 // "<mount point>/<our cgroup relative to the mount's root>/cellblock", created if possible. Every session's
 // cgroup sits under this one parent on purpose: the scheduler weighs the parent as one process, so that busy
 // workers in any number of sessions leave the kernels that start, supervise and interrupt them their share
-// (tests/sandbox/test_resources.py). Flat per-session cgroups made 50 concurrent creates three times slower
-// (tests/bench/README.md, "One parent for every session's cgroup").
+// (tests/sandbox/test_resources.py). Per-session cgroups without it made 50 concurrent creates three times
+// slower (tests/bench/README.md, "Tried, not kept: per-session cgroups without the common parent").
 fs::path session_base(const MountInfo& mount, const std::string& own) {
     std::string relative = own;
     if (mount.root != "/" && relative.compare(0, mount.root.size(), mount.root) == 0) {
