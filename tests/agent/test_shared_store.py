@@ -54,6 +54,11 @@ class Postgres:
         done = subprocess.run(self.as_user + argv, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{argv[0]} failed: {done.stdout}\n{done.stderr}"
 
+    def sql(self, statement):
+        done = subprocess.run([str(self.bin / "psql"), self.url, "-v", "ON_ERROR_STOP=1", "-c", statement],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"psql failed: {done.stdout}\n{done.stderr}"
+
     def stop(self):
         subprocess.run(self.as_user + [str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-m",
                                        "immediate", "-w", "stop"], capture_output=True, timeout=120)
@@ -227,6 +232,25 @@ def test_concurrent_executes_of_one_session_through_two_gateways_are_serialized(
     intervals.sort()
     for (_, first_end, first), (second_start, _, second) in zip(intervals, intervals[1:]):
         assert first_end <= second_start, f"{first} and {second} overlapped: {intervals}"
+
+
+def test_a_session_is_answered_created_once_the_other_gateway_can_find_it(postgres, pair):
+    """A create through A is answered once the store holds the session and its kernel, so that a client going to
+    B right after finds it there, also when the store commits slowly: a trigger makes every write of a session's
+    record take 1 s here (a busy database, a writer queue behind many executes' records). Answered earlier, B
+    would say 404 unknown_session for a session A had just created."""
+    a, b = pair
+    postgres.sql("CREATE FUNCTION cellblock_test_slow_write() RETURNS trigger LANGUAGE plpgsql AS "
+                 "$$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$; "
+                 "CREATE TRIGGER cellblock_test_slow_write BEFORE INSERT OR UPDATE ON agent_sessions "
+                 "FOR EACH ROW EXECUTE FUNCTION cellblock_test_slow_write();")
+    try:
+        a.create_session("slow-store")
+        assert result_text(b.execute("slow-store", "x = 6 * 7\nx")) == "42"
+        assert result_text(a.execute("slow-store", "x + 1")) == "43"  # one kernel, whichever gateway
+    finally:
+        postgres.sql("DROP TRIGGER cellblock_test_slow_write ON agent_sessions; "
+                     "DROP FUNCTION cellblock_test_slow_write();")
 
 
 def test_a_deletion_through_one_gateway_is_seen_by_the_other(pair):
