@@ -188,8 +188,8 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, NetworkR
                         HttpError(http::status::service_unavailable,
                                   "the session's kernel did not start: " + *failure, "kernel_unavailable"));
         }
-        // Answered once the session's and its kernel's records are in the store, as every creation and deletion
-        // is: a client may use the session through another gateway on a shared store right after.
+        // Answered once the session's and its kernel's records are in the store, as every creation and
+        // deletion is: a client may use the session through another gateway on a shared store right after.
         services_.writer.after_pending([created, done] { done(created, std::nullopt); });
     });
 }
