@@ -281,17 +281,25 @@ def process_name(pid: int) -> str:
 class RunningKernel:
     """One kernel started by jupyter_client's KernelManager with a BlockingKernelClient, stopped by stop()."""
 
-    def __init__(self, kernel_name: str, env: Optional[dict] = None, ready_timeout: float = 120.0):
+    def __init__(self, kernel_name: str, env: Optional[dict] = None, ready_timeout: float = 120.0,
+                 start: bool = True):
         from jupyter_client import KernelManager
         self.kernel_name = kernel_name
+        self.env = env
+        self.ready_timeout = ready_timeout
         self.manager = KernelManager(kernel_name=kernel_name)
+        self.client = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
         # stdout to /dev/null: a kernel's prints must never end up in a benchmark's markdown (stdout) or keep a
         # caller's pipe open; stderr stays, so crash reports (xpython's segfault trace) remain visible.
-        self.manager.start_kernel(env=dict(os.environ, **(env or {})), stdout=subprocess.DEVNULL)
+        self.manager.start_kernel(env=dict(os.environ, **(self.env or {})), stdout=subprocess.DEVNULL)
         self.client = self.manager.client()
         self.client.start_channels()
         try:
-            self.client.wait_for_ready(timeout=ready_timeout)
+            self.client.wait_for_ready(timeout=self.ready_timeout)
         except Exception:
             self.stop()
             raise
@@ -305,6 +313,13 @@ class RunningKernel:
     def tree(self) -> list[int]:
         return descendants(self.pid)
 
+    def kill(self) -> None:
+        """SIGKILL to the kernel's process group, for a start that is wedged (stop() could wedge too)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (AttributeError, ProcessLookupError, PermissionError):
+            pass  # not spawned yet, or gone already
+
     def stop(self) -> None:
         """Polite shutdown_request first (cellblock then removes its workspace and runtime dir), then kill."""
         pid, process = None, None
@@ -314,7 +329,8 @@ class RunningKernel:
         except Exception:
             pass
         try:
-            self.client.stop_channels()
+            if self.client is not None:
+                self.client.stop_channels()
         except Exception:
             pass
         self.client = None  # its __del__ would otherwise run during interpreter teardown and log noise
@@ -337,18 +353,70 @@ class RunningKernel:
 
 
 def start_kernels(kernel_name: str, count: int, env: Optional[dict] = None, parallel: int = 16,
-                  ready_timeout: float = 180.0) -> tuple[list[RunningKernel], int]:
-    """Starts `count` kernels, `parallel` at a time; returns (the ones that answered kernel_info, failures)."""
-    from concurrent.futures import ThreadPoolExecutor
-    kernels, failures = [], 0
-    with ThreadPoolExecutor(max_workers=max(1, min(parallel, count))) as pool:
-        futures = [pool.submit(RunningKernel, kernel_name, env, ready_timeout) for _ in range(count)]
-        for future in futures:
-            try:
-                kernels.append(future.result())
-            except Exception as error:  # noqa: BLE001 - a failed start is counted, not fatal
+                  ready_timeout: float = 180.0, attempts: int = 3) -> tuple[list[RunningKernel], int]:
+    """Starts `count` kernels, `parallel` at a time; returns (the ones that answered kernel_info, failures).
+
+    jupyter_client picks a kernel's five TCP ports by binding port 0 and letting go, so among many parallel starts
+    a port can be taken by another start, or by a client's outgoing connection, before its kernel binds it; the
+    kernel (ipykernel, xpython) then dies at start with "Address already in use". Such a start is tried again with
+    new ports, up to `attempts` times. A start that has not ended `ready_timeout` plus a minute after it began is
+    given up and its process group killed, so that a wedged start costs the run one failure, not the run: the
+    starts run in daemon threads for that reason (a thread pool's threads are joined at exit).
+    """
+    import queue
+    import threading
+    slots = threading.BoundedSemaphore(max(1, min(parallel, count)))
+    outcomes: queue.Queue = queue.Queue()
+    in_flight: dict[int, tuple[RunningKernel, float]] = {}
+    in_flight_lock = threading.Lock()
+
+    def start_one(index: int) -> None:
+        with slots:
+            error: Optional[BaseException] = None
+            for attempt in range(1, attempts + 1):
+                kernel = RunningKernel(kernel_name, env, ready_timeout, start=False)
+                with in_flight_lock:
+                    in_flight[index] = (kernel, time.monotonic())
+                try:
+                    kernel.start()
+                    outcomes.put((index, kernel, None))
+                    return
+                except Exception as failure:  # noqa: BLE001 - tried again, then counted
+                    error = failure
+                    if attempt < attempts:
+                        progress(f"{kernel_name}: start failed ({type(failure).__name__}: {failure}); "
+                                 f"trying again ({attempt + 1} of {attempts})")
+                finally:
+                    with in_flight_lock:
+                        in_flight.pop(index, None)
+            outcomes.put((index, None, error))
+
+    for index in range(count):
+        threading.Thread(target=start_one, args=(index,), name=f"start-{kernel_name}-{index}", daemon=True).start()
+    kernels, failures, given_up = [], 0, set()
+    give_up_after = ready_timeout + 60.0
+    while len(kernels) + failures < count:
+        try:
+            index, kernel, error = outcomes.get(timeout=5.0)
+        except queue.Empty:
+            now = time.monotonic()
+            with in_flight_lock:
+                wedged = [(index, kernel) for index, (kernel, began) in in_flight.items()
+                          if now - began > give_up_after and index not in given_up]
+            for index, kernel in wedged:
+                given_up.add(index)
                 failures += 1
-                progress(f"{kernel_name}: start failed: {type(error).__name__}: {error}")
+                progress(f"{kernel_name}: start {index} not ready after {give_up_after:.0f} s; killing it")
+                kernel.kill()
+            continue
+        if index in given_up:
+            if kernel is not None:  # it came up after all, too late to be measured
+                kernel.stop()
+        elif kernel is not None:
+            kernels.append(kernel)
+        else:
+            failures += 1
+            progress(f"{kernel_name}: start failed: {type(error).__name__}: {error}")
     return kernels, failures
 
 
