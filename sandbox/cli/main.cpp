@@ -4,10 +4,13 @@
 //   CMD ARGS...
 // The command's stdout and stderr are streamed through (and cut at --output-bytes); the exit status is
 // the command's, or 128 + signal; when a limit ended it, the reason is printed on stderr.
+// SIGTERM, SIGINT or SIGHUP to the CLI kills the sandbox and exits 128 + that signal once its cgroups,
+// uid and temporary workspace are let go (a service manager's stop, a Ctrl-C, a closed terminal).
 // --loopback-listener: a socket listening on 127.0.0.1:PORT inside the sandbox, sent (SCM_RIGHTS, one
 // byte per socket) to whoever listens on the unix stream socket at SOCKET, who then serves it.
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -16,6 +19,7 @@
 #include <CLI/CLI.hpp>
 #include <array>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -94,6 +98,42 @@ struct Pipe {
     }
 };
 
+// The signals that stop the CLI, taken as data from a signalfd instead of ending the process: killed by
+// their default action, the CLI would leave the sandbox's cgroups, its uid lease and the temporary
+// workspace behind. Blocked from before the workspace is made and the sandbox launched (a stop during
+// either is not lost) until the CLI exits: a second stop during the clean-up must not cut it short. The
+// sandboxed program starts with no signal blocked (the launcher unblocks them).
+class StopSignals {
+  public:
+    StopSignals() {
+        sigemptyset(&signals_);
+        for (const int signo : {SIGTERM, SIGINT, SIGHUP}) {
+            sigaddset(&signals_, signo);
+        }
+        if (::sigprocmask(SIG_BLOCK, &signals_, nullptr) != 0) {
+            throw sb::SandboxError(std::string("sigprocmask: ") + std::strerror(errno));
+        }
+        fd_ = sb::UniqueFd(::signalfd(-1, &signals_, SFD_CLOEXEC | SFD_NONBLOCK));
+        if (!fd_) {
+            throw sb::SandboxError(std::string("signalfd: ") + std::strerror(errno));
+        }
+    }
+
+    int fd() const { return fd_.get(); }
+    // The signal that arrived, or 0.
+    int take() const {
+        signalfd_siginfo info{};
+        if (::read(fd_.get(), &info, sizeof info) != static_cast<ssize_t>(sizeof info)) {
+            return 0;
+        }
+        return static_cast<int>(info.ssi_signo);
+    }
+
+  private:
+    sigset_t signals_{};
+    sb::UniqueFd fd_;
+};
+
 bool write_all(int fd, const char* data, std::size_t size) {
     while (size > 0) {
         const ssize_t written = ::write(fd, data, size);
@@ -152,11 +192,13 @@ void send_listeners(const std::string& destination, std::vector<sb::UniqueFd> li
 
 // Copies the program's stdout/stderr to ours until both close, counting bytes against the cap.
 // The pipes close when every process of the sandbox is gone (they all die with its pid 1).
-// Returns true when the cap was hit (the sandbox has then been killed).
-bool relay_output(sb::Process& process, Pipe& out, Pipe& err, std::uint64_t cap) {
-    std::array<pollfd, 2> fds{pollfd{out.read_end, POLLIN, 0}, pollfd{err.read_end, POLLIN, 0}};
+// A stop signal kills the sandbox; the relay then drains what it wrote and returns that signal (else 0).
+int relay_output(sb::Process& process, Pipe& out, Pipe& err, std::uint64_t cap, const StopSignals& stop) {
+    std::array<pollfd, 3> fds{pollfd{out.read_end, POLLIN, 0}, pollfd{err.read_end, POLLIN, 0},
+                              pollfd{stop.fd(), POLLIN, 0}};
     const std::array<int, 2> targets{STDOUT_FILENO, STDERR_FILENO};
     std::uint64_t total = 0;
+    int stopped_by = 0;
     std::array<char, 65536> buffer{};
     while (fds[0].fd >= 0 || fds[1].fd >= 0) {
         // Wake up every 100 ms so that the wall-clock limit is enforced while the output is idle.
@@ -165,7 +207,14 @@ bool relay_output(sb::Process& process, Pipe& out, Pipe& err, std::uint64_t cap)
             break;
         }
         process.try_wait();
-        for (std::size_t i = 0; i < fds.size(); ++i) {
+        if (fds[2].fd >= 0 && (fds[2].revents & POLLIN) != 0) {
+            if (const int signo = stop.take(); signo != 0) {
+                stopped_by = signo;
+                fds[2].fd = -1;  // a second signal changes nothing: the sandbox is being killed
+                process.kill();
+            }
+        }
+        for (std::size_t i = 0; i < targets.size(); ++i) {
             if (fds[i].fd < 0 || fds[i].revents == 0) {
                 continue;
             }
@@ -187,14 +236,14 @@ bool relay_output(sb::Process& process, Pipe& out, Pipe& err, std::uint64_t cap)
             if (over) {
                 process.note_output_limit();
                 process.kill();
-                return true;
+                return stopped_by;
             }
         }
     }
-    return false;
+    return stopped_by;
 }
 
-int run(const Options& options) {
+int run(const Options& options, const StopSignals& stop) {
     sb::Policy policy = sb::Policy::load(options.policy_file);
     if (options.memory_mb) {
         policy.limits.memory_bytes = *options.memory_mb << 20;
@@ -240,8 +289,13 @@ int run(const Options& options) {
         send_listeners(options.listener_destination, process.take_loopback_listeners());
     }
 
-    relay_output(process, out, err, policy.limits.output_bytes);
+    const int stopped_by = relay_output(process, out, err, policy.limits.output_bytes, stop);
     const sb::Outcome outcome = process.wait();
+    if (stopped_by != 0) {
+        std::cerr << "cellblock-sandbox: stopped by SIG" << ::sigabbrev_np(stopped_by)
+                  << "; the sandbox was killed" << std::endl;
+        return 128 + stopped_by;
+    }
     switch (outcome.reason) {
         case sb::Outcome::Reason::exited:
         case sb::Outcome::Reason::signaled:
@@ -291,7 +345,8 @@ int main(int argc, char** argv) {
         return app.exit(error) == 0 ? 0 : 125;
     }
     try {
-        return run(options);
+        const StopSignals stop;
+        return run(options, stop);
     } catch (const std::exception& error) {
         std::cerr << "cellblock-sandbox: " << error.what() << std::endl;
         return 125;

@@ -209,22 +209,30 @@ class Measured:
         self.max_rss_mib, self.cpu_seconds, self.wall_seconds = int(maxrss_kib) / 1024, float(cpu), float(wall)
 
 
-def cgroup_file(pid, controller, name):
-    """The content of a cgroup control file of a host process: the v1 hierarchy with `controller`, else v2."""
+def cgroup_dirs(pid):
+    """Host directories of a process's cgroups: {controller: path} for v1 hierarchies, {"": path} for v2's."""
     paths = {}
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         for each in controllers.split(",") if controllers else [""]:
             paths[each] = path
+    dirs = {}
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         kind, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
-        if kind == "cgroup" and controller in options and controller in paths:
-            return Path(fields[4] + paths[controller], name).read_text().strip()
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[fields.index("-") + 1] == "cgroup2" and "" in paths:
-            return Path(fields[4] + paths[""], name).read_text().strip()
+        if kind == "cgroup":
+            dirs.update({each: Path(fields[4] + paths[each]) for each in options if each in paths})
+        elif kind == "cgroup2" and "" in paths:
+            dirs[""] = Path(fields[4] + paths[""])
+    return dirs
+
+
+def cgroup_file(pid, controller, name):
+    """The content of a cgroup control file of a host process: the v1 hierarchy with `controller`, else v2."""
+    dirs = cgroup_dirs(pid)
+    for hierarchy in (controller, ""):
+        if hierarchy in dirs:
+            return (dirs[hierarchy] / name).read_text().strip()
     raise AssertionError(f"no cgroup hierarchy with {controller} for pid {pid}")
 
 
