@@ -699,6 +699,11 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
     shut_down_here_.insert(kernel_id);
     kernel->shutdown(reason);
     forget(kernel_id);
+    if (!writer_.store().shared()) {
+        // An embedded store has this gateway alone: once the row is gone nobody writes it back, so the mark
+        // goes too (kept, it cost every deleted kernel ~110 bytes for the gateway's life).
+        writer_.after_pending([this, kernel_id] { shut_down_here_.erase(kernel_id); });
+    }
     return true;
 }
 
