@@ -163,10 +163,10 @@ class KernelManager {
     std::chrono::steady_clock::time_point next_lease_renewal_;
     std::map<std::string, std::string> lost_causes_;
     std::string owner_;
-    // Shut down by this gateway: never attached again from the store. On a shared store kept for the gateway's
-    // life, not only until the store row is removed: another gateway still holding the kernel may write the row
-    // back (agent_shared_store's culling test culled twice when the mark went with the row). On an embedded
-    // store it goes once the row's removal is committed.
+    // Shut down by this gateway: never attached again from the store. On a shared store kept for the
+    // gateway's life, not only until the store row is removed: another gateway still holding the kernel may
+    // write the row back (agent_shared_store's culling test culled twice when the mark went with the row). On
+    // an embedded store it goes once the row's removal is committed.
     std::set<std::string> shut_down_here_;
     // Attached from the store, started by another gateway: at this gateway's exit they are let go, not
     // stopped.
