@@ -368,51 +368,59 @@ def start_kernels(kernel_name: str, count: int, env: Optional[dict] = None, para
     slots = threading.BoundedSemaphore(max(1, min(parallel, count)))
     outcomes: queue.Queue = queue.Queue()
     in_flight: dict[int, tuple[RunningKernel, float]] = {}
+    given_up: set[int] = set()
     in_flight_lock = threading.Lock()
 
     def start_one(index: int) -> None:
         with slots:
             error: Optional[BaseException] = None
             for attempt in range(1, attempts + 1):
-                kernel = RunningKernel(kernel_name, env, ready_timeout, start=False)
                 with in_flight_lock:
+                    if index in given_up:
+                        return
+                    kernel = RunningKernel(kernel_name, env, ready_timeout, start=False)
                     in_flight[index] = (kernel, time.monotonic())
                 try:
                     kernel.start()
-                    outcomes.put((index, kernel, None))
-                    return
                 except Exception as failure:  # noqa: BLE001 - tried again, then counted
                     error = failure
+                    with in_flight_lock:
+                        in_flight.pop(index, None)
+                        if index in given_up:
+                            return
                     if attempt < attempts:
                         progress(f"{kernel_name}: start failed ({type(failure).__name__}: {failure}); "
                                  f"trying again ({attempt + 1} of {attempts})")
-                finally:
-                    with in_flight_lock:
-                        in_flight.pop(index, None)
+                    continue
+                with in_flight_lock:
+                    in_flight.pop(index, None)
+                    abandoned = index in given_up
+                if abandoned:
+                    kernel.stop()  # came up after it was counted as failed: nobody would stop it otherwise
+                else:
+                    outcomes.put((index, kernel, None))
+                return
             outcomes.put((index, None, error))
 
     for index in range(count):
         threading.Thread(target=start_one, args=(index,), name=f"start-{kernel_name}-{index}", daemon=True).start()
-    kernels, failures, given_up = [], 0, set()
+    kernels, failures = [], 0
     give_up_after = ready_timeout + 60.0
     while len(kernels) + failures < count:
         try:
             index, kernel, error = outcomes.get(timeout=5.0)
         except queue.Empty:
             now = time.monotonic()
-            with in_flight_lock:
+            with in_flight_lock:  # a start marked given up here never reports: it stops what it started
                 wedged = [(index, kernel) for index, (kernel, began) in in_flight.items()
                           if now - began > give_up_after and index not in given_up]
+                given_up.update(index for index, _ in wedged)
             for index, kernel in wedged:
-                given_up.add(index)
                 failures += 1
                 progress(f"{kernel_name}: start {index} not ready after {give_up_after:.0f} s; killing it")
                 kernel.kill()
             continue
-        if index in given_up:
-            if kernel is not None:  # it came up after all, too late to be measured
-                kernel.stop()
-        elif kernel is not None:
+        if kernel is not None:
             kernels.append(kernel)
         else:
             failures += 1
