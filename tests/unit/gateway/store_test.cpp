@@ -10,9 +10,13 @@
 
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <stdexcept>
 
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/state_directory.hpp"
@@ -24,12 +28,26 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
-fs::path scratch_dir(const std::string& name) {
-    fs::path directory = fs::temp_directory_path() / ("cb-store-" + name + "-" + std::to_string(::getpid()));
-    fs::remove_all(directory);
-    fs::create_directories(directory);
-    return directory;
-}
+// A fresh directory of its own under $TMPDIR, removed with everything in it when the test ends.
+class ScratchDirectory {
+  public:
+    explicit ScratchDirectory(const std::string& name) {
+        std::string pattern = (fs::temp_directory_path() / ("cb-store-" + name + "-XXXXXX")).string();
+        if (!::mkdtemp(pattern.data()))
+            throw std::runtime_error("mkdtemp " + pattern + ": " + std::strerror(errno));
+        path_ = pattern;
+    }
+    ~ScratchDirectory() {
+        std::error_code ignored;
+        fs::remove_all(path_, ignored);
+    }
+    ScratchDirectory(const ScratchDirectory&) = delete;
+    ScratchDirectory& operator=(const ScratchDirectory&) = delete;
+    const fs::path& path() const { return path_; }
+
+  private:
+    fs::path path_;
+};
 
 std::string read(const fs::path& file) {
     std::ifstream input(file, std::ios::binary);
@@ -62,14 +80,14 @@ class StoreContract : public ::testing::TestWithParam<std::string> {
         if (GetParam() == "postgres")
             server_ = std::make_unique<cellblock::test::TemporaryPostgres>();
         else
-            directory_ = scratch_dir("contract");
+            scratch_.emplace("contract");
     }
     std::unique_ptr<SessionStore> open() {
         return server_ ? open_postgres_store(server_->url())
-                       : open_sqlite_store(directory_ / "store.sqlite3");
+                       : open_sqlite_store(scratch_->path() / "store.sqlite3");
     }
     std::unique_ptr<cellblock::test::TemporaryPostgres> server_;
-    fs::path directory_;
+    std::optional<ScratchDirectory> scratch_;
 };
 INSTANTIATE_TEST_SUITE_P(Stores, StoreContract, ::testing::Values("sqlite", "postgres"),
                          [](const auto& info) { return info.param; });
@@ -95,7 +113,7 @@ TEST_P(StoreContract, KeepsKernelsSessionsCellsAndAuditAcrossReopening) {
         store->put_jupyter_session("j1", {{"id", "j1"}, {"kernel_id", "k1"}});
     }
     if (!server_)
-        EXPECT_EQ(fs::status(directory_ / "store.sqlite3").permissions() & fs::perms::all,
+        EXPECT_EQ(fs::status(scratch_->path() / "store.sqlite3").permissions() & fs::perms::all,
                   fs::perms::owner_read | fs::perms::owner_write);
     auto store = open();
     const auto kernels = store->kernels();
@@ -229,7 +247,8 @@ TEST(PostgresStore, ABadUrlAnUnreachableServerAndAForeignOrNewerSchemaAreRefused
 }
 
 TEST(SqliteStore, KeepsWhereAKernelRunsAndUpgradesAVersionOneStore) {
-    const fs::path directory = scratch_dir("provisioner");
+    const ScratchDirectory scratch("provisioner");
+    const fs::path& directory = scratch.path();
     // A store written by a gateway before kernels could run elsewhere (schema 1): its kernels come back as
     // local ones.
     {
@@ -281,11 +300,11 @@ TEST(SqliteStore, KeepsWhereAKernelRunsAndUpgradesAVersionOneStore) {
         }
     }
     EXPECT_EQ(store->kernels().size(), 2u);
-    fs::remove_all(directory);
 }
 
 TEST(SqliteStore, RefusesAFileThatIsNotADatabaseAndLeavesItUntouched) {
-    const fs::path directory = scratch_dir("corrupt");
+    const ScratchDirectory scratch("corrupt");
+    const fs::path& directory = scratch.path();
     const fs::path file = directory / "store.sqlite3";
     const std::string garbage = "this is not a database, but somebody's notes\n";
     std::ofstream(file) << garbage;
@@ -300,7 +319,8 @@ TEST(SqliteStore, RefusesAFileThatIsNotADatabaseAndLeavesItUntouched) {
 }
 
 TEST(SqliteStore, RefusesAnotherApplicationsDatabaseAndANewerSchema) {
-    const fs::path directory = scratch_dir("foreign");
+    const ScratchDirectory scratch("foreign");
+    const fs::path& directory = scratch.path();
     {
         sqlite3* raw = nullptr;
         ASSERT_EQ(sqlite3_open((directory / "other.db").c_str(), &raw), SQLITE_OK);
@@ -325,7 +345,8 @@ TEST(SqliteStore, RefusesAnotherApplicationsDatabaseAndANewerSchema) {
 }
 
 TEST(StoreWriter, AFailedWriteIsLoggedAndLaterWritesStillHappen) {
-    const fs::path directory = scratch_dir("failure");
+    const ScratchDirectory scratch("failure");
+    const fs::path& directory = scratch.path();
     auto store = open_sqlite_store(directory / "store.sqlite3");
     boost::asio::io_context io;
     const Logger logger(LogLevel::error);
@@ -339,7 +360,8 @@ TEST(StoreWriter, AFailedWriteIsLoggedAndLaterWritesStillHappen) {
 }
 
 TEST(StateDirectory, ASecondGatewayOnTheSameDirectoryIsRefusedWithTheOwnersPid) {
-    const fs::path directory = scratch_dir("lock") / "state";
+    const ScratchDirectory scratch("lock");
+    const fs::path directory = scratch.path() / "state";
     StateDirectory first(directory);
     EXPECT_EQ(fs::status(directory).permissions() & fs::perms::all, fs::perms::owner_all);
     EXPECT_TRUE(fs::is_directory(first.runtime_dir()));
