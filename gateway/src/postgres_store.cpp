@@ -216,6 +216,34 @@ class PostgresStore final : public SessionStore {
     std::vector<json> cells(const std::string& session) override {
         return json_column("SELECT cell FROM cells WHERE session = $1 ORDER BY seq", {session});
     }
+    std::size_t purge_deleted_agent_sessions(const std::string& deleted_before) override {
+        std::size_t purged = 0;
+        // Gateways sharing the store take turns (a lock held until the transaction ends) rather than delete
+        // the same rows at once. One statement: every part sees the same snapshot, so the fallback to the
+        // newest audit entry reads the entries before they are deleted. COLLATE "C": ISO 8601 strings
+        // compare as times in byte order.
+        with_connection([&](PGconn* c) {
+            if (run(c, "SELECT pg_try_advisory_xact_lock($1::integer, hashtext('agent-session-purge'))",
+                    {std::to_string(lease_lock_class)})
+                    .text(0, 0) != "t")
+                return;
+            Result rows = run(
+                c,
+                "WITH purged AS ("
+                "  DELETE FROM agent_sessions s WHERE (s.record::jsonb ->> 'deleted') = 'true' AND "
+                "  coalesce(s.record::jsonb ->> 'deleted_at', "
+                "           (SELECT max(a.time) FROM audit a WHERE a.session = s.id), "
+                "           '') COLLATE \"C\" < $1::text "
+                "  RETURNING s.id), "
+                "cells_gone AS (DELETE FROM cells WHERE session IN (SELECT id FROM purged)), "
+                "inflight_gone AS (DELETE FROM inflight_executes WHERE session IN (SELECT id FROM purged)), "
+                "audit_gone AS (DELETE FROM audit WHERE session IN (SELECT id FROM purged)) "
+                "SELECT id FROM purged",
+                {deleted_before});
+            purged = static_cast<std::size_t>(rows.rows());
+        });
+        return purged;
+    }
     void put_inflight(const InflightExecute& execute) override {
         with_connection([&](PGconn* c) {
             run(c,

@@ -301,6 +301,33 @@ class SqliteStore final : public SessionStore {
     std::vector<json> cells(const std::string& session) override {
         return json_column("SELECT cell FROM cells WHERE session = ?1 ORDER BY seq", {session});
     }
+    std::size_t purge_deleted_agent_sessions(const std::string& deleted_before) override {
+        std::lock_guard lock(mutex_);
+        // ISO 8601 UTC strings of one format compare as times.
+        Statement select(database_.get(),
+                         "SELECT id FROM agent_sessions WHERE CASE WHEN json_valid(record) THEN "
+                         "  json_extract(record, '$.deleted') = 1 AND "
+                         "  coalesce(json_extract(record, '$.deleted_at'), "
+                         "           (SELECT max(time) FROM audit WHERE audit.session = agent_sessions.id), "
+                         "           '') < ?1 "
+                         "ELSE 0 END");
+        select.bind(1, deleted_before);
+        json purged = json::array();
+        while (select.step())
+            purged.push_back(select.text(0));
+        if (purged.empty())
+            return 0;
+        const std::string ids = dump(purged);
+        for (const char* table : {"cells", "inflight_executes", "audit"})
+            Statement(database_.get(), std::string("DELETE FROM ") + table +
+                                           " WHERE session IN (SELECT value FROM json_each(?1))")
+                .bind(1, ids)
+                .run();
+        Statement(database_.get(), "DELETE FROM agent_sessions WHERE id IN (SELECT value FROM json_each(?1))")
+            .bind(1, ids)
+            .run();
+        return purged.size();
+    }
     void put_inflight(const InflightExecute& execute) override {
         std::lock_guard lock(mutex_);
         Statement(database_.get(),

@@ -54,10 +54,12 @@ class Postgres:
         done = subprocess.run(self.as_user + argv, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{argv[0]} failed: {done.stdout}\n{done.stderr}"
 
-    def sql(self, statement):
-        done = subprocess.run([str(self.bin / "psql"), self.url, "-v", "ON_ERROR_STOP=1", "-c", statement],
+    def sql(self, statement) -> str:
+        """Runs `statement`; answers its rows unaligned, without headers."""
+        done = subprocess.run([str(self.bin / "psql"), self.url, "-v", "ON_ERROR_STOP=1", "-At", "-c", statement],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, f"psql failed: {done.stdout}\n{done.stderr}"
+        return done.stdout.strip()
 
     def stop(self):
         subprocess.run(self.as_user + [str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-m",
@@ -283,6 +285,29 @@ def test_a_deletion_through_one_gateway_is_seen_by_the_other(pair):
     assert a.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 404
     assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
     assert not kernel_processes(kernel_id), "the deleted session's kernel still runs"
+
+
+def test_a_session_deleted_and_purged_through_one_gateway_is_gone_from_the_other(postgres, start_pair):
+    """B holds a session (it ran code there); A deletes it, and the retention (1 s here) purges its rows from the
+    shared store before anybody asks B about it again. B must not find the session in its memory and serve it:
+    a missing record is a deleted one."""
+    a, b = start_pair("--agent-deleted-retention", "1")
+    session = a.create_session("purged")
+    assert result_text(b.execute("purged", "21 * 2")) == "42"
+    assert a.request("DELETE", "/agent/v1/sessions/purged").status_code in (200, 204)
+    count = f"SELECT count(*) FROM agent_sessions WHERE id = '{session['id']}'"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and postgres.sql(count) != "0":
+        time.sleep(0.25)
+    assert postgres.sql(count) == "0", "the deleted session's record was not purged"
+    assert postgres.sql(f"SELECT count(*) FROM audit WHERE session = '{session['id']}'") == "0"
+    assert postgres.sql(f"SELECT count(*) FROM cells WHERE session = '{session['id']}'") == "0"
+    assert b.request("GET", "/agent/v1/sessions/purged").status_code == 404
+    response = b.request("POST", "/agent/v1/sessions/purged/execute", json={"code": "1"})
+    assert response.status_code == 404, response.text
+    assert "purged" not in [s["name"] for s in b.request("GET", "/agent/v1/sessions").json()["sessions"]]
+    a.assert_alive()
+    b.assert_alive()
 
 
 def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(pair):

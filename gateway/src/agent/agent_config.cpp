@@ -97,6 +97,7 @@ void AgentConfig::load_kernel_defaults(const std::filesystem::path& kernel_confi
 
 json AgentConfig::to_json() const {
     return {{"session_ttl_s", session_ttl_s},
+            {"deleted_retention_s", deleted_retention_s},
             {"default_limits", default_limits.to_json()},
             {"max_limits", max_limits.to_json()},
             {"inline_output_bytes", inline_output_bytes},
@@ -112,6 +113,12 @@ void add_agent_options(CLI::App& app, AgentConfig& config) {
     app.add_option("--agent-session-ttl", config.session_ttl_s,
                    "seconds before an idle agent session is deleted, 0 = never")
         ->envname("CELLBLOCK_AGENT_SESSION_TTL")
+        ->check(CLI::NonNegativeNumber)
+        ->group(group);
+    app.add_option("--agent-deleted-retention", config.deleted_retention_s,
+                   "seconds a deleted agent session's record, notebook and audit trail stay in the store, "
+                   "0 = forever")
+        ->envname("CELLBLOCK_AGENT_DELETED_RETENTION")
         ->check(CLI::NonNegativeNumber)
         ->group(group);
     app.add_option("--agent-max-timeout", config.max_limits.timeout_s,

@@ -347,6 +347,8 @@ void AgentSession::persist_record() {
                    {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
                    {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
                    {"deleted", closed_}};
+    if (closed_)
+        record["deleted_at"] = deleted_at_;
     services_.writer.submit([record](SessionStore& store) { store.put_agent_session(record); });
 }
 
@@ -677,6 +679,7 @@ void AgentSession::close(const std::string& reason) {
     if (closed_)
         return;
     closed_ = true;
+    deleted_at_ = format_iso8601_utc(std::chrono::system_clock::now());
     deadline_timer_.cancel();
     lease_timer_.cancel();
     fail_every_waiter("the session was deleted");

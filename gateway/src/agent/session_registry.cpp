@@ -30,7 +30,7 @@ bool valid_session_name(std::string_view name) {
 }
 
 AgentSessionRegistry::AgentSessionRegistry(AgentSessionServices& services)
-    : services_(services), expiry_timer_(services.io) {
+    : services_(services), expiry_timer_(services.io), purge_timer_(services.io) {
     sessions_by_state_ = services.metrics.registry.sampled_gauge(
         "cellblock_agent_sessions", "Agent sessions by what they are doing now.", "state", [this] {
             std::vector<GaugeSample> samples;
@@ -47,12 +47,14 @@ AgentSessionRegistry::AgentSessionRegistry(AgentSessionServices& services)
 
 AgentSessionRegistry::~AgentSessionRegistry() {
     expiry_timer_.cancel();
+    purge_timer_.cancel();
     services_.writer.drain();
 }
 
 void AgentSessionRegistry::start() {
     load_sessions();
     schedule_expiry();
+    schedule_purge();
 }
 
 void AgentSessionRegistry::load_sessions() {
@@ -88,6 +90,7 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::load_record(const json& reco
         if (by_id_.contains(loaded.id) || id_by_name_.contains(loaded.name))
             return nullptr;
         auto session = std::make_shared<AgentSession>(services_, loaded, store.cells(loaded.id));
+        session->mark_record_committed();
         id_by_name_[loaded.name] = loaded.id;
         by_id_[loaded.id] = session;
         const std::string kernel_id = record.contains("kernel_id") && record["kernel_id"].is_string()
@@ -190,7 +193,10 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, NetworkR
         }
         // Answered once the session's and its kernel's records are in the store, as every creation and
         // deletion is: a client may use the session through another gateway on a shared store right after.
-        services_.writer.after_pending([created, done] { done(created, std::nullopt); });
+        services_.writer.after_pending([created, done] {
+            created->mark_record_committed();
+            done(created, std::nullopt);
+        });
     });
 }
 
@@ -214,7 +220,8 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::find(const std::string& id_o
             services_.logger.error("store_read_failed", {{"session", found->id()}, {"error", error.what()}});
             return found;
         }
-        if (record && record->value("deleted", false)) {
+        // No record at all: deleted there longer ago than the retention, and purged.
+        if (record ? record->value("deleted", false) : found->record_committed()) {
             remove(found, "deleted through another gateway", "");
             return nullptr;
         }
@@ -272,6 +279,33 @@ void AgentSessionRegistry::expire_idle() {
                "idle for longer than the session TTL (" + json(services_.config.session_ttl_s).dump() + " s)",
                "");
     }
+}
+
+void AgentSessionRegistry::schedule_purge() {
+    const double retention = services_.config.deleted_retention_s;
+    if (retention <= 0)
+        return;
+    const double interval = std::clamp(retention / 4, 0.25, 3600.0);
+    purge_timer_.expires_after(std::chrono::milliseconds(static_cast<long long>(interval * 1000)));
+    purge_timer_.async_wait([this](const boost::system::error_code& error) {
+        if (error)
+            return;
+        purge_deleted();
+        schedule_purge();
+    });
+}
+
+void AgentSessionRegistry::purge_deleted() {
+    const auto retention =
+        std::chrono::milliseconds(static_cast<long long>(services_.config.deleted_retention_s * 1000));
+    const std::string deleted_before = format_iso8601_utc(std::chrono::system_clock::now() - retention);
+    const Logger& logger = services_.logger;
+    // On the writer's thread, in its order: the deletions queued before are committed first.
+    services_.writer.submit([deleted_before, &logger](SessionStore& store) {
+        const std::size_t purged = store.purge_deleted_agent_sessions(deleted_before);
+        if (purged > 0)
+            logger.info("agent_sessions_purged", {{"count", purged}, {"deleted_before", deleted_before}});
+    });
 }
 
 }  // namespace cellblock::gateway::agent

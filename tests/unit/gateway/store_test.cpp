@@ -174,6 +174,57 @@ TEST_P(StoreContract, ABatchCommitsTogetherAndAFailingWriteIsRolledBackAlone) {
     EXPECT_EQ(cells[1].value("n", 0), 3);
 }
 
+// Five sessions, each with a cell, an execute in flight and two audit entries: deleted before the cut-off,
+// deleted after it, live, and two deleted by a gateway older than `deleted_at` (their time is their newest
+// audit entry), one of each side of the cut-off.
+TEST_P(StoreContract, PurgesOnlySessionsDeletedBeforeTheCutOffWithEverythingTheyLeft) {
+    const std::string cut_off = "2026-12-01T00:00:00.000000Z";
+    struct Sample {
+        std::string id;
+        json record;
+        std::string last_audit;
+        bool purged;
+    };
+    const std::vector<Sample> samples = {
+        {"old",
+         {{"deleted", true}, {"deleted_at", "2026-11-30T23:59:59.999999Z"}},
+         "2026-12-02T00:00:00.000000Z",
+         true},
+        {"recent",
+         {{"deleted", true}, {"deleted_at", "2026-12-01T00:00:00.000000Z"}},
+         "2026-11-01T00:00:00.000000Z",
+         false},
+        {"live", {{"deleted", false}}, "2026-10-01T00:00:00.000000Z", false},
+        {"legacy-old", {{"deleted", true}}, "2026-11-15T08:00:00.000000Z", true},
+        {"legacy-recent", {{"deleted", true}}, "2026-12-01T08:00:00.000000Z", false},
+    };
+    {
+        auto store = open();
+        for (const Sample& sample : samples) {
+            json record = sample.record;
+            record["id"] = sample.id;
+            record["name"] = "name-" + sample.id;
+            store->put_agent_session(record);
+            store->append_cell(sample.id, {{"source", "x = 1"}});
+            store->put_inflight({sample.id, "m-" + sample.id, {{"code", "x"}}});
+            store->append_audit(
+                {{"session", sample.id}, {"time", "2026-09-01T00:00:00.000000Z"}, {"event", "a"}});
+            store->append_audit({{"session", sample.id}, {"time", sample.last_audit}, {"event", "b"}});
+        }
+        EXPECT_EQ(store->purge_deleted_agent_sessions(cut_off), 2u);
+        EXPECT_EQ(store->purge_deleted_agent_sessions(cut_off), 0u);
+    }
+    auto store = open();
+    EXPECT_EQ(store->agent_sessions().size(), 3u);
+    for (const Sample& sample : samples) {
+        SCOPED_TRACE(sample.id);
+        EXPECT_EQ(store->agent_session(sample.id).has_value(), !sample.purged);
+        EXPECT_EQ(store->cells(sample.id).size(), sample.purged ? 0u : 1u);
+        EXPECT_EQ(store->inflight(sample.id).size(), sample.purged ? 0u : 1u);
+        EXPECT_EQ(store->audit({sample.id, "", "", ""}).size(), sample.purged ? 0u : 2u);
+    }
+}
+
 TEST_P(StoreContract, StoreWriterAppliesWritesInOrderAndNotifiesAfterEverythingQueuedBefore) {
     auto store = open();
     boost::asio::io_context io;

@@ -114,7 +114,7 @@ class SessionStore {
     virtual void remove_jupyter_session(const std::string& id) = 0;
     virtual std::vector<nlohmann::json> jupyter_sessions() = 0;
 
-    // Agent session records ({id, name, created, limits, kernel_id, deleted}).
+    // Agent session records ({id, name, created, limits, network, kernel_id, deleted, deleted_at}).
     virtual void put_agent_session(const nlohmann::json& record) = 0;
     virtual std::vector<nlohmann::json> agent_sessions() = 0;
     // One record by session id (deleted ones included); nullopt when unknown.
@@ -123,6 +123,12 @@ class SessionStore {
     virtual void append_cell(const std::string& session, const nlohmann::json& cell) = 0;
     virtual void clear_cells(const std::string& session) = 0;
     virtual std::vector<nlohmann::json> cells(const std::string& session) = 0;
+    // Removes every agent session marked deleted before `deleted_before` (ISO 8601 UTC), with its cells, its
+    // in-flight executes and its audit entries; answers how many sessions were removed. The deletion time is
+    // the record's `deleted_at`; a record written before that field existed counts from its newest audit
+    // entry. Live sessions and sessions deleted since are untouched. Gateways sharing a store may call it at
+    // once: one of them purges, the others answer 0.
+    virtual std::size_t purge_deleted_agent_sessions(const std::string& deleted_before) = 0;
     virtual void put_inflight(const InflightExecute& execute) = 0;
     virtual void remove_inflight(const std::string& session, const std::string& msg_id) = 0;
     virtual std::vector<InflightExecute> inflight(const std::string& session) = 0;

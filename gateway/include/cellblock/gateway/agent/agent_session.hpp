@@ -118,6 +118,11 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // More executes than this waiting behind the running one are refused (429) instead of piling up.
     static constexpr std::size_t max_queued = 64;
     bool closed() const { return closed_; }
+    // The session's record is committed to the store (set once its creation is answered, and for sessions
+    // loaded from the store): from then on a record missing from a shared store means the session was
+    // deleted and purged through another gateway.
+    void mark_record_committed() { record_committed_ = true; }
+    bool record_committed() const { return record_committed_; }
     // What the session is doing, for /metrics (cellblock_agent_sessions): its kernel is being started or
     // readied (starting), it runs or has queued work (busy), it waits with a live kernel (idle), or it holds
     // no kernel now (without_kernel: the next execute starts one).
@@ -213,6 +218,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::uint64_t next_ticket_ = 1;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
+    std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)
+    bool record_committed_ = false;
     std::deque<Approval> approvals_;  // the newest max_approvals
     static constexpr std::size_t max_approvals = 1000;
     // Decisions sent on the control channel, by the request's msg_id, until the kernel answers.

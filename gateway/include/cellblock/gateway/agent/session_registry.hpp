@@ -1,6 +1,7 @@
 #pragma once
 // All agent sessions, by id and by name: creation (with limits checked against the maxima), lookup, deletion,
-// the idle TTL, and their reload from the store after a gateway restart (with the re-adopted kernels).
+// the idle TTL, their reload from the store after a gateway restart (with the re-adopted kernels), and the
+// retention of deleted sessions' records in the store.
 #include <boost/asio/steady_timer.hpp>
 #include <map>
 #include <memory>
@@ -47,11 +48,16 @@ class AgentSessionRegistry {
     std::optional<nlohmann::json> stored_record(const std::string& id_or_name);
     void schedule_expiry();
     void expire_idle();
+    // Every quarter of --agent-deleted-retention (at most hourly): the store forgets the sessions deleted
+    // longer ago than that, with their notebooks and audit trails.
+    void schedule_purge();
+    void purge_deleted();
 
     AgentSessionServices& services_;
     std::map<std::string, std::shared_ptr<AgentSession>> by_id_;
     std::map<std::string, std::string> id_by_name_;
     boost::asio::steady_timer expiry_timer_;
+    boost::asio::steady_timer purge_timer_;
     MetricsRegistry::SamplerHandle sessions_by_state_;  // cellblock_agent_sessions, sampled from by_id_
 };
 
