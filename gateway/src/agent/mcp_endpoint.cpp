@@ -4,6 +4,7 @@
 #include <openssl/evp.h>
 
 #include "cellblock/gateway/agent/agent_api.hpp"
+#include "cellblock/gateway/agent/mcp_protocol.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/sandbox/sandbox.hpp"
@@ -14,44 +15,13 @@ using nlohmann::json;
 
 namespace {
 
-constexpr std::string_view latest_protocol = "2025-06-18";
-constexpr std::string_view known_protocols[] = {"2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"};
 constexpr std::size_t max_read_bytes = 1u << 20;  // read_file returns at most this much inline
 
-// JSON-RPC error codes.
-constexpr int parse_error = -32700, invalid_request = -32600, method_not_found = -32601,
-              invalid_params = -32602;
-
 using SessionPtr = std::shared_ptr<AgentSession>;
-using Reply = std::function<void(std::optional<json>)>;
-
-json rpc_result(const json& id, json result) {
-    return {{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}};
-}
-json rpc_error(const json& id, int code, const std::string& message) {
-    return {{"jsonrpc", "2.0"}, {"id", id}, {"error", {{"code", code}, {"message", message}}}};
-}
+using Reply = McpReply;
 
 json text_content(const std::string& text) {
     return {{"type", "text"}, {"text", text}};
-}
-json tool_text(const std::string& text, bool is_error) {
-    return {{"content", json::array({text_content(text)})}, {"isError", is_error}};
-}
-
-// A refusal of the agent operations as MCP: a malformed call (an argument missing or of the wrong type) is a
-// JSON-RPC invalid-params error, as the protocol asks; any other refusal is a tool error the model can read
-// and act on. Both carry the same {"reason", "message", ...} as the REST API's error body (in the error's
-// `data`, in the result's `structuredContent`).
-json tool_refusal(const json& id, const OperationError& error) {
-    if (error.kind() == OperationErrorKind::malformed) {
-        json reply = rpc_error(id, invalid_params, error.what());
-        reply["error"]["data"] = error.to_json();
-        return reply;
-    }
-    json result = tool_text(std::string(error.what()) + " (" + error.reason() + ")", true);
-    result["structuredContent"] = error.to_json();
-    return rpc_result(id, std::move(result));
 }
 
 // The callback of an operation answering `Value`: `render` turns the value into the tool's result.
@@ -59,8 +29,8 @@ template <class Value, class Render>
 AgentOperations::Then<Value> rendered(const json& id, Reply reply, Render render) {
     return [id, reply = std::move(reply), render = std::move(render)](Outcome<Value> outcome) {
         if (!outcome.ok())
-            return reply(tool_refusal(id, outcome.error()));
-        reply(rpc_result(id, render(outcome.value())));
+            return reply(mcp_tool_refusal(id, outcome.error()));
+        reply(mcp_result(id, render(outcome.value())));
     };
 }
 
@@ -211,7 +181,13 @@ json execute_content(const json& answer) {
 
 class McpResource : public RestResource {
   public:
-    explicit McpResource(AgentService& service) : operations_(service.operations()) {}
+    explicit McpResource(AgentService& service)
+        : operations_(service.operations()),
+          protocol_(tool_definitions(),
+                    [this](const std::string& tool, const json& arguments, const std::string& client,
+                           const json& id, const Reply& reply) {
+                        call_tool(tool, arguments, Caller{client, "mcp"}, id, reply);
+                    }) {}
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
 
     void get(RequestContext&, Responder respond) override {
@@ -223,100 +199,15 @@ class McpResource : public RestResource {
     }
 
     void post(RequestContext& context, Responder respond) override {
-        const json body = json::parse(context.request.body(), nullptr, false);
-        if (body.is_discarded()) {
-            return respond(json_response(http::status::bad_request,
-                                         rpc_error(nullptr, parse_error, "Parse error: body is not JSON")));
-        }
-        const std::string client = context.client_address;
-        if (!body.is_array()) {
-            return handle(body, client, [respond](std::optional<json> reply) {
-                if (!reply)
-                    return respond(empty_response(http::status::accepted));
-                respond(json_response(http::status::ok, *reply));
+        protocol_.handle_body(
+            context.request.body(), context.client_address, [respond](McpHttpAnswer answer) {
+                if (!answer.body)
+                    return respond(empty_response(static_cast<http::status>(answer.status)));
+                respond(json_response(static_cast<http::status>(answer.status), *answer.body));
             });
-        }
-        if (body.empty())
-            return respond(
-                json_response(http::status::bad_request, rpc_error(nullptr, invalid_request, "empty batch")));
-        // A batch: answer once every member is done, in order, leaving out notifications.
-        struct Batch {
-            std::vector<std::optional<json>> replies;
-            std::size_t left;
-        };
-        auto batch =
-            std::make_shared<Batch>(Batch{std::vector<std::optional<json>>(body.size()), body.size()});
-        for (std::size_t i = 0; i < body.size(); ++i) {
-            handle(body[i], client, [batch, i, respond](std::optional<json> reply) {
-                batch->replies[i] = std::move(reply);
-                if (--batch->left > 0)
-                    return;
-                json replies = json::array();
-                for (auto& item : batch->replies)
-                    if (item)
-                        replies.push_back(std::move(*item));
-                if (replies.empty())
-                    return respond(empty_response(http::status::accepted));
-                respond(json_response(http::status::ok, replies));
-            });
-        }
     }
 
   private:
-    void handle(const json& message, const std::string& client, Reply reply) {
-        if (!message.is_object() || message.value("jsonrpc", "") != "2.0" || !message.contains("method") ||
-            !message["method"].is_string()) {
-            // Responses from the client (to server requests we never send) are accepted and ignored.
-            if (message.is_object() && (message.contains("result") || message.contains("error")))
-                return reply(std::nullopt);
-            return reply(rpc_error(message.is_object() ? message.value("id", json()) : json(),
-                                   invalid_request, "Invalid Request"));
-        }
-        const std::string method = message["method"].get<std::string>();
-        const bool notification = !message.contains("id");
-        const json id = notification ? json() : message["id"];
-        const json params = message.value("params", json::object());
-        if (notification)
-            return reply(std::nullopt);  // notifications/initialized, cancelled, ...
-
-        if (method == "initialize") {
-            std::string version(latest_protocol);
-            const std::string requested = params.is_object() ? params.value("protocolVersion", "") : "";
-            for (std::string_view known : known_protocols)
-                if (requested == known)
-                    version = requested;
-            return reply(rpc_result(id, {{"protocolVersion", version},
-                                         {"capabilities", {{"tools", {{"listChanged", false}}}}},
-                                         {"serverInfo",
-                                          {{"name", "cellblock"},
-                                           {"title", "cellblock sandboxed Python"},
-                                           {"version", CELLBLOCK_GATEWAY_VERSION}}},
-                                         {"instructions",
-                                          "Run Python with run_python; sessions keep state between calls "
-                                          "and share a workspace directory with the file tools."}}));
-        }
-        if (method == "ping")
-            return reply(rpc_result(id, json::object()));
-        if (method == "tools/list")
-            return reply(rpc_result(id, {{"tools", tool_definitions()}}));
-        if (method == "tools/call") {
-            if (!params.is_object() || !params.contains("name") || !params["name"].is_string())
-                return reply(rpc_error(id, invalid_params, "tools/call needs params.name"));
-            const json arguments = params.value("arguments", json::object());
-            if (!arguments.is_object())
-                return reply(rpc_error(id, invalid_params, "params.arguments must be an object"));
-            try {
-                call_tool(params["name"].get<std::string>(), arguments, Caller{client, "mcp"}, id, reply);
-            } catch (const OperationError& error) {
-                reply(tool_refusal(id, error));
-            } catch (const std::exception& error) {
-                reply(rpc_result(id, tool_text(error.what(), true)));
-            }
-            return;
-        }
-        reply(rpc_error(id, method_not_found, "Method not found: " + method));
-    }
-
     // Runs `use` on the named session (created on first use of a name); a refusal, there or thrown by
     // `use`, is the tool's answer.
     void on_session(const std::string& name, const Caller& caller, const json& id, const Reply& reply,
@@ -325,11 +216,11 @@ class McpResource : public RestResource {
             name, caller,
             [id, reply, use = std::move(use)](Outcome<SessionPtr> outcome) {
                 if (!outcome.ok())
-                    return reply(tool_refusal(id, outcome.error()));
+                    return reply(mcp_tool_refusal(id, outcome.error()));
                 try {
                     use(outcome.value());
                 } catch (const OperationError& error) {
-                    reply(tool_refusal(id, error));
+                    reply(mcp_tool_refusal(id, error));
                 }
             },
             network);
@@ -346,7 +237,7 @@ class McpResource : public RestResource {
                 [this, parsed, caller, id, reply](const SessionPtr& session) {
                     ExecuteHandlers handlers;
                     handlers.on_done = [id, reply](json answer) {
-                        reply(rpc_result(id, execute_content(answer)));
+                        reply(mcp_result(id, execute_content(answer)));
                     };
                     operations_.execute(session, parsed, caller, std::move(handlers));
                 },
@@ -364,9 +255,9 @@ class McpResource : public RestResource {
                             "\n";
                 if (text.empty())
                     text = "(no approvals)\n";
-                json result = tool_text(text, false);
+                json result = mcp_tool_text(text, false);
                 result["structuredContent"] = {{"approvals", approvals}};
-                reply(rpc_result(id, result));
+                reply(mcp_result(id, result));
             });
         }
         if (tool == "decide_approval") {
@@ -378,7 +269,7 @@ class McpResource : public RestResource {
                     operations_.decide_approval(
                         session, approval_id, decision, caller,
                         rendered<json>(id, reply, [](const json& approval) {
-                            json result = tool_text(
+                            json result = mcp_tool_text(
                                 "approval " + approval.value("id", "") + " (" + approval.value("host", "") +
                                     "): " +
                                     (approval.contains("decision") && approval["decision"].is_string()
@@ -403,7 +294,7 @@ class McpResource : public RestResource {
                                      }
                                      if (text.empty())
                                          text = "(the workspace is empty)\n";
-                                     json result = tool_text(text, false);
+                                     json result = mcp_tool_text(text, false);
                                      result["structuredContent"] = {{"files", files}};
                                      return result;
                                  }));
@@ -423,7 +314,7 @@ class McpResource : public RestResource {
                                   operations_.write_file(
                                       session, path, *shared_bytes, caller,
                                       rendered<std::string>(id, reply, [size](const std::string& relative) {
-                                          return tool_text(
+                                          return mcp_tool_text(
                                               "wrote " + relative + " (" + std::to_string(size) + " bytes)",
                                               false);
                                       }));
@@ -435,9 +326,9 @@ class McpResource : public RestResource {
                 operations_.read_file(
                     session, path, rendered<std::string>(id, reply, [path](const std::string& bytes) {
                         if (is_valid_utf8(bytes))
-                            return tool_text(shield_text(bytes, max_read_bytes, path).text, false);
+                            return mcp_tool_text(shield_text(bytes, max_read_bytes, path).text, false);
                         if (bytes.size() > max_read_bytes)
-                            return tool_text(
+                            return mcp_tool_text(
                                 path + " is a binary file of " + std::to_string(bytes.size()) +
                                     " bytes, too large to return inline; process it with run_python instead",
                                 true);
@@ -454,7 +345,7 @@ class McpResource : public RestResource {
             return on_session(name, caller, id, reply, [this, caller, id, reply](const SessionPtr& session) {
                 operations_.reset(
                     session, caller, rendered<SessionPtr>(id, reply, [](const SessionPtr&) {
-                        return tool_text(
+                        return mcp_tool_text(
                             "the session's interpreter was restarted; files in its workspace are kept",
                             false);
                     }));
@@ -464,6 +355,7 @@ class McpResource : public RestResource {
     }
 
     AgentOperations& operations_;
+    McpProtocol protocol_;
 };
 
 }  // namespace
