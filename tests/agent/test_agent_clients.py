@@ -120,6 +120,16 @@ def test_mcp_json_rpc_edges_over_plain_http(gateway):
                   "params": {"name": "run_python", "arguments": {"session": "rpc", "code": "print('batched')"}}}]).json()
     assert [reply["id"] for reply in batch] == [3, 4]
     assert batch[1]["result"]["isError"] is False and "batched" in batch[1]["result"]["content"][0]["text"]
+    # Members of the wrong JSON type (found by tests/fuzz/mcp_jsonrpc.cpp; they were a 500 that lost the whole
+    # batch): an Invalid Request, or the protocol's default, and the rest of the batch is answered.
+    wrong_types = rpc([{"jsonrpc": 2, "id": 5, "method": "ping"},
+                       {"jsonrpc": None, "id": 6},
+                       {"jsonrpc": "2.0", "id": 7, "method": "initialize", "params": {"protocolVersion": 5}},
+                       {"jsonrpc": "2.0", "id": 8, "method": "ping"}])
+    assert wrong_types.status_code == 200, wrong_types.text
+    assert [(reply["id"], reply.get("error", {}).get("code")) for reply in wrong_types.json()] == [
+        (5, -32600), (6, -32600), (7, None), (8, None)]
+    assert wrong_types.json()[2]["result"]["protocolVersion"] == "2025-06-18"
     assert gateway.request("GET", "/mcp").status_code == 405
 
 

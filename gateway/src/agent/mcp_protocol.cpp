@@ -78,8 +78,10 @@ void McpProtocol::handle_body(std::string_view body, const std::string& client,
 }
 
 void McpProtocol::handle(const json& message, const std::string& client, McpReply reply) const {
-    if (!message.is_object() || message.value("jsonrpc", "") != "2.0" || !message.contains("method") ||
-        !message["method"].is_string()) {
+    // Every field is checked for its type before it is read: a member of the wrong type is an Invalid Request
+    // of its own, never an exception that loses the whole body's answers.
+    if (!message.is_object() || !message.contains("jsonrpc") || message["jsonrpc"] != "2.0" ||
+        !message.contains("method") || !message["method"].is_string()) {
         // Responses from the client (to server requests we never send) are accepted and ignored.
         if (message.is_object() && (message.contains("result") || message.contains("error")))
             return reply(std::nullopt);
@@ -94,7 +96,10 @@ void McpProtocol::handle(const json& message, const std::string& client, McpRepl
 
     if (method == "initialize") {
         std::string version(latest_protocol);
-        const std::string requested = params.is_object() ? params.value("protocolVersion", "") : "";
+        const std::string requested =
+            params.is_object() && params.contains("protocolVersion") && params["protocolVersion"].is_string()
+                ? params["protocolVersion"].get<std::string>()
+                : std::string();
         for (std::string_view known : known_protocols)
             if (requested == known)
                 version = requested;
