@@ -250,8 +250,43 @@ def json_text():
                                                 "metadata": {}, "transient": {}}))
 
 
+def mcp_jsonrpc():
+    # What @modelcontextprotocol/sdk's client POSTs (tests/agent/mcp_client), after the mode byte: tools answering
+    # at once (0), later in reverse order (1), throwing once their arguments passed (2).
+    def rpc(method, params=None, id=None):
+        message = {"jsonrpc": "2.0", "method": method}
+        if id is not None:
+            message["id"] = id
+        if params is not None:
+            message["params"] = params
+        return message
+
+    initialize = rpc("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                    "clientInfo": {"name": "cellblock-mcp-test", "version": "1.0.0"}}, 0)
+    run = rpc("tools/call", {"name": "run_python", "arguments": {"session": "analysis", "code": "import numpy as np\n"
+                                                                 "np.arange(5).sum()", "timeout_s": 30}}, 2)
+    decide = rpc("tools/call", {"name": "decide_approval",
+                                "arguments": {"session": "net", "id": "a1", "decision": "allow_once"}}, "d-1")
+    write("mcp_jsonrpc", "initialize", b"\x00" + compact(initialize))
+    write("mcp_jsonrpc", "initialized_notification", b"\x00" + compact(rpc("notifications/initialized")))
+    write("mcp_jsonrpc", "tools_list", b"\x00" + compact(rpc("tools/list", {}, 1)))
+    write("mcp_jsonrpc", "run_python", b"\x00" + compact(run))
+    write("mcp_jsonrpc", "run_python_later", b"\x01" + compact(run))
+    write("mcp_jsonrpc", "decide_approval_throws", b"\x02" + compact(decide))
+    write("mcp_jsonrpc", "batch_in_reverse", b"\x01" + compact(
+        [run, rpc("ping", None, 3), rpc("notifications/cancelled", {"requestId": 2}),
+         {"jsonrpc": "2.0", "id": 7, "result": {}}, decide]))
+    write("mcp_jsonrpc", "unknown_method", b"\x00" + compact(rpc("resources/list", {}, 4)))
+    write("mcp_jsonrpc", "not_json", b"\x00" + b'{"jsonrpc": "2.0", "id": 1, "method": ')
+    # Found by this target: a field of the wrong JSON type threw out of the protocol (a 500 for the whole batch).
+    write("mcp_jsonrpc", "regression_jsonrpc_not_a_string", b"\x01" + compact(
+        [{"jsonrpc": {"name": "run_python", "arguments": {"session": "s", "id": "a1"}}}, rpc("ping", None, 9)]))
+    write("mcp_jsonrpc", "regression_protocol_version_number", b"\x00" + compact(
+        rpc("initialize", {"protocolVersion": 20250618}, 0)))
+
+
 if __name__ == "__main__":
     for target in ["kernel_wire_verifier", "gateway_wire_decode", "websocket_message", "router", "worker_stream",
-                   "sandbox_policy", "tls_client_hello", "json_text"]:
+                   "sandbox_policy", "tls_client_hello", "json_text", "mcp_jsonrpc"]:
         shutil.rmtree(HERE / "corpus" / target, ignore_errors=True)
         globals()[target]()
