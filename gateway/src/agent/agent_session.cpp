@@ -675,7 +675,7 @@ void AgentSession::disconnect(const std::string& reason) {
     }
 }
 
-void AgentSession::close(const std::string& reason) {
+void AgentSession::close(const std::string& reason, bool record_deletion) {
     if (closed_)
         return;
     closed_ = true;
@@ -688,7 +688,8 @@ void AgentSession::close(const std::string& reason) {
         link_ = nullptr;
         services_.kernels.shutdown_kernel(kernel->id(), reason);
     }
-    persist_record();
+    if (record_deletion)
+        persist_record();
 }
 
 void AgentSession::fail_every_waiter(const std::string& cause) {

@@ -222,7 +222,7 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::find(const std::string& id_o
         }
         // No record at all: deleted there longer ago than the retention, and purged.
         if (record ? record->value("deleted", false) : found->record_committed()) {
-            remove(found, "deleted through another gateway", "");
+            let_go(found);
             return nullptr;
         }
         return found;
@@ -243,12 +243,23 @@ void AgentSessionRegistry::remove(const std::shared_ptr<AgentSession>& session, 
                                   const std::string& client) {
     if (!session)
         return;
-    by_id_.erase(session->id());
-    if (auto named = id_by_name_.find(session->name());
-        named != id_by_name_.end() && named->second == session->id())
-        id_by_name_.erase(named);
+    unregister(*session);
     session->audit({{"event", "session_deleted"}, {"reason", reason}, {"client", client}});
     session->close(reason);
+}
+
+void AgentSessionRegistry::unregister(const AgentSession& session) {
+    by_id_.erase(session.id());
+    if (auto named = id_by_name_.find(session.name());
+        named != id_by_name_.end() && named->second == session.id())
+        id_by_name_.erase(named);
+}
+
+void AgentSessionRegistry::let_go(const std::shared_ptr<AgentSession>& session) {
+    unregister(*session);
+    services_.logger.info("agent_session_let_go",
+                          {{"session", session->id()}, {"reason", "deleted through another gateway"}});
+    session->close("deleted through another gateway", false);
 }
 
 void AgentSessionRegistry::schedule_expiry() {

@@ -90,8 +90,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // Restarts the kernel in place (variables gone, files kept) and clears the history; runs after queued
     // executes.
     void reset(std::string client_address, Done done);
-    // Shuts the kernel down and fails whatever is queued. The session is unusable afterwards.
-    void close(const std::string& reason);
+    // Shuts the kernel down and fails whatever is queued. The session is unusable afterwards. Its record is
+    // written as deleted, unless `record_deletion` is false: another gateway deleted it and wrote that
+    // already (and the retention may have purged it since; writing it again would bring a tombstone back).
+    void close(const std::string& reason, bool record_deletion = true);
 
     nlohmann::json model() const;
     // Pending and decided approvals of this session, oldest first.

@@ -40,6 +40,11 @@ class AgentSessionRegistry {
                 const std::string& client);
 
   private:
+    // Drops a session that another gateway deleted (and recorded, with its audit entry) from this gateway,
+    // writing nothing.
+    void let_go(const std::shared_ptr<AgentSession>& session);
+    // Takes the session's id and name out of this registry.
+    void unregister(const AgentSession& session);
     void load_sessions();
     // Builds the session of a stored record with its history; `at_start`: after this gateway's restart
     // (its kernel re-adopted with the execute in flight), else attached on demand from a shared store.
