@@ -1,26 +1,61 @@
 #include "cellblock/gateway/config.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <regex>
 #include <stdexcept>
+#include <type_traits>
+#include <utility>
 
 namespace cellblock::gateway {
 
 using nlohmann::json;
 
 namespace {
+// A value into its field exactly, or an error naming `where`: an integer field takes only a whole number
+// within its range (a port of 70000 or a byte cap of -1 would otherwise be truncated or wrapped into another,
+// valid looking value), a floating-point field a finite number, a flag true or false. One rule for the config
+// file and the environment.
+template <typename T>
+T exact_value(const json& value, const std::string& where) {
+    if constexpr (std::is_same_v<T, bool>) {
+        if (!value.is_boolean())
+            throw std::invalid_argument(where + ": must be true or false");
+        return value.get<bool>();
+    } else if constexpr (std::is_integral_v<T>) {
+        if (!value.is_number_integer())  // nlohmann: true for signed and unsigned integers, not for floats
+            throw std::invalid_argument(where + ": must be a whole number, got " + value.dump());
+        if (value.is_number_unsigned()) {
+            if (const auto number = value.get<std::uint64_t>(); std::in_range<T>(number))
+                return static_cast<T>(number);
+        } else if (const auto number = value.get<std::int64_t>(); std::in_range<T>(number)) {
+            return static_cast<T>(number);
+        }
+        throw std::invalid_argument(where + ": " + value.dump() + " is out of range (" +
+                                    std::to_string(std::numeric_limits<T>::min()) + " to " +
+                                    std::to_string(std::numeric_limits<T>::max()) + ")");
+    } else if constexpr (std::is_floating_point_v<T>) {
+        if (!value.is_number() || !std::isfinite(value.get<double>()))
+            throw std::invalid_argument(where + ": must be a number, got " + value.dump());
+        return value.get<T>();
+    } else {
+        try {
+            return value.get<T>();
+        } catch (const json::exception& error) {
+            throw std::invalid_argument(where + ": " + error.what());
+        }
+    }
+}
+
 template <typename T>
 void take(const json& source, const char* key, T& field) {
     auto found = source.find(key);
     if (found == source.end() || found->is_null())
         return;
-    try {
-        field = found->get<T>();
-    } catch (const json::exception& error) {
-        throw std::invalid_argument(std::string("config key '") + key + "': " + error.what());
-    }
+    field = exact_value<T>(*found, std::string("config key '") + key + "'");
 }
 
 bool parse_bool(const std::string& name, const std::string& text) {
@@ -31,16 +66,13 @@ bool parse_bool(const std::string& name, const std::string& text) {
     throw std::invalid_argument(name + ": expected true/false, got '" + text + "'");
 }
 
-double parse_number(const std::string& name, const std::string& text) {
-    try {
-        std::size_t used = 0;
-        double value = std::stod(text, &used);
-        if (used != text.size())
-            throw std::invalid_argument("trailing characters");
-        return value;
-    } catch (const std::exception&) {
+// An environment variable's number, read as a JSON number so that it meets exact_value's rule.
+template <typename T>
+T parse_number(const std::string& name, const std::string& text) {
+    const json number = json::parse(text, nullptr, false);
+    if (number.is_discarded() || !number.is_number())
         throw std::invalid_argument(name + ": expected a number, got '" + text + "'");
-    }
+    return exact_value<T>(number, name);
 }
 
 std::vector<std::string> parse_list(const std::string& text) {
@@ -231,7 +263,7 @@ void GatewayConfig::merge_environment(
     };
     auto number = [&](const char* name, auto& field) {
         if (auto value = lookup(name))
-            field = static_cast<std::remove_reference_t<decltype(field)>>(parse_number(name, *value));
+            field = parse_number<std::remove_reference_t<decltype(field)>>(name, *value);
     };
     auto boolean = [&](const char* name, bool& field) {
         if (auto value = lookup(name))

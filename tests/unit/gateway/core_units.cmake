@@ -1,4 +1,4 @@
-# GoogleTest units of the gateway core: router, auth, date format, HMAC signer, both WebSocket message formats,
+# GoogleTest units of the gateway core: router, auth, the config file and environment, date format, HMAC signer, both WebSocket message formats,
 # the ZMQ wire format, kernelspec alias resolution, the SQLite and PostgreSQL stores (a server of its own), their writer
 # thread and the state directory lock,
 # the metrics registry and its Prometheus text rendering, network policies against the ceiling, and the
@@ -6,6 +6,7 @@
 add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/router_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/auth_test.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/config_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/time_format_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/crypto_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/jupyter_message_test.cpp

@@ -1,0 +1,92 @@
+// The gateway's configuration file and environment: a number lands in its field exactly or is refused with
+// the key's name. Before, a port of 70000 became 4464, a byte cap of -1 became no cap at all, and a count of
+// 1e10 converted out of int's range (undefined behaviour).
+#include "cellblock/gateway/config.hpp"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+using namespace cellblock::gateway;
+using nlohmann::json;
+
+namespace {
+
+// The message of the error merging `text` raises; empty when it is accepted.
+std::string file_error(const std::string& text) {
+    GatewayConfig config;
+    try {
+        config.merge_json(json::parse(text));
+    } catch (const std::invalid_argument& error) {
+        return error.what();
+    }
+    return "";
+}
+
+std::string environment_error(const std::map<std::string, std::string>& variables, GatewayConfig& config) {
+    try {
+        config.merge_environment([&](const std::string& name) -> std::optional<std::string> {
+            auto found = variables.find(name);
+            return found == variables.end() ? std::nullopt : std::optional<std::string>(found->second);
+        });
+    } catch (const std::invalid_argument& error) {
+        return error.what();
+    }
+    return "";
+}
+
+}  // namespace
+
+TEST(GatewayConfigFile, NumbersLandInTheirFieldsExactly) {
+    GatewayConfig config;
+    config.merge_json(json::parse(
+        R"({"port": 9999, "max_body_bytes": 1048576, "max_kernels": -1, "cull_interval": 2.5, "warm_pool": 0,
+            "list_kernels": false, "header_timeout": 3})"));
+    EXPECT_EQ(config.port, 9999);
+    EXPECT_EQ(config.max_body_bytes, 1048576u);
+    EXPECT_EQ(config.max_kernels, -1);
+    EXPECT_DOUBLE_EQ(config.cull_interval, 2.5);
+    EXPECT_EQ(config.warm_pool, 0);
+    EXPECT_FALSE(config.list_kernels);
+    EXPECT_DOUBLE_EQ(config.header_timeout, 3);
+}
+
+TEST(GatewayConfigFile, NumbersPastTheirFieldAreRefusedNotTruncatedOrWrapped) {
+    const std::map<std::string, std::string> refused = {
+        {R"({"port": 70000})", "'port': 70000 is out of range (0 to 65535)"},
+        {R"({"port": -1})", "'port': -1 is out of range"},
+        {R"({"port": 8888.5})", "'port': must be a whole number"},
+        {R"({"max_body_bytes": -1})", "'max_body_bytes': -1 is out of range"},
+        {R"({"fd_reserve": -5})", "'fd_reserve': -5 is out of range"},
+        {R"({"warm_pool": 10000000000})", "'warm_pool': 10000000000 is out of range"},
+        {R"({"max_kernels": 1e10})", "'max_kernels': must be a whole number"},
+        {R"({"slurm_mem_mb": "4096"})", "'slurm_mem_mb': must be a whole number"},
+        {R"({"cull_interval": "300"})", "'cull_interval': must be a number"},
+        {R"({"list_kernels": 1})", "'list_kernels': must be true or false"},
+    };
+    for (const auto& [text, expected] : refused) {
+        SCOPED_TRACE(text);
+        EXPECT_NE(file_error(text).find(expected), std::string::npos) << file_error(text);
+    }
+}
+
+TEST(GatewayConfigEnvironment, NumbersFollowTheFilesRule) {
+    GatewayConfig config;
+    EXPECT_EQ(environment_error({{"KG_PORT", "9000"}, {"KG_WS_PING_INTERVAL_SECS", "2.5"}}, config), "");
+    EXPECT_EQ(config.port, 9000);
+    EXPECT_DOUBLE_EQ(config.ws_ping_interval, 2.5);
+    GatewayConfig other;
+    EXPECT_NE(environment_error({{"KG_PORT", "70000"}}, other).find("KG_PORT: 70000 is out of range"),
+              std::string::npos);
+    EXPECT_NE(environment_error({{"KG_PORT", "8888.5"}}, other).find("KG_PORT: must be a whole number"),
+              std::string::npos);
+    EXPECT_NE(
+        environment_error({{"KG_MAX_KERNELS", "lots"}}, other).find("KG_MAX_KERNELS: expected a number"),
+        std::string::npos);
+    EXPECT_NE(environment_error({{"CELLBLOCK_GATEWAY_FD_RESERVE", "-1"}}, other).find("out of range"),
+              std::string::npos);
+    EXPECT_EQ(other.port, 8888) << "a refused value must leave the field as it was";
+}
