@@ -285,8 +285,28 @@ def mcp_jsonrpc():
         rpc("initialize", {"protocolVersion": 20250618}, 0)))
 
 
+def gateway_config():
+    # A config file as gateway/README.md describes it (mode byte 0) and the environment a Kernel Gateway
+    # deployment sets (mode byte 1, NAME=VALUE lines).
+    write("gateway_config", "config_file", b"\x00" + json.dumps({
+        "_comment": "cellblock-gateway config", "ip": "0.0.0.0", "port": 8888, "base_url": "/", "warm_pool": 2,
+        "max_kernels": 50, "cull_idle_timeout": 3600, "cull_interval": 60.5, "list_kernels": True,
+        "max_body_bytes": 8388608, "header_timeout": 10, "fd_reserve": 128, "kernel_aliases": {"python3": "cellblock-python"},
+        "env_whitelist": ["LANG"], "store": "postgresql://cellblock@db.example:5432/cellblock",
+        "network": {"allow": ["pypi.org", "*.pythonhosted.org"], "approval_timeout": 120, "ports": [443]}},
+        indent=2).encode())
+    write("gateway_config", "environment", b"\x01" + b"\n".join([
+        b"KG_IP=0.0.0.0", b"KG_PORT=9000", b"KG_PRESPAWN_COUNT=3", b"KG_MAX_KERNELS=20",
+        b"KG_WS_PING_INTERVAL_SECS=2.5", b"KG_LIST_KERNELS=false", b"CELLBLOCK_GATEWAY_FD_RESERVE=64",
+        b"CELLBLOCK_GATEWAY_CULL_INTERVAL=30", b"CELLBLOCK_GATEWAY_NETWORK_ALLOW=pypi.org,*.pythonhosted.org"]))
+    # What the gateway truncated or wrapped before it refused them.
+    write("gateway_config", "regression_port_past_16_bits", b"\x00" + compact({"port": 70000}))
+    write("gateway_config", "regression_negative_fd_reserve", b"\x00" + compact({"fd_reserve": -5}))
+    write("gateway_config", "regression_count_past_int", b"\x01" + b"KG_MAX_KERNELS=1e10")
+
+
 if __name__ == "__main__":
     for target in ["kernel_wire_verifier", "gateway_wire_decode", "websocket_message", "router", "worker_stream",
-                   "sandbox_policy", "tls_client_hello", "json_text", "mcp_jsonrpc"]:
+                   "sandbox_policy", "tls_client_hello", "json_text", "mcp_jsonrpc", "gateway_config"]:
         shutil.rmtree(HERE / "corpus" / target, ignore_errors=True)
         globals()[target]()
