@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -16,15 +18,55 @@ std::filesystem::path resolve(const std::filesystem::path& base, const std::stri
     return path.is_absolute() ? path : (base / path).lexically_normal();
 }
 
-double parse_number(const std::string& name, const std::string& text) {
+// Seconds from the environment: a finite, non-negative number (from_chars also reads "inf" and "nan").
+double parse_seconds(const std::string& name, const std::string& text) {
     double value = 0;
     const auto* first = text.data();
     const auto* last = text.data() + text.size();
     const auto [end, error] = std::from_chars(first, last, value);
-    if (error != std::errc{} || end != last || value < 0) {
+    if (error != std::errc{} || end != last || !std::isfinite(value) || value < 0) {
         throw ConfigError(name + ": expected a non-negative number, got '" + text + "'");
     }
     return value;
+}
+
+// A count (bytes, MiB) from the environment: a whole number that fits, never a fraction rounded down or a
+// value wrapped around.
+std::uint64_t parse_count(const std::string& name, const std::string& text) {
+    std::uint64_t value = 0;
+    const auto* first = text.data();
+    const auto* last = text.data() + text.size();
+    const auto [end, error] = std::from_chars(first, last, value);
+    if (error != std::errc{} || end != last) {
+        throw ConfigError(name + ": expected a non-negative whole number, got '" + text + "'");
+    }
+    return value;
+}
+
+// The same two rules for the config file's values: nlohmann's converting value() would turn a memory_mb of -1
+// into 2^64-1 and 1.5 into 1.
+double file_seconds(const nlohmann::json& object, const char* key, double fallback,
+                    const std::string& where) {
+    if (!object.contains(key)) {
+        return fallback;
+    }
+    const auto& value = object.at(key);
+    if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0) {
+        throw ConfigError(where + "." + key + " must be a non-negative number, got " + value.dump());
+    }
+    return value.get<double>();
+}
+
+std::uint64_t file_count(const nlohmann::json& object, const char* key, std::uint64_t fallback,
+                         const std::string& where) {
+    if (!object.contains(key)) {
+        return fallback;
+    }
+    const auto& value = object.at(key);
+    if (!value.is_number_unsigned()) {
+        throw ConfigError(where + "." + key + " must be a non-negative whole number, got " + value.dump());
+    }
+    return value.get<std::uint64_t>();
 }
 
 // A tenant names files under the sandbox's state_dir: a plain name only.
@@ -112,7 +154,8 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         const auto& worker = json.at("worker");
         config.python = worker.value("python", std::string("/usr/bin/python3"));
         config.worker_script = resolve(base, worker.at("script").get<std::string>());
-        config.worker_start_timeout_s = worker.value("start_timeout_s", config.worker_start_timeout_s);
+        config.worker_start_timeout_s =
+            file_seconds(worker, "start_timeout_s", config.worker_start_timeout_s, "worker");
         config.zygote.enabled = worker.value("zygote", false);
         config.zygote.tenant = worker.value("zygote_tenant", std::string());
         config.zygote.library =
@@ -140,11 +183,12 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
             resolve(base, json.value("workspace_root", std::string("/var/lib/cellblock/workspaces")));
         if (json.contains("limits")) {
             const auto& limits = json.at("limits");
-            config.limits.timeout_s = limits.value("timeout_s", config.limits.timeout_s);
+            config.limits.timeout_s = file_seconds(limits, "timeout_s", config.limits.timeout_s, "limits");
             config.limits.interrupt_grace_s =
-                limits.value("interrupt_grace_s", config.limits.interrupt_grace_s);
-            config.limits.output_bytes = limits.value("output_bytes", config.limits.output_bytes);
-            config.limits.memory_mb = limits.value("memory_mb", config.limits.memory_mb);
+                file_seconds(limits, "interrupt_grace_s", config.limits.interrupt_grace_s, "limits");
+            config.limits.output_bytes =
+                file_count(limits, "output_bytes", config.limits.output_bytes, "limits");
+            config.limits.memory_mb = file_count(limits, "memory_mb", config.limits.memory_mb, "limits");
         }
     } catch (const nlohmann::json::exception& error) {
         throw ConfigError("kernel config " + file.string() + ": " + error.what());
@@ -166,17 +210,16 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.workspace = std::filesystem::path(*value);
     }
     if (auto value = environment("CELLBLOCK_TIMEOUT_S")) {
-        config.limits.timeout_s = parse_number("CELLBLOCK_TIMEOUT_S", *value);
+        config.limits.timeout_s = parse_seconds("CELLBLOCK_TIMEOUT_S", *value);
     }
     if (auto value = environment("CELLBLOCK_MEMORY_MB")) {
-        config.limits.memory_mb = static_cast<std::uint64_t>(parse_number("CELLBLOCK_MEMORY_MB", *value));
+        config.limits.memory_mb = parse_count("CELLBLOCK_MEMORY_MB", *value);
     }
     if (auto value = environment("CELLBLOCK_INTERRUPT_GRACE_S")) {
-        config.limits.interrupt_grace_s = parse_number("CELLBLOCK_INTERRUPT_GRACE_S", *value);
+        config.limits.interrupt_grace_s = parse_seconds("CELLBLOCK_INTERRUPT_GRACE_S", *value);
     }
     if (auto value = environment("CELLBLOCK_OUTPUT_BYTES")) {
-        config.limits.output_bytes =
-            static_cast<std::uint64_t>(parse_number("CELLBLOCK_OUTPUT_BYTES", *value));
+        config.limits.output_bytes = parse_count("CELLBLOCK_OUTPUT_BYTES", *value);
     }
     if (auto value = environment("CELLBLOCK_NETWORK_POLICY")) {
         try {

@@ -2,6 +2,8 @@
 
 #include <fstream>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "kernel_config.hpp"
 
@@ -76,6 +78,48 @@ TEST_F(KernelConfigFile, BadValuesAreReportedByName) {
         EXPECT_NE(std::string(error.what()).find("CELLBLOCK_TIMEOUT_S"), std::string::npos);
     }
     EXPECT_THROW(KernelConfig::load(dir / "missing.json", environment()), ConfigError);
+}
+
+// A limit is what the file or the variable says, or the kernel refuses to start naming it: before, a
+// memory_mb of -1 became 2^64-1 (no limit), 1.5 MiB became 1, CELLBLOCK_MEMORY_MB=1e30 converted out of range
+// and CELLBLOCK_TIMEOUT_S=nan was taken as a time limit.
+TEST_F(KernelConfigFile, LimitsPastTheirTypeAreRefusedNotWrappedOrRounded) {
+    const auto refusal = [this](const std::string& limits) -> std::string {
+        std::ofstream(file) << R"({"worker": {"script": "w.py"}, "sandbox_policy": "p.json", "limits": )"
+                            << limits << "}";
+        try {
+            KernelConfig::load(file, environment());
+        } catch (const ConfigError& error) {
+            return error.what();
+        }
+        return "";
+    };
+    EXPECT_NE(refusal(R"({"memory_mb": -1})").find("limits.memory_mb must be a non-negative whole number"),
+              std::string::npos);
+    EXPECT_NE(refusal(R"({"memory_mb": 1.5})").find("limits.memory_mb"), std::string::npos);
+    EXPECT_NE(refusal(R"({"output_bytes": -4096})").find("limits.output_bytes"), std::string::npos);
+    EXPECT_NE(refusal(R"({"timeout_s": -1})").find("limits.timeout_s must be a non-negative number"),
+              std::string::npos);
+    EXPECT_NE(refusal(R"({"timeout_s": "600"})").find("limits.timeout_s"), std::string::npos);
+    EXPECT_EQ(refusal(R"({"memory_mb": 18446744073709551615, "timeout_s": 0})"), "");
+
+    std::ofstream(file) << R"({"worker": {"script": "w.py"}, "sandbox_policy": "p.json"})";
+    for (const auto& [name, text] :
+         std::vector<std::pair<std::string, std::string>>{{"CELLBLOCK_MEMORY_MB", "1e30"},
+                                                          {"CELLBLOCK_MEMORY_MB", "1.5"},
+                                                          {"CELLBLOCK_OUTPUT_BYTES", "-1"},
+                                                          {"CELLBLOCK_OUTPUT_BYTES", "99999999999999999999"},
+                                                          {"CELLBLOCK_TIMEOUT_S", "nan"},
+                                                          {"CELLBLOCK_INTERRUPT_GRACE_S", "inf"}}) {
+        SCOPED_TRACE(name + "=" + text);
+        variables = {{name, text}};
+        try {
+            KernelConfig::load(file, environment());
+            ADD_FAILURE() << "accepted";
+        } catch (const ConfigError& error) {
+            EXPECT_NE(std::string(error.what()).find(name), std::string::npos) << error.what();
+        }
+    }
 }
 
 TEST_F(KernelConfigFile, NetworkPolicyIsReadFromTheEnvironment) {
