@@ -110,16 +110,18 @@ json AgentConfig::to_json() const {
 
 void add_agent_options(CLI::App& app, AgentConfig& config) {
     const std::string group = "Agent API";
+    // About 47 years: a duration in milliseconds fits a timer, and now minus it stays after 1970.
+    constexpr double max_duration_s = 1.5e9;
     app.add_option("--agent-session-ttl", config.session_ttl_s,
                    "seconds before an idle agent session is deleted, 0 = never")
         ->envname("CELLBLOCK_AGENT_SESSION_TTL")
-        ->check(CLI::NonNegativeNumber)
+        ->check(CLI::Range(0.0, max_duration_s))
         ->group(group);
     app.add_option("--agent-deleted-retention", config.deleted_retention_s,
                    "seconds a deleted agent session's record, notebook and audit trail stay in the store, "
                    "0 = forever")
         ->envname("CELLBLOCK_AGENT_DELETED_RETENTION")
-        ->check(CLI::NonNegativeNumber)
+        ->check(CLI::Range(0.0, max_duration_s))
         ->group(group);
     app.add_option("--agent-max-timeout", config.max_limits.timeout_s,
                    "largest limits.timeout_s a session may ask for")
