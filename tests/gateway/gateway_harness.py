@@ -278,19 +278,24 @@ def outputs(messages):
 
 
 def kernel_pids(kernel_id):
-    """PIDs of processes whose command line names this kernel's connection file, less their children: a
-    process the kernel has just forked (the sandbox's clone of a new worker) shows the same command line until
-    it execs."""
+    """PIDs of the processes running this kernel. A process the kernel has just forked shows the kernel's command
+    line until it execs: the sandbox's clone of a new worker (a child of the kernel), and the double-forked zygote
+    template, whose parent is an intermediate process or, once that has exited, not the kernel's at all. Both sit
+    in network namespaces of their own from the clone on, while a kernel runs in the gateway's: this host's."""
+    host_network = os.readlink("/proc/self/ns/net")
     parents = {}
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
+            if f"kernel-{kernel_id}.json".encode() not in cmdline:
+                continue
             stat = (entry / "stat").read_bytes()
+            if os.readlink(entry / "ns" / "net") != host_network:
+                continue
         except OSError:
             continue
-        if f"kernel-{kernel_id}.json".encode() in cmdline:
-            # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
-            parents[int(entry.name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+        # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
+        parents[int(entry.name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
     return sorted(pid for pid, parent in parents.items() if parent not in parents)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import cellblock_zygote
@@ -39,11 +38,7 @@ def zygote_kernelspec(tmp_path_factory):
 
 
 def kernel_environment(gateway, kernel_id) -> dict:
-    # While the kernel starts its tenant's template, the detached template process shows the kernel's command
-    # line until it execs, with a parent that is not the kernel: wait for that moment to pass.
-    deadline = time.monotonic() + 30
-    while len(pids := kernel_pids(kernel_id)) != 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    pids = kernel_pids(kernel_id)
     assert len(pids) == 1, pids
     raw = Path(f"/proc/{pids[0]}/environ").read_bytes()
     return dict(entry.partition("=")[::2] for entry in raw.decode().split("\0") if entry)
