@@ -61,10 +61,10 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       writer_(writer),
       metrics_(metrics),
       zmq_context_(1),
-      cull_timer_(io),
+      cull_sweep_(io),
       pool_retry_timer_(io),
       pool_refill_timer_(io),
-      housekeeping_timer_(io) {
+      housekeeping_sweep_(io) {
     provisioners_["local"] = make_local_provisioner(io);
     provisioners_["slurm"] = make_slurm_provisioner(io, zmq_context_, logger, config);
     std::array<char, 256> host{};
@@ -117,8 +117,10 @@ void KernelManager::start() {
     make_private_directory(workspace_root_);
     readopt_recorded_kernels();
     refill_pool();
-    schedule_cull();
-    schedule_housekeeping();
+    if (config_.cull_idle_timeout > 0)
+        cull_sweep_.start(std::chrono::duration<double>(std::max(0.05, config_.cull_interval)),
+                          [this] { cull(); });
+    housekeeping_sweep_.start(std::chrono::milliseconds(200), [this] { housekeeping(); });
 }
 
 void KernelManager::readopt_recorded_kernels() {
@@ -324,27 +326,17 @@ void KernelManager::flush_progress() {
             });
 }
 
-void KernelManager::schedule_housekeeping() {
-    if (stopping_)
-        return;
-    // Progress is written often so that a crash replays little twice; leases are renewed well within their
-    // term.
-    housekeeping_timer_.expires_after(std::chrono::milliseconds(200));
-    housekeeping_timer_.async_wait([this](const boost::system::error_code& error) {
-        if (error)
-            return;
-        flush_progress();
-        if (writer_.store().shared() && config_.cull_idle_timeout > 0)
-            share_activity();
-        const auto now = std::chrono::steady_clock::now();
-        if (config_.orphan_timeout > 0 && now >= next_lease_renewal_) {
-            for (const auto& kernel : live_kernels())
-                kernel->renew_lease();
-            next_lease_renewal_ = now + std::chrono::milliseconds(static_cast<long long>(
-                                            std::clamp(config_.orphan_timeout / 4, 0.2, 30.0) * 1000));
-        }
-        schedule_housekeeping();
-    });
+void KernelManager::housekeeping() {
+    flush_progress();
+    if (writer_.store().shared() && config_.cull_idle_timeout > 0)
+        share_activity();
+    const auto now = std::chrono::steady_clock::now();
+    if (config_.orphan_timeout > 0 && now >= next_lease_renewal_) {
+        for (const auto& kernel : live_kernels())
+            kernel->renew_lease();
+        next_lease_renewal_ = now + std::chrono::milliseconds(static_cast<long long>(
+                                        std::clamp(config_.orphan_timeout / 4, 0.2, 30.0) * 1000));
+    }
 }
 
 std::map<std::string, std::string> KernelManager::kernel_environment(
@@ -709,10 +701,10 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
 
 void KernelManager::detach_all() {
     stopping_ = true;
-    cull_timer_.cancel();
+    cull_sweep_.stop();
     pool_retry_timer_.cancel();
     pool_refill_timer_.cancel();
-    housekeeping_timer_.cancel();
+    housekeeping_sweep_.stop();
     // Kernels handed out or pooled are kept; ones already being shut down finish stopping.
     std::vector<std::shared_ptr<Kernel>> kept, stopping;
     for (const auto& kernel : live_kernels()) {
@@ -739,10 +731,10 @@ void KernelManager::detach_all() {
 
 void KernelManager::shutdown_all() {
     stopping_ = true;
-    cull_timer_.cancel();
+    cull_sweep_.stop();
     pool_retry_timer_.cancel();
     pool_refill_timer_.cancel();
-    housekeeping_timer_.cancel();
+    housekeeping_sweep_.stop();
     // Taken before the pool lets go of its kernels: a pooled kernel is stopped and forgotten like the others
     // (dropped first, it would die in its destructor and stay recorded in the store).
     auto all = live_kernels();
@@ -767,19 +759,6 @@ void KernelManager::shutdown_all() {
         kernel->close_sockets();
     }
     writer_.drain();
-}
-
-void KernelManager::schedule_cull() {
-    if (config_.cull_idle_timeout <= 0 || stopping_)
-        return;
-    cull_timer_.expires_after(
-        std::chrono::milliseconds(static_cast<long long>(std::max(0.05, config_.cull_interval) * 1000)));
-    cull_timer_.async_wait([this](const boost::system::error_code& error) {
-        if (error)
-            return;
-        cull();
-        schedule_cull();
-    });
 }
 
 void KernelManager::share_activity() {

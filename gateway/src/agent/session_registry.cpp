@@ -30,7 +30,7 @@ bool valid_session_name(std::string_view name) {
 }
 
 AgentSessionRegistry::AgentSessionRegistry(AgentSessionServices& services)
-    : services_(services), expiry_timer_(services.io), purge_timer_(services.io) {
+    : services_(services), expiry_sweep_(services.io), purge_sweep_(services.io) {
     sessions_by_state_ = services.metrics.registry.sampled_gauge(
         "cellblock_agent_sessions", "Agent sessions by what they are doing now.", "state", [this] {
             std::vector<GaugeSample> samples;
@@ -46,15 +46,19 @@ AgentSessionRegistry::AgentSessionRegistry(AgentSessionServices& services)
 }
 
 AgentSessionRegistry::~AgentSessionRegistry() {
-    expiry_timer_.cancel();
-    purge_timer_.cancel();
+    expiry_sweep_.stop();
+    purge_sweep_.stop();
     services_.writer.drain();
 }
 
 void AgentSessionRegistry::start() {
     load_sessions();
-    schedule_expiry();
-    schedule_purge();
+    if (const double ttl = services_.config.session_ttl_s; ttl > 0)
+        expiry_sweep_.start(std::chrono::duration<double>(std::clamp(ttl / 4, 0.25, 30.0)),
+                            [this] { expire_idle(); });
+    if (const double retention = services_.config.deleted_retention_s; retention > 0)
+        purge_sweep_.start(std::chrono::duration<double>(std::clamp(retention / 4, 0.25, 3600.0)),
+                           [this] { purge_deleted(); });
 }
 
 void AgentSessionRegistry::load_sessions() {
@@ -262,20 +266,6 @@ void AgentSessionRegistry::let_go(const std::shared_ptr<AgentSession>& session) 
     session->close("deleted through another gateway", false);
 }
 
-void AgentSessionRegistry::schedule_expiry() {
-    const double ttl = services_.config.session_ttl_s;
-    if (ttl <= 0)
-        return;
-    const double interval = std::clamp(ttl / 4, 0.25, 30.0);
-    expiry_timer_.expires_after(std::chrono::milliseconds(static_cast<long long>(interval * 1000)));
-    expiry_timer_.async_wait([this](const boost::system::error_code& error) {
-        if (error)
-            return;
-        expire_idle();
-        schedule_expiry();
-    });
-}
-
 void AgentSessionRegistry::expire_idle() {
     const auto now = std::chrono::steady_clock::now();
     const auto ttl = std::chrono::milliseconds(static_cast<long long>(services_.config.session_ttl_s * 1000));
@@ -290,20 +280,6 @@ void AgentSessionRegistry::expire_idle() {
                "idle for longer than the session TTL (" + json(services_.config.session_ttl_s).dump() + " s)",
                "");
     }
-}
-
-void AgentSessionRegistry::schedule_purge() {
-    const double retention = services_.config.deleted_retention_s;
-    if (retention <= 0)
-        return;
-    const double interval = std::clamp(retention / 4, 0.25, 3600.0);
-    purge_timer_.expires_after(std::chrono::milliseconds(static_cast<long long>(interval * 1000)));
-    purge_timer_.async_wait([this](const boost::system::error_code& error) {
-        if (error)
-            return;
-        purge_deleted();
-        schedule_purge();
-    });
 }
 
 void AgentSessionRegistry::purge_deleted() {

@@ -23,6 +23,7 @@
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/metrics.hpp"
+#include "cellblock/gateway/repeating_timer.hpp"
 #include "cellblock/gateway/store_writer.hpp"
 
 namespace cellblock::gateway {
@@ -114,7 +115,6 @@ class KernelManager {
     void refill_pool();
     // After a kernel is handed out from the pool: refill once the new session's first moments are over.
     void refill_pool_soon();
-    void schedule_cull();
     void cull();
     // Shared store: only the gateway holding the cull-leader lease culls, over every kernel in the store,
     // from the activity all gateways record there (share_activity, with the housekeeping).
@@ -132,7 +132,9 @@ class KernelManager {
     // removing its files (sockets, workspace): its clients here are disconnected and reconnect to what the
     // store records.
     void let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason);
-    void schedule_housekeeping();
+    // Every 200 ms: progress to the store (so that a crash replays little twice), activity shared for
+    // culling, leases renewed well within their term.
+    void housekeeping();
     void flush_progress();
     std::vector<std::shared_ptr<Kernel>> live_kernels() const;
 
@@ -155,11 +157,11 @@ class KernelManager {
     std::vector<std::weak_ptr<Kernel>> every_kernel_;
     int reserved_ = 0;  // starts in flight, counted against max_kernels
     int pool_failures_ = 0;
-    boost::asio::steady_timer cull_timer_;
+    RepeatingTimer cull_sweep_;  // every --cull-interval while --cull-idle-timeout is set
     boost::asio::steady_timer pool_retry_timer_;
     boost::asio::steady_timer pool_refill_timer_;
     bool pool_refill_pending_ = false;
-    boost::asio::steady_timer housekeeping_timer_;  // progress to the store, lease renewals
+    RepeatingTimer housekeeping_sweep_;
     std::chrono::steady_clock::time_point next_lease_renewal_;
     std::map<std::string, std::string> lost_causes_;
     std::string owner_;

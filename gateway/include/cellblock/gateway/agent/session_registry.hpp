@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cellblock/gateway/agent/agent_session.hpp"
+#include "cellblock/gateway/repeating_timer.hpp"
 #include "cellblock/gateway/router.hpp"
 
 namespace cellblock::gateway::agent {
@@ -51,18 +52,16 @@ class AgentSessionRegistry {
     std::shared_ptr<AgentSession> load_record(const nlohmann::json& record, bool at_start);
     // A stored, not deleted record by id or name (shared store only).
     std::optional<nlohmann::json> stored_record(const std::string& id_or_name);
-    void schedule_expiry();
     void expire_idle();
-    // Every quarter of --agent-deleted-retention (at most hourly): the store forgets the sessions deleted
-    // longer ago than that, with their notebooks and audit trails.
-    void schedule_purge();
+    // The store forgets the sessions deleted longer ago than --agent-deleted-retention, with their notebooks
+    // and audit trails.
     void purge_deleted();
 
     AgentSessionServices& services_;
     std::map<std::string, std::shared_ptr<AgentSession>> by_id_;
     std::map<std::string, std::string> id_by_name_;
-    boost::asio::steady_timer expiry_timer_;
-    boost::asio::steady_timer purge_timer_;
+    RepeatingTimer expiry_sweep_;  // expire_idle, every quarter of the TTL (0.25 to 30 s)
+    RepeatingTimer purge_sweep_;   // purge_deleted, every quarter of the retention (0.25 s to an hour)
     MetricsRegistry::SamplerHandle sessions_by_state_;  // cellblock_agent_sessions, sampled from by_id_
 };
 
