@@ -206,8 +206,6 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "max_unauthenticated_connections", max_unauthenticated_connections);
     take(j, "max_unauthenticated_per_address", max_unauthenticated_per_address);
     take(j, "fd_reserve", fd_reserve);
-    if (!(header_timeout > 0))
-        throw std::invalid_argument("config key 'header_timeout': must be a positive number of seconds");
     take(j, "runtime_dir", runtime_dir);
     take(j, "workspace_root", workspace_root);
     take(j, "state_dir", state_dir);
@@ -302,8 +300,6 @@ void GatewayConfig::merge_environment(
     number("CELLBLOCK_GATEWAY_MAX_UNAUTHENTICATED_CONNECTIONS", max_unauthenticated_connections);
     number("CELLBLOCK_GATEWAY_MAX_UNAUTHENTICATED_PER_ADDRESS", max_unauthenticated_per_address);
     number("CELLBLOCK_GATEWAY_FD_RESERVE", fd_reserve);
-    if (!(header_timeout > 0))
-        throw std::invalid_argument("CELLBLOCK_GATEWAY_HEADER_TIMEOUT: must be a positive number of seconds");
     text("CELLBLOCK_GATEWAY_RUNTIME_DIR", runtime_dir);
     text("CELLBLOCK_GATEWAY_WORKSPACE_ROOT", workspace_root);
     text("CELLBLOCK_GATEWAY_STATE_DIR", state_dir);
@@ -429,6 +425,28 @@ void GatewayConfig::check_zygote_tenant() const {
     if (zygote_tenant.size() > longest || !plain || zygote_tenant == "." || zygote_tenant == "..")
         throw std::invalid_argument("zygote_tenant '" + zygote_tenant +
                                     "': a plain name of at most 64 of A-Za-z0-9._- is needed");
+}
+
+void GatewayConfig::check_durations() const {
+    constexpr double longest_seconds = 1.5e9;
+    const std::pair<const char*, double> durations[] = {
+        {"kernel_launch_timeout", kernel_launch_timeout},
+        {"cull_idle_timeout", cull_idle_timeout},
+        {"cull_interval", cull_interval},
+        {"ws_ping_interval", ws_ping_interval},
+        {"offline_session_ttl", offline_session_ttl},
+        {"header_timeout", header_timeout},
+        {"orphan_timeout", orphan_timeout},
+        {"slurm_poll_interval", slurm_poll_interval},
+        {"network.approval_timeout", network_approval_timeout},
+    };
+    for (const auto& [name, seconds] : durations)
+        if (!(seconds >= 0 && seconds <= longest_seconds))  // NaN fails both
+            throw std::invalid_argument(std::string(name) + ": " + json(seconds).dump() +
+                                        " is not a number of seconds from 0 to 1.5e9");
+    // A connection that must send its headers within 0 s could never be served.
+    if (header_timeout == 0)
+        throw std::invalid_argument("header_timeout: must be a positive number of seconds");
 }
 
 std::string installed_data_dir() {

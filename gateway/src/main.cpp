@@ -257,6 +257,7 @@ int main(int argc, char** argv) {
         config.base_url = normalized_base_url(config.base_url);
         config.check_network();
         config.check_zygote_tenant();
+        config.check_durations();
     } catch (const std::exception& error) {
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
         return 2;

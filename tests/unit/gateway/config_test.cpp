@@ -90,3 +90,33 @@ TEST(GatewayConfigEnvironment, NumbersFollowTheFilesRule) {
               std::string::npos);
     EXPECT_EQ(other.port, 8888) << "a refused value must leave the field as it was";
 }
+
+// Every duration's timer counts milliseconds in 64 bits: 1e300 seconds overflowed it (undefined behaviour), and a
+// negative time makes no sense. The gateway refuses to start, naming the setting, whichever way it was given.
+TEST(GatewayConfigDurations, ANegativeOrAstronomicalNumberOfSecondsIsRefusedByName) {
+    EXPECT_NO_THROW(GatewayConfig{}.check_durations());
+    GatewayConfig longest;
+    longest.merge_json(nlohmann::json::parse(R"({"orphan_timeout": 1.5e9, "cull_interval": 0})"));
+    EXPECT_NO_THROW(longest.check_durations());
+    GatewayConfig instant;
+    instant.merge_json(nlohmann::json::parse(R"({"header_timeout": 0})"));
+    EXPECT_THROW(instant.check_durations(), std::invalid_argument);
+    for (const char* key : {"kernel_launch_timeout", "cull_idle_timeout", "cull_interval", "ws_ping_interval",
+                            "offline_session_ttl", "header_timeout", "orphan_timeout", "slurm_poll_interval",
+                            "network.approval_timeout"}) {
+        for (double seconds : {1e300, 1.6e9, -1.0}) {
+            SCOPED_TRACE(std::string(key) + " = " + std::to_string(seconds));
+            GatewayConfig config;
+            const std::string name = key;
+            config.merge_json(name.starts_with("network.") ? nlohmann::json{{"network", {{name.substr(8), seconds}}}}
+                                                           : nlohmann::json{{key, seconds}});
+            try {
+                config.check_durations();
+                ADD_FAILURE() << "accepted";
+            } catch (const std::invalid_argument& error) {
+                EXPECT_EQ(std::string(error.what()).rfind(std::string(key) + ": ", 0), 0) << error.what();
+                EXPECT_NE(std::string(error.what()).find("from 0 to 1.5e9"), std::string::npos) << error.what();
+            }
+        }
+    }
+}
