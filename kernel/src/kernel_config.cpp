@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
@@ -18,27 +19,32 @@ std::filesystem::path resolve(const std::filesystem::path& base, const std::stri
     return path.is_absolute() ? path : (base / path).lexically_normal();
 }
 
-// Seconds from the environment: a finite, non-negative number (from_chars also reads "inf" and "nan").
+std::string seconds_rule() {
+    return "a number of seconds from 0 to " + nlohmann::json(longest_seconds).dump();
+}
+
+// Seconds from the environment: a number from 0 to longest_seconds (from_chars also reads "inf" and "nan").
 double parse_seconds(const std::string& name, const std::string& text) {
     double value = 0;
     const auto* first = text.data();
     const auto* last = text.data() + text.size();
     const auto [end, error] = std::from_chars(first, last, value);
-    if (error != std::errc{} || end != last || !std::isfinite(value) || value < 0) {
-        throw ConfigError(name + ": expected a non-negative number, got '" + text + "'");
+    if (error != std::errc{} || end != last || !(value >= 0 && value <= longest_seconds)) {
+        throw ConfigError(name + ": expected " + seconds_rule() + ", got '" + text + "'");
     }
     return value;
 }
 
-// A count (bytes, MiB) from the environment: a whole number that fits, never a fraction rounded down or a
-// value wrapped around.
-std::uint64_t parse_count(const std::string& name, const std::string& text) {
+// A count (bytes, MiB) from the environment: a whole number up to `largest`, never a fraction rounded down or
+// a value wrapped around.
+std::uint64_t parse_count(const std::string& name, const std::string& text, std::uint64_t largest) {
     std::uint64_t value = 0;
     const auto* first = text.data();
     const auto* last = text.data() + text.size();
     const auto [end, error] = std::from_chars(first, last, value);
-    if (error != std::errc{} || end != last) {
-        throw ConfigError(name + ": expected a non-negative whole number, got '" + text + "'");
+    if (error != std::errc{} || end != last || value > largest) {
+        throw ConfigError(name + ": expected a whole number from 0 to " + std::to_string(largest) +
+                          ", got '" + text + "'");
     }
     return value;
 }
@@ -51,23 +57,27 @@ double file_seconds(const nlohmann::json& object, const char* key, double fallba
         return fallback;
     }
     const auto& value = object.at(key);
-    if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0) {
-        throw ConfigError(where + "." + key + " must be a non-negative number, got " + value.dump());
+    if (!value.is_number() || !(value.get<double>() >= 0 && value.get<double>() <= longest_seconds)) {
+        throw ConfigError(where + "." + key + " must be " + seconds_rule() + ", got " + value.dump());
     }
     return value.get<double>();
 }
 
 std::uint64_t file_count(const nlohmann::json& object, const char* key, std::uint64_t fallback,
-                         const std::string& where) {
+                         const std::string& where, std::uint64_t smallest, std::uint64_t largest) {
     if (!object.contains(key)) {
         return fallback;
     }
     const auto& value = object.at(key);
-    if (!value.is_number_unsigned()) {
-        throw ConfigError(where + "." + key + " must be a non-negative whole number, got " + value.dump());
+    if (!value.is_number_unsigned() || value.get<std::uint64_t>() < smallest ||
+        value.get<std::uint64_t>() > largest) {
+        throw ConfigError(where + "." + key + " must be a whole number from " + std::to_string(smallest) +
+                          " to " + std::to_string(largest) + ", got " + value.dump());
     }
     return value.get<std::uint64_t>();
 }
+
+constexpr std::uint64_t any_count = std::numeric_limits<std::uint64_t>::max();
 
 // A tenant names files under the sandbox's state_dir: a plain name only.
 void check_tenant(const std::string& where, const std::string& tenant) {
@@ -165,18 +175,14 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
             std::for_each(config.zygote.preload->begin(), config.zygote.preload->end(), check_module_name);
         }
         if (worker.contains("zygote_generation_forks")) {
-            const auto forks = worker.at("zygote_generation_forks").get<long long>();
-            if (forks < 1 || forks > 1000000) {
-                throw ConfigError("worker.zygote_generation_forks must be between 1 and 1000000");
-            }
-            config.zygote.generation_forks = static_cast<unsigned>(forks);
+            config.zygote.generation_forks =
+                static_cast<unsigned>(file_count(worker, "zygote_generation_forks", 0, "worker", 1, 1000000));
         }
         if (worker.contains("zygote_generation_seconds")) {
-            const auto seconds = worker.at("zygote_generation_seconds").get<double>();
-            if (!(seconds > 0)) {
+            config.zygote.generation_seconds = file_seconds(worker, "zygote_generation_seconds", 0, "worker");
+            if (*config.zygote.generation_seconds == 0) {
                 throw ConfigError("worker.zygote_generation_seconds must be greater than 0");
             }
-            config.zygote.generation_seconds = seconds;
         }
         config.sandbox_policy = resolve(base, json.at("sandbox_policy").get<std::string>());
         config.workspace_root =
@@ -187,8 +193,9 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
             config.limits.interrupt_grace_s =
                 file_seconds(limits, "interrupt_grace_s", config.limits.interrupt_grace_s, "limits");
             config.limits.output_bytes =
-                file_count(limits, "output_bytes", config.limits.output_bytes, "limits");
-            config.limits.memory_mb = file_count(limits, "memory_mb", config.limits.memory_mb, "limits");
+                file_count(limits, "output_bytes", config.limits.output_bytes, "limits", 0, any_count);
+            config.limits.memory_mb =
+                file_count(limits, "memory_mb", config.limits.memory_mb, "limits", 0, largest_memory_mb);
         }
     } catch (const nlohmann::json::exception& error) {
         throw ConfigError("kernel config " + file.string() + ": " + error.what());
@@ -213,13 +220,13 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.limits.timeout_s = parse_seconds("CELLBLOCK_TIMEOUT_S", *value);
     }
     if (auto value = environment("CELLBLOCK_MEMORY_MB")) {
-        config.limits.memory_mb = parse_count("CELLBLOCK_MEMORY_MB", *value);
+        config.limits.memory_mb = parse_count("CELLBLOCK_MEMORY_MB", *value, largest_memory_mb);
     }
     if (auto value = environment("CELLBLOCK_INTERRUPT_GRACE_S")) {
         config.limits.interrupt_grace_s = parse_seconds("CELLBLOCK_INTERRUPT_GRACE_S", *value);
     }
     if (auto value = environment("CELLBLOCK_OUTPUT_BYTES")) {
-        config.limits.output_bytes = parse_count("CELLBLOCK_OUTPUT_BYTES", *value);
+        config.limits.output_bytes = parse_count("CELLBLOCK_OUTPUT_BYTES", *value, any_count);
     }
     if (auto value = environment("CELLBLOCK_NETWORK_POLICY")) {
         try {

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "kernel_config.hpp"
+
 namespace cellblock::kernel {
 
 ExecuteOptions parse_execute_options(const nlohmann::json& metadata) {
@@ -23,7 +25,7 @@ ExecuteOptions parse_execute_options(const nlohmann::json& metadata) {
     const auto timeout = cellblock->find("timeout_s");
     if (timeout != cellblock->end() && timeout->is_number()) {
         const double seconds = timeout->get<double>();
-        if (std::isfinite(seconds) && seconds > 0) {
+        if (seconds > 0 && seconds <= longest_seconds) {
             options.timeout_s = seconds;
         }
     }

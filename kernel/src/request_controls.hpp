@@ -22,7 +22,7 @@ namespace cellblock::kernel {
 
 // From execute_request metadata {"cellblock": {"timeout_s": N, "output_bytes": N}}.
 struct ExecuteOptions {
-    std::optional<double> timeout_s;  // > 0; the kernel's own limit stays the ceiling
+    std::optional<double> timeout_s;  // > 0 and ≤ longest_seconds; the kernel's own limit stays the ceiling
     // Replaces the kernel's output limit for this execute, up to max(the kernel's, 256 MiB); 0 asks for that
     // ceiling. A kernel without a limit stays without one.
     std::optional<std::uint64_t> output_bytes;

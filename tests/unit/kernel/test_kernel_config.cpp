@@ -94,14 +94,24 @@ TEST_F(KernelConfigFile, LimitsPastTheirTypeAreRefusedNotWrappedOrRounded) {
         }
         return "";
     };
-    EXPECT_NE(refusal(R"({"memory_mb": -1})").find("limits.memory_mb must be a non-negative whole number"),
+    EXPECT_NE(refusal(R"({"memory_mb": -1})").find("limits.memory_mb must be a whole number from 0 to"),
               std::string::npos);
     EXPECT_NE(refusal(R"({"memory_mb": 1.5})").find("limits.memory_mb"), std::string::npos);
     EXPECT_NE(refusal(R"({"output_bytes": -4096})").find("limits.output_bytes"), std::string::npos);
-    EXPECT_NE(refusal(R"({"timeout_s": -1})").find("limits.timeout_s must be a non-negative number"),
+    EXPECT_NE(refusal(R"({"timeout_s": -1})").find("limits.timeout_s must be a number of seconds from 0 to"),
               std::string::npos);
     EXPECT_NE(refusal(R"({"timeout_s": "600"})").find("limits.timeout_s"), std::string::npos);
-    EXPECT_EQ(refusal(R"({"memory_mb": 18446744073709551615, "timeout_s": 0})"), "");
+    // memory_mb becomes bytes: 2^44 MiB wrapped to 0 bytes, which the sandbox reads as no limit.
+    EXPECT_NE(refusal(R"({"memory_mb": 17592186044416})")
+                  .find("limits.memory_mb must be a whole number from 0 to "),
+              std::string::npos);
+    EXPECT_EQ(refusal(R"({"memory_mb": 1073741824, "timeout_s": 0})"), "");
+    // A deadline counts nanoseconds in 64 bits: 1e300 s overflowed it.
+    EXPECT_NE(
+        refusal(R"({"timeout_s": 1e300})").find("limits.timeout_s must be a number of seconds from 0 to"),
+        std::string::npos);
+    EXPECT_NE(refusal(R"({"interrupt_grace_s": 1.6e9})").find("limits.interrupt_grace_s"), std::string::npos);
+    EXPECT_EQ(refusal(R"({"timeout_s": 1.5e9})"), "");
 
     std::ofstream(file) << R"({"worker": {"script": "w.py"}, "sandbox_policy": "p.json"})";
     for (const auto& [name, text] :
@@ -109,7 +119,9 @@ TEST_F(KernelConfigFile, LimitsPastTheirTypeAreRefusedNotWrappedOrRounded) {
                                                           {"CELLBLOCK_MEMORY_MB", "1.5"},
                                                           {"CELLBLOCK_OUTPUT_BYTES", "-1"},
                                                           {"CELLBLOCK_OUTPUT_BYTES", "99999999999999999999"},
+                                                          {"CELLBLOCK_MEMORY_MB", "17592186044416"},
                                                           {"CELLBLOCK_TIMEOUT_S", "nan"},
+                                                          {"CELLBLOCK_TIMEOUT_S", "1e300"},
                                                           {"CELLBLOCK_INTERRUPT_GRACE_S", "inf"}}) {
         SCOPED_TRACE(name + "=" + text);
         variables = {{name, text}};
@@ -184,7 +196,9 @@ TEST_F(KernelConfigFile, TheTemplatesPreloadAndGenerationComeFromTheConfigAsItsE
          {R"("zygote_preload": ["os; import sys"])", R"("zygote_preload": ["a,b"])",
           R"("zygote_preload": ["a..b"])", R"("zygote_preload": [".a"])", R"("zygote_preload": ["1a"])",
           R"("zygote_preload": [""])", R"("zygote_preload": "numpy")", R"("zygote_generation_forks": 0)",
-          R"("zygote_generation_seconds": 0)", R"("zygote_generation_seconds": -1)"}) {
+          R"("zygote_generation_seconds": 0)", R"("zygote_generation_seconds": -1)",
+          R"("zygote_generation_forks": 1.5)", R"("zygote_generation_forks": 1e300)",
+          R"("zygote_generation_seconds": 1e300)"}) {
         std::ofstream(file) << R"({"worker": {"script": "w.py", )" << bad
                             << R"(}, "sandbox_policy": "p.json"})";
         EXPECT_THROW(KernelConfig::load(file, environment()), ConfigError) << bad;

@@ -71,6 +71,11 @@ TEST(RequestControls, BadOptionValuesAreIgnored) {
     EXPECT_FALSE(parse_execute_options(nlohmann::json::parse(R"({"cellblock": 3})")).timeout_s);
     EXPECT_FALSE(
         parse_execute_options(nlohmann::json::parse(R"({"cellblock": {"timeout_s": 0}})")).timeout_s);
+    // Past 1.5e9 s the deadline's nanoseconds would overflow (a kernel without a time limit took any value).
+    EXPECT_FALSE(
+        parse_execute_options(nlohmann::json::parse(R"({"cellblock": {"timeout_s": 1e300}})")).timeout_s);
+    EXPECT_TRUE(
+        parse_execute_options(nlohmann::json::parse(R"({"cellblock": {"timeout_s": 1.5e9}})")).timeout_s);
 }
 
 }  // namespace
