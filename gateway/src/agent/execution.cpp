@@ -1,5 +1,8 @@
 #include "cellblock/gateway/agent/execution.hpp"
 
+#include <cstdint>
+#include <utility>
+
 #include "cellblock/gateway/metrics.hpp"
 
 namespace cellblock::gateway::agent {
@@ -7,9 +10,52 @@ namespace cellblock::gateway::agent {
 using nlohmann::json;
 
 namespace {
+// The members of a kernel's message read by the type nbformat gives them, whatever the message holds: a
+// member of another type counts as absent. (nlohmann's value() throws for a member of the wrong type, and a
+// throw out of consume() unwinds the kernel's IOPub channel before it waits again: the gateway would stop
+// reading that kernel's output for good.)
 json parse_object(const std::string& text) {
     json parsed = json::parse(text, nullptr, false);
     return parsed.is_object() ? parsed : json::object();
+}
+
+std::string text_member(const json& object, const char* key, const std::string& fallback) {
+    const auto found = object.find(key);
+    return found != object.end() && found->is_string() ? found->get<std::string>() : fallback;
+}
+
+json object_member(const json& object, const char* key) {
+    const auto found = object.find(key);
+    return found != object.end() && found->is_object() ? *found : json::object();
+}
+
+std::optional<int> count_member(const json& object, const char* key) {
+    const auto found = object.find(key);
+    if (found == object.end() || !found->is_number_integer())
+        return std::nullopt;
+    if (found->is_number_unsigned())
+        return std::in_range<int>(found->get<std::uint64_t>()) ? std::optional<int>(found->get<int>())
+                                                               : std::nullopt;
+    return std::in_range<int>(found->get<std::int64_t>()) ? std::optional<int>(found->get<int>())
+                                                          : std::nullopt;
+}
+
+// A traceback is a list of lines: other entries are kept as their JSON text, anything else is no traceback.
+json traceback_member(const json& object) {
+    json lines = json::array();
+    const auto found = object.find("traceback");
+    if (found == object.end() || !found->is_array())
+        return lines;
+    for (const json& line : *found)
+        lines.push_back(line.is_string() ? line
+                                         : json(line.dump(-1, ' ', false, json::error_handler_t::replace)));
+    return lines;
+}
+
+json error_of(const json& content) {
+    return {{"ename", text_member(content, "ename", "Error")},
+            {"evalue", text_member(content, "evalue", "")},
+            {"traceback", traceback_member(content)}};
 }
 }  // namespace
 
@@ -67,7 +113,7 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
     if (message.parent_header.find(msg_id_) == std::string::npos)
         return false;
     const json parent = parse_object(message.parent_header);
-    if (parent.value("msg_id", std::string()) != msg_id_)
+    if (text_member(parent, "msg_id", "") != msg_id_)
         return false;
     const std::string& type = message.msg_type;
 
@@ -76,7 +122,7 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
             return true;
         const json content = parse_object(message.content);
         reply_seen_ = true;
-        reply_status_ = content.value("status", std::string("error"));
+        reply_status_ = text_member(content, "status", "error");
         const json metadata = parse_object(message.metadata);
         if (const auto cellblock = metadata.find("cellblock");
             cellblock != metadata.end() && cellblock->is_object()) {
@@ -90,21 +136,18 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
             kernel_state_lost_ = flag("state_lost");
             kernel_truncated_ = flag("output_truncated");
         }
-        if (content.contains("execution_count") && content["execution_count"].is_number_integer())
-            execution_count_ = content["execution_count"].get<int>();
+        if (const auto count = count_member(content, "execution_count"))
+            execution_count_ = count;
         // An error reply without an IOPub error message (rare) still reports the error.
-        if (reply_status_ == "error" && error_.is_null()) {
-            error_ = {{"ename", content.value("ename", std::string("Error"))},
-                      {"evalue", content.value("evalue", std::string())},
-                      {"traceback", content.value("traceback", json::array())}};
-        }
+        if (reply_status_ == "error" && error_.is_null())
+            error_ = error_of(content);
         return true;
     }
     if (message.channel != Channel::iopub)
         return true;
 
     if (type == "status") {
-        const std::string state = parse_object(message.content).value("execution_state", std::string());
+        const std::string state = text_member(parse_object(message.content), "execution_state", "");
         if (state == "busy")
             busy_seen_ = true;
         if (state == "idle")
@@ -113,17 +156,17 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
     }
     const json content = parse_object(message.content);
     if (type == "stream") {
-        const std::string name = content.value("name", std::string("stdout"));
+        const std::string name = text_member(content, "name", "stdout");
         const json& text = content.contains("text") ? content["text"] : json();
         if (text.is_string())
             on_stream(name == "stderr", text.get<std::string>());
     } else if (type == "execute_input") {
-        if (content.contains("execution_count") && content["execution_count"].is_number_integer())
-            execution_count_ = content["execution_count"].get<int>();
+        if (const auto count = count_member(content, "execution_count"))
+            execution_count_ = count;
     } else if (type == "execute_result") {
-        result_ = content.value("data", json::object());
-        if (content.contains("execution_count") && content["execution_count"].is_number_integer())
-            execution_count_ = content["execution_count"].get<int>();
+        result_ = object_member(content, "data");
+        if (const auto count = count_member(content, "execution_count"))
+            execution_count_ = count;
         items_.push_back({OutputItem::Kind::result,
                           false,
                           0,
@@ -131,14 +174,14 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
                           {{"output_type", "execute_result"},
                            {"execution_count", execution_count_ ? json(*execution_count_) : json(nullptr)},
                            {"data", result_},
-                           {"metadata", content.value("metadata", json::object())}}});
+                           {"metadata", object_member(content, "metadata")}}});
         if (sink_)
             sink_({{"type", "result"},
                    {"data", result_},
                    {"execution_count", items_.back().output["execution_count"]}});
     } else if (type == "display_data") {
-        json display = {{"data", content.value("data", json::object())},
-                        {"metadata", content.value("metadata", json::object())}};
+        json display = {{"data", object_member(content, "data")},
+                        {"metadata", object_member(content, "metadata")}};
         displays_.push_back(display);
         items_.push_back({OutputItem::Kind::display,
                           false,
@@ -150,9 +193,7 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
         if (sink_)
             sink_({{"type", "display"}, {"data", display["data"]}});
     } else if (type == "error") {
-        error_ = {{"ename", content.value("ename", std::string("Error"))},
-                  {"evalue", content.value("evalue", std::string())},
-                  {"traceback", content.value("traceback", json::array())}};
+        error_ = error_of(content);
         items_.push_back({OutputItem::Kind::error,
                           false,
                           0,

@@ -146,3 +146,40 @@ TEST(AgentExecuteOutcome, NamesHowAnExecuteEnded) {
     EXPECT_EQ(execute_outcome("error", "", "ClientDisconnected", false), "abandoned");
     EXPECT_EQ(execute_outcome("error", "", "", false), "error") << "an aborted or error reply without a name";
 }
+
+// Found by tests/fuzz/execution_collector.cpp: a member of the wrong type threw json::type_error out of
+// consume(), which unwound the kernel's IOPub channel before it waited again. Such members now count as
+// absent, and the cell stays valid nbformat.
+TEST(AgentExecutionCollector, MembersOfTheWrongTypeCountAsAbsentAndTheCellStaysValid) {
+    Recorder run;
+    EXPECT_NO_THROW(run.feed(Channel::iopub, "status", {{"execution_state", 1}}));
+    EXPECT_NO_THROW(run.feed(Channel::iopub, "status", {{"execution_state", "busy"}}, "req-1"));
+    EXPECT_NO_THROW(run.feed(Channel::iopub, "stream", {{"name", 2}, {"text", "out\n"}}));
+    EXPECT_NO_THROW(run.feed(Channel::iopub, "execute_input", {{"execution_count", 1099511627776}}));
+    EXPECT_NO_THROW(run.feed(Channel::iopub, "display_data", {{"data", "not a bundle"}, {"metadata", 3}}));
+    EXPECT_NO_THROW(
+        run.feed(Channel::iopub, "execute_result", {{"data", json::array({1})}, {"execution_count", -7}}));
+    EXPECT_NO_THROW(run.feed(Channel::iopub, "error",
+                             {{"ename", 5}, {"evalue", json::object()}, {"traceback", {"line", 9}}}));
+    EXPECT_NO_THROW(run.feed(Channel::shell, "execute_reply", {{"status", false}, {"execution_count", "3"}}));
+    EXPECT_NO_THROW(run.collector.consume(
+        reply_to("", Channel::iopub, "status", {{"execution_state", "idle"}}, json::object())));
+    JupyterMessage numeric_parent = make_message(Channel::iopub, "status", {{"execution_state", "idle"}},
+                                                 "kernel-session", json{{"msg_id", 12}, {"note", "req-1"}});
+    EXPECT_NO_THROW(EXPECT_FALSE(run.collector.consume(numeric_parent)));
+    run.feed(Channel::iopub, "status", {{"execution_state", "idle"}});
+    EXPECT_TRUE(run.collector.complete());
+
+    EXPECT_EQ(run.collector.stdout_text(), "out\n") << "a stream without a string name is stdout";
+    EXPECT_EQ(run.collector.execution_count(), -7) << "a count past int is no count";
+    EXPECT_EQ(run.collector.reply_status(), "error") << "a reply without a string status is an error";
+    const json outputs = run.collector.notebook_outputs(std::nullopt, std::nullopt);
+    ASSERT_EQ(outputs.size(), 4u);
+    EXPECT_EQ(
+        outputs[1],
+        json({{"output_type", "display_data"}, {"data", json::object()}, {"metadata", json::object()}}));
+    EXPECT_EQ(outputs[2]["data"], json::object());
+    EXPECT_EQ(
+        outputs[3],
+        json({{"output_type", "error"}, {"ename", "Error"}, {"evalue", ""}, {"traceback", {"line", "9"}}}));
+}
