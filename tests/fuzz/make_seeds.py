@@ -305,8 +305,74 @@ def gateway_config():
     write("gateway_config", "regression_count_past_int", b"\x01" + b"KG_MAX_KERNELS=1e10")
 
 
+def kernel_config():
+    # The shipped kernel config, then the variables the gateway sets per kernel (after 0x1e, NAME=VALUE lines).
+    shipped = (HERE.parent.parent / "share" / "cellblock" / "kernel-config.json").read_bytes()
+    write("kernel_config", "shipped", shipped)
+    write("kernel_config", "agent_session", shipped + SEP + b"\n".join([
+        b"CELLBLOCK_TIMEOUT_S=30.5", b"CELLBLOCK_MEMORY_MB=1024", b"CELLBLOCK_OUTPUT_BYTES=65536",
+        b"CELLBLOCK_INTERRUPT_GRACE_S=2", b"CELLBLOCK_ZYGOTE_TENANT=team-7.agents",
+        b'CELLBLOCK_NETWORK_POLICY={"allow": ["pypi.org"], "ask": true}', b"CELLBLOCK_WORKSPACE=/tmp/ws"]))
+    write("kernel_config", "zygote", compact({
+        "worker": {"script": "worker.py", "python": "/usr/bin/python3", "start_timeout_s": 60, "zygote": True,
+                   "zygote_tenant": "default", "zygote_preload": ["numpy", "pandas", "matplotlib.pyplot"],
+                   "zygote_generation_forks": 200, "zygote_generation_seconds": 3600.5},
+        "sandbox_policy": "sandbox-policy.json", "workspace_root": "workspaces",
+        "limits": {"timeout_s": 600, "interrupt_grace_s": 2, "output_bytes": 1048576, "memory_mb": 2048}}))
+    # What the kernel wrapped, rounded or overflowed before it refused them.
+    minimal = {"worker": {"script": "w.py"}, "sandbox_policy": "p.json"}
+    write("kernel_config", "regression_memory_wraps_to_no_limit",
+          compact({**minimal, "limits": {"memory_mb": 17592186044416}}))
+    write("kernel_config", "regression_forks_rounded",
+          compact({"worker": {"script": "w.py", "zygote_generation_forks": 1.5}, "sandbox_policy": "p.json"}))
+    write("kernel_config", "regression_timeout_overflows", compact(minimal) + SEP + b"CELLBLOCK_TIMEOUT_S=1e300")
+
+
+def execution_collector():
+    # What a cellblock kernel sends for one execute: kind byte (the target's table: 0 status, 1 stream,
+    # 2 execute_input, 3 execute_result, 4 display_data, 5 error, 8 execute_reply; +0x80 another request's),
+    # content, then 0x1f and metadata.
+    def message(kind, content, metadata=None, other=False):
+        data = bytes([kind | (0x80 if other else 0)]) + compact(content)
+        return data + b"\x1f" + compact(metadata) if metadata is not None else data
+    busy, idle = message(0, {"execution_state": "busy"}), message(0, {"execution_state": "idle"})
+    write("execution_collector", "print_plot_result", SEP.join([
+        busy, message(2, {"code": "print(1)", "execution_count": 3}),
+        message(1, {"name": "stdout", "text": "loading data\n"}),
+        message(1, {"name": "stdout", "text": "rows: 1000\n"}),
+        message(1, {"name": "stderr", "text": "UserWarning: \u00e9t\u00e9\n"}),
+        message(4, {"data": {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"}, "metadata": {"image/png": {"width": 640}}}),
+        message(1, {"name": "stdout", "text": "done\n"}),
+        message(3, {"data": {"text/plain": "60"}, "metadata": {}, "execution_count": 3}),
+        message(8, {"status": "ok", "execution_count": 3, "user_expressions": {}},
+                {"cellblock": {"outcome": "ok", "state_lost": False, "last_iopub_msg_id": "x"}}),
+        idle]))
+    write("execution_collector", "error_and_limit", SEP.join([
+        busy, message(1, {"name": "stdout", "text": "x" * 64}),
+        message(5, {"ename": "ZeroDivisionError", "evalue": "division by zero",
+                    "traceback": ["Traceback (most recent call last):", "ZeroDivisionError: division by zero"]}),
+        idle,
+        message(8, {"status": "error", "execution_count": 4, "ename": "ZeroDivisionError", "evalue": "division by zero",
+                    "traceback": []},
+                {"cellblock": {"outcome": "output_limit", "state_lost": False, "output_truncated": True}})]))
+    write("execution_collector", "another_clients_request_between", SEP.join([
+        busy, message(0, {"execution_state": "busy"}, other=True),
+        message(1, {"name": "stdout", "text": "theirs\n"}, other=True),
+        message(1, {"name": "stdout", "text": "ours\n"}),
+        message(8, {"status": "ok", "execution_count": 9}, other=True),
+        message(0, {"execution_state": "idle"}, other=True),
+        message(8, {"status": "ok", "execution_count": 10}), idle]))
+    # What threw json::type_error out of consume() (found by this target in its first seconds).
+    write("execution_collector", "regression_wrong_typed_members", SEP.join([
+        message(0, {"execution_state": 1}), message(1, {"name": 2, "text": "x"}),
+        message(4, {"data": "not a bundle", "metadata": 3}),
+        message(5, {"ename": 5, "evalue": {}, "traceback": ["line", 9]}),
+        message(8, {"status": False, "execution_count": 1099511627776}), idle]))
+
+
 if __name__ == "__main__":
     for target in ["kernel_wire_verifier", "gateway_wire_decode", "websocket_message", "router", "worker_stream",
-                   "sandbox_policy", "tls_client_hello", "json_text", "mcp_jsonrpc", "gateway_config"]:
+                   "sandbox_policy", "tls_client_hello", "json_text", "mcp_jsonrpc", "gateway_config",
+                   "kernel_config", "execution_collector"]:
         shutil.rmtree(HERE / "corpus" / target, ignore_errors=True)
         globals()[target]()
