@@ -62,7 +62,18 @@ void ZmqChannel::close() {
 void ZmqChannel::arm() {
     if (closed_)
         return;
-    drain();
+    try {
+        drain();
+    } catch (...) {
+        // A frame handler threw: the exception goes on to the io_context's runner (run_serving logs it), and
+        // the channel keeps reading. Unwound before its wait, it would never have read this socket again.
+        wait_readable();
+        throw;
+    }
+    wait_readable();
+}
+
+void ZmqChannel::wait_readable() {
     if (closed_)
         return;
     readiness_.async_wait(boost::asio::posix::stream_descriptor::wait_read,
@@ -92,7 +103,12 @@ void ZmqChannel::drain() {
             return;
         if (on_frames_) {
             auto keep_alive = shared_from_this();  // a handler may close this channel
-            on_frames_(std::move(frames));
+            try {
+                on_frames_(std::move(frames));
+            } catch (...) {
+                schedule_drain();  // what is queued behind the failed message is still delivered
+                throw;
+            }
         }
     }
     schedule_drain();  // more is waiting: continue after other handlers had their turn

@@ -2,7 +2,7 @@
 # the ZMQ wire format, kernelspec alias resolution, the SQLite and PostgreSQL stores (a server of its own), their writer
 # thread and the state directory lock,
 # the metrics registry and its Prometheus text rendering, network policies against the ceiling, and the
-# order of shell replies behind the IOPub output published before them, and the timer that repeats the sweeps.
+# order of shell replies behind the IOPub output published before them, the timer that repeats the sweeps, and a ZMQ channel that outlives a failing handler.
 add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/router_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/auth_test.cpp
@@ -16,6 +16,7 @@ add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/metrics_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/network_policy_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/reply_order_test.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/repeating_timer_test.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/repeating_timer_test.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/zmq_channel_test.cpp)
 target_link_libraries(gateway_core_unit_tests PRIVATE cellblock_gateway_core cellblock_gtest_main)
 cellblock_add_gtest(gateway_core_unit_tests TEST_PREFIX "gateway." TIMEOUT 60)

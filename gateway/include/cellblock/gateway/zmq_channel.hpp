@@ -45,7 +45,10 @@ class ZmqChannel : public std::enable_shared_from_this<ZmqChannel> {
     ZmqChannel(boost::asio::io_context& io, zmq::socket_t socket, FrameHandler on_frames);
 
   private:
+    // Delivers what is queued, then waits for the socket to become readable again; a handler's exception
+    // propagates to the caller without stopping the channel.
     void arm();
+    void wait_readable();
     void drain();
     void schedule_drain();
 
