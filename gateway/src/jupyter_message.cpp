@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "cellblock/gateway/time_format.hpp"
 
@@ -160,6 +161,30 @@ Channel infer_channel(std::string_view msg_type) {
     if (msg_type == "shutdown_request" || msg_type == "interrupt_request" || msg_type == "debug_request")
         return Channel::control;
     return Channel::shell;
+}
+
+std::string string_member(const json& object, std::string_view key, std::string fallback) {
+    const auto found = object.find(key);
+    return found != object.end() && found->is_string() ? found->get<std::string>() : std::move(fallback);
+}
+
+json object_member(const json& object, std::string_view key) {
+    const auto found = object.find(key);
+    return found != object.end() && found->is_object() ? *found : json::object();
+}
+
+std::optional<int> int_member(const json& object, std::string_view key) {
+    const auto found = object.find(key);
+    if (found == object.end() || !found->is_number_integer())
+        return std::nullopt;
+    const bool fits = found->is_number_unsigned() ? std::in_range<int>(found->get<std::uint64_t>())
+                                                  : std::in_range<int>(found->get<std::int64_t>());
+    return fits ? std::optional<int>(found->get<int>()) : std::nullopt;
+}
+
+bool bool_member(const json& object, std::string_view key, bool fallback) {
+    const auto found = object.find(key);
+    return found != object.end() && found->is_boolean() ? found->get<bool>() : fallback;
 }
 
 JupyterMessage make_message(Channel channel, std::string_view msg_type, const json& content,

@@ -313,11 +313,11 @@ json AgentSession::runtime_info() const {
     if (kernel_)
         runtime["kernelspec"] = kernel_->spec_name();
     if (kernel_info_.is_object()) {
-        runtime["kernel"] = kernel_info_.value("implementation", std::string()) + " " +
-                            kernel_info_.value("implementation_version", std::string());
+        runtime["kernel"] = string_member(kernel_info_, "implementation") + " " +
+                            string_member(kernel_info_, "implementation_version");
         if (kernel_info_.contains("language_info") && kernel_info_["language_info"].is_object())
-            runtime["python"] = kernel_info_["language_info"].value("version", std::string());
-        runtime["protocol"] = kernel_info_.value("protocol_version", std::string());
+            runtime["python"] = string_member(kernel_info_["language_info"], "version");
+        runtime["protocol"] = string_member(kernel_info_, "protocol_version");
     }
     return runtime;
 }
@@ -637,7 +637,7 @@ void AgentSession::deliver(const JupyterMessage& message) {
         return on_egress(message);
     if (message.channel == Channel::control && message.msg_type == "cellblock_approval_decision_reply") {
         const json parent = json::parse(message.parent_header, nullptr, false);
-        const std::string parent_id = parent.is_object() ? parent.value("msg_id", std::string()) : "";
+        const std::string parent_id = string_member(parent, "msg_id");
         if (auto waiter = decision_waiters_.find(parent_id); waiter != decision_waiters_.end()) {
             auto answer = std::move(waiter->second);
             decision_waiters_.erase(waiter);
@@ -655,7 +655,7 @@ void AgentSession::deliver(const JupyterMessage& message) {
     // The kernel process died or is being replaced: the reply will never come.
     if (message.channel == Channel::iopub && message.msg_type == "status") {
         const json content = json::parse(message.content, nullptr, false);
-        const std::string state = content.is_object() ? content.value("execution_state", "") : "";
+        const std::string state = string_member(content, "execution_state");
         if (state == "restarting" || state == "dead") {
             running_->kernel_failure =
                 "the kernel process " + std::string(state == "dead" ? "died" : "died and was restarted");
@@ -1004,12 +1004,9 @@ void AgentSession::on_egress(const JupyterMessage& message) {
     const json content = json::parse(message.content, nullptr, false);
     if (!content.is_object())
         return;
-    const std::string event = content.value("event", std::string());
+    const std::string event = string_member(content, "event");
     const std::string now = format_iso8601_utc(std::chrono::system_clock::now());
-    auto text = [&content](const char* key) {
-        return content.contains(key) && content[key].is_string() ? content[key].get<std::string>()
-                                                                 : std::string();
-    };
+    auto text = [&content](const char* key) { return string_member(content, key); };
     auto number = [&content](const char* key) {
         return content.contains(key) && content[key].is_number() ? content[key] : json(0);
     };
@@ -1022,7 +1019,7 @@ void AgentSession::on_egress(const JupyterMessage& message) {
                {"bytes_up", number("bytes_up")},
                {"bytes_down", number("bytes_down")},
                {"duration_ms", number("duration_ms")},
-               {"allowed", content.value("allowed", false)},
+               {"allowed", bool_member(content, "allowed")},
                {"rule", text("rule")},
                {"kernel_id", kernel_id}});
         return;
@@ -1114,8 +1111,8 @@ void AgentSession::decide_approval(const std::string& approval_id, const std::st
         if (!self)
             return;
         Approval* known = self->find_approval(approval_id);
-        if (!reply.is_object() || reply.value("status", std::string()) != "ok") {
-            const std::string why = reply.is_object() ? reply.value("evalue", std::string("refused"))
+        if (string_member(reply, "status") != "ok") {
+            const std::string why = reply.is_object() ? string_member(reply, "evalue", "refused")
                                                       : std::string("unreadable reply");
             // Decided meanwhile (the time limit, a person in a notebook): the kernel says it is not pending.
             if (known && !known->decision.empty())

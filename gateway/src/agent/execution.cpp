@@ -10,34 +10,11 @@ namespace cellblock::gateway::agent {
 using nlohmann::json;
 
 namespace {
-// The members of a kernel's message read by the type nbformat gives them, whatever the message holds: a
-// member of another type counts as absent. (nlohmann's value() throws for a member of the wrong type, and a
-// throw out of consume() unwinds the kernel's IOPub channel before it waits again: the gateway would stop
-// reading that kernel's output for good.)
+// A kernel's messages are read by the types nbformat gives their members (string_member and its kin): a
+// member of another type counts as absent, never a json::type_error out of consume().
 json parse_object(const std::string& text) {
     json parsed = json::parse(text, nullptr, false);
     return parsed.is_object() ? parsed : json::object();
-}
-
-std::string text_member(const json& object, const char* key, const std::string& fallback) {
-    const auto found = object.find(key);
-    return found != object.end() && found->is_string() ? found->get<std::string>() : fallback;
-}
-
-json object_member(const json& object, const char* key) {
-    const auto found = object.find(key);
-    return found != object.end() && found->is_object() ? *found : json::object();
-}
-
-std::optional<int> count_member(const json& object, const char* key) {
-    const auto found = object.find(key);
-    if (found == object.end() || !found->is_number_integer())
-        return std::nullopt;
-    if (found->is_number_unsigned())
-        return std::in_range<int>(found->get<std::uint64_t>()) ? std::optional<int>(found->get<int>())
-                                                               : std::nullopt;
-    return std::in_range<int>(found->get<std::int64_t>()) ? std::optional<int>(found->get<int>())
-                                                          : std::nullopt;
 }
 
 // A traceback is a list of lines: other entries are kept as their JSON text, anything else is no traceback.
@@ -53,8 +30,8 @@ json traceback_member(const json& object) {
 }
 
 json error_of(const json& content) {
-    return {{"ename", text_member(content, "ename", "Error")},
-            {"evalue", text_member(content, "evalue", "")},
+    return {{"ename", string_member(content, "ename", "Error")},
+            {"evalue", string_member(content, "evalue", "")},
             {"traceback", traceback_member(content)}};
 }
 }  // namespace
@@ -113,7 +90,7 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
     if (message.parent_header.find(msg_id_) == std::string::npos)
         return false;
     const json parent = parse_object(message.parent_header);
-    if (text_member(parent, "msg_id", "") != msg_id_)
+    if (string_member(parent, "msg_id", "") != msg_id_)
         return false;
     const std::string& type = message.msg_type;
 
@@ -122,21 +99,12 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
             return true;
         const json content = parse_object(message.content);
         reply_seen_ = true;
-        reply_status_ = text_member(content, "status", "error");
-        const json metadata = parse_object(message.metadata);
-        if (const auto cellblock = metadata.find("cellblock");
-            cellblock != metadata.end() && cellblock->is_object()) {
-            const auto outcome = cellblock->find("outcome");
-            if (outcome != cellblock->end() && outcome->is_string())
-                kernel_outcome_ = outcome->get<std::string>();
-            const auto flag = [&](const char* name) {
-                const auto found = cellblock->find(name);
-                return found != cellblock->end() && found->is_boolean() && found->get<bool>();
-            };
-            kernel_state_lost_ = flag("state_lost");
-            kernel_truncated_ = flag("output_truncated");
-        }
-        if (const auto count = count_member(content, "execution_count"))
+        reply_status_ = string_member(content, "status", "error");
+        const json cellblock = object_member(parse_object(message.metadata), "cellblock");
+        kernel_outcome_ = string_member(cellblock, "outcome", kernel_outcome_);
+        kernel_state_lost_ = bool_member(cellblock, "state_lost");
+        kernel_truncated_ = bool_member(cellblock, "output_truncated");
+        if (const auto count = int_member(content, "execution_count"))
             execution_count_ = count;
         // An error reply without an IOPub error message (rare) still reports the error.
         if (reply_status_ == "error" && error_.is_null())
@@ -147,7 +115,7 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
         return true;
 
     if (type == "status") {
-        const std::string state = text_member(parse_object(message.content), "execution_state", "");
+        const std::string state = string_member(parse_object(message.content), "execution_state", "");
         if (state == "busy")
             busy_seen_ = true;
         if (state == "idle")
@@ -156,16 +124,16 @@ bool ExecutionCollector::consume(const JupyterMessage& message) {
     }
     const json content = parse_object(message.content);
     if (type == "stream") {
-        const std::string name = text_member(content, "name", "stdout");
+        const std::string name = string_member(content, "name", "stdout");
         const json& text = content.contains("text") ? content["text"] : json();
         if (text.is_string())
             on_stream(name == "stderr", text.get<std::string>());
     } else if (type == "execute_input") {
-        if (const auto count = count_member(content, "execution_count"))
+        if (const auto count = int_member(content, "execution_count"))
             execution_count_ = count;
     } else if (type == "execute_result") {
         result_ = object_member(content, "data");
-        if (const auto count = count_member(content, "execution_count"))
+        if (const auto count = int_member(content, "execution_count"))
             execution_count_ = count;
         items_.push_back({OutputItem::Kind::result,
                           false,

@@ -191,3 +191,27 @@ TEST(WireFormat, SignedRoundTripAndSignatureCheck) {
     EXPECT_THROW(decode_wire(Channel::shell, std::move(frames), signer), MessageError);
     EXPECT_THROW(decode_wire(Channel::shell, {"no", "delimiter"}, signer), MessageError);
 }
+
+TEST(MessageMembers, AMemberOfAnotherTypeOrRangeCountsAsAbsent) {
+    const auto content = nlohmann::json::parse(
+        R"({"name": "stdout", "state": 1, "data": {"text/plain": "1"}, "list": [1], "count": 7,
+            "huge": 1099511627776, "negative": -3, "float": 1.5, "flag": true, "not_flag": "true"})");
+    EXPECT_EQ(string_member(content, "name"), "stdout");
+    EXPECT_EQ(string_member(content, "state", "idle"), "idle");
+    EXPECT_EQ(string_member(content, "missing", "x"), "x");
+    EXPECT_EQ(object_member(content, "data")["text/plain"], "1");
+    EXPECT_EQ(object_member(content, "list"), nlohmann::json::object());
+    EXPECT_EQ(int_member(content, "count"), 7);
+    EXPECT_EQ(int_member(content, "negative"), -3);
+    EXPECT_EQ(int_member(content, "huge"), std::nullopt);
+    EXPECT_EQ(int_member(content, "float"), std::nullopt);
+    EXPECT_TRUE(bool_member(content, "flag"));
+    EXPECT_FALSE(bool_member(content, "not_flag"));
+    EXPECT_TRUE(bool_member(content, "missing", true));
+    for (const auto& not_an_object : {nlohmann::json::array({1}), nlohmann::json("text"), nlohmann::json()}) {
+        EXPECT_EQ(string_member(not_an_object, "name", "none"), "none");
+        EXPECT_EQ(object_member(not_an_object, "data"), nlohmann::json::object());
+        EXPECT_EQ(int_member(not_an_object, "count"), std::nullopt);
+    }
+    EXPECT_EQ(string_member(nlohmann::json::parse("{", nullptr, false), "name", "none"), "none");
+}
