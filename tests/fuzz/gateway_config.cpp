@@ -74,15 +74,7 @@ void config_file(std::string_view text) {
 }
 
 void environment(std::string_view text) {
-    std::map<std::string, std::string> variables;
-    std::size_t at = 0;
-    while (at < text.size()) {
-        const std::size_t end = std::min(text.find('\n', at), text.size());
-        const std::string_view line = text.substr(at, end - at);
-        if (const auto equals = line.find('='); equals != std::string_view::npos)
-            variables[std::string(line.substr(0, equals))] = std::string(line.substr(equals + 1));
-        at = end + 1;
-    }
+    const std::map<std::string, std::string> variables = cellblock::fuzz::environment_lines(text);
     GatewayConfig config;
     try {
         config.merge_environment([&](const std::string& name) -> std::optional<std::string> {

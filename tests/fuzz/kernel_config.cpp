@@ -146,18 +146,9 @@ void check(std::string_view file_text, const std::map<std::string, std::string>&
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     const std::string_view input = cellblock::fuzz::as_text(data, size);
     const std::size_t split = input.find(cellblock::fuzz::frame_separator);
-    std::map<std::string, std::string> variables;
-    if (split != std::string_view::npos) {
-        const std::string_view lines = input.substr(split + 1);
-        std::size_t at = 0;
-        while (at < lines.size()) {
-            const std::size_t end = std::min(lines.find('\n', at), lines.size());
-            const std::string_view line = lines.substr(at, end - at);
-            if (const auto equals = line.find('='); equals != std::string_view::npos)
-                variables[std::string(line.substr(0, equals))] = std::string(line.substr(equals + 1));
-            at = end + 1;
-        }
-    }
+    const auto variables = split == std::string_view::npos
+                               ? std::map<std::string, std::string>()
+                               : cellblock::fuzz::environment_lines(input.substr(split + 1));
     check(input.substr(0, split), variables);
     return 0;
 }
