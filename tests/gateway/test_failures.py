@@ -218,6 +218,23 @@ def test_an_option_given_twice_takes_its_last_value(tmp_path):
     assert (effective["port"], effective["state_dir"]) == (9999, str(state))
 
 
+@pytest.mark.parametrize("arguments, environment, named", [
+    (["--cull-interval", "1e300"], {}, "cull_interval"),
+    (["--header-timeout", "1.6e9"], {}, "header_timeout"),
+    ([], {"CELLBLOCK_GATEWAY_CULL_IDLE_TIMEOUT": "-1"}, "cull_idle_timeout"),
+    (["--agent-max-timeout", "1e300"], {}, "--agent-max-timeout"),
+    (["--agent-max-memory-mb", "17592186044416"], {}, "--agent-max-memory-mb"),
+])
+def test_a_duration_or_limit_past_what_the_kernels_and_timers_hold_stops_the_start(tmp_path, arguments, environment,
+                                                                                    named):
+    # 1e300 s overflowed a timer's milliseconds (undefined behaviour); 2^44 MiB became a kernel with no memory limit.
+    completed = subprocess.run(
+        [gateway_binary(), "--state-dir", str(tmp_path / "state"), *arguments, "--print-config"],
+        capture_output=True, text=True, timeout=30, env={**os.environ, **environment})
+    assert completed.returncode != 0, completed.stdout
+    assert named in completed.stderr, completed.stderr
+
+
 def gateway_accepts(option):
     return option in subprocess.run([gateway_binary(), "--help"], capture_output=True, text=True).stdout
 

@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 
 namespace cellblock::gateway::agent {
@@ -125,10 +126,12 @@ void add_agent_options(CLI::App& app, AgentConfig& config) {
         ->group(group);
     app.add_option("--agent-max-timeout", config.max_limits.timeout_s,
                    "largest limits.timeout_s a session may ask for")
-        ->check(CLI::PositiveNumber)
+        ->check(CLI::PositiveNumber & CLI::Range(0.0, max_duration_s))
         ->group(group);
+    // The kernel's own ceiling (kernel/README.md): a larger memory_mb would not fit the sandbox's bytes.
+    constexpr std::uint64_t max_memory_mb = std::uint64_t{1} << 30;
     app.add_option("--agent-max-memory-mb", config.max_limits.memory_mb, "largest limits.memory_mb")
-        ->check(CLI::PositiveNumber)
+        ->check(CLI::Range(std::uint64_t{1}, max_memory_mb))
         ->group(group);
     app.add_option("--agent-max-output-bytes", config.max_limits.output_bytes, "largest limits.output_bytes")
         ->check(CLI::PositiveNumber)
@@ -144,10 +147,10 @@ void add_agent_options(CLI::App& app, AgentConfig& config) {
         ->group(group);
     app.add_option("--agent-interrupt-grace", config.interrupt_grace_s,
                    "seconds an interrupted execute may take to stop before its kernel is restarted")
-        ->check(CLI::PositiveNumber)
+        ->check(CLI::PositiveNumber & CLI::Range(0.0, max_duration_s))
         ->group(group);
     app.add_option("--agent-keepalive", config.keepalive_s, "seconds between NDJSON keepalive lines")
-        ->check(CLI::PositiveNumber)
+        ->check(CLI::PositiveNumber & CLI::Range(0.0, max_duration_s))
         ->group(group);
     app.add_option("--agent-max-sessions", config.max_sessions, "most agent sessions at once")->group(group);
 }
