@@ -91,8 +91,9 @@ TEST(GatewayConfigEnvironment, NumbersFollowTheFilesRule) {
     EXPECT_EQ(other.port, 8888) << "a refused value must leave the field as it was";
 }
 
-// Every duration's timer counts milliseconds in 64 bits: 1e300 seconds overflowed it (undefined behaviour), and a
-// negative time makes no sense. The gateway refuses to start, naming the setting, whichever way it was given.
+// Every duration's timer counts milliseconds in 64 bits: 1e300 seconds overflowed it (undefined behaviour),
+// and a negative time makes no sense. The gateway refuses to start, naming the setting, whichever way it was
+// given.
 TEST(GatewayConfigDurations, ANegativeOrAstronomicalNumberOfSecondsIsRefusedByName) {
     EXPECT_NO_THROW(GatewayConfig{}.check_durations());
     GatewayConfig longest;
@@ -108,14 +109,16 @@ TEST(GatewayConfigDurations, ANegativeOrAstronomicalNumberOfSecondsIsRefusedByNa
             SCOPED_TRACE(std::string(key) + " = " + std::to_string(seconds));
             GatewayConfig config;
             const std::string name = key;
-            config.merge_json(name.starts_with("network.") ? nlohmann::json{{"network", {{name.substr(8), seconds}}}}
-                                                           : nlohmann::json{{key, seconds}});
+            config.merge_json(name.starts_with("network.")
+                                  ? nlohmann::json{{"network", {{name.substr(8), seconds}}}}
+                                  : nlohmann::json{{key, seconds}});
             try {
                 config.check_durations();
                 ADD_FAILURE() << "accepted";
             } catch (const std::invalid_argument& error) {
                 EXPECT_EQ(std::string(error.what()).rfind(std::string(key) + ": ", 0), 0) << error.what();
-                EXPECT_NE(std::string(error.what()).find("from 0 to 1.5e9"), std::string::npos) << error.what();
+                EXPECT_NE(std::string(error.what()).find("from 0 to 1.5e9"), std::string::npos)
+                    << error.what();
             }
         }
     }

@@ -131,9 +131,9 @@ struct GatewayConfig {
     void check_network() const;
     // Throws std::invalid_argument when zygote_tenant is not a plain name (the kernel would refuse to start).
     void check_zygote_tenant() const;
-    // Throws std::invalid_argument, naming the setting, unless every duration above is a number of seconds from
-    // 0 to 1.5e9 (47 years; their timers count milliseconds in 64 bits, which a larger value overflows) and
-    // header_timeout is not 0.
+    // Throws std::invalid_argument, naming the setting, unless every duration above is a number of seconds
+    // from 0 to 1.5e9 (47 years; their timers count milliseconds in 64 bits, which a larger value overflows)
+    // and header_timeout is not 0.
     void check_durations() const;
     // Kernelspec directories to scan, with the installed default when none is configured.
     std::vector<std::string> effective_kernelspec_dirs() const;
