@@ -236,7 +236,8 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
                                   std::string(policy.type_name()));
             }
             config.network_policy = std::move(policy);
-        } catch (const nlohmann::json::parse_error& error) {
+        } catch (const nlohmann::json::exception& error) {
+            // Not only parse_error: a number past double's range is an out_of_range.
             throw ConfigError(std::string("CELLBLOCK_NETWORK_POLICY is not valid JSON: ") + error.what());
         }
     }

@@ -310,7 +310,8 @@ Policy Policy::load(const std::filesystem::path& file) {
     json document;
     try {
         document = json::parse(stream);
-    } catch (const json::parse_error& error) {
+    } catch (const json::exception& error) {
+        // Not only parse_error: a number past double's range is an out_of_range.
         throw SandboxError("policy: " + file.string() + " is not valid JSON: " + error.what());
     }
     try {

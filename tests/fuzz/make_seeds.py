@@ -326,6 +326,9 @@ def kernel_config():
     write("kernel_config", "regression_forks_rounded",
           compact({"worker": {"script": "w.py", "zygote_generation_forks": 1.5}, "sandbox_policy": "p.json"}))
     write("kernel_config", "regression_timeout_overflows", compact(minimal) + SEP + b"CELLBLOCK_TIMEOUT_S=1e300")
+    # Found by this target's first campaign: json::out_of_range (not a parse_error) escaped load().
+    write("kernel_config", "regression_network_policy_number_overflow",
+          compact(minimal) + SEP + b'CELLBLOCK_NETWORK_POLICY={"approval_timeout_s": 1e999}')
 
 
 def execution_collector():

@@ -129,4 +129,18 @@ TEST(Policy, LoadReportsMissingFileAndBadJson) {
         EXPECT_NE(std::string(error.what()).find("not valid JSON"), std::string::npos);
     }
     ::unlink(path);
+    // A number past double's range is nlohmann's out_of_range, not a parse_error: it escaped load().
+    char huge_path[] = "/tmp/cellblock-policy-XXXXXX";
+    const int huge_fd = ::mkstemp(huge_path);
+    ASSERT_GE(huge_fd, 0);
+    const std::string huge = R"({"limits": {"wall_clock_seconds": 1e999}})";
+    ASSERT_EQ(::write(huge_fd, huge.data(), huge.size()), static_cast<ssize_t>(huge.size()));
+    ::close(huge_fd);
+    try {
+        sb::Policy::load(huge_path);
+        FAIL() << "expected an error";
+    } catch (const sb::SandboxError& error) {
+        EXPECT_NE(std::string(error.what()).find("not valid JSON"), std::string::npos) << error.what();
+    }
+    ::unlink(huge_path);
 }
