@@ -428,7 +428,6 @@ void GatewayConfig::check_zygote_tenant() const {
 }
 
 void GatewayConfig::check_durations() const {
-    constexpr double longest_seconds = 1.5e9;
     const std::pair<const char*, double> durations[] = {
         {"kernel_launch_timeout", kernel_launch_timeout},
         {"cull_idle_timeout", cull_idle_timeout},
@@ -441,7 +440,7 @@ void GatewayConfig::check_durations() const {
         {"network.approval_timeout", network_approval_timeout},
     };
     for (const auto& [name, seconds] : durations)
-        if (!(seconds >= 0 && seconds <= longest_seconds))  // NaN fails both
+        if (!(seconds >= 0 && seconds <= longest_duration_s))  // NaN fails both
             throw std::invalid_argument(std::string(name) + ": " + json(seconds).dump() +
                                         " is not a number of seconds from 0 to 1.5e9");
     // A connection that must send its headers within 0 s could never be served.

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <fstream>
 
+#include "cellblock/gateway/config.hpp"
+
 namespace cellblock::gateway::agent {
 
 using nlohmann::json;
@@ -111,8 +113,7 @@ json AgentConfig::to_json() const {
 
 void add_agent_options(CLI::App& app, AgentConfig& config) {
     const std::string group = "Agent API";
-    // About 47 years: a duration in milliseconds fits a timer, and now minus it stays after 1970.
-    constexpr double max_duration_s = 1.5e9;
+    constexpr double max_duration_s = longest_duration_s;
     app.add_option("--agent-session-ttl", config.session_ttl_s,
                    "seconds before an idle agent session is deleted, 0 = never")
         ->envname("CELLBLOCK_AGENT_SESSION_TTL")

@@ -14,6 +14,11 @@
 
 namespace cellblock::gateway {
 
+// The longest duration any gateway setting takes, in seconds (about 47 years): a timer counts milliseconds in
+// 64 bits, and now minus it stays after 1970. GatewayConfig::check_durations and the agent API's options hold
+// to it.
+inline constexpr double longest_duration_s = 1.5e9;
+
 struct GatewayConfig {
     // Network and TLS.
     std::string ip = "127.0.0.1";
