@@ -988,8 +988,8 @@ void Kernel::on_process_exit(InstanceExit exit) {
 
 void Kernel::interrupt() {
     touch();
-    // A reporting kernel (slurm) is interrupted by message: its kernel server acts on interrupt_request, and no
-    // scheduler round trip is needed.
+    // A reporting kernel (slurm) is interrupted by message: its kernel server acts on interrupt_request, and
+    // no scheduler round trip is needed.
     if (launch_.spec.interrupt_mode() == "message" || reports_connection()) {
         if (probe_control_)
             probe_control_->send(encode_wire(

@@ -26,6 +26,7 @@ test_packages=(
   postgresql  # the shared store's tests start their own server (initdb/pg_ctl in a temporary directory)
   prometheus  # a real Prometheus server scrapes the gateway's /metrics (tests/gateway/test_metrics.py); promtool
   clang-16 libclang-rt-16-dev llvm-16  # the ASan+UBSan build and the libFuzzer targets (tests/fuzz)
+  clang-format clang-tidy  # share/scripts/lint.sh: .clang-format is checked by the suite (tests/lint), .clang-tidy on demand
 )
 # Node.js and npm may come from another source (the machine image ships them); install Debian's only if absent.
 if (( want_test_tools )) && ! command -v npm >/dev/null; then test_packages+=(nodejs npm); fi

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
-#include "message_signer.hpp"
 #include "inbound_verifier.hpp"
+#include "message_signer.hpp"
 
 using cellblock::fuzz::require;
 using cellblock::kernel::InboundVerdict;

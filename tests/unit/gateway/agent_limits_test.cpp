@@ -1,9 +1,9 @@
-#include "cellblock/gateway/agent/agent_config.hpp"
-
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
+
+#include "cellblock/gateway/agent/agent_config.hpp"
 
 using namespace cellblock::gateway::agent;
 using nlohmann::json;
@@ -56,7 +56,8 @@ TEST(AgentLimits, WrongTypesUnknownKeysAndNonPositiveValuesAreRefused) {
 }
 
 TEST(AgentLimits, KernelConfigDefaultsAreAdoptedAndAlwaysAllowed) {
-    const auto file = std::filesystem::temp_directory_path() / ("agent-kernel-config-" + std::to_string(::getpid()) + ".json");
+    const auto file = std::filesystem::temp_directory_path() /
+                      ("agent-kernel-config-" + std::to_string(::getpid()) + ".json");
     std::ofstream(file) << R"({"limits": {"timeout_s": 90, "memory_mb": 32768, "output_bytes": 2048}})";
     AgentConfig config;
     config.load_kernel_defaults(file);

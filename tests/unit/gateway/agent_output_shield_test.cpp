@@ -1,11 +1,12 @@
-#include "cellblock/gateway/agent/output_shield.hpp"
-
 #include <gtest/gtest.h>
+
+#include "cellblock/gateway/agent/output_shield.hpp"
 
 using namespace cellblock::gateway::agent;
 
 TEST(AgentStripAnsi, RemovesColourAndCursorSequences) {
-    EXPECT_EQ(strip_ansi("\x1b[0;31mZeroDivisionError\x1b[0m: division by zero"), "ZeroDivisionError: division by zero");
+    EXPECT_EQ(strip_ansi("\x1b[0;31mZeroDivisionError\x1b[0m: division by zero"),
+              "ZeroDivisionError: division by zero");
     EXPECT_EQ(strip_ansi("a\x1b[38;5;196mb\x1b[1;32;40mc"), "abc");
     EXPECT_EQ(strip_ansi("\x1b]0;title\x07text"), "text");
     EXPECT_EQ(strip_ansi("\x1b]8;;http://x\x1b\\link"), "link");
@@ -23,8 +24,8 @@ TEST(AgentUtf8, HeadAndTailNeverSplitACharacter) {
     EXPECT_EQ(utf8_tail(text, 5), "😀z");
     EXPECT_TRUE(is_valid_utf8(text));
     EXPECT_FALSE(is_valid_utf8("\xff"));
-    EXPECT_FALSE(is_valid_utf8("\xc0\xaf"));        // overlong '/'
-    EXPECT_FALSE(is_valid_utf8("\xed\xa0\x80"));    // a surrogate
+    EXPECT_FALSE(is_valid_utf8("\xc0\xaf"));                  // overlong '/'
+    EXPECT_FALSE(is_valid_utf8("\xed\xa0\x80"));              // a surrogate
     EXPECT_FALSE(is_valid_utf8(std::string("\xe2\x82", 2)));  // cut short
 }
 
@@ -42,7 +43,8 @@ TEST(AgentShield, LongTextKeepsHeadAndTailAndNamesTheSavedFile) {
     EXPECT_TRUE(shielded.text.starts_with("HEAD"));
     EXPECT_TRUE(shielded.text.ends_with("TAIL"));
     EXPECT_NE(shielded.text.find(".cellblock/outputs/3-stdout.txt"), std::string::npos);
-    EXPECT_NE(shielded.text.find(std::to_string(text.size() - 1000) + " of " + std::to_string(text.size())), std::string::npos);
+    EXPECT_NE(shielded.text.find(std::to_string(text.size() - 1000) + " of " + std::to_string(text.size())),
+              std::string::npos);
     EXPECT_LT(shielded.text.size(), 1200u);
 }
 

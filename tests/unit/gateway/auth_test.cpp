@@ -7,7 +7,8 @@ using namespace cellblock::gateway;
 namespace {
 HttpRequest with_authorization(const std::string& value) {
     HttpRequest request{http::verb::get, "/api", 11};
-    if (!value.empty()) request.set(http::field::authorization, value);
+    if (!value.empty())
+        request.set(http::field::authorization, value);
     return request;
 }
 }  // namespace

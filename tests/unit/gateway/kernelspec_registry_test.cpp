@@ -10,7 +10,7 @@ namespace fs = std::filesystem;
 
 namespace {
 class KernelSpecDirectory : public ::testing::Test {
-protected:
+  protected:
     void SetUp() override {
         std::string pattern = (fs::temp_directory_path() / "cbgw-specs-XXXXXX").string();
         ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
@@ -30,7 +30,8 @@ protected:
 TEST_F(KernelSpecDirectory, Python3AliasPrefersCellblockWhenInstalled) {
     add_spec("python3", "ipykernel");
     add_spec("cellblock-python", "cellblock");
-    KernelSpecRegistry registry({root_.string()}, {{"python3", "cellblock-python"}, {"python", "python3"}}, "python3");
+    KernelSpecRegistry registry({root_.string()}, {{"python3", "cellblock-python"}, {"python", "python3"}},
+                                "python3");
     EXPECT_EQ(registry.find("python3")->spec["display_name"], "cellblock");
     EXPECT_EQ(registry.find("python")->spec["display_name"], "cellblock");
     EXPECT_EQ(registry.find("python")->name, "python3");  // reported like jupyter_client does
@@ -39,7 +40,8 @@ TEST_F(KernelSpecDirectory, Python3AliasPrefersCellblockWhenInstalled) {
 
 TEST_F(KernelSpecDirectory, AliasWithMissingTargetFallsBackToDirectory) {
     add_spec("python3", "ipykernel");
-    KernelSpecRegistry registry({root_.string()}, {{"python3", "cellblock-python"}, {"python", "python3"}}, "python3");
+    KernelSpecRegistry registry({root_.string()}, {{"python3", "cellblock-python"}, {"python", "python3"}},
+                                "python3");
     EXPECT_EQ(registry.find("python3")->spec["display_name"], "ipykernel");
     EXPECT_EQ(registry.find("python")->spec["display_name"], "ipykernel");
 }

@@ -22,7 +22,8 @@ TEST(TimeFormat, MatchesStrptimeFormatOfGatewayClient) {
 
 TEST(TimeFormat, EpochAndBeforeEpoch) {
     EXPECT_EQ(format_iso8601_utc(system_clock::time_point{}), "1970-01-01T00:00:00.000000Z");
-    EXPECT_EQ(format_iso8601_utc(system_clock::time_point{} - microseconds(1)), "1969-12-31T23:59:59.999999Z");
+    EXPECT_EQ(format_iso8601_utc(system_clock::time_point{} - microseconds(1)),
+              "1969-12-31T23:59:59.999999Z");
 }
 
 TEST(TimeFormat, ParsesWhatItFormatsAndRefusesAnythingElse) {

@@ -3,8 +3,8 @@
 #include <string>
 #include <vector>
 
-#include "message_signer.hpp"
 #include "inbound_verifier.hpp"
+#include "message_signer.hpp"
 
 namespace cellblock::kernel {
 namespace {

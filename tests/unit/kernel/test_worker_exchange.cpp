@@ -194,7 +194,8 @@ TEST_F(WorkerExchangeTest, StreamTextIsPublishedBeforeTheDisplayAndResultThatFol
 
 // Whole, in order, and all of it before the result, by construction: Python-level text is in band.
 TEST_F(WorkerExchangeTest, ALargePrintArrivesWholeAndInOrder) {
-    limits_.output_bytes = 8 << 20;  // all of it streamed (past half the limit, only a tail is kept, for the end)
+    limits_.output_bytes =
+        8 << 20;  // all of it streamed (past half the limit, only a tail is kept, for the end)
     RecordingSink sink;
     const auto result = execute("print('x' * 300000)\nprint('y' * 300000)\n1 + 1", sink);
     ASSERT_EQ(result.reply.at("status"), "ok") << result.reply.dump();

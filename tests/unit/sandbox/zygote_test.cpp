@@ -575,7 +575,7 @@ TEST_F(ZygoteLaunchTest, ALaunchedTemplateForksConfinedWorkers) {
                                     fs::path(CELLBLOCK_ZYGOTE_LIBRARY).filename()));
     const std::string environment = read_file(proc / "environ");
     EXPECT_NE(environment.find(std::string("CELLBLOCK_ZYGOTE_LIBRARY=/opt/cellblock/zygote/") +
-                           fs::path(CELLBLOCK_ZYGOTE_LIBRARY).filename().string()),
+                               fs::path(CELLBLOCK_ZYGOTE_LIBRARY).filename().string()),
               std::string::npos);
 
     // Workers it forks are confined exactly as exec'd ones.

@@ -292,9 +292,9 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::vector<JupyterMessage> live_during_adoption_;  // IOPub received (and held) before the record arrived
     // Replies and input requests to clients received meanwhile: held too, they follow the output before them.
     std::vector<ReplyOrder::Reply> addressed_during_adoption_;
-    std::vector<JupyterMessage> replayed_;              // everything the kernel recorded, plus the above
-    std::vector<JupyterMessage> backlog_;               // what clients missed: after last_iopub_id
-    bool backlog_lossy_ = false;                        // the record no longer reaches back that far
+    std::vector<JupyterMessage> replayed_;  // everything the kernel recorded, plus the above
+    std::vector<JupyterMessage> backlog_;   // what clients missed: after last_iopub_id
+    bool backlog_lossy_ = false;            // the record no longer reaches back that far
     std::chrono::steady_clock::time_point backlog_until_;
     std::set<std::string> backlog_served_;  // session_ids that got the backlog
     std::string last_iopub_id_;

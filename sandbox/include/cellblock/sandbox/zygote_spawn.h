@@ -18,8 +18,9 @@ extern "C" {
  * Returns the child's pid (> 0) in the template, with *pidfd_out set (CLOEXEC); 0 in the child once it is
  * confined exactly as the plan says (it must then continue into the template's code: nothing of the
  * template's may run in it before); -errno in the template when the plan cannot be decoded or asks for an
- * exec (-EINVAL), keeps the caller's privileges (-EPERM), or setns/clone fails (nothing was started). A confinement step that fails in the child is reported through
- * the plan's error pipe and the child _exit(127)s (never returns).
+ * exec (-EINVAL), keeps the caller's privileges (-EPERM), or setns/clone fails (nothing was started). A
+ * confinement step that fails in the child is reported through the plan's error pipe and the child
+ * _exit(127)s (never returns).
  *
  * host_mount_ns_fd: an fd of the host's mount namespace; the child is cloned from it, because the plan's
  * mount sources are host paths (-1: clone from the caller's own mount namespace). own_mount_ns_fd: the

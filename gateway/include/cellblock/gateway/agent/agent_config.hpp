@@ -42,7 +42,7 @@ struct AgentConfig {
     double session_ttl_s = 3600;  // idle sessions are deleted (kernel shut down) after this; 0 = never
     // A deleted session's record, notebook and audit trail stay in the store this long; 0 = forever.
     double deleted_retention_s = 7 * 24 * 3600;
-    AgentLimits default_limits;   // the kernel's own defaults, so warm-pool kernels can serve them
+    AgentLimits default_limits;  // the kernel's own defaults, so warm-pool kernels can serve them
     AgentLimits max_limits{3600, 16384, 256u << 20};
     std::size_t inline_output_bytes =
         32 * 1024;  // per text field of an answer; beyond: head + tail + saved file
