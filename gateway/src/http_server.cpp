@@ -418,7 +418,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
 
     // ---- Streamed responses (ResponseStream): chunked body pieces written in order; while the body is being
     // produced the socket is read, so a client that goes away is noticed even when nothing is being written.
-    class StreamAdapter : public ResponseStream {
+    class StreamAdapter final : public ResponseStream {
       public:
         explicit StreamAdapter(std::shared_ptr<HttpConnection> connection)
             : connection_(std::move(connection)) {}

@@ -267,7 +267,7 @@ JupyterMessage decode_legacy_binary(std::string_view frame) {
         throw MessageError("binary frame: bad offset count");
     std::vector<std::size_t> offsets;
     for (std::uint32_t i = 0; i < count; ++i)
-        offsets.push_back(read_u32_be(frame, 4 * (i + 1)));
+        offsets.push_back(read_u32_be(frame, std::size_t{4} * (i + 1)));
     offsets.push_back(frame.size());
     for (std::size_t i = 0; i + 1 < offsets.size(); ++i)
         if (offsets[i] > offsets[i + 1] || offsets[i + 1] > frame.size())
@@ -336,7 +336,7 @@ WebSocketFrame encode_legacy(const JupyterMessage& message) {
     const auto offset_count = static_cast<std::uint32_t>(1 + message.buffers.size());
     std::string frame;
     append_u32_be(frame, offset_count);
-    std::size_t position = 4 * (offset_count + 1);
+    std::size_t position = std::size_t{4} * (offset_count + 1);
     append_u32_be(frame, static_cast<std::uint32_t>(position));
     position += text.size();
     for (const std::string& buffer : message.buffers) {

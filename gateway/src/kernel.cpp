@@ -480,7 +480,7 @@ void Kernel::spawn() {
 
 void Kernel::watch_process() {
     std::weak_ptr<Kernel> weak = weak_from_this();
-    process_->on_exit([weak, this_io = &io_](InstanceExit exit) {
+    process_->on_exit([weak, this_io = &io_](const InstanceExit& exit) {
         // Deferred: the ChildProcess that reports the exit may be replaced by the handler.
         boost::asio::post(*this_io, [weak, exit] {
             if (auto self = weak.lock())
@@ -810,7 +810,7 @@ void Kernel::handle_probe_reply(JupyterMessage&& message) {
         on_probe_complete();
 }
 
-void Kernel::finish_readiness(std::optional<std::string> error) {
+void Kernel::finish_readiness(const std::optional<std::string>& error) {
     probe_timer_.cancel();
     if (!error) {
         ready_ = true;
@@ -884,7 +884,7 @@ void Kernel::hand_addressed(std::string session_id, JupyterMessage&& message) {
                                                 std::move(awaited), std::chrono::steady_clock::now()));
 }
 
-void Kernel::hand_out_replies(std::vector<ReplyOrder::Reply> replies) {
+void Kernel::hand_out_replies(const std::vector<ReplyOrder::Reply>& replies) {
     const std::size_t late = reply_order_.released_without_iopub();
     if (late != replies_released_late_) {
         logger_.warn("reply_before_its_output",
@@ -964,7 +964,7 @@ void Kernel::on_process_exit(InstanceExit exit) {
         state_ = KernelState::restarting;
         broadcast(
             make_message(Channel::iopub, "status", {{"execution_state", "restarting"}}, probe_session_));
-        ready_handlers_.push_back([weak = weak_from_this()](std::optional<std::string> error) {
+        ready_handlers_.push_back([weak = weak_from_this()](const std::optional<std::string>& error) {
             auto self = weak.lock();
             if (!self)
                 return;
@@ -1071,7 +1071,7 @@ void Kernel::shutdown(const std::string& reason) {
 }
 
 std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& identity, Channel channel,
-                                                   std::weak_ptr<KernelClientLink> session) {
+                                                   const std::weak_ptr<KernelClientLink>& session) {
     std::weak_ptr<Kernel> weak = weak_from_this();
     return ZmqChannel::connect(
         io_, zmq_context_, zmq::socket_type::dealer, endpoints_.endpoint(port), identity,

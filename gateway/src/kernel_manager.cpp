@@ -527,7 +527,7 @@ void KernelManager::adopt(const std::shared_ptr<Kernel>& kernel) {
     });
 }
 
-void KernelManager::start_kernel(const KernelStartRequest& request, StartHandler on_started) {
+void KernelManager::start_kernel(const KernelStartRequest& request, const StartHandler& on_started) {
     std::string name = !config_.force_kernel_name.empty() ? config_.force_kernel_name
                        : request.name.empty()             ? registry_.default_name()
                                                           : request.name;
@@ -774,7 +774,7 @@ void KernelManager::share_activity() {
         if (active - shared < std::chrono::seconds(1))
             continue;
         shared = active;
-        writer_.submit([id, when = format_iso8601_utc(active)](SessionStore& store) {
+        writer_.submit([id = id, when = format_iso8601_utc(active)](SessionStore& store) {
             store.set_kernel_activity(id, when);
         });
     }

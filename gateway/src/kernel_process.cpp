@@ -48,13 +48,16 @@ ChildProcess::ChildProcess(boost::asio::io_context& io, const std::vector<std::s
     if (argv.empty())
         throw std::system_error(EINVAL, std::generic_category(), "kernelspec argv is empty");
     std::vector<char*> argument_pointers;
+    argument_pointers.reserve(argv.size() + 1);
     for (const std::string& argument : argv)
         argument_pointers.push_back(const_cast<char*>(argument.c_str()));
     argument_pointers.push_back(nullptr);
     std::vector<std::string> environment_lines;
+    environment_lines.reserve(environment.size());
     for (const auto& [name, value] : environment)
         environment_lines.push_back(name + "=" + value);
     std::vector<char*> environment_pointers;
+    environment_pointers.reserve(environment_lines.size() + 1);
     for (std::string& line : environment_lines)
         environment_pointers.push_back(line.data());
     environment_pointers.push_back(nullptr);

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 
 #include "cellblock/gateway/agent/agent_api.hpp"
@@ -245,10 +246,8 @@ int main(int argc, char** argv) {
         const std::string default_file = installed_data_dir() + "/cellblock/gateway-config.json";
         if (cli.config_file)
             config.merge_file(*cli.config_file);
-        else if (std::FILE* probe = std::fopen(default_file.c_str(), "r")) {
-            std::fclose(probe);
+        else if (std::ifstream probe(default_file); probe.is_open())
             config.merge_file(default_file);
-        }
         config.merge_environment([](const std::string& name) -> std::optional<std::string> {
             const char* value = std::getenv(name.c_str());
             return value ? std::optional<std::string>(value) : std::nullopt;

@@ -150,7 +150,8 @@ Counter& MetricsRegistry::counter(std::string name, std::string help) {
     return entry.metric.emplace<Counter>();
 }
 
-CounterFamily& MetricsRegistry::counter_family(std::string name, std::string help, std::string label_name) {
+CounterFamily& MetricsRegistry::counter_family(std::string name, std::string help,
+                                               const std::string& label_name) {
     if (label_name.empty())
         throw std::invalid_argument("a counter family of " + name + " needs a label name");
     Entry& entry = add(std::move(name), std::move(help), label_name);

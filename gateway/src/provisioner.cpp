@@ -493,12 +493,13 @@ std::unique_ptr<KernelInstance> SlurmProvisioner::launch(const InstanceLaunch& l
         if (!value->empty())
             sbatch.push_back(option + *value);
     sbatch.push_back(script_file.string());
-    commands_->run(sbatch, [weak = weak_from_this(), job, script_file](bool succeeded, std::string output) {
-        std::error_code ignored;
-        fs::remove(script_file, ignored);
-        if (auto self = weak.lock())
-            self->submitted(job, succeeded, output);
-    });
+    commands_->run(sbatch,
+                   [weak = weak_from_this(), job, script_file](bool succeeded, const std::string& output) {
+                       std::error_code ignored;
+                       fs::remove(script_file, ignored);
+                       if (auto self = weak.lock())
+                           self->submitted(job, succeeded, output);
+                   });
     logger_.info("kernel_job_submitting", {{"kernel_id", launch.kernel_id}});
     return std::make_unique<SlurmJob>(shared_from_this(), job);
 }
@@ -577,7 +578,7 @@ void SlurmProvisioner::poll() {
         ids += (ids.empty() ? "" : ",") + job_id;
     }
     commands_->run({"squeue", "-h", "-t", "all", "-o", "%i|%T|%r|%B", "-j", ids},
-                   [weak = weak_from_this(), asked](bool, std::string output) {
+                   [weak = weak_from_this(), asked](bool, const std::string& output) {
                        if (auto self = weak.lock()) {
                            self->apply_poll(output, asked);
                            self->polling_ = false;

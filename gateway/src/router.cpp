@@ -62,7 +62,7 @@ void RestResource::delete_(RequestContext&, Responder respond) {
     method_not_allowed(*this, respond);
 }
 void RestResource::head(RequestContext& context, Responder respond) {
-    get(context, [respond](HttpResponse response) {
+    get(context, [respond = std::move(respond)](HttpResponse response) {
         const auto length = response.body().size();
         response.body().clear();
         response.content_length(length);
@@ -84,7 +84,7 @@ std::vector<std::string> split_path(std::string_view path) {
     return segments;
 }
 
-void Router::add(std::string pattern, std::shared_ptr<RestResource> resource) {
+void Router::add(const std::string& pattern, std::shared_ptr<RestResource> resource) {
     routes_.push_back(Route{split_path(pattern), std::move(resource)});
 }
 

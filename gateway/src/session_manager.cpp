@@ -50,7 +50,7 @@ void JupyterSessionManager::forget(const std::string& id) {
 
 bool JupyterSessionManager::remove(const std::string& id) {
     // `id` may be the erased record's own member (remove(record->id)): keep a copy past the erase.
-    const std::string removed = id;
+    const std::string removed = id;  // NOLINT(performance-unnecessary-copy-initialization): see above
     if (sessions_.erase(removed) == 0)
         return false;
     forget(removed);

@@ -39,7 +39,7 @@ std::string validated_pattern(std::string_view field, const json& value) {
         throw PolicyError("network policy: \"" + std::string(field) + "\" entries must be strings, got " +
                           value.dump());
     }
-    const auto text = value.get<std::string>();
+    auto text = value.get<std::string>();
     try {
         if (text == "*") {
             return text;

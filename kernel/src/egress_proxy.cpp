@@ -53,8 +53,8 @@ std::string_view to_string(Decision decision) {
 
 namespace {
 
-constexpr std::size_t relay_buffer_bytes = 64 * 1024;
-constexpr std::size_t max_response_head_bytes = 64 * 1024;
+constexpr std::size_t relay_buffer_bytes = std::size_t{64} * 1024;
+constexpr std::size_t max_response_head_bytes = std::size_t{64} * 1024;
 constexpr auto refusal_linger = std::chrono::seconds(2);
 constexpr std::string_view message_prefix = "cellblock egress: ";
 constexpr std::uint64_t unlimited_body = std::numeric_limits<std::uint64_t>::max();
@@ -179,7 +179,7 @@ std::string new_approval_id() {
 }
 
 std::string seconds_text(std::chrono::milliseconds duration) {
-    const double seconds = duration.count() / 1000.0;
+    const double seconds = std::chrono::duration<double>(duration).count();
     if (seconds == std::floor(seconds)) {
         return std::to_string(static_cast<long long>(seconds)) + " s";
     }
@@ -308,7 +308,8 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
             });
             entry->waiters.push_back(std::move(waiter));
             const auto request = entry->request;
-            observer.on_approval_requested(request, policy.approval_timeout().count() / 1000.0);
+            observer.on_approval_requested(request,
+                                           std::chrono::duration<double>(policy.approval_timeout()).count());
             std::weak_ptr<Impl> weak = weak_from_this();
             broker.request(request, [weak, host = request.host, id = request.id](Decision decision,
                                                                                  std::string decided_by) {
@@ -328,7 +329,8 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     }
 
     // By value: erasing the map's entry below must not destroy the approval while it is decided.
-    void decide(std::shared_ptr<PendingApproval> entry, Decision decision, const std::string& decided_by) {
+    void decide(std::shared_ptr<PendingApproval> entry,  // NOLINT(performance-unnecessary-value-param)
+                Decision decision, const std::string& decided_by) {
         if (entry->decided) {
             return;
         }
@@ -571,8 +573,8 @@ class Session : public std::enable_shared_from_this<Session> {
         }
         resolver_.async_resolve(
             record_.host, std::to_string(record_.port),
-            [self = shared_from_this()](error_code error, tcp::resolver::results_type results) {
-                self->on_resolved(error, std::move(results));
+            [self = shared_from_this()](error_code error, const tcp::resolver::results_type& results) {
+                self->on_resolved(error, results);
             });
     }
 

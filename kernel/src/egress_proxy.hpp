@@ -74,7 +74,7 @@ struct ProxyLimits {
 };
 
 // Added by egress-core: the largest request head (request line + headers) the proxy reads.
-inline constexpr std::size_t max_request_head_bytes = 16 * 1024;
+inline constexpr std::size_t max_request_head_bytes = std::size_t{16} * 1024;
 
 class EgressProxy {
   public:

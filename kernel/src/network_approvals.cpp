@@ -97,7 +97,7 @@ void NetworkApprovals::publish(const char* msg_type, nlohmann::json content) {
 // update replaces the display by its display_id), so only the status phrase and the decision fields differ.
 nlohmann::json NetworkApprovals::approval_frame(const egress::ApprovalRequest& request,
                                                 const std::string& status, double timeout_s,
-                                                nlohmann::json decision_fields) {
+                                                const nlohmann::json& decision_fields) {
     const std::string text =
         "cellblock: network request to " + target(request) + " (" + request.method + ")" + status;
     const std::string html = "<div class=\"cellblock-approval\"><b>cellblock</b>: network request to <code>" +
@@ -177,15 +177,13 @@ void NetworkApprovals::request(const egress::ApprovalRequest& request,
     {
         std::lock_guard lock(mutex_);
         auto& pending = pending_[request.id];
-        if (pending.early) {
-            early = std::exchange(pending.early, std::nullopt);
-        } else {
-            pending.answer = std::move(answer);
+        if (!pending.early) {
+            pending.answer = std::move(answer);  // answered when the decision comes
+            return;
         }
+        early = std::exchange(pending.early, std::nullopt);
     }
-    if (early) {
-        answer(early->first, std::move(early->second));
-    }
+    answer(early->first, std::move(early->second));  // decided before the proxy asked: at once, unlocked
 }
 
 void NetworkApprovals::on_approval_decided(const egress::ApprovalRequest& request, egress::Decision decision,

@@ -68,7 +68,7 @@ class NetworkApprovals final : public egress::ApprovalBroker, public egress::Egr
 
   private:
     static nlohmann::json approval_frame(const egress::ApprovalRequest& request, const std::string& status,
-                                         double timeout_s, nlohmann::json decision_fields);
+                                         double timeout_s, const nlohmann::json& decision_fields);
     void publish(const char* msg_type, nlohmann::json content);  // with mutex_ held
 
     struct Pending {

@@ -12,7 +12,7 @@ namespace cellblock::kernel::egress {
 
 // A ClientHello larger than this is refused (real ones are a few hundred bytes to ~2 KB, post-quantum key
 // shares included); also the most the proxy buffers before deciding.
-inline constexpr std::size_t max_client_hello_bytes = 32 * 1024;
+inline constexpr std::size_t max_client_hello_bytes = std::size_t{32} * 1024;
 
 enum class ClientHelloStatus {
     need_more,  // a valid prefix of a ClientHello: read more bytes and call again with all of them

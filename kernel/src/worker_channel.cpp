@@ -29,7 +29,7 @@ std::string encode_frame(const nlohmann::json& message) {
 void FrameDecoder::drop_consumed() {
     // The room a large frame needed is not kept by an idle session's kernel: freed, it goes back to the heap,
     // which the kernel trims once idle (heap_policy). Up to this much stays for the next frames.
-    constexpr std::size_t kept_buffer_bytes = 256 * 1024;
+    constexpr std::size_t kept_buffer_bytes = std::size_t{256} * 1024;
     if (buffer_.capacity() > kept_buffer_bytes) {
         std::string().swap(buffer_);
     } else {

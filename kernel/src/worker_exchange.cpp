@@ -204,7 +204,7 @@ struct WorkerExchange::Ending {
 
 WorkerExchange::WorkerExchange(WorkerSupervisor& supervisor, RequestControls& controls,
                                ExchangeSettings settings)
-    : supervisor_(supervisor), controls_(controls), settings_(std::move(settings)) {}
+    : supervisor_(supervisor), controls_(controls), settings_(settings) {}
 
 WorkerExchange::~WorkerExchange() = default;
 

@@ -329,7 +329,7 @@ Process Launcher::launch(const LaunchRequest& request) {
     listener_channel.close_child_end();
 
     // The child reports {step, errno} and exits on failure; EOF means execve happened.
-    auto child_status = [&]() -> std::optional<std::string> {
+    auto child_status = [&, &error_read = error_read]() -> std::optional<std::string> {
         if (through_template && !wait_for_error_pipe(error_read.get())) {
             impl->kill_everything();
             return "zygote template: the child's error pipe was still open after " +

@@ -171,7 +171,7 @@ class NdjsonExecution : public std::enable_shared_from_this<NdjsonExecution> {
             if (auto self = weak.lock())
                 self->on_event(event);
         };
-        handlers.on_done = [self = shared_from_this()](json answer) {
+        handlers.on_done = [self = shared_from_this()](const json& answer) {
             json end = {{"type", "end"}};
             end.update(answer);
             self->write(end);
@@ -257,7 +257,7 @@ class ExecuteResource : public AgentResource {
                 AgentOperations::parse_execute_arguments(request_body(context));
             if (!streaming) {
                 ExecuteHandlers handlers;
-                handlers.on_done = [respond](json answer) {
+                handlers.on_done = [respond](const json& answer) {
                     respond(json_response(http::status::ok, answer));
                 };
                 operations_.execute(target, arguments, caller_of(context), std::move(handlers));

@@ -125,9 +125,9 @@ void AgentOperations::create_session(const json& arguments, const Caller& caller
     } catch (const LimitError& error) {
         throw OperationError(Kind::refused, "bad_limit", error.what(), {{"limit", error.field()}});
     }
-    NetworkRequest network =
+    const NetworkRequest network =
         checked_network(arguments.contains("network") ? arguments["network"] : json(nullptr));
-    registry_.create(name, limits, std::move(network), caller.address,
+    registry_.create(name, limits, network, caller.address,
                      [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
                          if (error)
                              return then(from_registry(*error));
@@ -295,7 +295,8 @@ void AgentOperations::write_file(const SessionPtr& session, const std::string& p
                                                   {"path", relative},
                                                   {"bytes", shared_bytes->size()},
                                                   {"sha256", sha256_hex(*shared_bytes)}});
-                                  return relative;
+                                  return relative;  // NOLINT(performance-no-automatic-move): a copy, the
+                                                    // lambda keeps its own
                               });
 }
 
@@ -309,7 +310,8 @@ void AgentOperations::delete_file(const SessionPtr& session, const std::string& 
                                                   {"client", caller.address},
                                                   {"via", caller.via},
                                                   {"path", relative}});
-                                  return relative;
+                                  return relative;  // NOLINT(performance-no-automatic-move): a copy, the
+                                                    // lambda keeps its own
                               });
 }
 
@@ -348,7 +350,7 @@ std::string AgentOperations::parse_decision(const json& arguments) {
                              "missing \"decision\": allow_once, allow_session or deny");
     if (!arguments["decision"].is_string())
         throw OperationError(Kind::malformed, "bad_type", "\"decision\" must be a string");
-    const std::string decision = arguments["decision"].get<std::string>();
+    std::string decision = arguments["decision"].get<std::string>();
     if (decision != "allow_once" && decision != "allow_session" && decision != "deny")
         throw OperationError(
             Kind::refused, "bad_decision",

@@ -146,7 +146,7 @@ void AgentSession::ensure_kernel(Done done) {
     std::weak_ptr<AgentSession> weak = weak_from_this();
     if (kernel_) {
         kernel_wait_ = KernelWait::readying;
-        kernel_->when_ready([weak](std::optional<std::string> error) {
+        kernel_->when_ready([weak](const std::optional<std::string>& error) {
             if (auto self = weak.lock(); self && self->kernel_wait_ == KernelWait::readying)
                 self->settle_kernel_waiters(error);
         });
@@ -174,7 +174,7 @@ void AgentSession::ensure_kernel(Done done) {
         });
 }
 
-void AgentSession::resume(std::shared_ptr<Kernel> kernel, const std::string& lost_cause,
+void AgentSession::resume(const std::shared_ptr<Kernel>& kernel, const std::string& lost_cause,
                           std::vector<InflightExecute> inflight) {
     if (!kernel) {
         // The next execute starts a fresh kernel and says what was lost, and why.
@@ -352,7 +352,7 @@ void AgentSession::persist_record() {
     services_.writer.submit([record](SessionStore& store) { store.put_agent_session(record); });
 }
 
-void AgentSession::audit(json entry) {
+void AgentSession::audit(const json& entry) {
     json line = {{"time", format_iso8601_utc(std::chrono::system_clock::now())}, {"session", record_.id}};
     line.update(entry);
     services_.writer.submit([line](SessionStore& store) { store.append_audit(line); });
@@ -622,7 +622,7 @@ void AgentSession::on_grace_expired() {
     services_.logger.warn("agent_execute_kernel_restart", {{"session", id()}});
     running_->kernel_restarted = true;
     if (kernel_)
-        services_.kernels.restart_kernel(kernel_, [](std::optional<std::string>) {});
+        services_.kernels.restart_kernel(kernel_, [](const std::optional<std::string>&) {});
     finish_execute();
 }
 

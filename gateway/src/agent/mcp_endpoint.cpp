@@ -236,7 +236,7 @@ class McpResource : public RestResource {
                 name, caller, id, reply,
                 [this, parsed, caller, id, reply](const SessionPtr& session) {
                     ExecuteHandlers handlers;
-                    handlers.on_done = [id, reply](json answer) {
+                    handlers.on_done = [id, reply](const json& answer) {
                         reply(mcp_result(id, execute_content(answer)));
                     };
                     operations_.execute(session, parsed, caller, std::move(handlers));

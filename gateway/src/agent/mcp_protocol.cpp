@@ -77,7 +77,7 @@ void McpProtocol::handle_body(std::string_view body, const std::string& client,
     }
 }
 
-void McpProtocol::handle(const json& message, const std::string& client, McpReply reply) const {
+void McpProtocol::handle(const json& message, const std::string& client, const McpReply& reply) const {
     // Every field is checked for its type before it is read: a member of the wrong type is an Invalid Request
     // of its own, never an exception that loses the whole body's answers.
     if (!message.is_object() || !message.contains("jsonrpc") || message["jsonrpc"] != "2.0" ||

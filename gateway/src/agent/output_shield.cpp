@@ -131,7 +131,7 @@ std::string sha256_hex(std::string_view bytes) {
         throw std::runtime_error("EVP_Digest(SHA-256) failed");
     static constexpr char hex[] = "0123456789abcdef";
     std::string out;
-    out.reserve(length * 2);
+    out.reserve(std::size_t{length} * 2);
     for (unsigned int i = 0; i < length; ++i) {
         out.push_back(hex[digest[i] >> 4]);
         out.push_back(hex[digest[i] & 0x0F]);

@@ -150,7 +150,7 @@ std::optional<json> AgentSessionRegistry::stored_record(const std::string& id_or
     return std::nullopt;
 }
 
-void AgentSessionRegistry::create(std::string name, AgentLimits limits, NetworkRequest network,
+void AgentSessionRegistry::create(std::string name, AgentLimits limits, const NetworkRequest& network,
                                   const std::string& client_address, CreateHandler done) {
     if (services_.config.max_sessions > 0 && by_id_.size() >= services_.config.max_sessions)
         return done(nullptr, HttpError(http::status::too_many_requests,

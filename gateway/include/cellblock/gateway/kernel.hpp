@@ -50,6 +50,8 @@ struct KernelEndpoints {
             return "tcp://" + tcp_ip + ":" + std::to_string(tcp_ports.at(static_cast<std::size_t>(port)));
         return "ipc://" + base + "-" + std::to_string(port);
     }
+    // stdin_: `stdin` is a macro.
+    // NOLINTNEXTLINE(readability-identifier-naming)
     static constexpr int shell = 1, iopub = 2, stdin_ = 3, control = 4, heartbeat = 5;
 };
 
@@ -193,7 +195,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
 
     // Used by KernelClientLink.
     std::shared_ptr<ZmqChannel> connect_dealer(int port, const std::string& identity, Channel channel,
-                                               std::weak_ptr<KernelClientLink> session);
+                                               const std::weak_ptr<KernelClientLink>& session);
     const HmacSigner& signer() const { return signer_; }
     const GatewayConfig& config() const { return config_; }
     const Logger& logger() const { return logger_; }
@@ -211,7 +213,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     ZmqChannel::SocketSetup socket_setup() const;
     void on_process_exit(InstanceExit exit);
     void probe_readiness();
-    void finish_readiness(std::optional<std::string> error);
+    void finish_readiness(const std::optional<std::string>& error);
     // False while the message is held for re-adoption (handed to clients after the kernel's record).
     bool handle_iopub(JupyterMessage&& message);
     bool adopting() const {
@@ -230,7 +232,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void watch_process();
     void broadcast(const JupyterMessage& message);
     // Delivers replies ReplyOrder released to their sessions, and keeps its timer armed while it holds some.
-    void hand_out_replies(std::vector<ReplyOrder::Reply> replies);
+    void hand_out_replies(const std::vector<ReplyOrder::Reply>& replies);
     void set_state(KernelState state) { state_ = state; }
     void report_launch_failure(std::string_view cause) const {
         if (launch_failed_handler_)

@@ -57,7 +57,7 @@ class KernelManager {
     // Creates the runtime directories, re-adopts the kernels recorded in the store that still run, and fills
     // the warm pool.
     void start();
-    void start_kernel(const KernelStartRequest& request, StartHandler on_started);
+    void start_kernel(const KernelStartRequest& request, const StartHandler& on_started);
     std::shared_ptr<Kernel> find(const std::string& kernel_id) const;
     // find(), and on a shared store (another gateway's kernels): a kernel recorded there whose process runs
     // on this machine is attached on demand (re-adopted as after a restart, without taking it from its

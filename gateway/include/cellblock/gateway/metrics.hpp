@@ -84,7 +84,7 @@ class MetricsRegistry {
     // starting with "__"); std::invalid_argument otherwise. The returned references live as long as the
     // registry. Metrics are rendered in the order they were added.
     Counter& counter(std::string name, std::string help);
-    CounterFamily& counter_family(std::string name, std::string help, std::string label_name);
+    CounterFamily& counter_family(std::string name, std::string help, const std::string& label_name);
     Gauge& gauge(std::string name, std::string help);
     Histogram& histogram(std::string name, std::string help, std::vector<double> upper_bounds);
 

@@ -57,7 +57,7 @@ struct RequestContext {
 // Thrown by handlers for a clean JSON error response.
 class HttpError : public std::runtime_error {
   public:
-    HttpError(http::status status, std::string message, std::string reason = {})
+    HttpError(http::status status, const std::string& message, std::string reason = {})
         : std::runtime_error(message), status_(status), reason_(std::move(reason)) {}
     http::status status() const { return status_; }
     const std::string& reason() const { return reason_; }
@@ -81,6 +81,7 @@ class RestResource {
     virtual void post(RequestContext& context, Responder respond);
     virtual void put(RequestContext& context, Responder respond);
     virtual void patch(RequestContext& context, Responder respond);
+    // NOLINTNEXTLINE(readability-identifier-naming): `delete` is a keyword.
     virtual void delete_(RequestContext& context, Responder respond);
     // Methods this resource implements, for 405 Allow headers.
     virtual std::string allowed_methods() const { return "GET, OPTIONS"; }
@@ -89,6 +90,8 @@ class RestResource {
     virtual bool accepts_websocket() const { return false; }
     virtual std::optional<HttpResponse> check_upgrade(RequestContext&) { return std::nullopt; }
     virtual std::string select_subprotocol(const RequestContext&) const { return {}; }
+    // By value: an override keeps the transport.
+    // NOLINTNEXTLINE(performance-unnecessary-value-param)
     virtual void on_upgraded(RequestContext&, std::shared_ptr<WebSocketTransport>) {}
 };
 
@@ -99,7 +102,7 @@ class Router {
     // exactly once, here; "{name...}" is its decoded segments joined with '/', so each '/' in it was a real
     // separator. A captured segment that is not valid percent-encoding or decodes to a '/' or NUL byte is
     // refused (dispatch answers 400 with reason "bad_path"; the match carries `refusal`).
-    void add(std::string pattern, std::shared_ptr<RestResource> resource);
+    void add(const std::string& pattern, std::shared_ptr<RestResource> resource);
     struct Match {
         RestResource* resource;
         std::map<std::string, std::string> params;

@@ -45,7 +45,7 @@ struct AgentConfig {
     AgentLimits default_limits;  // the kernel's own defaults, so warm-pool kernels can serve them
     AgentLimits max_limits{3600, 16384, 256u << 20};
     std::size_t inline_output_bytes =
-        32 * 1024;  // per text field of an answer; beyond: head + tail + saved file
+        std::size_t{32} * 1024;  // per text field of an answer; beyond: head + tail + saved file
     // The most output of one execute the kernel relays for the saved output files (head and tail beyond it).
     std::uint64_t saved_output_bytes = 32u << 20;
     double interrupt_grace_s = 5;  // after the safety net's interrupt, the kernel is restarted if still busy

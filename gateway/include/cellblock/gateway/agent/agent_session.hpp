@@ -81,7 +81,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void ensure_kernel(Done done);
     // After a gateway restart: takes the re-adopted `kernel` (nullptr when it was lost, `lost_cause` says
     // why) and completes the execute that was running when the gateway stopped from the kernel's record.
-    void resume(std::shared_ptr<Kernel> kernel, const std::string& lost_cause,
+    void resume(const std::shared_ptr<Kernel>& kernel, const std::string& lost_cause,
                 std::vector<InflightExecute> inflight);
     // Queues an execute; returns a ticket for `abandon`.
     std::uint64_t execute(ExecuteRequest request, ExecuteHandlers handlers);
@@ -106,7 +106,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // nbformat 4.5 notebook of the history; `only_ok` leaves out cells that failed or timed out.
     nlohmann::json notebook(bool only_ok) const;
     // Appends {"time", "session", ...entry} to the audit trail.
-    void audit(nlohmann::json entry);
+    void audit(const nlohmann::json& entry);
     void persist_record();
 
     const Record& record() const { return record_; }

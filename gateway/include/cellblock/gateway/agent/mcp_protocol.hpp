@@ -44,7 +44,7 @@ class McpProtocol {
                      std::function<void(McpHttpAnswer)> done) const;
 
   private:
-    void handle(const nlohmann::json& message, const std::string& client, McpReply reply) const;
+    void handle(const nlohmann::json& message, const std::string& client, const McpReply& reply) const;
 
     nlohmann::json tools_;
     CallTool call_tool_;

@@ -31,7 +31,7 @@ class AgentSessionRegistry {
         std::function<void(std::shared_ptr<AgentSession> session, std::optional<HttpError> error)>;
     // Empty `name` = generated. Responds once the session's kernel is ready.
     // `network` has been checked against the ceiling (AgentOperations).
-    void create(std::string name, AgentLimits limits, NetworkRequest network,
+    void create(std::string name, AgentLimits limits, const NetworkRequest& network,
                 const std::string& client_address, CreateHandler done);
     // By id, then by name. On a shared store also sessions another gateway created (loaded from the store,
     // their kernel attached), and a session deleted through another gateway is let go here too.
