@@ -40,12 +40,17 @@ case "${1:-}" in
     trap 'rm -f "$report"' EXIT
     echo "[lint] tidy: clang-tidy over $regex with $(nproc) jobs (about 16 s of CPU a file)"
     # clang-tidy colours its diagnostics even into a file: the codes are stripped before they are counted.
+    status=0
     run-clang-tidy -p "$build" -j "$(nproc)" -quiet "$regex" 2>/dev/null | sed -E 's/\x1b\[[0-9;]*m//g' >"$report" \
-      || true
+      || status=$?
     if grep -E ': (warning|error): ' "$report"; then
       fail "clang-tidy found the above ($(grep -cE ': (warning|error): ' "$report") findings)"
     fi
-    echo "[lint] tidy: nothing found"
+    # Neither a clang-tidy that failed nor one that matched no file may read as "nothing found".
+    (( status == 0 )) || fail "run-clang-tidy failed (exit $status) without a finding to show"
+    checked=$(grep -c '^clang-tidy' "$report" || true)
+    (( checked > 0 )) || fail "no source in $build/compile_commands.json matches $regex"
+    echo "[lint] tidy: nothing found in $checked files"
     ;;
   *)
     fail "usage: lint.sh format | lint.sh tidy BUILD [REGEX]"

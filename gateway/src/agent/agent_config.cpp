@@ -113,21 +113,20 @@ json AgentConfig::to_json() const {
 
 void add_agent_options(CLI::App& app, AgentConfig& config) {
     const std::string group = "Agent API";
-    constexpr double max_duration_s = longest_duration_s;
     app.add_option("--agent-session-ttl", config.session_ttl_s,
                    "seconds before an idle agent session is deleted, 0 = never")
         ->envname("CELLBLOCK_AGENT_SESSION_TTL")
-        ->check(CLI::Range(0.0, max_duration_s))
+        ->check(CLI::Range(0.0, longest_duration_s))
         ->group(group);
     app.add_option("--agent-deleted-retention", config.deleted_retention_s,
                    "seconds a deleted agent session's record, notebook and audit trail stay in the store, "
                    "0 = forever")
         ->envname("CELLBLOCK_AGENT_DELETED_RETENTION")
-        ->check(CLI::Range(0.0, max_duration_s))
+        ->check(CLI::Range(0.0, longest_duration_s))
         ->group(group);
     app.add_option("--agent-max-timeout", config.max_limits.timeout_s,
                    "largest limits.timeout_s a session may ask for")
-        ->check(CLI::PositiveNumber & CLI::Range(0.0, max_duration_s))
+        ->check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s))
         ->group(group);
     // The kernel's own ceiling (kernel/README.md): a larger memory_mb would not fit the sandbox's bytes.
     constexpr std::uint64_t max_memory_mb = std::uint64_t{1} << 30;
@@ -148,10 +147,10 @@ void add_agent_options(CLI::App& app, AgentConfig& config) {
         ->group(group);
     app.add_option("--agent-interrupt-grace", config.interrupt_grace_s,
                    "seconds an interrupted execute may take to stop before its kernel is restarted")
-        ->check(CLI::PositiveNumber & CLI::Range(0.0, max_duration_s))
+        ->check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s))
         ->group(group);
     app.add_option("--agent-keepalive", config.keepalive_s, "seconds between NDJSON keepalive lines")
-        ->check(CLI::PositiveNumber & CLI::Range(0.0, max_duration_s))
+        ->check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s))
         ->group(group);
     app.add_option("--agent-max-sessions", config.max_sessions, "most agent sessions at once")->group(group);
 }

@@ -9,6 +9,29 @@ using nlohmann::json;
 
 namespace {
 
+// Policy::load's error for a file holding `content` ("" when it loads); any other exception escapes the test.
+std::string load_error_of_file(const std::string& content) {
+    char path[] = "/tmp/cellblock-policy-XXXXXX";
+    const int fd = ::mkstemp(path);
+    if (fd < 0)
+        throw std::runtime_error("mkstemp failed");
+    const bool written = ::write(fd, content.data(), content.size()) == static_cast<ssize_t>(content.size());
+    ::close(fd);
+    std::string error;
+    try {
+        if (!written)
+            throw std::runtime_error("writing the policy file failed");
+        sb::Policy::load(path);
+    } catch (const sb::SandboxError& failure) {
+        error = failure.what();
+    } catch (...) {
+        ::unlink(path);
+        throw;
+    }
+    ::unlink(path);
+    return error;
+}
+
 std::string error_of(const json& document) {
     try {
         sb::Policy::from_json(document);
@@ -117,30 +140,8 @@ TEST(Policy, LoadReportsMissingFileAndBadJson) {
     } catch (const sb::SandboxError& error) {
         EXPECT_NE(std::string(error.what()).find("/nonexistent/policy.json"), std::string::npos);
     }
-    char path[] = "/tmp/cellblock-policy-XXXXXX";
-    const int fd = ::mkstemp(path);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(::write(fd, "{ not json", 10), 10);
-    ::close(fd);
-    try {
-        sb::Policy::load(path);
-        FAIL() << "expected an error";
-    } catch (const sb::SandboxError& error) {
-        EXPECT_NE(std::string(error.what()).find("not valid JSON"), std::string::npos);
-    }
-    ::unlink(path);
+    EXPECT_NE(load_error_of_file("{ not json").find("not valid JSON"), std::string::npos);
     // A number past double's range is nlohmann's out_of_range, not a parse_error: it escaped load().
-    char huge_path[] = "/tmp/cellblock-policy-XXXXXX";
-    const int huge_fd = ::mkstemp(huge_path);
-    ASSERT_GE(huge_fd, 0);
-    const std::string huge = R"({"limits": {"wall_clock_seconds": 1e999}})";
-    ASSERT_EQ(::write(huge_fd, huge.data(), huge.size()), static_cast<ssize_t>(huge.size()));
-    ::close(huge_fd);
-    try {
-        sb::Policy::load(huge_path);
-        FAIL() << "expected an error";
-    } catch (const sb::SandboxError& error) {
-        EXPECT_NE(std::string(error.what()).find("not valid JSON"), std::string::npos) << error.what();
-    }
-    ::unlink(huge_path);
+    const std::string huge_error = load_error_of_file(R"({"limits": {"wall_clock_seconds": 1e999}})");
+    EXPECT_NE(huge_error.find("not valid JSON"), std::string::npos) << huge_error;
 }
