@@ -258,11 +258,13 @@ def measure_all(args, zygote_dir) -> int:
     mem_available_mib = benchlib.mem_available_kib() / 1024.0
 
     idle = {}
+    missing_peers = []
     for label, kernel_name in KINDS[:1] if args.no_peers else KINDS:
         if benchlib.kernelspec_available(kernel_name):
             idle[label] = idle_session_memory(label, kernel_name, idle_count, 0.5 if args.quick else 3.0)
         else:
-            progress(f"{label}: kernelspec {kernel_name} not installed, skipped")
+            progress(f"{label}: kernelspec {kernel_name} not installed: the run fails")
+            missing_peers.append(label)
     starts = {}
     if zygote_dir is not None:
         ZYGOTE_POLICY.append(install_zygote_kernelspec(zygote_dir))
@@ -309,7 +311,7 @@ def measure_all(args, zygote_dir) -> int:
             print(f"| {pid} | `{name}` | {pss} | {rss} | {top} |")
         print()
 
-    ok = "error" not in ours and bool(ours.get("pss_mib"))
+    ok = "error" not in ours and bool(ours.get("pss_mib")) and not missing_peers
     if zygote_dir is not None:
         forked = idle.get(ZYGOTE_KIND[0], {})
         ok = ok and "error" not in forked and bool(forked.get("pss_mib"))
