@@ -102,3 +102,18 @@ def test_nbconvert_cli_executes_in_place(workspace):
     )
     nb = nbformat.read(out, as_version=4)
     assert "7699" in "".join(_texts(c) for c in nb.cells if c.cell_type == "code")
+
+
+CHECKED_ABOVE = {"first_60_primes.ipynb", "fruit_sales.ipynb"}
+
+
+def test_every_notebook_in_the_folder_runs(workspace):
+    """A notebook added to notebooks/ is run too (without errors), not only the ones checked value by value above;
+    the count check catches a renamed or moved notebook that the tests above would no longer find."""
+    found = sorted(path.name for path in NOTEBOOKS.glob("*.ipynb"))
+    assert len(found) >= len(CHECKED_ABOVE) and CHECKED_ABOVE <= set(found), found
+    for name in found:
+        if name in CHECKED_ABOVE:
+            continue
+        cells = _execute(workspace / name)  # raises CellExecutionError on a cell that fails
+        assert cells, f"{name} has no code cell"
