@@ -270,6 +270,21 @@ EncodedPlan encode_plan(const ChildPlan& plan) {
     return encoded;
 }
 
+void DecodedPlan::wipe() noexcept {
+    auto zero = [](std::string& text) { ::explicit_bzero(text.data(), text.size()); };
+    for (auto* strings : {&argv, &envp})
+        for (std::string& text : *strings)
+            zero(text);
+    for (auto* mounts : {&plan.mounts_before_pivot, &plan.mounts_after_pivot})
+        for (MountOp& mount : *mounts)
+            for (std::string* text : {&mount.source, &mount.target, &mount.fstype, &mount.data})
+                zero(*text);
+    for (CgroupJoin& join : plan.cgroup_joins)
+        zero(join.tasks_file);
+    for (std::string* text : {&plan.new_root, &plan.hostname, &plan.cwd})
+        zero(*text);
+}
+
 std::unique_ptr<DecodedPlan> decode_plan(std::span<const unsigned char> bytes, std::span<const int> fds) {
     if (fds.size() > max_plan_fds) {
         throw SandboxError("zygote plan: more than " + std::to_string(max_plan_fds) + " fds");

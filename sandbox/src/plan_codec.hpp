@@ -40,6 +40,12 @@ struct DecodedPlan {
     DecodedPlan() = default;
     DecodedPlan(const DecodedPlan&) = delete;
     DecodedPlan& operator=(const DecodedPlan&) = delete;
+    // A template serves every session of its tenant: one session's plan (paths of its workspace, cgroup,
+    // environment) must not linger in the template's heap for a later fork to read, so it is zeroed before
+    // the memory is freed.
+    ~DecodedPlan() { wipe(); }
+    // Zeroes every string of the plan in place (explicit_bzero: not optimised away).
+    void wipe() noexcept;
 };
 
 // `fds` are the received descriptors, in the order they were sent. The fd scratch base is computed for

@@ -187,6 +187,22 @@ TEST(PlanCodec, APlanRoundTripsWithItsFdsRenamedByTheirIndex) {
     EXPECT_EQ(copy.argv, (std::vector<char*>{nullptr}));
 }
 
+// A template decodes one plan per session and frees it: nothing of that session's plan stays readable in its
+// heap for the next fork (wipe() is what the destructor runs).
+TEST(PlanCodec, ADecodedPlanIsZeroedBeforeItIsFreed) {
+    std::vector<sock_filter> filter;
+    const auto encoded = detail::encode_plan(sample_plan(filter));
+    const auto decoded = detail::decode_plan(encoded.bytes, std::vector<int>{5, 6, 7, 8, 9, 10});
+    ASSERT_EQ(decoded->plan.cwd, "/workspace");
+    ASSERT_FALSE(decoded->plan.mounts_before_pivot.empty());
+    const std::string& source = decoded->plan.mounts_before_pivot.front().source;
+    const std::size_t source_size = source.size();
+    decoded->wipe();
+    EXPECT_EQ(decoded->plan.cwd, std::string(10, '\0'));
+    EXPECT_EQ(source, std::string(source_size, '\0'));
+    EXPECT_EQ(decoded->plan.hostname.find_first_not_of('\0'), std::string::npos);
+}
+
 TEST(PlanCodec, MalformedPlansAreRefused) {
     std::vector<sock_filter> filter;
     const auto encoded = detail::encode_plan(sample_plan(filter));
