@@ -50,9 +50,8 @@ Environment decode_environment(std::string_view document) {
     const bool versioned = parsed.is_object() && parsed.contains("version") &&
                            parsed["version"].is_number_integer() && parsed["version"] == document_version;
     if (!versioned)
-        throw InvalidEnvironment("the launch environment is not a version " + std::to_string(document_version) +
-                                     " document",
-                                 {});
+        throw InvalidEnvironment(
+            "the launch environment is not a version " + std::to_string(document_version) + " document", {});
     const auto found = parsed.find("environment");
     if (found == parsed.end() || !found->is_object())
         throw InvalidEnvironment("the launch environment has no \"environment\" object", {});

@@ -194,7 +194,13 @@ int main(int argc, char** argv) {
     std::string url = environment("CELLBLOCK_URL", "http://127.0.0.1:8888");
     std::string token = environment("CELLBLOCK_TOKEN", "");
     app.add_option("--url", url, "gateway URL (env CELLBLOCK_URL; default http://127.0.0.1:8888)");
-    app.add_option("--token", token, "gateway token (env CELLBLOCK_TOKEN)");
+    std::string token_argument, token_file;
+    auto* token_option = app.add_option("--token", token_argument,
+                                        "gateway token (env CELLBLOCK_TOKEN; on the command line any local "
+                                        "user reads it: prefer --token-file or the environment)");
+    app.add_option("--token-file", token_file, "read the gateway token from this file")
+        ->check(CLI::ExistingFile)
+        ->excludes(token_option);
     app.set_version_flag("--version", "cellblock " CELLBLOCK_VERSION);
 
     std::string session, code, file, destination;
@@ -226,6 +232,17 @@ int main(int argc, char** argv) {
         ->required()
         ->check(CLI::IsMember({"allow_once", "allow_session", "deny"}));
     CLI11_PARSE(app, argc, argv);
+    if (*token_option) {
+        std::cerr << "cellblock: warning: --token on the command line is readable by every local user "
+                     "(/proc/PID/cmdline); use --token-file or CELLBLOCK_TOKEN\n";
+        token = token_argument;
+    }
+    if (!token_file.empty()) {
+        std::ifstream input(token_file);
+        std::getline(input, token);
+        if (!token.empty() && token.back() == '\r')
+            token.pop_back();
+    }
 
     try {
         AgentClient client(GatewayAddress::parse(url), token);

@@ -141,6 +141,7 @@ void GatewayConfig::merge_json(const json& j) {
                                                    "workspace_root",
                                                    "state_dir",
                                                    "store",
+                                                   "store_key_file",
                                                    "orphan_timeout",
                                                    "shutdown_kernels_on_exit",
                                                    "zygote_tenant",
@@ -210,6 +211,7 @@ void GatewayConfig::merge_json(const json& j) {
     take(j, "workspace_root", workspace_root);
     take(j, "state_dir", state_dir);
     take(j, "store", store);
+    take(j, "store_key_file", store_key_file);
     take(j, "orphan_timeout", orphan_timeout);
     take(j, "shutdown_kernels_on_exit", shutdown_kernels_on_exit);
     take(j, "zygote_tenant", zygote_tenant);
@@ -232,7 +234,7 @@ void GatewayConfig::merge_json(const json& j) {
             throw std::invalid_argument("config key 'network': must be an object");
         for (const auto& [key, value] : network.items())
             if (!key.starts_with("_") && key != "allow" && key != "default" && key != "egress_hosts" &&
-                key != "approval_timeout" && key != "ports")
+                key != "approval_timeout" && key != "ports" && key != "egress_deny")
                 throw std::invalid_argument("unknown gateway config key 'network." + key + "'");
         take(network, "allow", network_allow);
         if (network.contains("default"))
@@ -240,6 +242,7 @@ void GatewayConfig::merge_json(const json& j) {
         take(network, "egress_hosts", egress_hosts);
         take(network, "approval_timeout", network_approval_timeout);
         take(network, "ports", network_ports);
+        take(network, "egress_deny", egress_deny);
     }
 }
 
@@ -304,6 +307,7 @@ void GatewayConfig::merge_environment(
     text("CELLBLOCK_GATEWAY_WORKSPACE_ROOT", workspace_root);
     text("CELLBLOCK_GATEWAY_STATE_DIR", state_dir);
     text("CELLBLOCK_GATEWAY_STORE", store);
+    text("CELLBLOCK_GATEWAY_STORE_KEY_FILE", store_key_file);
     number("CELLBLOCK_GATEWAY_ORPHAN_TIMEOUT", orphan_timeout);
     boolean("CELLBLOCK_GATEWAY_SHUTDOWN_KERNELS_ON_EXIT", shutdown_kernels_on_exit);
     text("CELLBLOCK_GATEWAY_ZYGOTE_TENANT", zygote_tenant);
@@ -342,6 +346,16 @@ void GatewayConfig::merge_environment(
     number("CELLBLOCK_GATEWAY_NETWORK_APPROVAL_TIMEOUT", network_approval_timeout);
 }
 
+std::string masked_store(const std::string& store) {
+    // postgresql://user:SECRET@host/db, and the keyword form's password=SECRET or password='SE CRET' (also
+    // as a URI parameter, ?password=SECRET&...).
+    static const std::regex uri_password(R"(://([^:/@]*):[^@/]*@)");
+    static const std::regex keyword_password(R"((\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]*))",
+                                             std::regex::icase);
+    return std::regex_replace(std::regex_replace(store, uri_password, "://$1:***@"), keyword_password,
+                              "$1***");
+}
+
 json GatewayConfig::to_json() const {
     json j = {{"ip", ip},
               {"port", port},
@@ -363,9 +377,8 @@ json GatewayConfig::to_json() const {
               {"fd_reserve", fd_reserve},
               {"state_dir", state_dir},
               // The password (if the URL holds one) is not printed.
-              {"store", store.empty()
-                            ? std::string("sqlite")
-                            : std::regex_replace(store, std::regex(R"(://([^:/@]*):[^@/]*@)"), "://$1:***@")},
+              {"store", store.empty() ? std::string("sqlite") : masked_store(store)},
+              {"store_key_file", store_key_file},
               {"orphan_timeout", orphan_timeout},
               {"shutdown_kernels_on_exit", shutdown_kernels_on_exit},
               {"zygote_tenant", zygote_tenant},
@@ -386,13 +399,14 @@ json GatewayConfig::to_json() const {
                 {"default", network_default},
                 {"egress_hosts", egress_hosts},
                 {"approval_timeout", network_approval_timeout},
-                {"ports", network_ports}}},
+                {"ports", network_ports},
+                {"egress_deny", egress_deny}}},
               {"tls", !certfile.empty()}};
     return j;
 }
 
 NetworkSettings GatewayConfig::network_settings() const {
-    return checked_settings(network_allow, network_ports, network_approval_timeout);
+    return checked_settings(network_allow, network_ports, network_approval_timeout, egress_deny);
 }
 
 NetworkRequest GatewayConfig::default_network() const {

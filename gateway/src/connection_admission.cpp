@@ -59,12 +59,33 @@ std::optional<std::size_t> count_open_descriptors() {
 
 }  // namespace
 
-void ConnectionAdmission::PendingCounts::release(const std::string& address) {
-    if (total > 0)
-        --total;
-    auto found = by_address.find(address);
-    if (found != by_address.end() && --found->second == 0)
-        by_address.erase(found);
+std::uint64_t ConnectionAdmission::PendingCounts::add(const std::string& address) {
+    const std::uint64_t id = next_id++;
+    by_age.emplace(id, Entry{address, nullptr});
+    ++by_address[address];
+    return id;
+}
+
+void ConnectionAdmission::PendingCounts::release(std::uint64_t id) {
+    auto found = by_age.find(id);
+    if (found == by_age.end())
+        return;  // closed to make room: counted out already
+    auto from = by_address.find(found->second.address);
+    if (from != by_address.end() && --from->second == 0)
+        by_address.erase(from);
+    by_age.erase(found);
+}
+
+bool ConnectionAdmission::PendingCounts::close_oldest(const std::optional<std::string>& address) {
+    for (auto& [id, entry] : by_age) {
+        if (!entry.close || (address && entry.address != *address))
+            continue;
+        auto close = std::move(entry.close);
+        release(id);  // before closing: the connection's own release then finds nothing
+        close();
+        return true;
+    }
+    return false;
 }
 
 ConnectionAdmission::ConnectionAdmission(boost::asio::io_context& io, const Logger& logger,
@@ -88,18 +109,18 @@ ConnectionAdmission::ConnectionAdmission(boost::asio::io_context& io, const Logg
 
 std::optional<ConnectionAdmission::PendingSlot> ConnectionAdmission::admit(const std::string& address) {
     ++admitted_since_count_;
-    if (pending_->total >= max_pending_) {
+    if (pending_->total() >= max_pending_) {
         note_refusal(false, address);
-        return std::nullopt;
+        if (!pending_->close_oldest(std::nullopt))
+            return std::nullopt;
     }
-    std::size_t& from_address = pending_->by_address[address];
-    if (from_address >= max_pending_per_address_) {
+    if (auto from = pending_->by_address.find(address);
+        from != pending_->by_address.end() && from->second >= max_pending_per_address_) {
         note_refusal(true, address);
-        return std::nullopt;
+        if (!pending_->close_oldest(address))
+            return std::nullopt;
     }
-    ++from_address;
-    ++pending_->total;
-    return PendingSlot(pending_, address);
+    return PendingSlot(pending_, pending_->add(address));
 }
 
 void ConnectionAdmission::note_refusal(bool per_address, const std::string& address) {
@@ -127,7 +148,8 @@ void ConnectionAdmission::report_refusals() {
                  {{"over_global_cap", refused_global_},
                   {"over_address_cap", refused_per_address_},
                   {"last_address", last_refused_address_},
-                  {"pending", pending_->total},
+                  {"pending", pending_->total()},
+                  {"closed", "the oldest pending connections"},
                   {"max_unauthenticated_connections", max_pending_},
                   {"max_unauthenticated_per_address", max_pending_per_address_},
                   {"next_report_after_s", refusal_log_interval.count()}});
@@ -167,7 +189,7 @@ bool ConnectionAdmission::may_accept() {
             logger_.warn("accept_paused", {{"free_descriptors", free},
                                            {"fd_reserve", fd_reserve_},
                                            {"file_limit", file_limit_},
-                                           {"pending", pending_->total}});
+                                           {"pending", pending_->total()}});
         else
             logger_.warn("accept_resumed", {{"free_descriptors", free}, {"fd_reserve", fd_reserve_}});
     }

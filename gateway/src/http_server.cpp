@@ -226,6 +226,13 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         : stream_(std::forward<Args>(stream_arguments)...), context_(context), pending_(std::move(pending)) {}
 
     void run() {
+        if (pending_)
+            pending_->on_close_request([weak = this->weak_from_this()] {
+                // Over a cap on pending connections, the oldest makes room for a newer one: its read ends
+                // with an error and the connection goes away.
+                if (auto self = weak.lock())
+                    beast::get_lowest_layer(self->stream_).close();
+            });
         if constexpr (is_tls<Stream>) {
             beast::get_lowest_layer(stream_).expires_after(header_deadline());
             stream_.async_handshake(
@@ -263,10 +270,11 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
     void on_header(beast::error_code error) {
         if (error || parser_->is_done())
             return on_request(error);
-        // A body is read only for a client that holds the token: without it nobody makes us buffer
-        // max_body_bytes. Unread, the body makes the connection unusable, so it is closed after the answer.
-        if (refused_before_body())
-            return write(json_error(http::status::unauthorized, "Missing or invalid token"), false);
+        // A body is read only for a client that holds the token: without it nobody makes us buffer (or wait
+        // for) max_body_bytes. Unread, the body makes the connection unusable, so it is closed after the
+        // answer.
+        if (auto answer = answer_before_body())
+            return write(std::move(*answer), false);
         beast::get_lowest_layer(stream_).expires_after(request_timeout);
         http::async_read(stream_, buffer_, *parser_,
                          [self = this->shared_from_this()](beast::error_code body_error, std::size_t) {
@@ -274,16 +282,24 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
                          });
     }
 
-    // The token check of handle_request, on the headers alone; preflights and foreign origins are left to it.
-    bool refused_before_body() const {
+    // What handle_request would answer without the token (a preflight, a foreign Origin, no or a wrong
+    // token), decided on the headers alone; nullopt for a request whose body is to be read.
+    std::optional<HttpResponse> answer_before_body() const {
         const auto& header = parser_->get();
-        if (header.method() == http::verb::options || !context_.cors.origin_allowed(header))
-            return false;
+        if (header.method() == http::verb::options)
+            return empty_response(http::status::ok);
+        if (!context_.cors.origin_allowed(header)) {
+            if (websocket::is_upgrade(header))
+                return json_error(http::status::forbidden, "Origin not allowed");
+            return json_error(http::status::not_found, "Not Found");
+        }
         const std::string_view target = header.target();
         const auto query_start = target.find('?');
-        return !context_.auth.authorized(
-            header, parse_query(query_start == std::string_view::npos ? std::string_view{}
-                                                                      : target.substr(query_start + 1)));
+        if (!context_.auth.authorized(
+                header, parse_query(query_start == std::string_view::npos ? std::string_view{}
+                                                                          : target.substr(query_start + 1))))
+            return json_error(http::status::unauthorized, "Missing or invalid token");
+        return std::nullopt;
     }
 
     void on_request(beast::error_code error) {
@@ -378,7 +394,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
                 connection_->context_.logger.error(
                     "request_unanswered",
                     {{"method", std::string(connection_->request_.method_string())},
-                     {"target", std::string(connection_->request_.target())},
+                     {"target", loggable_target(connection_->request_.target())},
                      {"cause", std::uncaught_exceptions() > 0 ? "an exception in its handler (handler_failed)"
                                                               : "its handler dropped it"}});
                 connection_->write(json_error(http::status::internal_server_error,
@@ -394,7 +410,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
             if (response.result() == http::status::internal_server_error)
                 connection_->context_.logger.error(
                     "request_failed", {{"method", std::string(connection_->request_.method_string())},
-                                       {"target", std::string(connection_->request_.target())},
+                                       {"target", loggable_target(connection_->request_.target())},
                                        {"response", response.body().substr(0, 500)}});
             connection_->write(std::move(response), keep_alive_);
         }
@@ -739,7 +755,7 @@ void HttpServer::accept_next() {
         const auto peer = socket.remote_endpoint(error);
         auto pending = admission_.admit(error ? std::string() : peer.address().to_string());
         if (!pending) {
-            socket.close(error);  // over a cap on unauthenticated connections (logged by the admission)
+            socket.close(error);  // over a cap, and no older pending connection to close (logged)
             return accept_next();
         }
         // Nagle + delayed ACK costs a Jupyter round trip 40 ms; every message here is latency-sensitive.

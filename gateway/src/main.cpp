@@ -24,6 +24,7 @@
 #include "cellblock/gateway/router.hpp"
 #include "cellblock/gateway/state_directory.hpp"
 #include "cellblock/gateway/store.hpp"
+#include "cellblock/gateway/store_sealing.hpp"
 #include "cellblock/gateway/store_writer.hpp"
 
 using namespace cellblock::gateway;
@@ -50,8 +51,41 @@ struct CommandLine {
     bool shutdown_kernels_on_exit = false;
     std::vector<std::string> kernelspec_dirs;
     std::vector<std::string> network_allow;
+    std::vector<std::string> egress_deny;
+    std::optional<std::string> token_file, store_file, store_key_file;
     bool print_config = false;
 };
+
+// A secret from a file (--token-file, --store-file): the file's text without its final line break. A file
+// others may read is taken with a warning; an empty one is refused (an empty token would mean no
+// authentication).
+std::string read_secret_file(const std::string& option, const std::string& path) {
+    std::ifstream input(path);
+    if (!input)
+        throw std::invalid_argument(option + ": cannot read " + path);
+    std::string text((std::istreambuf_iterator<char>(input)), std::istreambuf_iterator<char>());
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\r'))
+        text.pop_back();
+    if (text.empty())
+        throw std::invalid_argument(option + ": " + path + " is empty");
+    struct stat status {};
+    if (::stat(path.c_str(), &status) == 0 && (status.st_mode & 077) != 0)
+        std::cerr << "[cellblock-gateway] warning: " << path << " (" << option
+                  << ") can be read by other users; chmod 600 it\n";
+    return text;
+}
+
+// What any local user can read in /proc/PID/cmdline: said once on stderr, before anything starts.
+void warn_of_secrets_on_the_command_line(const CommandLine& cli) {
+    if (cli.token && !cli.token->empty())
+        std::cerr
+            << "[cellblock-gateway] warning: --token on the command line is readable by every local user "
+               "(/proc/PID/cmdline); use --token-file or KG_AUTH_TOKEN\n";
+    if (cli.store && masked_store(*cli.store) != *cli.store)
+        std::cerr
+            << "[cellblock-gateway] warning: the password in --store on the command line is readable by "
+               "every local user (/proc/PID/cmdline); use --store-file or CELLBLOCK_GATEWAY_STORE\n";
+}
 
 void apply(const CommandLine& cli, GatewayConfig& config) {
     auto set = [](const auto& source, auto& target) {
@@ -63,6 +97,10 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
         config.port = static_cast<std::uint16_t>(*cli.port);
     if (cli.token)
         config.token = *cli.token;
+    if (cli.token_file)
+        config.token = read_secret_file("--token-file", *cli.token_file);
+    if (cli.store_file)
+        config.store = read_secret_file("--store-file", *cli.store_file);
     set(cli.base_url, config.base_url);
     set(cli.certfile, config.certfile);
     set(cli.keyfile, config.keyfile);
@@ -72,6 +110,7 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
     set(cli.workspace_root, config.workspace_root);
     set(cli.state_dir, config.state_dir);
     set(cli.store, config.store);
+    set(cli.store_key_file, config.store_key_file);
     set(cli.orphan_timeout, config.orphan_timeout);
     set(cli.zygote_tenant, config.zygote_tenant);
     set(cli.header_timeout, config.header_timeout);
@@ -100,6 +139,8 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
         config.kernelspec_dirs = cli.kernelspec_dirs;
     if (!cli.network_allow.empty())
         config.network_allow = cli.network_allow;
+    if (!cli.egress_deny.empty())
+        config.egress_deny = cli.egress_deny;
     if (cli.network_default) {
         config.network_default = cli.network_default->empty() ? nlohmann::json(nullptr)
                                                               : nlohmann::json::parse(*cli.network_default);
@@ -139,7 +180,12 @@ int main(int argc, char** argv) {
     app.add_option("--ip", cli.ip, "address to bind (KG_IP; default 127.0.0.1)");
     app.add_option("--port", cli.port, "port to bind, 0 = any free port (KG_PORT; default 8888)")
         ->check(CLI::Range(0, 65535));
-    app.add_option("--token", cli.token, "auth token, empty = no auth (KG_AUTH_TOKEN; default: generated)");
+    auto* token_option = app.add_option(
+        "--token", cli.token,
+        "auth token, empty = no auth (KG_AUTH_TOKEN; default: generated). On the command line any local user "
+        "reads it: prefer --token-file");
+    app.add_option("--token-file", cli.token_file, "read the auth token from this file (mode 600)")
+        ->excludes(token_option);
     app.add_option("--base-url", cli.base_url, "URL prefix of every route (KG_BASE_URL)");
     app.add_option("--certfile", cli.certfile,
                    "TLS certificate chain (PEM); enables HTTPS/WSS (KG_CERTFILE)");
@@ -172,9 +218,18 @@ int main(int argc, char** argv) {
         "--state-dir", cli.state_dir,
         "the store, kernels' sockets and workspaces; kernels survive a gateway restart on the same "
         "one (default $XDG_STATE_HOME/cellblock or ~/.local/state/cellblock)");
-    app.add_option("--store", cli.store,
-                   "the session store: empty = SQLite in the state directory (default); postgresql://... = "
-                   "a PostgreSQL store shared by several gateways (CELLBLOCK_GATEWAY_STORE)");
+    auto* store_option = app.add_option(
+        "--store", cli.store,
+        "the session store: empty = SQLite in the state directory (default); postgresql://... = "
+        "a PostgreSQL store shared by several gateways (CELLBLOCK_GATEWAY_STORE)");
+    app.add_option(
+        "--store-key-file", cli.store_key_file,
+        "the secret (64 hex digits, mode 600) that seals kernels' keys in the store; default: "
+        "store-key in the state directory; required for a PostgreSQL store, the same file for every "
+        "gateway on it (CELLBLOCK_GATEWAY_STORE_KEY_FILE)");
+    app.add_option("--store-file", cli.store_file,
+                   "read --store from this file (mode 600), for a PostgreSQL URI that holds a password")
+        ->excludes(store_option);
     app.add_option(
            "--orphan-timeout", cli.orphan_timeout,
            "seconds a kernel keeps running without a gateway before it stops itself (default 600; 0 = "
@@ -222,6 +277,10 @@ int main(int argc, char** argv) {
     app.add_option("--egress-hosts", cli.egress_hosts,
                    "hosts(5) file: a name listed there resolves only to its addresses, which are exempt from "
                    "the private-address refusal (CELLBLOCK_GATEWAY_EGRESS_HOSTS)");
+    app.add_option("--egress-deny", cli.egress_deny,
+                   "address range (CIDR, repeatable) no kernel's egress proxy connects to, whatever a name "
+                   "resolves to, besides the private, loopback and metadata ranges always refused "
+                   "(config network.egress_deny)");
     app.add_option("--network-approval-timeout", cli.network_approval_timeout,
                    "seconds a held network request waits for an approval before it is denied (default 120) "
                    "(CELLBLOCK_GATEWAY_NETWORK_APPROVAL_TIMEOUT)")
@@ -238,6 +297,7 @@ int main(int argc, char** argv) {
         }
     }
     CLI11_PARSE(app, argc, argv);
+    warn_of_secrets_on_the_command_line(cli);
     // The agent API's default limits are the kernel's own, so warm-pool kernels can serve default sessions.
     agent_config.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");
 
@@ -301,8 +361,18 @@ int main(int argc, char** argv) {
             throw std::runtime_error("runtime directory path " + config.runtime_dir +
                                      " is too long for ipc sockets (at most 85 characters): choose a shorter "
                                      "--state-dir or --runtime-dir");
-        store =
-            config.store.empty() ? open_sqlite_store(state->store_file()) : open_postgres_store(config.store);
+        if (auto refusal = config.store.empty() ? std::nullopt : unencrypted_remote_store(config.store))
+            throw std::runtime_error(*refusal);
+        if (!config.store.empty() && config.store_key_file.empty())
+            throw std::runtime_error(
+                "a PostgreSQL store needs --store-key-file: one secret, the same for every "
+                "gateway on the store, seals the kernels' keys in it (make one with "
+                "`openssl rand -hex 32 > FILE; chmod 600 FILE`)");
+        auto secret = config.store_key_file.empty() ? StoreSecret::load(state->path() / "store-key", true)
+                                                    : StoreSecret::load(config.store_key_file, false);
+        store = seal_kernel_keys(
+            config.store.empty() ? open_sqlite_store(state->store_file()) : open_postgres_store(config.store),
+            secret);
     } catch (const std::exception& error) {
         logger.error("cannot_start", {{"error", error.what()}});
         std::cerr << "cellblock-gateway: " << error.what() << "\n";

@@ -3,6 +3,9 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <boost/asio/ip/address.hpp>
+#include <boost/asio/ip/network_v4.hpp>
+#include <boost/asio/ip/network_v6.hpp>
 #include <cctype>
 
 namespace cellblock::gateway {
@@ -134,7 +137,7 @@ void check_within_ceiling(const NetworkRequest& request, const std::vector<std::
 }
 
 NetworkSettings checked_settings(const std::vector<std::string>& ceiling, const std::vector<int>& ports,
-                                 double approval_timeout_s) {
+                                 double approval_timeout_s, const std::vector<std::string>& deny) {
     NetworkSettings settings;
     settings.ceiling.clear();
     for (const std::string& pattern : ceiling) {
@@ -154,18 +157,35 @@ NetworkSettings checked_settings(const std::vector<std::string>& ceiling, const 
                                  "the network approval timeout must be a positive number of "
                                  "seconds");
     settings.approval_timeout_s = approval_timeout_s;
+    for (const std::string& range : deny) {
+        boost::system::error_code error;
+        const auto slash = range.find('/');
+        const std::string address = range.substr(0, slash);
+        const auto parsed = boost::asio::ip::make_address(address, error);
+        if (error || slash == std::string::npos)
+            throw NetworkPolicyError(Kind::malformed, "--egress-deny " + range +
+                                                          ": not an address range in CIDR notation (e.g. "
+                                                          "203.0.113.0/24, 2001:db8::/32)");
+        settings.deny.push_back(parsed.is_v4()
+                                    ? boost::asio::ip::make_network_v4(range, error).canonical().to_string()
+                                    : boost::asio::ip::make_network_v6(range, error).canonical().to_string());
+        if (error)
+            throw NetworkPolicyError(Kind::malformed, "--egress-deny " + range + ": " + error.message());
+    }
     return settings;
 }
 
 std::string kernel_policy_value(const NetworkRequest& request, const NetworkSettings& settings) {
     if (request.none())
         return "";
-    return json{{"allow", request.allow},
-                {"ask", request.ask},
-                {"ceiling", settings.ceiling},
-                {"ports", settings.ports},
-                {"approval_timeout_s", settings.approval_timeout_s}}
-        .dump();
+    json policy = {{"allow", request.allow},
+                   {"ask", request.ask},
+                   {"ceiling", settings.ceiling},
+                   {"ports", settings.ports},
+                   {"approval_timeout_s", settings.approval_timeout_s}};
+    if (!settings.deny.empty())
+        policy["deny"] = settings.deny;
+    return policy.dump();
 }
 
 }  // namespace cellblock::gateway

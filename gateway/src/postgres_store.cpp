@@ -467,6 +467,44 @@ class PostgresStore final : public SessionStore {
 
 }  // namespace
 
+std::optional<std::string> unencrypted_remote_store(const std::string& url) {
+    char* error = nullptr;
+    std::unique_ptr<PQconninfoOption, decltype(&PQconninfoFree)> options(PQconninfoParse(url.c_str(), &error),
+                                                                         &PQconninfoFree);
+    if (error)
+        PQfreemem(error);
+    if (!options)
+        return std::nullopt;  // open_postgres_store says what is wrong with it
+    std::string hosts, sslmode;
+    for (const PQconninfoOption* option = options.get(); option->keyword; ++option) {
+        if (!option->val)
+            continue;
+        if (std::string_view(option->keyword) == "host" || std::string_view(option->keyword) == "hostaddr")
+            hosts += std::string(hosts.empty() ? "" : ",") + option->val;
+        if (std::string_view(option->keyword) == "sslmode")
+            sslmode = option->val;
+    }
+    if (!sslmode.empty())
+        return std::nullopt;  // the operator chose, whatever the choice
+    std::string remote;
+    std::size_t start = 0;
+    for (std::size_t at = 0; at <= hosts.size(); ++at) {
+        if (at != hosts.size() && hosts[at] != ',')
+            continue;
+        const std::string host = hosts.substr(start, at - start);
+        start = at + 1;
+        const bool local = host.empty() || host.starts_with('/') || host.starts_with('@') ||
+                           host == "localhost" || host.starts_with("127.") || host == "::1";
+        if (!local)
+            remote = host;
+    }
+    if (remote.empty())
+        return std::nullopt;
+    return "the PostgreSQL store at " + remote +
+           " is reached over the network without TLS: add sslmode=verify-full (or require) to the store's "
+           "connection string, or sslmode=disable to accept that";
+}
+
 std::unique_ptr<SessionStore> open_postgres_store(const std::string& url) {
     return std::make_unique<PostgresStore>(url);
 }

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <system_error>
 
+#include "cellblock/contract/environment.hpp"
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/kernel_process.hpp"
 #include "cellblock/gateway/zmq_channel.hpp"
@@ -182,6 +183,8 @@ class LaunchRegistry {
             io, context, zmq::socket_type::router, "tcp://" + ip + ":0",
             [this](std::vector<std::string>&& frames) { receive(std::move(frames)); },
             [&secret](zmq::socket_t& socket) {
+                // A report is a few hundred bytes: anything larger is dropped by libzmq before it is read.
+                socket.set(zmq::sockopt::maxmsgsize, std::int64_t{64} * 1024);
                 socket.set(zmq::sockopt::curve_server, true);
                 socket.set(zmq::sockopt::curve_secretkey, secret);
             });
@@ -258,6 +261,25 @@ std::string shell_quoted(const std::string& word) {
     }
     return quoted + "'";
 }
+
+}  // namespace
+
+std::string slurm_job_script(const std::vector<std::string>& argv,
+                             const std::map<std::string, std::string>& environment) {
+    // The document is one line of printable ASCII JSON: it cannot be the delimiter line.
+    const std::string document = contract::encode_environment(environment);
+    std::string script = "#!/bin/sh\n";
+    if (auto path = environment.find("PATH"); path != environment.end())
+        script += "PATH=" + shell_quoted(path->second) + "\nexport PATH\n";
+    script += "exec";
+    for (const std::string& argument : argv)
+        script += " " + shell_quoted(argument);
+    script += " --environment-stdin <<'CELLBLOCK_LAUNCH_ENVIRONMENT'\n" + document +
+              "\nCELLBLOCK_LAUNCH_ENVIRONMENT\n";
+    return script;
+}
+
+namespace {
 
 bool terminal_job_state(std::string_view state) {
     static const std::set<std::string_view> terminal = {
@@ -448,18 +470,20 @@ std::unique_ptr<KernelInstance> SlurmProvisioner::launch(const InstanceLaunch& l
             continue;
         argv.push_back(argument);
     }
-    argv.insert(argv.end(),
-                {"--report-to", registry_->endpoint(), "--report-server-key", registry_->public_key()});
-    std::string script = "#!/bin/sh\n# cellblock kernel " + launch.kernel_id + "\n";
-    for (const auto& [name, value] : launch.environment) {
-        if (name == "CELLBLOCK_WORKSPACE" || name == "CELLBLOCK_LEASE_CLEANUP_DIR")
-            continue;
-        script += "export " + name + "=" + shell_quoted(value) + "\n";
+    argv.insert(argv.end(), {"--report-to", registry_->endpoint()});
+    std::map<std::string, std::string> environment = launch.environment;
+    // The node makes its own workspace; no path of the gateway's means anything there.
+    environment.erase("CELLBLOCK_WORKSPACE");
+    environment.erase("CELLBLOCK_LEASE_CLEANUP_DIR");
+    environment["CELLBLOCK_REPORT_TOKEN"] = job->token;
+    environment["CELLBLOCK_REPORT_SERVER_KEY"] = registry_->public_key();
+    std::string script;
+    try {
+        script = slurm_job_script(argv, environment);
+    } catch (const std::exception&) {
+        registry_->forget(job->token);
+        throw;
     }
-    script += "export CELLBLOCK_REPORT_TOKEN=" + shell_quoted(job->token) + "\nexec";
-    for (const std::string& argument : argv)
-        script += " " + shell_quoted(argument);
-    script += "\n";
     const fs::path script_file = launch.runtime_dir / ("slurm-job-" + launch.kernel_id + ".sh");
     {
         const int fd = ::open(script_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0700);

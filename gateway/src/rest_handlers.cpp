@@ -3,6 +3,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cellblock/contract/environment.hpp"
 #include "cellblock/gateway/time_format.hpp"
 #include "cellblock/gateway/websocket_channel.hpp"
 
@@ -74,14 +75,18 @@ std::map<std::string, std::string> request_env(const json& body) {
     if (found == body.end() || found->is_null())
         return env;
     if (!found->is_object())
-        throw HttpError(http::status::bad_request, "env must be a JSON object of strings");
+        throw HttpError(http::status::bad_request, "env must be a JSON object of strings", "bad_env");
     for (const auto& [name, value] : found->items()) {
         if (!value.is_string())
-            throw HttpError(http::status::bad_request, "env value of " + name + " must be a string");
-        if (name.empty() || name.find('=') != std::string::npos || name.find('\0') != std::string::npos ||
-            value.get_ref<const std::string&>().find('\0') != std::string::npos)
-            throw HttpError(http::status::bad_request, "invalid env variable " + name);
+            throw HttpError(http::status::bad_request, "env value of " + name + " must be a string",
+                            "bad_env");
         env[name] = value.get<std::string>();
+    }
+    // Every provisioner: a name is never a shell word (a Slurm job's script), whatever the kernel runs on.
+    try {
+        contract::check_environment(env);
+    } catch (const contract::InvalidEnvironment& error) {
+        throw HttpError(http::status::bad_request, error.what(), "bad_env");
     }
     return env;
 }

@@ -32,6 +32,10 @@ HttpResponse json_error(http::status status, std::string_view message, std::stri
     return json_response(status, {{"reason", phrase}, {"message", message}}, version);
 }
 
+std::string loggable_target(std::string_view target) {
+    return std::string(target.substr(0, target.find('?')));
+}
+
 HttpResponse empty_response(http::status status, unsigned version) {
     HttpResponse response{status, version};
     response.prepare_payload();

@@ -197,7 +197,10 @@ class SqliteStore final : public SessionStore {
             // Reading the schema proves the file is a readable database before anything is written to it.
             Statement(database_.get(), "SELECT count(*) FROM sqlite_master").run();
             migrate();
-            execute_script(database_.get(), "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;",
+            // secure_delete: a replaced or removed row (a key written before keys were sealed) is zeroed, not
+            // left in the file's free space.
+            execute_script(database_.get(),
+                           "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA secure_delete=ON;",
                            "cannot configure");
         } catch (const StoreError& error) {
             throw StoreError(std::string(error.what()) + " (" + file.string() +

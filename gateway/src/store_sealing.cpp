@@ -37,7 +37,8 @@ int length_of(std::string_view text) {
     return static_cast<int>(text.size());
 }
 
-std::array<unsigned char, StoreSecret::size> parse_hex(const std::string& text, const std::filesystem::path& file) {
+std::array<unsigned char, StoreSecret::size> parse_hex(const std::string& text,
+                                                       const std::filesystem::path& file) {
     std::array<unsigned char, StoreSecret::size> bytes{};
     if (text.size() != 2 * StoreSecret::size)
         throw StoreError(file.string() + " does not hold a store secret (64 hex digits)");
@@ -93,11 +94,13 @@ std::string StoreSecret::seal(std::string_view plain, std::string_view associate
     std::string tag(tag_bytes, '\0');
     const bool ok =
         EVP_EncryptInit_ex(context.get(), EVP_aes_256_gcm(), nullptr, bytes_.data(), bytes_of(nonce)) == 1 &&
-        EVP_EncryptUpdate(context.get(), nullptr, &length, bytes_of(associated), length_of(associated)) == 1 &&
-        EVP_EncryptUpdate(context.get(), reinterpret_cast<unsigned char*>(cipher.data()), &length, bytes_of(plain),
-                          length_of(plain)) == 1 &&
+        EVP_EncryptUpdate(context.get(), nullptr, &length, bytes_of(associated), length_of(associated)) ==
+            1 &&
+        EVP_EncryptUpdate(context.get(), reinterpret_cast<unsigned char*>(cipher.data()), &length,
+                          bytes_of(plain), length_of(plain)) == 1 &&
         EVP_EncryptFinal_ex(context.get(), nullptr, &length) == 1 &&
-        EVP_CIPHER_CTX_ctrl(context.get(), EVP_CTRL_GCM_GET_TAG, static_cast<int>(tag_bytes), tag.data()) == 1;
+        EVP_CIPHER_CTX_ctrl(context.get(), EVP_CTRL_GCM_GET_TAG, static_cast<int>(tag_bytes), tag.data()) ==
+            1;
     if (!ok)
         throw StoreError("sealing a key failed (AES-256-GCM)");
     return std::string(sealed_prefix) + base64_encode(nonce + cipher + tag);
@@ -118,14 +121,17 @@ std::string StoreSecret::open(std::string_view sealed, std::string_view associat
     int length = 0;
     const bool ok =
         EVP_DecryptInit_ex(context.get(), EVP_aes_256_gcm(), nullptr, bytes_.data(), bytes_of(nonce)) == 1 &&
-        EVP_DecryptUpdate(context.get(), nullptr, &length, bytes_of(associated), length_of(associated)) == 1 &&
-        EVP_DecryptUpdate(context.get(), reinterpret_cast<unsigned char*>(plain.data()), &length, bytes_of(cipher),
-                          length_of(cipher)) == 1 &&
-        EVP_CIPHER_CTX_ctrl(context.get(), EVP_CTRL_GCM_SET_TAG, static_cast<int>(tag_bytes), tag.data()) == 1 &&
+        EVP_DecryptUpdate(context.get(), nullptr, &length, bytes_of(associated), length_of(associated)) ==
+            1 &&
+        EVP_DecryptUpdate(context.get(), reinterpret_cast<unsigned char*>(plain.data()), &length,
+                          bytes_of(cipher), length_of(cipher)) == 1 &&
+        EVP_CIPHER_CTX_ctrl(context.get(), EVP_CTRL_GCM_SET_TAG, static_cast<int>(tag_bytes), tag.data()) ==
+            1 &&
         EVP_DecryptFinal_ex(context.get(), nullptr, &length) == 1;
     if (!ok)
-        throw StoreError("a kernel key in the store was sealed under another store secret (every gateway on a "
-                         "shared store needs the same --store-key-file) or was altered");
+        throw StoreError(
+            "a kernel key in the store was sealed under another store secret (every gateway on a "
+            "shared store needs the same --store-key-file) or was altered");
     return plain;
 }
 

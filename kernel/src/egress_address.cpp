@@ -1,7 +1,13 @@
 #include "egress_address.hpp"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 
 namespace cellblock::kernel::egress {
 namespace {
@@ -103,6 +109,11 @@ std::optional<std::string> v6_reason(const boost::asio::ip::address_v6& address)
     if (has_prefix(bytes, {0x00, 0x64, 0xff, 0x9b, 0, 0, 0, 0, 0, 0, 0, 0}, 96)) {
         return embedded("NAT64", v4_at(bytes, 12));
     }
+    if (has_prefix(bytes, {0x00, 0x64, 0xff, 0x9b, 0x00, 0x01}, 48)) {
+        // RFC 8215's local-use NAT64 prefix: where the IPv4 address sits depends on the operator's prefix
+        // length, so the whole range is refused.
+        return "a local-use NAT64 address (64:ff9b:1::/48)";
+    }
     if (has_prefix(bytes, {0x20, 0x02}, 16)) {
         return embedded("6to4", v4_at(bytes, 2));
     }
@@ -132,11 +143,42 @@ std::optional<std::string> v6_reason(const boost::asio::ip::address_v6& address)
 
 }  // namespace
 
-std::optional<std::string> forbidden_address_reason(const boost::asio::ip::address& address) {
-    if (address.is_v4()) {
-        return v4_reason(address.to_v4().to_uint());
+std::optional<std::string> forbidden_address_reason(
+    const boost::asio::ip::address& address, std::span<const boost::asio::ip::address> host_addresses) {
+    auto reason = address.is_v4() ? v4_reason(address.to_v4().to_uint()) : v6_reason(address.to_v6());
+    if (reason) {
+        return reason;
     }
-    return v6_reason(address.to_v6());
+    for (const auto& own : host_addresses) {
+        if (own == address) {
+            return "an address of the kernel's own host";
+        }
+    }
+    return std::nullopt;
+}
+
+std::vector<boost::asio::ip::address> host_interface_addresses() {
+    ifaddrs* list = nullptr;
+    if (::getifaddrs(&list) != 0) {
+        return {};
+    }
+    const std::unique_ptr<ifaddrs, decltype(&::freeifaddrs)> owned(list, &::freeifaddrs);
+    std::vector<boost::asio::ip::address> addresses;
+    for (const ifaddrs* entry = list; entry; entry = entry->ifa_next) {
+        if (!entry->ifa_addr) {
+            continue;
+        }
+        if (entry->ifa_addr->sa_family == AF_INET) {
+            const auto* v4 = reinterpret_cast<const sockaddr_in*>(entry->ifa_addr);
+            addresses.emplace_back(boost::asio::ip::address_v4(ntohl(v4->sin_addr.s_addr)));
+        } else if (entry->ifa_addr->sa_family == AF_INET6) {
+            const auto* v6 = reinterpret_cast<const sockaddr_in6*>(entry->ifa_addr);
+            boost::asio::ip::address_v6::bytes_type bytes{};
+            std::memcpy(bytes.data(), v6->sin6_addr.s6_addr, bytes.size());
+            addresses.emplace_back(boost::asio::ip::address_v6(bytes));
+        }
+    }
+    return addresses;
 }
 
 }  // namespace cellblock::kernel::egress

@@ -163,15 +163,44 @@ bool pattern_within(std::string_view pattern, std::string_view ceiling) {
     return !is_ip_literal(named) && ends_with_label_suffix(named, suffix);
 }
 
+namespace {
+
+// "deny": ["203.0.113.0/24", "2001:db8::/32"]: the operator's ranges no connection goes to.
+void parse_deny(const json& policy, std::vector<boost::asio::ip::network_v4>& v4,
+                std::vector<boost::asio::ip::network_v6>& v6) {
+    const auto deny = policy.find("deny");
+    if (deny == policy.end() || deny->is_null()) {
+        return;
+    }
+    if (!deny->is_array()) {
+        throw PolicyError("network policy: \"deny\" must be a list of address ranges, got " + deny->dump());
+    }
+    for (const auto& entry : *deny) {
+        const std::string range = entry.is_string() ? entry.get<std::string>() : std::string();
+        boost::system::error_code error;
+        if (range.find(':') == std::string::npos) {
+            v4.push_back(boost::asio::ip::make_network_v4(range, error));
+        } else {
+            v6.push_back(boost::asio::ip::make_network_v6(range, error));
+        }
+        if (error || range.find('/') == std::string::npos) {
+            throw PolicyError("network policy: \"deny\" entries must be CIDR ranges, got " + entry.dump());
+        }
+    }
+}
+
+}  // namespace
+
 EgressPolicy EgressPolicy::parse(const json& policy) {
     if (!policy.is_object()) {
         throw PolicyError("network policy: expected a JSON object, got " + policy.dump());
     }
-    static constexpr std::string_view known[] = {"allow", "ask", "ceiling", "ports", "approval_timeout_s"};
+    static constexpr std::string_view known[] = {"allow", "ask", "ceiling", "ports", "approval_timeout_s",
+                                                 "deny"};
     for (const auto& [key, value] : policy.items()) {
         if (std::find(std::begin(known), std::end(known), key) == std::end(known)) {
             throw PolicyError("network policy: unknown field \"" + key +
-                              "\" (known: allow, ask, ceiling, ports, approval_timeout_s)");
+                              "\" (known: allow, ask, ceiling, ports, approval_timeout_s, deny)");
         }
     }
     EgressPolicy parsed;
@@ -211,7 +240,35 @@ EgressPolicy EgressPolicy::parse(const json& policy) {
         parsed.approval_timeout_ =
             std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(timeout->get<double>() * 1000)));
     }
+    parse_deny(policy, parsed.deny_v4_, parsed.deny_v6_);
     return parsed;
+}
+
+std::optional<std::string> EgressPolicy::denied(const boost::asio::ip::address& address) const {
+    auto as_v4 = [&]() -> std::optional<boost::asio::ip::address_v4> {
+        if (address.is_v4()) {
+            return address.to_v4();
+        }
+        if (address.to_v6().is_v4_mapped()) {
+            return boost::asio::ip::make_address_v4(boost::asio::ip::v4_mapped, address.to_v6());
+        }
+        return std::nullopt;
+    }();
+    if (as_v4) {
+        for (const auto& range : deny_v4_) {
+            if (range.canonical() == boost::asio::ip::network_v4(*as_v4, range.prefix_length()).canonical()) {
+                return range.to_string() + " is in the operator's deny list";
+            }
+        }
+        return std::nullopt;
+    }
+    for (const auto& range : deny_v6_) {
+        if (range.canonical() ==
+            boost::asio::ip::network_v6(address.to_v6(), range.prefix_length()).canonical()) {
+            return range.to_string() + " is in the operator's deny list";
+        }
+    }
+    return std::nullopt;
 }
 
 bool EgressPolicy::within_ceiling(std::string_view host) const {

@@ -3,9 +3,13 @@
 // allowlist (but inside the ceiling) is held for a human's approval.
 #pragma once
 
+#include <boost/asio/ip/address.hpp>
+#include <boost/asio/ip/network_v4.hpp>
+#include <boost/asio/ip/network_v6.hpp>
 #include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -50,8 +54,8 @@ struct PolicyDecision {
 class EgressPolicy {
   public:
     // The JSON object of CELLBLOCK_NETWORK_POLICY: {"allow": [...], "ask": bool, "ceiling": [...],
-    // "ports": [...], "approval_timeout_s": number}. Throws PolicyError naming the field. Without a ceiling
-    // the allowlist is its own ceiling, and asking then has nothing to ask for (refused).
+    // "ports": [...], "approval_timeout_s": number, "deny": [CIDR...]}. Throws PolicyError naming the field.
+    // Without a ceiling the allowlist is its own ceiling, and asking then has nothing to ask for (refused).
     static EgressPolicy parse(const nlohmann::json& policy);
 
     PolicyDecision decide(std::string_view host) const;
@@ -72,6 +76,10 @@ class EgressPolicy {
     std::string describe_ceiling() const;
     std::string describe_ports() const;
 
+    // Why `address` is in the operator's deny list ("203.0.113.0/24 is in the operator's deny list"), or
+    // nullopt. An IPv4-mapped IPv6 address is judged by its IPv4 address.
+    std::optional<std::string> denied(const boost::asio::ip::address& address) const;
+
   private:
     bool within_ceiling(std::string_view host) const;
 
@@ -81,6 +89,8 @@ class EgressPolicy {
     std::vector<std::uint16_t> ports_{443, 80};
     bool ask_ = false;
     std::chrono::milliseconds approval_timeout_{120'000};
+    std::vector<boost::asio::ip::network_v4> deny_v4_;
+    std::vector<boost::asio::ip::network_v6> deny_v6_;
 };
 
 }  // namespace cellblock::kernel::egress

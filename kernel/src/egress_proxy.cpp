@@ -56,8 +56,27 @@ namespace {
 constexpr std::size_t relay_buffer_bytes = std::size_t{64} * 1024;
 constexpr std::size_t max_response_head_bytes = std::size_t{64} * 1024;
 constexpr auto refusal_linger = std::chrono::seconds(2);
+// Sessions over max_connections answered 503 (each for up to refusal_linger) at once; beyond, accepting
+// pauses.
+constexpr std::size_t max_refusing_sessions = 16;
 constexpr std::string_view message_prefix = "cellblock egress: ";
 constexpr std::uint64_t unlimited_body = std::numeric_limits<std::uint64_t>::max();
+
+bool forwarded_method(http::verb method) {
+    switch (method) {
+        case http::verb::connect:
+        case http::verb::get:
+        case http::verb::head:
+        case http::verb::post:
+        case http::verb::put:
+        case http::verb::patch:
+        case http::verb::delete_:
+        case http::verb::options:
+            return true;
+        default:
+            return false;
+    }
+}
 
 struct Authority {
     std::string host;
@@ -270,6 +289,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     void replace_listener(UniqueFd listener) {
         ++listener_generation;
         acceptor.reset();
+        accepting_paused = false;
         sockaddr_storage local{};
         socklen_t length = sizeof(local);
         if (::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&local), &length) != 0) {
@@ -291,6 +311,8 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     }
 
     void accept_next(std::uint64_t generation);
+    // A session ended: accepting resumes if it was paused at the cap.
+    void session_closed();
 
     void request_approval(const std::string& host, std::uint16_t port, const std::string& method,
                           std::function<void(Decision, const std::string&)> waiter) {
@@ -361,7 +383,10 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     std::optional<tcp::acceptor> acceptor;
     std::uint64_t listener_generation = 0;
     std::optional<asio::steady_timer> accept_pause{std::in_place, io};
+    // The host's own interface addresses, refused like private ones (egress_address.hpp).
+    const std::vector<asio::ip::address> host_addresses = host_interface_addresses();
     std::size_t open_sessions = 0;  // Session objects alive (on the proxy thread only)
+    bool accepting_paused = false;  // at max_connections + max_refusing_sessions
     std::map<std::string, std::shared_ptr<PendingApproval>> pending;  // one per host
     std::thread thread;
     std::mutex stop_mutex;
@@ -381,14 +406,13 @@ class Session : public std::enable_shared_from_this<Session> {
           client_(std::move(client)),
           upstream_(proxy.io),
           resolver_(proxy.io),
-          deadline_(proxy.io),
-          up_buffer_(relay_buffer_bytes),
-          down_buffer_(relay_buffer_bytes) {
+          deadline_(proxy.io) {
         ++proxy_.open_sessions;
     }
 
     ~Session() {
         --proxy_.open_sessions;
+        proxy_.session_closed();
         record_.duration_ms = milliseconds_since(started_);
         if (!record_.allowed && record_.rule.empty()) {
             record_.rule = phase_ == Phase::deciding ? "held for approval when the proxy stopped"
@@ -455,6 +479,13 @@ class Session : public std::enable_shared_from_this<Session> {
             return close();
         }
         const auto& request = parser_->get();
+        // Only real methods: the method reaches an approval that a person or a model reads, so a token of the
+        // worker's choosing (e.g. OPERATOR_PREAPPROVED_CHOOSE_ALLOW) must never be echoed there.
+        if (!forwarded_method(request.method())) {
+            record_.method = "(refused)";
+            return refuse(http::status::method_not_allowed,
+                          "the proxy forwards only CONNECT, GET, HEAD, POST, PUT, PATCH, DELETE and OPTIONS");
+        }
         record_.method = std::string(request.method_string());
         try {
             if (request.method() == http::verb::connect) {
@@ -557,16 +588,20 @@ class Session : public std::enable_shared_from_this<Session> {
         arm(proxy_.limits.connect,
             "could not connect to " + record_.host + " within " + seconds_text(proxy_.limits.connect));
         if (const auto* addresses = proxy_.pinned.lookup(record_.host)) {
-            // The operator's own statement: these addresses are exempt from the private-address refusal.
+            // The operator's own statement: these addresses are exempt from the private-address refusal (not
+            // from the operator's deny list).
             std::vector<tcp::endpoint> endpoints;
             for (const auto& address : *addresses) {
+                if (const auto reason = proxy_.policy.denied(address)) {
+                    return refuse_address(address, *reason);
+                }
                 endpoints.emplace_back(address, record_.port);
             }
             return connect(std::move(endpoints));
         }
         if (is_ip_literal(record_.host)) {
             const auto address = asio::ip::make_address(record_.host);
-            if (const auto reason = forbidden_address_reason(address)) {
+            if (const auto reason = refusal_reason(address)) {
                 return refuse_address(address, *reason);
             }
             return connect({tcp::endpoint(address, record_.port)});
@@ -576,6 +611,15 @@ class Session : public std::enable_shared_from_this<Session> {
             [self = shared_from_this()](error_code error, const tcp::resolver::results_type& results) {
                 self->on_resolved(error, results);
             });
+    }
+
+    // Why the proxy does not connect to `address`: the operator's deny list, then the ranges and the host's
+    // own addresses (egress_address.hpp).
+    std::optional<std::string> refusal_reason(const asio::ip::address& address) const {
+        if (auto denied = proxy_.policy.denied(address)) {
+            return denied;
+        }
+        return forbidden_address_reason(address, proxy_.host_addresses);
     }
 
     void on_resolved(error_code error, const tcp::resolver::results_type& results) {
@@ -590,7 +634,7 @@ class Session : public std::enable_shared_from_this<Session> {
         std::optional<std::pair<asio::ip::address, std::string>> refused;
         for (const auto& entry : results) {
             const auto address = entry.endpoint().address();
-            if (auto reason = forbidden_address_reason(address)) {
+            if (auto reason = refusal_reason(address)) {
                 if (!refused) {
                     refused.emplace(address, std::move(*reason));
                 }
@@ -666,6 +710,7 @@ class Session : public std::enable_shared_from_this<Session> {
                     return refuse_tunnel("the client's first bytes are not a TLS ClientHello of at most " +
                                          std::to_string(max_client_hello_bytes) + " bytes");
                 }
+                allocate_relay_buffers();
                 client_.async_read_some(
                     asio::buffer(up_buffer_.data(),
                                  std::min(up_buffer_.size(), max_client_hello_bytes - hello_.size())),
@@ -775,7 +820,17 @@ class Session : public std::enable_shared_from_this<Session> {
         bool done = false;
     };
 
+    // A session holds its two relay buffers only from the moment its tunnel or request is let through: one
+    // that is refused, held for approval or still sending its head costs no more than its socket and parser.
+    void allocate_relay_buffers() {
+        if (up_buffer_.empty())
+            up_buffer_.resize(relay_buffer_bytes);
+        if (down_buffer_.empty())
+            down_buffer_.resize(relay_buffer_bytes);
+    }
+
     void start_relay(bool tunnel) {
+        allocate_relay_buffers();
         phase_ = Phase::relay;
         tunnel_ = tunnel;
         arm(proxy_.limits.idle, "no data either way for " + seconds_text(proxy_.limits.idle));
@@ -956,7 +1011,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
 
     void drain() {
-        client_.async_read_some(asio::buffer(down_buffer_),
+        client_.async_read_some(asio::buffer(drain_buffer_),
                                 [self = shared_from_this()](error_code error, std::size_t) {
                                     if (error) {
                                         return self->close();
@@ -1058,8 +1113,9 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string hello_;
 
     bool tunnel_ = false;
-    std::vector<char> up_buffer_;
-    std::vector<char> down_buffer_;
+    std::vector<char> up_buffer_;           // empty until allocate_relay_buffers()
+    std::vector<char> down_buffer_;         // likewise
+    std::array<char, 256> drain_buffer_{};  // what a refused client still sends is read here and dropped
     std::optional<std::uint64_t> upload_limit_;
     std::optional<std::uint64_t> no_limit_;
     Pipe up_{};
@@ -1093,8 +1149,21 @@ void EgressProxy::Impl::accept_next(std::uint64_t generation) {
         } else {
             session->start();
         }
+        if (open_sessions >= limits.max_connections + max_refusing_sessions) {
+            // Further connections wait in the listen backlog (the worker's connect() blocks) until a session
+            // ends: whatever the worker opens, the proxy holds at most this many sessions.
+            accepting_paused = true;
+            return;
+        }
         accept_next(generation);
     });
+}
+
+void EgressProxy::Impl::session_closed() {
+    if (accepting_paused && acceptor && open_sessions < limits.max_connections + max_refusing_sessions) {
+        accepting_paused = false;
+        accept_next(listener_generation);
+    }
 }
 
 EgressProxy::EgressProxy(EgressPolicy policy, PinnedHosts pinned, ApprovalBroker& broker,

@@ -69,7 +69,9 @@ struct ProxyLimits {
     std::chrono::milliseconds client_hello{30'000};
     // A relay with no byte either way is closed.
     std::chrono::milliseconds idle{300'000};
-    // Connections open at once (each holds two 64 KiB relay buffers); more are answered 503 and closed.
+    // Sessions open at once (one that relays holds two 64 KiB buffers, allocated only when it starts
+    // relaying). Up to 16 more are answered 503 and closed; beyond those the proxy stops accepting until a
+    // session ends, so a worker opening thousands of connections costs the kernel a bounded amount.
     std::size_t max_connections = 256;
 };
 

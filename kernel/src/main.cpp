@@ -28,9 +28,12 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 #include <xeus/xkernel.hpp>
 #include <xeus/xkernel_configuration.hpp>
 
+#include "cellblock/contract/environment.hpp"
 #include "connection_info.hpp"
 #include "egress_proxy.hpp"
 #include "heap_policy.hpp"
@@ -347,6 +350,59 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
 }
 
 }  // namespace
+
+// A kernel started as a batch job on another machine gets its environment as a document on stdin (from a
+// quoted here-document: slurm_job_script in gateway/src/provisioner.cpp), never as shell `export`s. It then
+// executes itself again with that environment (and stdin on /dev/null, as for any daemon), so that the
+// process's environment is what /proc/PID/environ and ps show. Returns only on failure.
+std::string exec_with_launch_environment(int argc, char** argv) {
+    constexpr std::size_t most = 1 << 20;
+    std::string document;
+    std::array<char, 4096> buffer{};
+    for (;;) {
+        const ssize_t got = ::read(STDIN_FILENO, buffer.data(), buffer.size());
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0)
+            return std::string("--environment-stdin: cannot read stdin: ") + std::strerror(errno);
+        if (got == 0)
+            break;
+        document.append(buffer.data(), static_cast<std::size_t>(got));
+        if (document.size() > most)
+            return "--environment-stdin: the document is over 1 MiB";
+    }
+    contract::Environment environment;
+    try {
+        environment = contract::decode_environment(document);
+    } catch (const contract::InvalidEnvironment& error) {
+        return std::string("--environment-stdin: ") + error.what();
+    }
+    for (char** entry = environ; entry && *entry; ++entry) {
+        const std::string_view line = *entry;
+        const auto equals = line.find('=');
+        if (equals != std::string_view::npos)
+            environment.try_emplace(std::string(line.substr(0, equals)), line.substr(equals + 1));
+    }
+    std::vector<std::string> lines;
+    for (const auto& [name, value] : environment)
+        lines.push_back(name + "=" + value);
+    std::vector<char*> envp;
+    for (std::string& line : lines)
+        envp.push_back(line.data());
+    envp.push_back(nullptr);
+    std::vector<char*> arguments;
+    for (int i = 0; i < argc; ++i)
+        if (std::string_view(argv[i]) != "--environment-stdin")
+            arguments.push_back(argv[i]);
+    arguments.push_back(nullptr);
+    const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null < 0 || ::dup2(null, STDIN_FILENO) < 0)
+        return std::string("--environment-stdin: cannot open /dev/null: ") + std::strerror(errno);
+    ::close(null);
+    ::execve("/proc/self/exe", arguments.data(), envp.data());
+    return std::string("--environment-stdin: cannot execute /proc/self/exe: ") + std::strerror(errno);
+}
+
 }  // namespace cellblock::kernel
 
 int main(int argc, char** argv) {
@@ -373,9 +429,17 @@ int main(int argc, char** argv) {
                "registry (tcp://host:port), with the one-time token from CELLBLOCK_REPORT_TOKEN")
             ->excludes(file_option);
     app.add_option("--report-server-key", report.server_public_key,
-                   "the launch registry's Curve public key (Z85)")
+                   "the launch registry's Curve public key (Z85); default: CELLBLOCK_REPORT_SERVER_KEY")
         ->needs(report_option);
+    bool environment_stdin = false;
+    app.add_flag("--environment-stdin", environment_stdin,
+                 "read the launch environment document (JSON, contract/include/cellblock/contract/"
+                 "environment.hpp) from standard input and set it before anything else");
     CLI11_PARSE(app, argc, argv);
+    if (environment_stdin) {
+        std::cerr << cellblock::kernel::exec_with_launch_environment(argc, argv) << "\n";
+        return 1;
+    }
     if (!*file_option && !*report_option) {
         std::cerr << "one of --connection-file or --report-to is required\n";
         return 1;
@@ -383,13 +447,19 @@ int main(int argc, char** argv) {
     std::optional<cellblock::kernel::ReportTarget> report_target;
     if (*report_option) {
         // Read once and taken out of the environment: nothing the kernel starts (the worker) sees it.
+        if (const char* key = std::getenv("CELLBLOCK_REPORT_SERVER_KEY");
+            key && report.server_public_key.empty())
+            report.server_public_key = key;
+        ::unsetenv("CELLBLOCK_REPORT_SERVER_KEY");
         const char* token = std::getenv("CELLBLOCK_REPORT_TOKEN");
         if (!token || !*token || report.server_public_key.size() != 40) {
-            std::cerr
-                << "--report-to needs --report-server-key (40 Z85 characters) and CELLBLOCK_REPORT_TOKEN\n";
+            std::cerr << "--report-to needs the registry's key (40 Z85 characters, --report-server-key or "
+                         "CELLBLOCK_REPORT_SERVER_KEY) and CELLBLOCK_REPORT_TOKEN\n";
             return 1;
         }
         report.token = token;
+        // Scrubbed where exec put it (what /proc/PID/environ shows), then unset.
+        std::memset(const_cast<char*>(token), 0, report.token.size());
         ::unsetenv("CELLBLOCK_REPORT_TOKEN");
         report_target = report;
     }

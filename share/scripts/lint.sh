@@ -35,7 +35,7 @@ case "${1:-}" in
     build=${2:?usage: lint.sh tidy BUILD [REGEX]}
     [[ -f $build/compile_commands.json ]] || fail "$build/compile_commands.json is missing (configure $build first)"
     command -v run-clang-tidy >/dev/null || fail "run-clang-tidy is missing (install-deps.sh installs clang-tidy)"
-    regex=${3:-"$repo/(gateway|kernel|sandbox)/src/.*"}
+    regex=${3:-"$repo/(contract|gateway|kernel|sandbox)/src/.*"}
     report=$(mktemp)
     trap 'rm -f "$report"' EXIT
     echo "[lint] tidy: clang-tidy over $regex with $(nproc) jobs (about 16 s of CPU a file)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds and installs cellblock, then starts the gateway in the foreground with its
 # embedded default configuration. The gateway prints its URL and access token when it is ready.
-# Usage (as root): share/scripts/start.sh [gateway options...]   e.g. --port 9999 --token secret
+# Usage (as root): share/scripts/start.sh [gateway options...]   e.g. --port 9999 --token-file /root/cellblock-token
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 prefix=${CELLBLOCK_PREFIX:-/usr/local}

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import CLI_BINARY
+from conftest import CLI_BINARY, AgentGateway
 
 MCP_CLIENT_DIR = Path(__file__).resolve().parent / "mcp_client"
 
@@ -144,3 +144,29 @@ def test_rest_reset_clears_state_and_history_but_keeps_files(gateway):
     assert after["result"]["text/plain"] == "(False, 'kept')"
     events = [e["event"] for e in gateway.request("GET", "/agent/v1/sessions/resettable/audit").json()["entries"]]
     assert "reset" in events
+
+
+def test_mcp_clients_cannot_decide_approvals_unless_the_operator_allows_it(gateway, tmp_path):
+    """The agent's own MCP client reads what its sandboxed code wrote (an approval's host, its output): by default it
+    is not offered decide_approval and a call is refused, so prompt-injected text cannot approve its own request."""
+    def rpc(server, payload):
+        return server.request("POST", "/mcp", json=payload, headers={"Accept": "application/json"}).json()
+
+    listed = rpc(gateway, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"})["result"]["tools"]
+    assert "decide_approval" not in {tool["name"] for tool in listed}
+    assert "list_approvals" in {tool["name"] for tool in listed}
+    called = rpc(gateway, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                           "params": {"name": "decide_approval",
+                                      "arguments": {"session": "mcp-approver", "id": "x", "decision": "allow_session"}}})
+    assert "approvals_not_allowed" in json.dumps(called), called
+    # Control: the operator's --approvals-mcp on offers it (and then the call reaches the session's approvals).
+    allowing = AgentGateway(tmp_path / "state", tmp_path / "gateway.log", "--approvals-mcp", "on")
+    try:
+        listed = rpc(allowing, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"})["result"]["tools"]
+        assert "decide_approval" in {tool["name"] for tool in listed}
+        called = rpc(allowing, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                "params": {"name": "decide_approval",
+                                           "arguments": {"session": "mcp-approver", "id": "x", "decision": "deny"}}})
+        assert "approvals_not_allowed" not in json.dumps(called), called
+    finally:
+        allowing.stop()

@@ -5,6 +5,7 @@ state, executes of one agent session are serialized across gateways, and a delet
 the other. Real gateways, real kernels, real signals; a missing PostgreSQL is a failure, never a skip."""
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -82,9 +83,14 @@ def start_pair(postgres, tmp_path):
     in production)."""
     gateways = []
 
+    key_file = tmp_path / "store-key"  # one secret for every gateway on the store (gateway/README.md)
+    if not key_file.exists():
+        key_file.write_text(secrets.token_hex(32) + "\n")
+        key_file.chmod(0o600)
+
     def start(name, extra):
         gateway = AgentGateway(tmp_path / f"state-{name}", tmp_path / f"{name}.log", "--store", postgres.url,
-                               "--warm-pool", "0", *extra, keep_kernels=True)
+                               "--store-key-file", str(key_file), "--warm-pool", "0", *extra, keep_kernels=True)
         gateways.append(gateway)
         return gateway
 

@@ -53,6 +53,15 @@ class Postgres:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def store_key_file(directory: Path) -> Path:
+    """The secret every gateway on the shared store seals kernels' keys with (one file for all of them)."""
+    path = directory / "store-key"
+    if not path.exists():
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o600)
+    return path
+
+
 class Gateway:
     def __init__(self, prefix: Path, state_dir: Path, log_path: Path, store: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KG_")}
@@ -62,7 +71,7 @@ class Gateway:
         self.process = subprocess.Popen(
             [str(prefix / "bin" / "cellblock-gateway"), "--ip", "127.0.0.1", "--port", str(port), "--token",
              self.token, "--kernelspec-dir", str(prefix / "share" / "jupyter" / "kernels"), "--state-dir",
-             str(state_dir), "--warm-pool", "0", "--shutdown-kernels-on-exit", *(["--store", store] if store else [])],
+             str(state_dir), "--warm-pool", "0", "--shutdown-kernels-on-exit", *(["--store", store, "--store-key-file", str(store_key_file(state_dir.parent))] if store else [])],
             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True)
         ready = re.compile(rf"is available at http://127\.0\.0\.1:{port}\b")

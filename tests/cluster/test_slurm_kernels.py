@@ -335,3 +335,28 @@ def test_an_agent_session_on_slurm_gets_its_limits_as_job_resources_and_kernel_d
     slow = answers["slow"]
     assert slow["status"] == "error" and slow["error"]["ename"] == "KernelDied", slow
     assert slow["state_lost"] is True
+
+
+def test_an_env_name_or_value_cannot_run_a_command_in_the_job_script(slurm_cluster, slurm_gateway, tmp_path):
+    """A client's `env` reaches the job only as data: a name that is a shell command is refused (400 bad_env, the
+    variable named) and runs nothing; a value that is one arrives literally in the kernel's environment on its node
+    (host-side proof: the marker files do not exist, /proc/PID/environ holds the text)."""
+    marker = tmp_path / "owned"
+    name = f"KERNEL_X$(touch {marker})"
+    response = slurm_gateway.post("/api/kernels", json={"name": "python3", "env": {name: "1"}})
+    assert response.status_code == 400, response.text
+    assert response.json()["reason"] == "bad_env" and name in response.json()["message"]
+
+    value = f"$(touch {marker}) `touch {marker}` '; touch {marker}; '\nCELLBLOCK_LAUNCH_ENVIRONMENT\ntouch {marker}"
+    model = slurm_gateway.start_kernel(name="python3", env={"KERNEL_NOTE": value})
+    socket = slurm_gateway.connect(model["id"])
+    try:
+        assert outputs(socket.execute("6*7")) == "42"
+    finally:
+        socket.close()
+    pid = kernel_process_of(model["id"])
+    assert pid, "the kernel's process was not found on its node"
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert f"KERNEL_NOTE={value}".encode() in environ, "the value did not arrive literally"
+    assert not any(entry.startswith(b"CELLBLOCK_REPORT_TOKEN=") for entry in environ), "the token stayed in the environment"
+    assert not marker.exists(), "a name or value of env ran a command in the job script"

@@ -61,10 +61,10 @@ class Gateway:
                    "--warm-pool", str(warm_pool), "--state-dir", str(self.state_dir)]
         if not keep_kernels:
             command.append("--shutdown-kernels-on-exit")
-        if token is not None:
-            command += ["--token", token]
         command += list(arguments)
         environment = {k: v for k, v in os.environ.items() if not k.startswith("KG_")}
+        if token is not None:
+            environment["KG_AUTH_TOKEN"] = token  # never on argv, where any local user reads it
         environment.update(env or {})
         self.token = token
         self.lines = queue.Queue()

@@ -310,3 +310,20 @@ def test_the_soft_file_limit_is_raised_to_the_hard_one_at_start(limited_gateway)
     # The automatic global cap follows the raised limit.
     admission = gateway.events("connection_admission")[0]
     assert admission["max_unauthenticated_connections"] == (4 * GATEWAY_FILE_LIMIT - admission["fd_reserve"]) // 2
+
+
+def test_a_flood_from_the_agents_own_address_does_not_lock_the_agent_out(limited_gateway):
+    """Every local agent shares 127.0.0.1 with a flood from this host (and clients behind one NAT share theirs): over
+    the per-address cap the gateway closes the oldest idle tokenless connection, never the new one, so an agent that
+    sends its headers promptly is read."""
+    gateway = limited_gateway("--header-timeout", "60")
+    per_address_cap = gateway.events("connection_admission")[0]["max_unauthenticated_per_address"]
+    attackers = flood(gateway.port, 1100, source="127.0.0.1")
+    assert len(attackers) >= 1000, f"only {len(attackers)} connections could be opened"
+    assert wait_until(lambda: len(still_open(attackers)) <= per_address_cap, timeout=10)
+    newest = attackers[-per_address_cap:]
+    assert len(still_open(newest)) == per_address_cap, "the newest tokenless connections are the ones held"
+    assert authenticated_execute(gateway.url, "print(6 * 7)").strip() == "42"
+    assert not gateway.events("accept_failed"), "the gateway ran out of descriptors"
+    for attacker in attackers:
+        attacker.close()

@@ -319,3 +319,56 @@ def test_a_bad_policy_stops_the_kernel_from_starting(policy, complaint):
         assert failure and complaint in failure[0]["error"], stderr
     finally:
         manager.cleanup_resources()
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+HOLD_CONNECTIONS = """
+import os, socket, time
+r, w = os.pipe()
+children = []
+for _ in range({forks}):
+    pid = os.fork()
+    if pid == 0:
+        held = []
+        for _ in range({each}):
+            s = socket.socket()
+            s.setblocking(False)
+            try:
+                s.connect(("127.0.0.1", 3128))
+            except BlockingIOError:
+                pass
+            held.append(s)
+        os.write(w, b"x")
+        time.sleep(3600)
+        os._exit(0)
+    children.append(pid)
+for _ in children:
+    os.read(r, 1)
+print(len(children) * {each})
+"""
+
+
+def test_thousands_of_connections_to_the_proxy_cost_the_kernel_a_bounded_memory(origin, hosts_file):
+    """The proxy runs in the kernel, outside the worker's memory cgroup: a worker that forks and holds 3,000
+    connections to it grows the kernel's RSS (read from /proc) by at most 32 MiB, and the kernel keeps answering."""
+    k = start_kernel({"allow": ["allowed.test"], "ceiling": ["*.test"], "ports": [origin.port]}, hosts_file)
+    try:
+        # The proxy has served a request (its thread and a relay's buffers exist) before the baseline is read.
+        assert k.execute(fetch(f"http://allowed.test:{origin.port}/data")).stream_text() == fetched(origin)
+        before = rss_kib(k.pid)
+        held = k.execute(HOLD_CONNECTIONS.format(forks=12, each=250), timeout=120)
+        assert held.stream_text().strip() == "3000", held.stream_text()
+        started = time.monotonic()
+        answer = k.execute("6*7", timeout=10)
+        assert answer.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "42"
+        assert time.monotonic() - started < 1.0
+        grown_mib = (rss_kib(k.pid) - before) / 1024
+        assert grown_mib <= 32, f"the kernel grew by {grown_mib:.0f} MiB for 3,000 proxy connections"
+    finally:
+        k.shutdown()

@@ -108,7 +108,8 @@ json AgentConfig::to_json() const {
             {"interrupt_grace_s", interrupt_grace_s},
             {"keepalive_s", keepalive_s},
             {"max_file_bytes", max_file_bytes},
-            {"max_sessions", max_sessions}};
+            {"max_sessions", max_sessions},
+            {"approvals_mcp", approvals_mcp ? "on" : "off"}};
 }
 
 void add_agent_options(CLI::App& app, AgentConfig& config) {
@@ -153,6 +154,13 @@ void add_agent_options(CLI::App& app, AgentConfig& config) {
         ->check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s))
         ->group(group);
     app.add_option("--agent-max-sessions", config.max_sessions, "most agent sessions at once")->group(group);
+    app.add_option_function<std::string>(
+           "--approvals-mcp", [&config](const std::string& value) { config.approvals_mcp = value == "on"; },
+           "on: MCP clients may decide network approvals (decide_approval); off (default): only the REST API "
+           "and the CLI decide, so an agent's MCP client cannot approve its own code's requests")
+        ->envname("CELLBLOCK_AGENT_APPROVALS_MCP")
+        ->check(CLI::IsMember({"off", "on"}))
+        ->group(group);
 }
 
 }  // namespace cellblock::gateway::agent

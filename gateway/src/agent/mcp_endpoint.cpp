@@ -3,6 +3,8 @@
 // answers 405 as the transport allows). Tools run Python in named agent sessions, created on demand.
 #include <openssl/evp.h>
 
+#include <algorithm>
+
 #include "cellblock/gateway/agent/agent_api.hpp"
 #include "cellblock/gateway/agent/mcp_protocol.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
@@ -42,8 +44,10 @@ std::string decode_base64_argument(const std::string& text) {
     return *decoded;
 }
 
-const json& tool_definitions() {
-    static const json tools = json::array({
+// decide_approval only with --approvals-mcp on: by default the agent's own MCP client, which reads text
+// the sandboxed code wrote, cannot approve that code's network requests.
+json tool_definitions(bool with_decide_approval) {
+    json tools = json::array({
         {{"name", "run_python"},
          {"title", "Run Python"},
          {"description",
@@ -125,6 +129,10 @@ const json& tool_definitions() {
           {{"type", "object"},
            {"properties", {{"session", {{"type", "string"}, {"description", "session name"}}}}}}}},
     });
+    if (!with_decide_approval)
+        tools.erase(std::remove_if(tools.begin(), tools.end(),
+                                   [](const json& tool) { return tool["name"] == "decide_approval"; }),
+                    tools.end());
     return tools;
 }
 
@@ -183,7 +191,8 @@ class McpResource : public RestResource {
   public:
     explicit McpResource(AgentService& service)
         : operations_(service.operations()),
-          protocol_(tool_definitions(),
+          approvals_mcp_(service.config().approvals_mcp),
+          protocol_(tool_definitions(approvals_mcp_),
                     [this](const std::string& tool, const json& arguments, const std::string& client,
                            const json& id, const Reply& reply) {
                         call_tool(tool, arguments, Caller{client, "mcp"}, id, reply);
@@ -260,6 +269,11 @@ class McpResource : public RestResource {
                 reply(mcp_result(id, result));
             });
         }
+        if (tool == "decide_approval" && !approvals_mcp_)
+            throw OperationError(
+                OperationErrorKind::refused, "approvals_not_allowed",
+                "this gateway does not take approval decisions over MCP (--approvals-mcp off): "
+                "a person decides with `cellblock approve` or POST .../approvals/{id}");
         if (tool == "decide_approval") {
             const std::string approval_id = string_argument(arguments, "id", true);
             const std::string decision = AgentOperations::parse_decision(arguments);
@@ -355,6 +369,7 @@ class McpResource : public RestResource {
     }
 
     AgentOperations& operations_;
+    bool approvals_mcp_;
     McpProtocol protocol_;
 };
 

@@ -8,8 +8,8 @@ namespace {
 TEST(EnvironmentName, PortableNamesOnly) {
     for (const char* name : {"A", "_", "KERNEL_X", "path", "a1_B2"})
         EXPECT_TRUE(valid_environment_name(name)) << name;
-    for (const char* name : {"", "1A", "KERNEL_X$(touch /tmp/owned)", "A B", "A=B", "A-B", "A;B", "Ä", "A\nB",
-                             "`id`"})
+    for (const char* name :
+         {"", "1A", "KERNEL_X$(touch /tmp/owned)", "A B", "A=B", "A-B", "A;B", "Ä", "A\nB", "`id`"})
         EXPECT_FALSE(valid_environment_name(name)) << name;
 }
 

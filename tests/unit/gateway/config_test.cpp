@@ -123,3 +123,23 @@ TEST(GatewayConfigDurations, ANegativeOrAstronomicalNumberOfSecondsIsRefusedByNa
         }
     }
 }
+
+// --print-config and the logs show the store without its password, in every form libpq takes one.
+TEST(GatewayConfigStore, PasswordsAreMaskedInUriAndKeywordForms) {
+    const std::map<std::string, std::string> masked = {
+        {"postgresql://alice:s3cret@db.example/cellblock", "postgresql://alice:***@db.example/cellblock"},
+        {"host=db user=alice password=s3cret dbname=cellblock",
+         "host=db user=alice password=*** dbname=cellblock"},
+        {"host=db password = 's3 cr\\'et' dbname=x", "host=db password = *** dbname=x"},
+        {"postgresql://db/cellblock?user=alice&password=s3cret&sslmode=require",
+         "postgresql://db/cellblock?user=alice&password=***&sslmode=require"},
+        {"host=db PASSWORD=s3cret", "host=db PASSWORD=***"},
+        {"postgresql://alice@db/cellblock", "postgresql://alice@db/cellblock"}};
+    for (const auto& [store, expected] : masked) {
+        EXPECT_EQ(masked_store(store), expected);
+        EXPECT_EQ(masked_store(store).find("s3"), std::string::npos) << store;
+    }
+    GatewayConfig config;
+    config.store = "host=db password=s3cret";
+    EXPECT_EQ(config.to_json()["store"], "host=db password=***");
+}

@@ -103,6 +103,20 @@ TEST(KernelPolicy, CarriesCeilingPortsAndTimeout) {
     EXPECT_EQ(value["approval_timeout_s"], 7.5);
 }
 
+// --egress-deny reaches every kernel's policy, normalized; a range that is not CIDR stops the gateway's
+// start.
+TEST(KernelPolicy, CarriesTheOperatorsDenyRanges) {
+    const NetworkSettings settings = checked_settings({"*"}, {443}, 1, {"203.0.113.7/24", "2001:db8::1/32"});
+    EXPECT_EQ(settings.deny, (std::vector<std::string>{"203.0.113.0/24", "2001:db8::/32"}));
+    const json value = json::parse(kernel_policy_value(NetworkRequest{{"pypi.org"}, false}, settings));
+    EXPECT_EQ(value["deny"], json::array({"203.0.113.0/24", "2001:db8::/32"}));
+    EXPECT_FALSE(json::parse(kernel_policy_value(NetworkRequest{{"pypi.org"}, false},
+                                                 checked_settings({"*"}, {443}, 1)))
+                     .contains("deny"));
+    for (const char* bad : {"203.0.113.7", "example.com/24", "10.0.0.0/33", ""})
+        EXPECT_THROW(checked_settings({"*"}, {443}, 1, {bad}), NetworkPolicyError) << bad;
+}
+
 TEST(KernelPolicy, SettingsAreChecked) {
     EXPECT_THROW(checked_settings({"bad host"}, {443}, 1), NetworkPolicyError);
     EXPECT_THROW(checked_settings({"*"}, {0}, 1), NetworkPolicyError);

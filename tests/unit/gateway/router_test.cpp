@@ -135,3 +135,11 @@ TEST(RequestBody, EmptyIsObjectAndGarbageIs400) {
     request.body() = "{\"name\": \"\xff\"}";
     EXPECT_THROW(context.json_body(), HttpError);
 }
+
+// request_failed / request_unanswered log the target: never its query, where a browser's ?token= sits.
+TEST(LoggableTarget, KeepsThePathAndDropsTheQuery) {
+    EXPECT_EQ(loggable_target("/api/kernels/abc/channels?token=s3cret&session_id=1"),
+              "/api/kernels/abc/channels");
+    EXPECT_EQ(loggable_target("/api"), "/api");
+    EXPECT_EQ(loggable_target("/?token=s3cret"), "/");
+}

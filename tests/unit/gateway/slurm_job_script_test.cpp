@@ -1,6 +1,7 @@
-// The Slurm job script is run by /bin/sh on a compute node, outside any sandbox: no name or value of a kernel's
-// environment may be evaluated there. Each test runs the script with the real /bin/sh and checks the host: the
-// marker file a command would have created does not exist, and the document the kernel would read is intact.
+// The Slurm job script is run by /bin/sh on a compute node, outside any sandbox: no name or value of a
+// kernel's environment may be evaluated there. Each test runs the script with the real /bin/sh and checks the
+// host: the marker file a command would have created does not exist, and the document the kernel would read
+// is intact.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -55,7 +56,8 @@ TEST_F(SlurmJobScript, ValuesReachTheKernelAsDataNeverAsShellWords) {
         {"KERNEL_QUOTES", "'; touch " + marker_ + "; '\""},
         {"KERNEL_DELIMITER", "x\nCELLBLOCK_LAUNCH_ENVIRONMENT\ntouch " + marker_ + "\n"},
         {"CELLBLOCK_REPORT_TOKEN", "0123456789abcdef"}};
-    // `cat --environment-stdin` would fail: the stand-in kernel is `sh -c 'cat' argv0`, which ignores the flag.
+    // `cat --environment-stdin` would fail: the stand-in kernel is `sh -c 'cat' argv0`, which ignores the
+    // flag.
     const std::string output = run(slurm_job_script({"/bin/sh", "-c", "exec cat", "kernel"}, environment));
     EXPECT_FALSE(fs::exists(marker_)) << "the script ran a command from the environment";
     ASSERT_FALSE(output.empty());
@@ -63,9 +65,9 @@ TEST_F(SlurmJobScript, ValuesReachTheKernelAsDataNeverAsShellWords) {
 }
 
 TEST_F(SlurmJobScript, ArgumentsAreQuotedWords) {
-    const std::string output =
-        run(slurm_job_script({"/bin/sh", "-c", "printf '%s|' \"$@\"", "kernel", "$(touch " + marker_ + ")", "a b"},
-                             {{"PATH", "/usr/bin:/bin"}}));
+    const std::string output = run(slurm_job_script(
+        {"/bin/sh", "-c", "printf '%s|' \"$@\"", "kernel", "$(touch " + marker_ + ")", "a b"},
+        {{"PATH", "/usr/bin:/bin"}}));
     EXPECT_FALSE(fs::exists(marker_));
     EXPECT_EQ(output, "$(touch " + marker_ + ")|a b|--environment-stdin|");
 }

@@ -2,6 +2,8 @@
 // IPv6 spellings, and public addresses that must stay reachable.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "egress_address.hpp"
 
 namespace cellblock::kernel::egress {
@@ -47,6 +49,8 @@ const Case cases[] = {
     {"::8.8.8.8", "reserved IPv4-compatible"},
     {"64:ff9b::a9fe:a9fe", "cloud metadata address (NAT64)"},
     {"2002:7f00:1::", "loopback address (6to4)"},
+    {"64:ff9b:1::808:808", "local-use NAT64"},
+    {"64:ff9b:1:ffff::1", "local-use NAT64"},
     {"2001:db8::1", "documentation"},
     {"fec0::1", "site-local"},
     // reachable
@@ -72,6 +76,25 @@ TEST(EgressAddress, RefusedRangesAndPublicAddresses) {
             EXPECT_NE(reason->find(c.reason), std::string::npos) << c.address << ": " << *reason;
         }
     }
+}
+
+// A public address of the kernel's own host reaches whatever listens on all of its interfaces (the gateway):
+// refused like a private one, and only that address.
+TEST(EgressAddress, TheHostsOwnAddressesAreRefusedWhateverTheirRange) {
+    const std::vector<boost::asio::ip::address> host = {boost::asio::ip::make_address("93.184.216.34"),
+                                                        boost::asio::ip::make_address("2606:4700::1")};
+    for (const char* own : {"93.184.216.34", "2606:4700::1"}) {
+        const auto reason = forbidden_address_reason(boost::asio::ip::make_address(own), host);
+        ASSERT_TRUE(reason.has_value()) << own;
+        EXPECT_NE(reason->find("the kernel's own host"), std::string::npos) << *reason;
+    }
+    EXPECT_FALSE(forbidden_address_reason(boost::asio::ip::make_address("93.184.216.35"), host).has_value());
+}
+
+TEST(EgressAddress, TheHostsInterfaceAddressesIncludeLoopback) {
+    const auto addresses = host_interface_addresses();
+    EXPECT_NE(std::find(addresses.begin(), addresses.end(), boost::asio::ip::make_address("127.0.0.1")),
+              addresses.end());
 }
 
 }  // namespace

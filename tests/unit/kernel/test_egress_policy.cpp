@@ -113,6 +113,23 @@ TEST(EgressPolicyParse, BadInputIsRefusedNamingTheField) {
               std::string::npos);
 }
 
+// The operator's --egress-deny ranges: any address in them, IPv4-mapped spellings included, and only those.
+TEST(EgressPolicyParse, DenyRangesRefuseTheirAddresses) {
+    const auto policy =
+        EgressPolicy::parse({{"allow", {"*"}}, {"deny", {"203.0.113.0/24", "2001:db8:1::/48"}}});
+    for (const char* inside : {"203.0.113.1", "203.0.113.255", "::ffff:203.0.113.9", "2001:db8:1::5"}) {
+        const auto reason = policy.denied(boost::asio::ip::make_address(inside));
+        ASSERT_TRUE(reason) << inside;
+        EXPECT_NE(reason->find("deny list"), std::string::npos) << *reason;
+    }
+    for (const char* outside : {"203.0.114.1", "8.8.8.8", "2001:db8:2::1"})
+        EXPECT_FALSE(policy.denied(boost::asio::ip::make_address(outside))) << outside;
+    EXPECT_FALSE(
+        EgressPolicy::parse({{"allow", {"*"}}}).denied(boost::asio::ip::make_address("203.0.113.1")));
+    for (const json& bad : {json("10.0.0.0/8"), json({"10.0.0.1"}), json({"nope/8"}), json({1})})
+        EXPECT_THROW(EgressPolicy::parse({{"allow", {"*"}}, {"deny", bad}}), PolicyError) << bad.dump();
+}
+
 TEST(EgressPolicyDecide, AllowAskRefuseAndCeiling) {
     const auto policy = EgressPolicy::parse(json{
         {"allow", {"pypi.org", "*.pythonhosted.org", "evil.com"}}, {"ask", true}, {"ceiling", {"*.org"}}});

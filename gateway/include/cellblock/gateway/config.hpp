@@ -83,6 +83,9 @@ struct GatewayConfig {  // NOLINT(clang-analyzer-optin.performance.Padding)
     // Where the SessionStore lives: empty = the embedded SQLite file in state_dir; postgresql://... = a
     // PostgreSQL store that several gateways (each with its own state_dir) share.
     std::string store;
+    // The secret that seals kernels' keys in the store (store_sealing.hpp): empty = `store-key` in the state
+    // directory (SQLite); a shared (PostgreSQL) store needs one file, the same for every gateway on it.
+    std::string store_key_file;
     // Seconds a kernel keeps running without a gateway before it stops itself; 0 = forever.
     double orphan_timeout = 600;
     // SIGTERM normally leaves kernels running for the next gateway (upgrade, restart); this stops them.
@@ -121,6 +124,7 @@ struct GatewayConfig {  // NOLINT(clang-analyzer-optin.performance.Padding)
     std::string egress_hosts;               // hosts(5) file: names the kernels' proxy resolves only to these
     double network_approval_timeout = 120;  // seconds a held request waits for a decision, then is denied
     std::vector<int> network_ports = {443, 80};
+    std::vector<std::string> egress_deny;  // CIDR ranges no kernel's proxy reaches (network.egress_deny)
 
     // Merges the keys present in `file_json` (same names as the fields); throws std::invalid_argument.
     void merge_json(const nlohmann::json& file_json);
@@ -144,6 +148,10 @@ struct GatewayConfig {  // NOLINT(clang-analyzer-optin.performance.Padding)
     // Kernelspec directories to scan, with the installed default when none is configured.
     std::vector<std::string> effective_kernelspec_dirs() const;
 };
+
+// The store setting with any password in it replaced by *** (URI and keyword forms): what logs and
+// --print-config show.
+std::string masked_store(const std::string& store);
 
 // Directory of installed data (<prefix>/share), found relative to the running executable.
 std::string installed_data_dir();

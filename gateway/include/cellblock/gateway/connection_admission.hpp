@@ -6,14 +6,19 @@
 //   - At construction the soft RLIMIT_NOFILE is raised to the hard limit (as nginx and Envoy do).
 //   - A connection is "pending" from accept until its first request carries a valid token (or, with auth
 //     off, until its first request's headers arrive). Pending connections are capped globally and per client
-//     address; one over a cap is closed at once, and refusals are logged once per interval, not per
-//     connection.
+//     address. Over a cap the OLDEST pending connection (of that address, for the per-address cap) is closed
+//     to make room, never the new one: every local agent shares 127.0.0.1 with a flood from this host, and a
+//     client that sends its headers promptly must still be read. Closures are logged once per interval, not
+//     per connection.
 //   - Accepting pauses while fewer than `fd_reserve` descriptors are free, so a kernel start (ZMQ sockets,
 //     pipes, pidfds) always finds some, and resumes when they come back.
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,23 +32,32 @@ namespace cellblock::gateway {
 class ConnectionAdmission {
   private:
     struct PendingCounts {
-        std::size_t total = 0;
+        struct Entry {
+            std::string address;
+            std::function<void()> close;  // closes the connection (set by it once it exists)
+        };
+        std::map<std::uint64_t, Entry> by_age;  // oldest first: ids grow with each accept
         std::unordered_map<std::string, std::size_t> by_address;
-        void release(const std::string& address);
+        std::uint64_t next_id = 0;
+        std::size_t total() const { return by_age.size(); }
+        std::uint64_t add(const std::string& address);
+        void release(std::uint64_t id);
+        // Closes the oldest pending connection (from `address` when given); false when none can be closed.
+        bool close_oldest(const std::optional<std::string>& address);
     };
 
   public:
     // Holds one pending connection's place under the caps until it authenticates or closes.
     class PendingSlot {
       public:
-        PendingSlot(std::shared_ptr<PendingCounts> counts, std::string address)
-            : counts_(std::move(counts)), address_(std::move(address)) {}
+        PendingSlot(std::shared_ptr<PendingCounts> counts, std::uint64_t id)
+            : counts_(std::move(counts)), id_(id) {}
         PendingSlot(PendingSlot&&) noexcept = default;
         PendingSlot& operator=(PendingSlot&& other) noexcept {
             if (this != &other) {
                 release();
                 counts_ = std::move(other.counts_);
-                address_ = std::move(other.address_);
+                id_ = other.id_;
             }
             return *this;
         }
@@ -53,17 +67,25 @@ class ConnectionAdmission {
         // The connection authenticated: it no longer counts against the caps.
         void release() {
             if (auto counts = std::exchange(counts_, nullptr))
-                counts->release(address_);
+                counts->release(id_);
+        }
+        // How the admission closes this connection to make room for a newer one (called on the io thread).
+        void on_close_request(std::function<void()> close) {
+            if (!counts_)
+                return;
+            if (auto found = counts_->by_age.find(id_); found != counts_->by_age.end())
+                found->second.close = std::move(close);
         }
 
       private:
         std::shared_ptr<PendingCounts> counts_;
-        std::string address_;
+        std::uint64_t id_ = 0;
     };
 
     ConnectionAdmission(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config);
 
-    // A newly accepted connection from `address`: its slot, or nullopt when a cap is reached (close it now).
+    // A newly accepted connection from `address`: its slot, after closing the oldest pending connection when
+    // a cap is reached; nullopt only when none could be closed (then close this one now).
     std::optional<PendingSlot> admit(const std::string& address);
     // False while fewer than the reserve of descriptors are free: do not accept now, ask again shortly.
     bool may_accept();

@@ -44,6 +44,8 @@ struct NetworkSettings {
     std::vector<std::string> ceiling;  // --network-allow; empty = no session gets network
     std::vector<int> ports = {443, 80};
     double approval_timeout_s = 120;
+    // --egress-deny: address ranges (CIDR) no kernel's proxy connects to, whatever resolves there.
+    std::vector<std::string> deny;
 };
 
 // The pattern lower-cased without its trailing dot; throws NetworkPolicyError malformed for anything that is
@@ -60,10 +62,10 @@ NetworkRequest parse_network_request(const nlohmann::json& requested);
 // Throws NetworkPolicyError outside_ceiling for a pattern no ceiling pattern covers, or "ask" without any
 // ceiling.
 void check_within_ceiling(const NetworkRequest& request, const std::vector<std::string>& ceiling);
-// Checks the operator's own settings (valid patterns, ports 1-65535, a positive approval timeout); throws
-// NetworkPolicyError malformed.
+// Checks the operator's own settings (valid patterns, ports 1-65535, a positive approval timeout, deny ranges
+// in CIDR notation, normalized); throws NetworkPolicyError malformed.
 NetworkSettings checked_settings(const std::vector<std::string>& ceiling, const std::vector<int>& ports,
-                                 double approval_timeout_s);
+                                 double approval_timeout_s, const std::vector<std::string>& deny = {});
 
 // The CELLBLOCK_NETWORK_POLICY value of a kernel with `request`: "" for no network, else
 // {"allow", "ask", "ceiling", "ports", "approval_timeout_s"}.

@@ -8,7 +8,8 @@
 //          watched with scontrol, signalled and ended with scancel (Slurm's commands on PATH, SLURM_CONF from
 //          the environment), each run as a child watched on the io_context, never blocking it. No shared
 //          filesystem: the job runs `cellblock-kernel --report-to <registry> --report-server-key <key>` with
-//          a one-time token in its environment; the kernel binds ephemeral TCP ports on its node, serves them
+//          a one-time token in its launch environment (read from its standard input, never evaluated by a
+//          shell: slurm_job_script below); the kernel binds ephemeral TCP ports on its node, serves them
 //          over CurveZMQ with a key pair of its own, and reports {ports, ip, HMAC key, Curve public key} to
 //          the gateway's launch registry over CurveZMQ (kernel/README.md). The gateway then connects as a
 //          Curve client.
@@ -104,5 +105,12 @@ std::shared_ptr<Provisioner> make_slurm_provisioner(boost::asio::io_context& io,
 
 // The names `--provisioner` and metadata.cellblock.provisioner accept.
 bool known_provisioner(std::string_view name);
+
+// The batch script of a Slurm kernel job: `exec argv... --environment-stdin` with the launch environment
+// document (contract/include/cellblock/contract/environment.hpp) in a quoted here-document, so no name or
+// value of the environment is ever evaluated by the shell; only PATH (to find argv[0]) is a shell
+// assignment, its value quoted. Throws contract::InvalidEnvironment for a bad name, wherever it came from.
+std::string slurm_job_script(const std::vector<std::string>& argv,
+                             const std::map<std::string, std::string>& environment);
 
 }  // namespace cellblock::gateway

@@ -72,6 +72,8 @@ HttpResponse json_response(http::status status, const nlohmann::json& body, unsi
 HttpResponse json_error(http::status status, std::string_view message, std::string_view reason = {},
                         unsigned version = 11);
 HttpResponse empty_response(http::status status, unsigned version = 11);
+// A request target as logs show it: the path only. The query may hold ?token=, which no log may keep.
+std::string loggable_target(std::string_view target);
 
 class RestResource {
   public:

@@ -164,4 +164,9 @@ std::unique_ptr<SessionStore> open_sqlite_store(const std::filesystem::path& fil
 // (the URL in messages has its password hidden).
 std::unique_ptr<SessionStore> open_postgres_store(const std::string& url);
 
+// Why the gateway refuses to use `url` as it is: a host other than this machine (not a Unix socket, localhost
+// or 127.0.0.0/8) with no sslmode said, which libpq would let fall back to plaintext. nullopt when it is
+// fine, including any sslmode the operator wrote (sslmode=disable is their explicit choice).
+std::optional<std::string> unencrypted_remote_store(const std::string& url);
+
 }  // namespace cellblock::gateway

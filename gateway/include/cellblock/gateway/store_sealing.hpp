@@ -1,12 +1,12 @@
 #pragma once
-// Key material at rest: whoever reads the store's bytes (the SQLite file, a PostgreSQL dump) must not be able to
-// drive the kernels. Every kernel's HMAC key is sealed with AES-256-GCM (OpenSSL EVP) under a store secret that
-// lives outside the store: `store-key` in the state directory (0600, made on first start), or --store-key-file
-// for a store that several gateways share (one secret for all of them). The kernel's id is the associated
-// data, so a sealed key cannot be moved to another record.
+// Key material at rest: whoever reads the store's bytes (the SQLite file, a PostgreSQL dump) must not be able
+// to drive the kernels. Every kernel's HMAC key is sealed with AES-256-GCM (OpenSSL EVP) under a store secret
+// that lives outside the store: `store-key` in the state directory (0600, made on first start), or
+// --store-key-file for a store that several gateways share (one secret for all of them). The kernel's id is
+// the associated data, so a sealed key cannot be moved to another record.
 //
-// Sealing is a decorator over any SessionStore (seal_kernel_keys), so neither store implementation knows of it.
-// A key written before sealing existed is read as it is and sealed when the record is next written.
+// Sealing is a decorator over any SessionStore (seal_kernel_keys), so neither store implementation knows of
+// it. A key written before sealing existed is read as it is and sealed when the record is next written.
 #include <array>
 #include <filesystem>
 #include <memory>
@@ -20,8 +20,8 @@ namespace cellblock::gateway {
 class StoreSecret {
   public:
     static constexpr std::size_t size = 32;
-    // Reads the secret from `file` (64 hex digits); with `create`, makes a fresh one (mode 0600) when the file
-    // does not exist. Throws StoreError naming the file otherwise.
+    // Reads the secret from `file` (64 hex digits); with `create`, makes a fresh one (mode 0600) when the
+    // file does not exist. Throws StoreError naming the file otherwise.
     static StoreSecret load(const std::filesystem::path& file, bool create);
     explicit StoreSecret(const std::array<unsigned char, size>& bytes) : bytes_(bytes) {}
 

@@ -52,6 +52,9 @@ struct AgentConfig {
     double keepalive_s = 10;       // NDJSON keepalive line interval while an execute streams
     std::uint64_t max_file_bytes = 512u << 20;  // largest workspace file GET serves
     std::size_t max_sessions = 1000;
+    // Whether MCP clients may decide network approvals (decide_approval). Off by default: the agent's own MCP
+    // client reads text its sandboxed code wrote, and must not approve that code's requests.
+    bool approvals_mcp = false;
 
     // Takes the default limits from the kernel's config file (share/cellblock/kernel-config.json) when
     // readable.
