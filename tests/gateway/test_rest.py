@@ -113,8 +113,8 @@ def test_post_body_variants(gateway):
 def test_post_errors(gateway):
     unknown = gateway.post("/api/kernels", json={"name": "no-such-kernel"})
     assert unknown.status_code == 500 and "NoSuchKernel" in unknown.json()["message"]
-    assert_json_error(gateway.post("/api/kernels", json={"env": ["KERNEL_X"]}), 400, "Bad Request", "env")
-    assert_json_error(gateway.post("/api/kernels", json={"env": {"KERNEL_X": 1}}), 400, "Bad Request", "KERNEL_X")
+    assert_json_error(gateway.post("/api/kernels", json={"env": ["KERNEL_X"]}), 400, "bad_env", "env")
+    assert_json_error(gateway.post("/api/kernels", json={"env": {"KERNEL_X": 1}}), 400, "bad_env", "KERNEL_X")
     assert_json_error(gateway.post("/api/kernels", data="{not json", headers={"Content-Type": "application/json"}),
                       400, "Bad Request", "JSON")
     assert_json_error(gateway.post("/api/kernels", data=b'{"name": "\xff\xfe"}'), 400, "Bad Request")
