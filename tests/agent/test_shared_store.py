@@ -50,6 +50,10 @@ class Postgres:
         self._run([str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.directory / "server.log"), "-o",
                    f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1", "-w", "start"])
         self.url = f"postgresql://cellblock@127.0.0.1:{self.port}/postgres"
+        # The secret every gateway on this store seals kernels' keys with (gateway/README.md): one per store.
+        self.key_file = Path(tempfile.mkdtemp(prefix="cb-pg-key-")) / "store-key"
+        self.key_file.write_text(secrets.token_hex(32) + "\n")
+        self.key_file.chmod(0o600)
 
     def _run(self, argv):
         done = subprocess.run(self.as_user + argv, capture_output=True, text=True, timeout=120)
@@ -66,6 +70,7 @@ class Postgres:
         subprocess.run(self.as_user + [str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-m",
                                        "immediate", "-w", "stop"], capture_output=True, timeout=120)
         shutil.rmtree(self.directory, ignore_errors=True)
+        shutil.rmtree(self.key_file.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +88,9 @@ def start_pair(postgres, tmp_path):
     in production)."""
     gateways = []
 
-    key_file = tmp_path / "store-key"  # one secret for every gateway on the store (gateway/README.md)
-    if not key_file.exists():
-        key_file.write_text(secrets.token_hex(32) + "\n")
-        key_file.chmod(0o600)
-
     def start(name, extra):
         gateway = AgentGateway(tmp_path / f"state-{name}", tmp_path / f"{name}.log", "--store", postgres.url,
-                               "--store-key-file", str(key_file), "--warm-pool", "0", *extra, keep_kernels=True)
+                               "--store-key-file", str(postgres.key_file), "--warm-pool", "0", *extra, keep_kernels=True)
         gateways.append(gateway)
         return gateway
 
