@@ -2,7 +2,6 @@
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <openssl/rand.h>
 #include <uuid/uuid.h>
 
@@ -24,40 +23,24 @@ std::string to_hex(const unsigned char* data, std::size_t size) {
     return hex;
 }
 
-struct HmacContextDeleter {
-    void operator()(HMAC_CTX* context) const { HMAC_CTX_free(context); }
-};
+contract::SignedParts four_parts(std::span<const std::string_view> parts) {
+    if (parts.size() != 4)
+        throw std::invalid_argument("a Jupyter message signs four parts, not " +
+                                    std::to_string(parts.size()));
+    return {parts[0], parts[1], parts[2], parts[3]};
+}
+
 }  // namespace
 
-HmacSigner::HmacSigner(std::string key) : key_(std::move(key)) {}
+HmacSigner::HmacSigner(std::string key)
+    : key_(std::move(key)), signer_(std::make_shared<const contract::MessageSigner>("hmac-sha256", key_)) {}
 
 std::string HmacSigner::sign(std::span<const std::string_view> parts) const {
-    if (key_.empty())
-        return {};
-        // HMAC_CTX is deprecated in OpenSSL 3 but remains the cheapest incremental API; EVP_MAC would
-        // allocate more.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-    std::unique_ptr<HMAC_CTX, HmacContextDeleter> context(HMAC_CTX_new());
-    if (!context ||
-        HMAC_Init_ex(context.get(), key_.data(), static_cast<int>(key_.size()), EVP_sha256(), nullptr) != 1)
-        throw std::runtime_error("HMAC_Init_ex failed");
-    for (std::string_view part : parts) {
-        if (HMAC_Update(context.get(), reinterpret_cast<const unsigned char*>(part.data()), part.size()) != 1)
-            throw std::runtime_error("HMAC_Update failed");
-    }
-    std::array<unsigned char, EVP_MAX_MD_SIZE> digest{};
-    unsigned int digest_size = 0;
-    if (HMAC_Final(context.get(), digest.data(), &digest_size) != 1)
-        throw std::runtime_error("HMAC_Final failed");
-#pragma GCC diagnostic pop
-    return to_hex(digest.data(), digest_size);
+    return signer_->sign(four_parts(parts));
 }
 
 bool HmacSigner::verify(std::span<const std::string_view> parts, std::string_view signature) const {
-    if (key_.empty())
-        return true;
-    return constant_time_equals(sign(parts), signature);
+    return signer_->verify(signature, four_parts(parts));
 }
 
 std::string random_hex(std::size_t byte_count) {

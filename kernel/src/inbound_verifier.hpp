@@ -1,5 +1,6 @@
 // The strict check of every message a client sends the kernel (frames as a ROUTER receives them):
-// the delimiter, an exact-length constant-time HMAC (message_signer.hpp), replayed signatures refused,
+// the delimiter, an exact-length constant-time HMAC (contract/include/cellblock/contract/message_signer.hpp),
+// replayed signatures refused (replay_filter.hpp),
 // and four JSON parts that parse (the header an object with a string msg_type). Refused messages get no
 // reply; the kernel server logs them and keeps serving.
 #pragma once
@@ -10,9 +11,14 @@
 #include <string_view>
 #include <vector>
 
-#include "message_signer.hpp"
+#include "cellblock/contract/message_signer.hpp"
+#include "replay_filter.hpp"
 
 namespace cellblock::kernel {
+
+// The kernel signs and verifies with the contract's signer, the same code as the gateway's.
+using contract::MessageSigner;
+using contract::SignedParts;
 
 // The verdict on one inbound multipart message, with its parsed parts when accepted.
 struct InboundVerdict {

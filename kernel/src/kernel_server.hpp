@@ -46,7 +46,6 @@
 #include "connection_info.hpp"
 #include "inbound_verifier.hpp"
 #include "lease.hpp"
-#include "message_signer.hpp"
 #include "outbound_record.hpp"
 #include "unique_fd.hpp"
 

@@ -12,7 +12,6 @@
 
 #include "fuzz_support.hpp"
 #include "inbound_verifier.hpp"
-#include "message_signer.hpp"
 
 using cellblock::fuzz::require;
 using cellblock::kernel::InboundVerdict;

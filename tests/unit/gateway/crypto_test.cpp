@@ -11,7 +11,7 @@ using namespace cellblock::gateway;
 TEST(HmacSigner, MatchesRfc4231TestCase2) {
     // HMAC-SHA256(key="Jefe", "what do ya want for nothing?"), split over parts as Jupyter signs them.
     HmacSigner signer("Jefe");
-    const std::array<std::string_view, 2> parts = {"what do ya want ", "for nothing?"};
+    const std::array<std::string_view, 4> parts = {"what do ya want ", "for nothing?", "", ""};
     EXPECT_EQ(signer.sign(parts), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
 }
 
@@ -27,9 +27,14 @@ TEST(HmacSigner, VerifiesOwnSignatureAndRejectsTampering) {
     EXPECT_FALSE(HmacSigner("other").verify(parts, signature));
 }
 
+TEST(HmacSigner, OnlyTheFourSignedPartsAreSigned) {
+    const std::array<std::string_view, 3> three = {"{}", "{}", "{}"};
+    EXPECT_THROW(HmacSigner("key").sign(three), std::invalid_argument);
+}
+
 TEST(HmacSigner, EmptyKeyMeansUnsigned) {
     HmacSigner signer("");
-    const std::array<std::string_view, 1> parts = {"x"};
+    const std::array<std::string_view, 4> parts = {"header", "parent", "metadata", "content"};
     EXPECT_EQ(signer.sign(parts), "");
     EXPECT_TRUE(signer.verify(parts, "anything"));
 }

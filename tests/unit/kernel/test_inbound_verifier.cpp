@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "inbound_verifier.hpp"
-#include "message_signer.hpp"
 
 namespace cellblock::kernel {
 namespace {

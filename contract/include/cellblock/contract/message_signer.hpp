@@ -1,18 +1,17 @@
-// HMAC signatures of Jupyter messages (hex of HMAC(header | parent_header | metadata | content)),
-// checked strictly: the received signature must have exactly the expected length and is compared in
-// constant time. xeus 2.4.1 compares only a prefix (accepts "validsig+junk") and keeps no replay history,
-// which is why the kernel verifies messages itself before xeus sees them.
+// HMAC signatures of Jupyter messages (hex of HMAC(header | parent_header | metadata | content)), the one
+// signer of both sides (EVP_MAC, a keyed context duplicated per message): the kernel signs and verifies its
+// wire with it, the gateway its side of every kernel connection. Checked strictly: the received signature
+// must have exactly the expected length and is compared in constant time (xeus 2.4.1 compares only a prefix
+// and accepts "validsig+junk", which is why the kernel verifies messages itself before xeus sees them).
 #pragma once
 
 #include <array>
 #include <cstddef>
-#include <deque>
 #include <memory>
 #include <string>
 #include <string_view>
-#include <unordered_set>
 
-namespace cellblock::kernel {
+namespace cellblock::contract {
 
 // The four signed frames of a message, in wire order.
 using SignedParts = std::array<std::string_view, 4>;
@@ -37,17 +36,4 @@ class MessageSigner {
     std::unique_ptr<Mac> mac_;
 };
 
-// Remembers the last `capacity` signatures; a message whose signature was already seen is a replay.
-class ReplayFilter {
-  public:
-    explicit ReplayFilter(std::size_t capacity) : capacity_(capacity) {}
-    // True the first time a signature is offered, false for a replay.
-    bool first_time(std::string_view signature);
-
-  private:
-    std::size_t capacity_;
-    std::deque<std::string> order_;
-    std::unordered_set<std::string> seen_;
-};
-
-}  // namespace cellblock::kernel
+}  // namespace cellblock::contract

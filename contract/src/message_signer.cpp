@@ -1,4 +1,4 @@
-#include "message_signer.hpp"
+#include "cellblock/contract/message_signer.hpp"
 
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
-namespace cellblock::kernel {
+namespace cellblock::contract {
 
 // A keyed HMAC context that every signature starts from (EVP_MAC_CTX_dup is cheaper than re-keying).
 struct MessageSigner::Mac {
@@ -103,19 +103,4 @@ bool MessageSigner::verify(std::string_view signature, const SignedParts& parts)
     return signature.size() == expected.size() &&
            CRYPTO_memcmp(signature.data(), expected.data(), expected.size()) == 0;
 }
-
-bool ReplayFilter::first_time(std::string_view signature) {
-    std::string key(signature);
-    if (seen_.contains(key)) {
-        return false;
-    }
-    seen_.insert(key);
-    order_.push_back(std::move(key));
-    if (order_.size() > capacity_) {
-        seen_.erase(order_.front());
-        order_.pop_front();
-    }
-    return true;
-}
-
-}  // namespace cellblock::kernel
+}  // namespace cellblock::contract
