@@ -56,3 +56,9 @@ def apply_environment_defaults(environ=os.environ):
     # No terminal: a pager started by `!git log` or `%less` must not wait for a keyboard (as ipykernel).
     environ.setdefault("PAGER", "cat")
     environ.setdefault("GIT_PAGER", "cat")
+    # One BLAS thread: Debian's OpenBLAS (pthread variant) starts a pool of nproc-1 threads when numpy is
+    # imported, and a zygote template must be single-threaded to fork (zygote.check_forkable). Exec'd workers
+    # get the same default, so a session does not compute differently by how its worker was started; the
+    # worker's CPU is its cgroup's quota either way.
+    environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    environ.setdefault("OMP_NUM_THREADS", "1")
