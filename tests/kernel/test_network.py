@@ -362,8 +362,8 @@ def test_thousands_of_connections_to_the_proxy_cost_the_kernel_a_bounded_memory(
         # The proxy has served a request (its thread and a relay's buffers exist) before the baseline is read.
         assert k.execute(fetch(f"http://allowed.test:{origin.port}/data")).stream_text() == fetched(origin)
         before = rss_kib(k.pid)
-        held = k.execute(HOLD_CONNECTIONS.format(forks=12, each=250), timeout=120)
-        assert held.stream_text().strip() == "3000", held.stream_text()
+        held = k.execute(HOLD_CONNECTIONS.format(forks=15, each=200), timeout=120)
+        assert held.stream_text().strip() == "3000", held.of_type("error") or held.stream_text("stderr")
         started = time.monotonic()
         answer = k.execute("6*7", timeout=10)
         assert answer.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "42"
