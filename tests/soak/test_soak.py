@@ -160,6 +160,7 @@ class Soak:
         self.kernel_ids_lock = threading.Lock()
         self.targets = {}
         self.targets_lock = threading.Lock()
+        self.targets_changed = threading.Condition(self.targets_lock)  # the chaos thread waits for a live session
         self.stop_chaos = threading.Event()
         self.ws_base = server.url.replace("http", "ws", 1)
         self.token = server.token
@@ -170,13 +171,26 @@ class Soak:
         return kernel_tree(self.runtime_dir, kernel_id)
 
     def chaos(self, interval_s: float) -> None:
-        """SIGKILLs the worker of a random live agent session every interval, whatever it is doing."""
+        """SIGKILLs the worker of a random live agent session, whatever it is doing: the first as soon as a session
+        is live (a run at the ctest size lasts a few seconds and must still see one), then one every interval."""
         rng = random.Random(SEED)
-        while not self.stop_chaos.wait(rng.uniform(0.5, 1.5) * interval_s):
-            with self.targets_lock:
+        while True:
+            with self.targets_changed:
+                self.targets_changed.wait_for(lambda: self.targets or self.stop_chaos.is_set())
                 targets = list(self.targets.values())
-            if targets and rng.choice(targets).kill(self, planned=False):
+            if self.stop_chaos.is_set():
+                return
+            killed = rng.choice(targets).kill(self, planned=False)
+            if killed:
                 self.figures.add(random_kills=1)
+            # A session between workers has none to kill: another draw shortly.
+            if self.stop_chaos.wait(rng.uniform(0.5, 1.5) * interval_s if killed else 0.05):
+                return
+
+    def stop(self) -> None:
+        with self.targets_changed:
+            self.stop_chaos.set()
+            self.targets_changed.notify_all()
 
     def kill_worker(self, kernel_id: str) -> None:
         workers = [p for p in self.kernel_processes(kernel_id) if p.is_worker]
@@ -215,8 +229,9 @@ class Soak:
         target = ChaosTarget(kernel_id)
         observer = Observer(self, kernel_id, f"soak{RUN}-a{index}-") if index % 3 == 0 else None
         executed = []  # Execute per request, in order
-        with self.targets_lock:
+        with self.targets_changed:
             self.targets[index] = target
+            self.targets_changed.notify_all()
         try:
             for position in range(EXECUTES):
                 mode = self.plan(rng)
@@ -650,7 +665,7 @@ def test_soak_every_execute_answered_once_nothing_crosses_and_the_gateway_return
         try:
             failures = run_tasks(soak, SESSIONS, WS_CLIENTS)
         finally:
-            soak.stop_chaos.set()
+            soak.stop()
             chaos.join()
         duration_s = time.monotonic() - started
         if REPORT:
