@@ -1,6 +1,6 @@
-// A session's network policy for the egress proxy (EGRESS.md §1): which hosts the confined worker may reach,
-// the operator's ceiling that no allowlist or approval can exceed, the ports, and whether a host outside the
-// allowlist (but inside the ceiling) is held for a human's approval.
+// A session's network policy for the egress proxy (kernel/README.md "Network policy"): which hosts the
+// confined worker may reach, the operator's ceiling that no allowlist or approval can exceed, the ports, and
+// whether a host outside the allowlist (but inside the ceiling) is held for a human's approval.
 #pragma once
 
 #include <boost/asio/ip/address.hpp>

@@ -1,8 +1,8 @@
-// The egress proxy (EGRESS.md §3): serves the HTTP proxy endpoint that lives inside the worker's network
-// namespace (a listening socket handed over by the sandbox) from trusted code outside it. CONNECT for HTTPS
-// (the ClientHello's SNI must be the CONNECT host) and absolute-form plain HTTP; hosts checked against the
-// session's policy (with approvals), names resolved here (no DNS in the sandbox),
-// loopback/private/link-local/ metadata addresses refused after resolution. One io_context thread.
+// The egress proxy (kernel/README.md "Network egress proxy"): serves the HTTP proxy endpoint that lives
+// inside the worker's network namespace (a listening socket handed over by the sandbox) from trusted code
+// outside it. CONNECT for HTTPS (the ClientHello's SNI must be the CONNECT host) and absolute-form plain
+// HTTP; hosts checked against the session's policy (with approvals), names resolved here (no DNS in the
+// sandbox), loopback/private/link-local/ metadata addresses refused after resolution. One io_context thread.
 #pragma once
 
 #include <chrono>

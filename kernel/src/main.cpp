@@ -151,7 +151,7 @@ class ExitPath {
     std::once_flag once_;
 };
 
-// Where the egress proxy listens inside each worker's network namespace (EGRESS.md §2).
+// Where the egress proxy listens inside each worker's network namespace (kernel/README.md "Network policy").
 constexpr std::uint16_t egress_proxy_port = 3128;
 
 // The worker's environment with a network policy: every standard client goes through the proxy (names

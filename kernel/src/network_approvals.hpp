@@ -1,4 +1,5 @@
-// The Jupyter side of the egress proxy (EGRESS.md §4): what the proxy reports becomes IOPub messages
+// The Jupyter side of the egress proxy (kernel/README.md "Network policy"): what the proxy reports becomes
+// IOPub messages
 // (`cellblock_egress` events for machines; for an approval also a display a person sees in a notebook,
 // updated when it is decided), and decisions that arrive on the control channel
 // (`cellblock_approval_decision_request`) go to the held request. The proxy owns the approval time-out and

@@ -1,7 +1,8 @@
-"""Network by allowlist, with approvals (issue 12), end to end: a real cellblock-gateway with --network-allow and
---egress-hosts, real kernels whose proxy (in the kernel, EGRESS.md) is the worker's only way out, and a local
-"internet" of HTTPS/HTTP servers on 127.x addresses with a test CA (network_fixtures.py). Every refusal is also
-checked on the host: the server that must not be reached logged nothing (requests and TLS server names)."""
+"""Network by allowlist, with approvals, end to end: a real cellblock-gateway with --network-allow and
+--egress-hosts, real kernels whose proxy (in the kernel, kernel/README.md "Network egress proxy") is the worker's
+only way out, and a local "internet" of HTTPS/HTTP servers on 127.x addresses with a test CA
+(network_fixtures.py). Every refusal is also checked on the host: the server that must not be reached logged
+nothing (requests and TLS server names)."""
 import json
 import os
 import socket

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs every benchmark (tests/bench/bench_*.py) in turn and prints one markdown report.
 
-    /usr/bin/python3 tests/bench/run.py            # full run (minutes); what the README's table comes from
+    /usr/bin/python3 tests/bench/run.py            # full run (minutes); what tests/bench/REPORT.md comes from
     /usr/bin/python3 tests/bench/run.py --quick    # seconds per benchmark: the smoke run the test suite does
     /usr/bin/python3 tests/bench/run.py --only kernel,gateway --output report.md
 

@@ -51,7 +51,8 @@ def hash_with_seed_zero():
 
 def tenant(name):
     """With the zygote on (tests/plugins/cellblock_zygote.py) two sessions are of two tenants: sessions of one
-    tenant share a template's hash secret by design (sandbox/README.md, the lead's decision; test_zygote_template.py)."""
+    tenant share a template's hash secret by design (docs/decisions/0002-zygote-template-per-tenant.md;
+    test_zygote_template.py)."""
     return {"CELLBLOCK_ZYGOTE_TENANT": cellblock_zygote.other_tenant(name)} if cellblock_zygote.ENABLED else {}
 
 

@@ -1,4 +1,4 @@
-"""Hostile tests that only exist with a worker zygote (sandbox/README.md "Worker zygote", "Not done"): workers
+"""Hostile tests that only exist with a worker zygote (sandbox/README.md "Worker zygote", "Limits"): workers
 forked from a tenant's template through the real kernel (`worker.zygote: true`, whatever CELLBLOCK_TEST_ZYGOTE
 says), each checked on the host side.
 

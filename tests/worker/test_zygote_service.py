@@ -1,4 +1,4 @@
-"""The template's service (cellblock_runtime/zygote.py, ZYGOTE.md "Wire protocol") without the C++ library: the
+"""The template's service (cellblock_runtime/zygote.py, sandbox/README.md "Worker zygote") without the C++ library: the
 template is started as the kernel starts it, with a test-only stand-in for libcellblock_zygote.so
 (zygote_harness.py, zygote_standin.c: the same C ABI and ctypes/fork-hook path, no confinement). These tests cover
 the protocol, reaping and bookkeeping, not the confinement (that is tests/sandbox with `worker.zygote: true`).

@@ -1,5 +1,5 @@
-// The gateway's side of a session's network policy (issue 12, EGRESS.md §1): host patterns, the ceiling a
-// policy must stay within, and what reaches the kernel as CELLBLOCK_NETWORK_POLICY.
+// The gateway's side of a session's network policy (kernel/README.md "Network policy"): host patterns, the
+// ceiling a policy must stay within, and what reaches the kernel as CELLBLOCK_NETWORK_POLICY.
 #include "cellblock/gateway/network_policy.hpp"
 
 #include <gtest/gtest.h>

@@ -1,4 +1,5 @@
-// The session network policy (EGRESS.md §1) and the operator's pinned hosts file: what a session may reach.
+// The session network policy (kernel/README.md "Network policy") and the operator's pinned hosts file: what a
+// session may reach.
 #include <gtest/gtest.h>
 #include <unistd.h>
 

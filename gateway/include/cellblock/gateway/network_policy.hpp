@@ -1,8 +1,8 @@
 #pragma once
-// A session's network policy as the gateway sees it (issue 12; the contract is EGRESS.md §1): host patterns
-// checked against the operator's ceiling (--network-allow) when a session or kernel is created, and the
-// CELLBLOCK_NETWORK_POLICY value handed to the kernel, whose proxy enforces it. The gateway never links the
-// kernel: this is its own small matcher of the same pattern rules.
+// A session's network policy as the gateway sees it (the contract: kernel/README.md "Network policy"): host
+// patterns checked against the operator's ceiling (--network-allow) when a session or kernel is created, and
+// the CELLBLOCK_NETWORK_POLICY value handed to the kernel, whose proxy enforces it. The gateway never links
+// the kernel: this is its own small matcher of the same pattern rules.
 //
 // Patterns are case-insensitive with a trailing dot ignored. "*" = any host; "*.example.com" = any name with
 // at least one more whole label before ".example.com" (never "example.com" itself, nor "badexample.com");

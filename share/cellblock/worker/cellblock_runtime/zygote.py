@@ -1,4 +1,4 @@
-"""The Python half of a worker zygote (issue 11; sandbox/README.md "Worker zygote", ZYGOTE.md for the wire protocol).
+"""The Python half of a worker zygote (sandbox/README.md "Worker zygote", which also gives the wire protocol).
 
 A worker started with a listening socket as fd 3 (SO_ACCEPTCONN) is a template: `serve_template()`. It runs
 `make_template()` once: the worker's start up to its channel (main.prepare: streams, IPython,
@@ -350,7 +350,7 @@ def serve_forked(template):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The template's service (ZYGOTE.md, "Wire protocol on the template socket")
+# The template's service (sandbox/README.md, "Worker zygote")
 # ---------------------------------------------------------------------------------------------------------------
 
 LISTENER_FD = 3          # as the launcher hands it over; moved above the worker's fds before anything is imported
@@ -428,8 +428,8 @@ FORKED_CHILD = ForkedChild()
 
 
 class LibrarySpawner:
-    """cellblock_zygote_spawn from libcellblock_zygote.so (ZYGOTE.md), called through ctypes.PyDLL with the GIL
-    held and wrapped in the interpreter's own fork hooks, as os.fork() wraps fork()."""
+    """cellblock_zygote_spawn from libcellblock_zygote.so (sandbox/README.md, "Worker zygote"), called through
+    ctypes.PyDLL with the GIL held and wrapped in the interpreter's own fork hooks, as os.fork() wraps fork()."""
 
     def __init__(self, path):
         library = ctypes.PyDLL(path, use_errno=True)

@@ -55,7 +55,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
         AgentLimits limits;
         NetworkRequest network;  // checked against the ceiling at creation; none() = no network
     };
-    // A network request the kernel's proxy holds for a decision (EGRESS.md §4), and what became of it.
+    // A network request the kernel's proxy holds for a decision (kernel/README.md "Network policy"), and what
+    // became of it.
     struct Approval {
         std::string id, host, method, kernel_id;
         int port = 0;
