@@ -32,6 +32,7 @@ for clients in tests/gateway/clients tests/agent/mcp_client; do
   echo "[deps] npm ci in $clients"
   (cd "$clients" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 done
+bash share/scripts/test-venv.sh "$build/venv"
 # Every component is built, whatever a reused build directory's cache says: the suite tests all of them.
 bash share/scripts/build.sh "$build" "$stage" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCELLBLOCK_TEST_PREFIX="$stage" \
      -DCELLBLOCK_BUILD_KERNEL=ON -DCELLBLOCK_BUILD_GATEWAY=ON -DCELLBLOCK_BUILD_TESTS=ON

@@ -1,8 +1,12 @@
 #include "cellblock/gateway/agent/agent_api.hpp"
 
 #include <boost/asio/steady_timer.hpp>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "cellblock/gateway/agent/output_shield.hpp"
+#include "cellblock/gateway/config.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -454,6 +458,38 @@ std::shared_ptr<AgentSession> AgentService::require_session(const std::string& i
     }
 }
 
+// ------------------------------------------------------------------------------------------------ openapi
+
+// The API's description (share/cellblock/openapi/agent-v1.json), read once when the routes are made: a client
+// generator or a fuzzer (tests/agent/test_openapi.py) gets the installed file as it is.
+class OpenApiResource : public RestResource {
+  public:
+    explicit OpenApiResource(const std::filesystem::path& file) {
+        std::ifstream in(file, std::ios::binary);
+        std::ostringstream text;
+        text << in.rdbuf();
+        if (in && json::accept(text.str()))
+            document_ = text.str();
+    }
+    void get(RequestContext&, Responder respond) override {
+        if (document_.empty()) {
+            respond(
+                json_error(http::status::service_unavailable,
+                           "the OpenAPI document is not installed (share/cellblock/openapi/agent-v1.json)",
+                           "openapi_missing"));
+            return;
+        }
+        HttpResponse response{http::status::ok, 11};
+        response.set(http::field::content_type, "application/json");
+        response.body() = document_;
+        response.prepare_payload();
+        respond(std::move(response));
+    }
+
+  private:
+    std::string document_;
+};
+
 void AgentService::register_routes(Router& router) {
     router.add("/agent/v1/sessions", std::make_shared<SessionsResource>(*this));
     router.add("/agent/v1/sessions/{session}", std::make_shared<SessionResource>(*this));
@@ -466,6 +502,8 @@ void AgentService::register_routes(Router& router) {
     router.add("/agent/v1/sessions/{session}/approvals", std::make_shared<ApprovalsResource>(*this));
     router.add("/agent/v1/sessions/{session}/approvals/{approval}",
                std::make_shared<ApprovalResource>(*this));
+    router.add("/agent/v1/openapi.json",
+               std::make_shared<OpenApiResource>(installed_data_dir() + "/cellblock/openapi/agent-v1.json"));
     register_mcp_endpoint(router, *this);
 }
 
