@@ -362,3 +362,59 @@ def test_an_env_name_or_value_cannot_run_a_command_in_the_job_script(slurm_clust
     assert not any(entry.startswith(token) and len(entry) > len(token) for entry in environ), \
         "the one-time report token is still readable in the kernel's /proc environ"
     assert not marker.exists(), "a name or value of env ran a command in the job script"
+
+
+def vm_peak_kib(pid, field="VmHWM"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def test_the_launch_registry_drops_an_oversized_report_unread(slurm_cluster, slurm_gateway):
+    """Whoever holds the registry's public key (every job's environment does) can send it a report: one of 48 MiB
+    is dropped by libzmq after its size header (the connection is closed, nothing answered) and the gateway's peak
+    RSS (VmHWM from /proc) does not grow by it, while a small report on another connection is still answered."""
+    import zmq
+    import zmq.utils.monitor
+
+    kernel_id = slurm_gateway.start_kernel(name="python3")["id"]
+    pid = wait_for(lambda: kernel_process_of(kernel_id), 10, "the kernel process")
+    environ = dict(entry.split(b"=", 1) for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                   if b"=" in entry)
+    server_key = environ[b"CELLBLOCK_REPORT_SERVER_KEY"]
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    endpoint = command[command.index(b"--report-to") + 1].decode()
+    gateway_pid = slurm_gateway.process.pid
+    context = zmq.Context()
+
+    def reporter():
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.curve_serverkey = server_key
+        socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
+        return socket
+
+    oversized, small = reporter(), reporter()
+    try:
+        monitor = oversized.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        oversized.connect(endpoint)
+        assert monitor.poll(30_000), "no CurveZMQ handshake with the launch registry"
+        assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        peak_before = vm_peak_kib(gateway_pid)
+        oversized.send(json.dumps({"token": "not-a-token", "padding": "x" * (48 << 20)}).encode())
+        # The registry answers every report it reads (here: unknown token); the oversized one is never read.
+        poller = zmq.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(oversized, zmq.POLLIN)
+        ready = dict(poller.poll(60_000))
+        assert oversized not in ready, "the registry read and answered a 48 MiB report"
+        assert monitor in ready and zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        small.connect(endpoint)
+        small.send(json.dumps({"token": "not-a-token"}).encode())
+        assert small.poll(30_000), "the registry stopped answering after the oversized report"
+        assert json.loads(small.recv())["reason"] == "unknown or already used token"
+        grown_mib = (vm_peak_kib(gateway_pid) - peak_before) / 1024
+        assert grown_mib < 16, f"the gateway's peak RSS grew by {grown_mib:.0f} MiB for a dropped report"
+    finally:
+        context.destroy(linger=0)  # every socket, the monitor's too: term() would wait for an open one forever
