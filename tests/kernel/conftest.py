@@ -16,6 +16,8 @@ import pytest
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
+import cellblock_zygote  # tests/plugins (PYTHONPATH)
+
 KERNEL_NAME = "cellblock-python"
 START_TIMEOUT = 60
 
@@ -51,6 +53,7 @@ def zygote_switch(tmp_path_factory):
     finally:
         warm.shutdown()
     yield config
+    cellblock_zygote.TALLY.require_forks("tests/kernel")
     if previous is None:
         del os.environ["JUPYTER_PATH"]
     else:
@@ -198,6 +201,8 @@ class Kernel:
         return False
 
     def shutdown(self) -> None:
+        if cellblock_zygote.ENABLED and self.manager.has_kernel:
+            cellblock_zygote.TALLY.note(self.pid)
         try:
             self.client.stop_channels()
         finally:

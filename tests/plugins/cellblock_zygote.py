@@ -193,3 +193,28 @@ def is_forked(worker_pid: int, policy_path, tenant: str = TENANT) -> bool:
     return template is not None and _ppid(worker_pid) == template
 
 
+class ForkTally:
+    """What a zygote run saw of its kernels' workers: a run whose workers all went by exec (the template never
+    came up, or every launch fell back) tested the exec path twice and must fail, not pass."""
+
+    def __init__(self):
+        self.forked = 0
+        self.execd = 0
+
+    def note(self, kernel_pid: int) -> None:
+        """Counts the kernel's current worker as forked (a child of a template, held by pidfd) or exec'd."""
+        workers = pidfd_targets(kernel_pid)
+        if not workers:
+            return
+        if any(_ppid(worker) not in (None, kernel_pid) for worker in workers):
+            self.forked += 1
+        else:
+            self.execd += 1
+
+    def require_forks(self, suite: str) -> None:
+        summary = f"{suite}: {self.forked} kernels ran a forked worker, {self.execd} an exec'd one"
+        print(f"\n[zygote] {summary}")
+        assert self.forked > 0, f"the zygote run never forked a worker ({summary})"
+
+
+TALLY = ForkTally()

@@ -45,6 +45,8 @@ def zygote_templates_stopped():
     import cellblock_zygote
 
     cellblock_zygote.stop_templates(DEFAULT_POLICY)  # test_zygote_template.py starts some whatever the switch
+    if cellblock_zygote.ENABLED:
+        cellblock_zygote.TALLY.require_forks("tests/sandbox")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -211,6 +211,8 @@ class LiveKernel:
         return events
 
     def shutdown(self):
+        if cellblock_zygote.ENABLED and self.manager.has_kernel:
+            cellblock_zygote.TALLY.note(self.pid)
         try:
             self.client.stop_channels()
         finally:
