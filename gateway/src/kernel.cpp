@@ -54,22 +54,6 @@ void remove_workspace(const fs::path& directory, const Logger& logger) {
     }
 }
 
-std::string_view kernel_state_name(KernelState state) {
-    switch (state) {
-        case KernelState::starting:
-            return "starting";
-        case KernelState::idle:
-            return "idle";
-        case KernelState::busy:
-            return "busy";
-        case KernelState::restarting:
-            return "restarting";
-        case KernelState::dead:
-            return "dead";
-    }
-    return "unknown";
-}
-
 // ----------------------------------------------------------------------------------------------
 // KernelClientLink
 
@@ -183,7 +167,7 @@ Kernel::Kernel(boost::asio::io_context& io, zmq::context_t& zmq_context, const L
 }
 
 Kernel::~Kernel() {
-    if (released_)
+    if (lifecycle_.phase() == KernelPhase::released)
         return;  // the process and its files belong to the next gateway
     for (auto& [id, session] : sessions_)
         if (auto client = session->client_.lock())
@@ -197,7 +181,7 @@ Kernel::~Kernel() {
 }
 
 void Kernel::clean_up_after_exit() {
-    if (cleaned_up_ || released_)
+    if (cleaned_up_ || lifecycle_.phase() == KernelPhase::released)
         return;
     cleaned_up_ = true;
     for (auto* channel : {&iopub_, &probe_shell_, &probe_control_})
@@ -216,13 +200,13 @@ json Kernel::model() const {
     json model = {{"id", launch_.id},
                   {"name", launch_.spec.name},
                   {"last_activity", format_iso8601_utc(last_activity_)},
-                  {"execution_state", kernel_state_name(state_)},
+                  {"execution_state", kernel_state_name(state())},
                   {"connections", connections_}};
     // Where a kernel not local to the gateway runs, and while it starts, what it waits for (a pending job's
     // reason from Slurm).
     if (reports_connection() && process_) {
         model["provisioner"] = process_->describe();
-        if (state_ == KernelState::starting || state_ == KernelState::restarting)
+        if (lifecycle_.launching())
             model["provisioner"]["waiting_for"] = process_->waiting_for();
     }
     return model;
@@ -304,7 +288,7 @@ void Kernel::start(ReadyHandler on_ready) {
         }
         spawn();
     } catch (const std::exception& error) {
-        state_ = KernelState::dead;
+        lifecycle_.launch_failed();
         report_launch_failure(GatewayMetrics::cause_spawn_failed);
         finish_readiness(std::string("kernel failed to start: ") + error.what());
         return;
@@ -332,11 +316,11 @@ void Kernel::await_report() {
         if (error)
             return;
         auto self = weak.lock();
-        if (!self || self->ready_ || self->shutting_down_)
+        if (!self || !self->lifecycle_.launching())
             return;
         const std::string waiting = self->process_ ? self->process_->waiting_for() : std::string();
         self->logger_.warn("kernel_start_timeout", {{"kernel_id", self->id()}, {"waiting_for", waiting}});
-        self->state_ = KernelState::dead;
+        self->lifecycle_.launch_failed();
         self->report_launch_failure(GatewayMetrics::cause_start_timeout);
         if (self->process_)
             self->process_->signal(SIGKILL);
@@ -347,11 +331,11 @@ void Kernel::await_report() {
 }
 
 void Kernel::on_connected(std::uint64_t generation, std::variant<ReportedConnection, std::string> result) {
-    if (generation != launch_generation_ || shutting_down_ || released_ || state_ == KernelState::dead)
+    if (generation != launch_generation_ || !lifecycle_.launching())
         return;
     if (auto* failure = std::get_if<std::string>(&result)) {
         probe_timer_.cancel();
-        state_ = KernelState::dead;
+        lifecycle_.launch_failed();
         report_launch_failure(GatewayMetrics::cause_spawn_failed);
         if (process_)
             process_->signal(SIGKILL);
@@ -385,7 +369,7 @@ void Kernel::on_connected(std::uint64_t generation, std::variant<ReportedConnect
         }
     } catch (const std::exception& error) {
         probe_timer_.cancel();
-        state_ = KernelState::dead;
+        lifecycle_.launch_failed();
         report_launch_failure(GatewayMetrics::cause_spawn_failed);
         if (process_)
             process_->signal(SIGKILL);
@@ -399,11 +383,11 @@ void Kernel::on_connected(std::uint64_t generation, std::variant<ReportedConnect
 }
 
 void Kernel::when_ready(ReadyHandler handler) {
-    if (ready_) {
+    if (lifecycle_.ready()) {
         handler(std::nullopt);
         return;
     }
-    if (state_ == KernelState::dead) {
+    if (state() == KernelState::dead) {
         handler(std::string("kernel is dead"));
         return;
     }
@@ -411,7 +395,7 @@ void Kernel::when_ready(ReadyHandler handler) {
 }
 
 void Kernel::begin_termination() {
-    shutting_down_ = true;
+    lifecycle_.shutdown();
     terminated_handler_ = nullptr;
     for (auto& [session_id, session] : sessions_)
         if (auto client = session->client_.lock())
@@ -450,7 +434,7 @@ void Kernel::spawn() {
     }
     kernel_info_answered_ = false;
     iopub_seen_ = false;
-    ready_ = false;
+    busy_ = false;
     launch_deadline_ =
         std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<long long>(config_.kernel_launch_timeout * 1000));
@@ -518,7 +502,7 @@ void Kernel::adopt(const KernelRecord& record, ReadyHandler on_ready) {
         if (process_)
             process_->release();  // not ours to kill: it may be a stranger that reused the pid
         process_.reset();
-        state_ = KernelState::dead;
+        lifecycle_.launch_failed();
         finish_readiness(std::string("cannot re-adopt the kernel: ") + error.what());
         return;
     }
@@ -529,7 +513,7 @@ void Kernel::adopt(const KernelRecord& record, ReadyHandler on_ready) {
     replay_after_id_ = last_iopub_id_;
     kernel_info_answered_ = false;
     iopub_seen_ = false;
-    ready_ = false;
+    busy_ = false;
     launch_deadline_ =
         std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<long long>(config_.kernel_launch_timeout * 1000));
@@ -547,7 +531,7 @@ void Kernel::adopt(const KernelRecord& record, ReadyHandler on_ready) {
 }
 
 void Kernel::release() {
-    released_ = true;
+    lifecycle_.release();
     terminated_handler_ = nullptr;
     spawned_handler_ = nullptr;
     probe_timer_.cancel();
@@ -560,7 +544,7 @@ void Kernel::release() {
 }
 
 void Kernel::renew_lease() {
-    if (shutting_down_ || released_ || !probe_control_ || !process_ || !process_->running())
+    if (lifecycle_.ending() || !probe_control_ || !process_ || !process_->running())
         return;
     probe_control_->send(encode_wire(
         make_message(Channel::control, "cellblock_lease_request", json::object(), probe_session_), signer_));
@@ -695,7 +679,7 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
             continue;
         const json status = json::parse(it->content, nullptr, false);
         if (status.is_object() && status.value("execution_state", "") == "busy")
-            state_ = KernelState::busy;
+            busy_ = true;
         break;
     }
     logger_.info("kernel_adopted", {{"kernel_id", id()},
@@ -750,18 +734,18 @@ void Kernel::respawn(const char* what) {
         else
             probe_readiness();
     } catch (const std::exception& error) {
-        state_ = KernelState::dead;
+        lifecycle_.launch_failed();
         report_launch_failure(GatewayMetrics::cause_spawn_failed);
         finish_readiness(std::string(what) + ": " + error.what());
     }
 }
 
 void Kernel::probe_readiness() {
-    if (ready_ || shutting_down_)
+    if (!lifecycle_.launching())
         return;
     if (std::chrono::steady_clock::now() > launch_deadline_) {
         logger_.warn("kernel_start_timeout", {{"kernel_id", id()}});
-        state_ = KernelState::dead;
+        lifecycle_.launch_failed();
         report_launch_failure(GatewayMetrics::cause_start_timeout);
         finish_readiness("kernel did not answer kernel_info_request within " +
                          std::to_string(static_cast<int>(config_.kernel_launch_timeout)) + " s");
@@ -791,7 +775,7 @@ void Kernel::handle_probe_reply(JupyterMessage&& message) {
         handle_replay_reply(content.is_object() ? content : json::object(), true);
         return;
     }
-    if (message.msg_type != "kernel_info_reply" || ready_)
+    if (message.msg_type != "kernel_info_reply" || !lifecycle_.launching())
         return;
     if (!kernel_info_answered_) {
         kernel_info_answered_ = true;
@@ -812,12 +796,8 @@ void Kernel::handle_probe_reply(JupyterMessage&& message) {
 
 void Kernel::finish_readiness(const std::optional<std::string>& error) {
     probe_timer_.cancel();
-    if (!error) {
-        ready_ = true;
-        if (state_ == KernelState::starting || state_ == KernelState::restarting)
-            state_ = KernelState::idle;
+    if (!error && lifecycle_.became_ready())
         logger_.info("kernel_ready", {{"kernel_id", id()}});
-    }
     auto handlers = std::move(ready_handlers_);
     ready_handlers_.clear();
     for (auto& handler : handlers)
@@ -830,7 +810,7 @@ bool Kernel::handle_iopub(JupyterMessage&& message) {
     progress_changed_ = true;
     if (!iopub_seen_) {
         iopub_seen_ = true;
-        if (kernel_info_answered_ && !ready_)
+        if (kernel_info_answered_ && lifecycle_.launching())
             on_probe_complete();
     }
     // The gateway's own probe traffic (kernel_info during startup) is neither shown to clients nor counted as
@@ -846,13 +826,10 @@ bool Kernel::handle_iopub(JupyterMessage&& message) {
     if (message.msg_type == "status") {
         json content = json::parse(message.content, nullptr, false);
         const std::string execution_state = content.is_object() ? content.value("execution_state", "") : "";
-        // While a restart is pending the old process's last status messages must not hide "restarting".
-        if (restart_requested_ || state_ == KernelState::dead) {
-        } else if (execution_state == "busy") {
-            state_ = KernelState::busy;
-        } else if (execution_state == "idle") {
-            state_ = KernelState::idle;
-        }
+        // Shown only while ready (KernelLifecycle::client_state): an old process's last status messages
+        // cannot hide "restarting" or "dead".
+        if (execution_state == "busy" || execution_state == "idle")
+            busy_ = execution_state == "busy";
     }
     // While the record is on its way, live output is held: clients get the record first, then this, in order.
     if (adopting)
@@ -922,68 +899,66 @@ void Kernel::notify_clients(const std::string& text) {
 }
 
 void Kernel::on_process_exit(InstanceExit exit) {
-    if (shutting_down_) {
-        shutdown_timer_.cancel();
-        clean_up_after_exit();
-        if (terminated_handler_)
-            terminated_handler_(id());
-        return;
+    const ProcessExit facts{exit.ended_externally, !ready_handlers_.empty()};
+    const bool was_ready = lifecycle_.ready();
+    switch (lifecycle_.process_exited(facts, [this] {
+        return config_.autorestart && restarts_ < config_.restart_limit &&
+               (!may_restart_ || may_restart_(*this));
+    })) {
+        case ExitAction::ignore:
+            return;
+        case ExitAction::finish_stop:
+            shutdown_timer_.cancel();
+            clean_up_after_exit();
+            if (terminated_handler_)
+                terminated_handler_(id());
+            return;
+        case ExitAction::respawn:
+            // The kill timer armed for the old process must not fire on its replacement.
+            shutdown_timer_.cancel();
+            respawn("restart failed");
+            return;
+        case ExitAction::fail_start:
+            logger_.warn("kernel_died_during_start", {{"kernel_id", id()}, {"exit", exit.cause}});
+            report_launch_failure(GatewayMetrics::cause_exited_during_start);
+            broadcast_execution_state("dead");
+            finish_readiness(exit.ended_externally
+                                 ? exit.cause
+                                 : "kernel " + exit.cause + " before it answered kernel_info_request");
+            return;
+        case ExitAction::end_externally:
+            // Clients are told why; it is not started again behind the scheduler's or operator's back.
+            logger_.warn("kernel_died",
+                         {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
+            notify_clients("[cellblock-gateway] the kernel died: " + exit.cause + "\n");
+            broadcast_execution_state("dead");
+            return;
+        case ExitAction::auto_restart:
+            logger_.warn("kernel_died",
+                         {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
+            auto_restart();
+            return;
+        case ExitAction::die:
+            logger_.warn("kernel_died",
+                         {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
+            broadcast_execution_state("dead");
+            return;
     }
-    const bool was_ready = ready_;
-    ready_ = false;
-    if (restart_requested_) {
-        // A REST restart: the old process is gone, start the new one. The kill timer armed for the old
-        // process must not fire on its replacement.
-        shutdown_timer_.cancel();
-        restart_requested_ = false;
-        respawn("restart failed");
-        return;
-    }
-    if (!ready_handlers_.empty()) {
-        // Died before it ever became ready, or during a requested restart.
-        logger_.warn("kernel_died_during_start", {{"kernel_id", id()}, {"exit", exit.cause}});
-        state_ = KernelState::dead;
-        report_launch_failure(GatewayMetrics::cause_exited_during_start);
-        broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
-        finish_readiness(exit.ended_externally
-                             ? exit.cause
-                             : "kernel " + exit.cause + " before it answered kernel_info_request");
-        return;
-    }
-    logger_.warn("kernel_died", {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
-    if (exit.ended_externally) {
-        // The scheduler or an operator ended it (scancel, time limit, preemption, node failure): clients are
-        // told why, and it is not started again behind the operator's back.
-        state_ = KernelState::dead;
-        notify_clients("[cellblock-gateway] the kernel died: " + exit.cause + "\n");
-        broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
-        return;
-    }
-    if (config_.autorestart && restarts_ < config_.restart_limit && (!may_restart_ || may_restart_(*this))) {
-        ++restarts_;
-        state_ = KernelState::restarting;
-        broadcast(
-            make_message(Channel::iopub, "status", {{"execution_state", "restarting"}}, probe_session_));
-        ready_handlers_.push_back([weak = weak_from_this()](const std::optional<std::string>& error) {
-            auto self = weak.lock();
-            if (!self)
-                return;
-            if (!error) {
-                // The probe's own status traffic is hidden, so say explicitly that the revived kernel is
-                // usable.
-                self->broadcast(make_message(Channel::iopub, "status", {{"execution_state", "idle"}},
-                                             self->probe_session_));
-                return;
-            }
-            self->state_ = KernelState::dead;
-            self->broadcast(
-                make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, self->probe_session_));
-        });
-        respawn("automatic restart failed");
-        return;
-    }
-    state_ = KernelState::dead;
-    broadcast(make_message(Channel::iopub, "status", {{"execution_state", "dead"}}, probe_session_));
+}
+
+void Kernel::auto_restart() {
+    ++restarts_;
+    broadcast_execution_state("restarting");
+    ready_handlers_.push_back([weak = weak_from_this()](const std::optional<std::string>& error) {
+        // The probe's own status traffic is hidden, so say explicitly whether the revived kernel is usable.
+        if (auto self = weak.lock())
+            self->broadcast_execution_state(error ? "dead" : "idle");
+    });
+    respawn("automatic restart failed");
+}
+
+void Kernel::broadcast_execution_state(const char* state) {
+    broadcast(make_message(Channel::iopub, "status", {{"execution_state", state}}, probe_session_));
 }
 
 void Kernel::interrupt() {
@@ -1002,15 +977,17 @@ void Kernel::interrupt() {
 
 void Kernel::restart(ReadyHandler on_ready) {
     touch();
+    const bool running = process_ && process_->running();
+    if (!lifecycle_.restart(running)) {
+        on_ready(std::string("kernel is shutting down"));
+        return;
+    }
     restarts_ = 0;
     ready_handlers_.push_back(std::move(on_ready));
-    state_ = KernelState::restarting;
-    ready_ = false;
-    if (!process_ || !process_->running()) {
+    if (!running) {
         respawn("restart failed");
         return;
     }
-    restart_requested_ = true;
     if (probe_control_)
         probe_control_->send(encode_wire(
             make_message(Channel::control, "shutdown_request", {{"restart", true}}, probe_session_),
@@ -1027,9 +1004,8 @@ void Kernel::restart(ReadyHandler on_ready) {
 }
 
 void Kernel::shutdown(const std::string& reason) {
-    if (shutting_down_)
+    if (!lifecycle_.shutdown())
         return;
-    shutting_down_ = true;
     probe_timer_.cancel();
     finish_readiness("kernel was shut down");
     for (auto& [session_id, session] : sessions_) {
@@ -1039,11 +1015,8 @@ void Kernel::shutdown(const std::string& reason) {
     }
     sessions_.clear();
     connections_ = 0;
-    state_ = KernelState::dead;
     if (!process_ || !process_->running()) {
-        clean_up_after_exit();
-        if (terminated_handler_)
-            terminated_handler_(id());
+        on_process_exit(InstanceExit{});  // stopping -> stopped: the clean-up the exit would have done
         return;
     }
     // A kernel that never reported (a pending Slurm job) has no control socket yet: signals only.

@@ -2,6 +2,7 @@
 # the ZMQ wire format, kernelspec alias resolution, the SQLite and PostgreSQL stores (a server of its own), their writer
 # thread and the state directory lock,
 # the metrics registry and its Prometheus text rendering, network policies against the ceiling, and the
+# lifecycle of a kernel (one phase, one transition per event), the
 # order of shell replies behind the IOPub output published before them, the timer that repeats the sweeps, and a ZMQ channel that outlives a failing handler.
 add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/router_test.cpp
@@ -10,6 +11,7 @@ add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/time_format_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/crypto_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/jupyter_message_test.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/kernel_lifecycle_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kernelspec_registry_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/store_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/http_server_failure_test.cpp

@@ -19,6 +19,7 @@
 
 #include "cellblock/gateway/config.hpp"
 #include "cellblock/gateway/jupyter_message.hpp"
+#include "cellblock/gateway/kernel_lifecycle.hpp"
 #include "cellblock/gateway/kernelspec_registry.hpp"
 #include "cellblock/gateway/log.hpp"
 #include "cellblock/gateway/provisioner.hpp"
@@ -58,9 +59,6 @@ struct KernelEndpoints {
 // Removes a tree that sandboxed code wrote (a workspace) without following its symlinks or crossing mounts
 // (cellblock::sandbox::remove_tree); a failure is logged, never thrown.
 void remove_workspace(const std::filesystem::path& directory, const Logger& logger);
-
-enum class KernelState { starting, idle, busy, restarting, dead };
-std::string_view kernel_state_name(KernelState state);
 
 class Kernel;
 
@@ -181,8 +179,9 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     const std::string& id() const { return launch_.id; }
     const std::string& spec_name() const { return launch_.spec.name; }
     const std::filesystem::path& workspace_dir() const { return launch_.workspace_dir; }
-    KernelState state() const { return state_; }
-    bool ready() const { return ready_; }
+    KernelState state() const { return lifecycle_.client_state(busy_); }
+    KernelPhase phase() const { return lifecycle_.phase(); }
+    bool ready() const { return lifecycle_.ready(); }
     int connections() const { return connections_; }
     std::chrono::system_clock::time_point last_activity() const { return last_activity_; }
     void touch() { last_activity_ = std::chrono::system_clock::now(); }
@@ -233,7 +232,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void broadcast(const JupyterMessage& message);
     // Delivers replies ReplyOrder released to their sessions, and keeps its timer armed while it holds some.
     void hand_out_replies(const std::vector<ReplyOrder::Reply>& replies);
-    void set_state(KernelState state) { state_ = state; }
+    void auto_restart();
+    void broadcast_execution_state(const char* state);
     void report_launch_failure(std::string_view cause) const {
         if (launch_failed_handler_)
             launch_failed_handler_(cause);
@@ -254,12 +254,10 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::shared_ptr<ZmqChannel> iopub_, probe_shell_, probe_control_;
     std::string probe_session_;
     std::map<std::string, std::shared_ptr<KernelClientLink>> sessions_;
-    KernelState state_ = KernelState::starting;
-    bool ready_ = false;
+    KernelLifecycle lifecycle_;
+    bool busy_ = false;  // the kernel's last execution_state, shown while it is ready
     bool kernel_info_answered_ = false;
     bool iopub_seen_ = false;
-    bool shutting_down_ = false;
-    bool restart_requested_ = false;  // a REST restart is waiting for the old process to exit
     int restarts_ = 0;
     int connections_ = 0;
     std::chrono::system_clock::time_point last_activity_ = std::chrono::system_clock::now();
@@ -277,7 +275,6 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::function<bool(const Kernel&)> may_restart_;
     std::function<void(std::string_view)> launch_failed_handler_;
     std::optional<ProcessIdentity> process_identity_;
-    bool released_ = false;
     // The gateway's sockets to the kernel, its connection file (with the HMAC key), log, ipc endpoints and
     // workspace go when the process of a kernel that was shut down is gone, not when the last reference to
     // this object does: a WebSocket connection that lingers after its close frame holds the object for as
