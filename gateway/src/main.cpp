@@ -152,8 +152,9 @@ void apply(const CommandLine& cli, GatewayConfig& config) {
 // Message buffers below 4 MiB come from the heap and stay there once freed (up to 8 MiB at its top): glibc
 // would mmap every block over 128 KiB and unmap it on free, so each large output (a 1 MiB stream message is
 // copied out of ZMQ and into its WebSocket frame) paid for faulting in fresh pages, 15 ms of gateway CPU per
-// MiB against 2.5–4 with this (the kernel sets the same for the same reason, kernel/src/heap_policy.cpp). Set
-// here rather than with GLIBC_TUNABLES, which every kernel the gateway starts would inherit.
+// MiB against 2.5–4 with this (the kernel sets the same for the same reason,
+// kernel/src/launch/heap_policy.cpp). Set here rather than with GLIBC_TUNABLES, which every kernel the
+// gateway starts would inherit.
 bool keep_message_buffers_on_the_heap() {
     constexpr int mmap_threshold = 4 * 1024 * 1024;
     constexpr int trim_threshold = 8 * 1024 * 1024;

@@ -1,11 +1,11 @@
-// What the kernel serializes: every message it sends (kernel/src/json_text.cpp, dump_json), whose strings
-// carry whatever the worker printed.
+// What the kernel serializes: every message it sends (kernel/src/common/json_text.cpp, dump_json), whose
+// strings carry whatever the worker printed.
 //
 // Input: the bytes of a string value, or (first byte 0x7B, `{`) a JSON text.
 // Invariant: dump_json is nlohmann::json's compact dump with invalid UTF-8 replaced, byte for byte, for the
 // bytes as a string, as an object's key and nested in an object and an array; for JSON text that parses, for
 // the parsed value.
-#include "json_text.hpp"
+#include "common/json_text.hpp"
 
 #include <nlohmann/json.hpp>
 #include <string>

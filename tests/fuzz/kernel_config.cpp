@@ -1,4 +1,4 @@
-// The kernel's configuration as an operator and the gateway give it (kernel/src/kernel_config.cpp):
+// The kernel's configuration as an operator and the gateway give it (kernel/src/launch/kernel_config.cpp):
 // `KernelConfig::load` of the config file, with the CELLBLOCK_* variables the gateway sets per kernel.
 //
 // Input: the config file's text, then optionally 0x1e and NAME=VALUE lines (the environment).
@@ -7,7 +7,7 @@
 // seconds from 0 to longest_seconds and memory_mb at most largest_memory_mb (so that the kernel's deadlines
 // and the sandbox's byte limit cannot overflow); the tenant is a plain name; the template's environment is
 // well formed. UBSan catches an out-of-range conversion.
-#include "kernel_config.hpp"
+#include "launch/kernel_config.hpp"
 
 #include <sys/mman.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-// The kernel's inbound check of every Jupyter message a client sends (kernel/src/inbound_verifier.cpp,
+// The kernel's inbound check of every Jupyter message a client sends (kernel/src/server/inbound_verifier.cpp,
 // InboundVerifier::check): delimiter search, exact-length constant-time HMAC, replay memory, header JSON.
 //
 // Input: one mode byte, then the multipart frames separated by 0x1e. Mode bit 0 re-signs the four signed
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
-#include "inbound_verifier.hpp"
+#include "server/inbound_verifier.hpp"
 
 using cellblock::fuzz::require;
 using cellblock::kernel::InboundVerdict;

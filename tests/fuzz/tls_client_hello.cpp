@@ -1,4 +1,4 @@
-// The first bytes a sandboxed client sends into a CONNECT tunnel (kernel/src/tls_client_hello.cpp,
+// The first bytes a sandboxed client sends into a CONNECT tunnel (kernel/src/egress/tls_client_hello.cpp,
 // parse_client_hello): the egress proxy reads the SNI from them to refuse a tunnel whose TLS server name is
 // not the CONNECT host. Every byte is hostile.
 //
@@ -7,7 +7,7 @@
 // invalid), every longer input gets the same verdict and name, and a prefix of an input that needs more bytes
 // needs more bytes too; "need more" is never answered past max_client_hello_bytes (the proxy's buffer cap);
 // a name is only given for a complete ClientHello and is non-empty printable ASCII; an invalid one says why.
-#include "tls_client_hello.hpp"
+#include "egress/tls_client_hello.hpp"
 
 #include <cstdint>
 #include <string_view>

@@ -1,8 +1,7 @@
 // What the confined worker writes to the kernel: length-prefixed JSON frames and stream frames (0x01/0x02 and
-// raw text) on the worker socket (kernel/src/worker_channel.cpp, FrameDecoder) and raw stdout/stderr bytes
-// (of the pipes and of stream frames) turned into UTF-8 text
-// (kernel/src/utf8_decoder.cpp, Utf8StreamDecoder and utf8_prefix). The worker runs untrusted code, so every
-// byte here is hostile.
+// raw text) on the worker socket (kernel/src/worker/worker_channel.cpp, FrameDecoder) and raw stdout/stderr
+// bytes (of the pipes and of stream frames) turned into UTF-8 text (kernel/src/common/utf8_decoder.cpp,
+// Utf8StreamDecoder and utf8_prefix). The worker runs untrusted code, so every byte here is hostile.
 //
 // Input: two bytes that pick the read-chunk sizes, then the byte stream.
 // Invariants: the frame decoder throws nothing but ProtocolError, yields only JSON objects with a string
@@ -16,9 +15,9 @@
 #include <string_view>
 #include <vector>
 
+#include "common/utf8_decoder.hpp"
 #include "fuzz_support.hpp"
-#include "utf8_decoder.hpp"
-#include "worker_channel.hpp"
+#include "worker/worker_channel.hpp"
 
 using cellblock::fuzz::require;
 using cellblock::kernel::FrameDecoder;

@@ -13,7 +13,7 @@ import cellblock_zygote
 import pytest
 from jupyter_client import BlockingKernelClient
 
-LEASE_EXPIRED_STATUS = 3  # kernel/src/main.cpp lease_expired_exit_status
+LEASE_EXPIRED_STATUS = 3  # kernel/src/launch/main.cpp lease_expired_exit_status
 PRINT_30_LINES = "import time\nfor i in range(30):\n    print(f'line {i}', flush=True)\n    time.sleep(0.05)\n"
 EXPECTED_30_LINES = "".join(f"line {i}\n" for i in range(30))
 

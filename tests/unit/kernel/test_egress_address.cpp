@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "egress_address.hpp"
+#include "egress/egress_address.hpp"
 
 namespace cellblock::kernel::egress {
 namespace {

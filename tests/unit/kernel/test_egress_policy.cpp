@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "egress_hosts.hpp"
-#include "egress_policy.hpp"
+#include "egress/egress_hosts.hpp"
+#include "egress/egress_policy.hpp"
 
 namespace cellblock::kernel::egress {
 namespace {

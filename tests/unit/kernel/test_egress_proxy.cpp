@@ -17,7 +17,7 @@
 #include <sstream>
 #include <thread>
 
-#include "egress_proxy.hpp"
+#include "egress/egress_proxy.hpp"
 
 namespace cellblock::kernel::egress {
 namespace {

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "history_manager.hpp"
+#include "server/history_manager.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-#include "inbound_verifier.hpp"
+#include "server/inbound_verifier.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -3,7 +3,7 @@
 #include <random>
 #include <string>
 
-#include "json_text.hpp"
+#include "common/json_text.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -5,7 +5,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernel_config.hpp"
+#include "launch/kernel_config.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -15,8 +15,8 @@
 #include <xeus/xguid.hpp>
 #include <zmq_addon.hpp>
 
-#include "inbound_verifier.hpp"
-#include "kernel_server.hpp"
+#include "server/inbound_verifier.hpp"
+#include "server/kernel_server.hpp"
 
 namespace cellblock::kernel {
 namespace {

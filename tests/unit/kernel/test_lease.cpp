@@ -3,7 +3,7 @@
 
 #include <stdexcept>
 
-#include "lease.hpp"
+#include "server/lease.hpp"
 
 namespace cellblock::kernel {
 namespace {

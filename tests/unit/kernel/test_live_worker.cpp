@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "cellblock/sandbox/sandbox.hpp"
-#include "worker_supervisor.hpp"
+#include "worker/worker_supervisor.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <xeus/xguid.hpp>
 
-#include "message_ids.hpp"
+#include "server/message_ids.hpp"
 
 namespace cellblock::kernel {
 namespace {

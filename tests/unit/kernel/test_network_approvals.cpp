@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "network_approvals.hpp"
+#include "egress/network_approvals.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <stdexcept>
 
-#include "outbound_record.hpp"
+#include "server/outbound_record.hpp"
 
 namespace cellblock::kernel {
 namespace {

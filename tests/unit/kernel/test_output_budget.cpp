@@ -2,8 +2,8 @@
 
 #include <string>
 
-#include "output_budget.hpp"
-#include "utf8_decoder.hpp"
+#include "common/utf8_decoder.hpp"
+#include "worker/output_budget.hpp"
 
 namespace cellblock::kernel {
 namespace {

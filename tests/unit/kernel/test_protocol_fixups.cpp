@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "protocol_fixups.hpp"
+#include "server/protocol_fixups.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "reply_builders.hpp"
+#include "worker/reply_builders.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 
-#include "request_controls.hpp"
+#include "worker/request_controls.hpp"
 
 namespace cellblock::kernel {
 namespace {

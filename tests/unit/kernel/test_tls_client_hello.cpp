@@ -6,7 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "tls_client_hello.hpp"
+#include "egress/tls_client_hello.hpp"
 
 namespace cellblock::kernel::egress {
 namespace {

@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "utf8_decoder.hpp"
+#include "common/utf8_decoder.hpp"
 
 namespace cellblock::kernel {
 namespace {

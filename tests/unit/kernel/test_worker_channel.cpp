@@ -4,7 +4,7 @@
 
 #include <array>
 
-#include "worker_channel.hpp"
+#include "worker/worker_channel.hpp"
 
 namespace cellblock::kernel {
 namespace {

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "worker_exchange.hpp"
+#include "worker/worker_exchange.hpp"
 
 namespace cellblock::kernel {
 namespace {
