@@ -13,6 +13,6 @@ if [[ -x $venv/bin/python ]] && cmp -s "$requirements" "$venv/requirements-pypi.
 fi
 echo "[deps] PyPI test tools into $venv (tests/requirements-pypi.txt)"
 rm -rf "$venv"
-/usr/bin/python3 -m venv "$venv"
+/usr/bin/python3 -m venv --system-site-packages "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check --no-input -r "$requirements"
 cp "$requirements" "$venv/requirements-pypi.txt"
