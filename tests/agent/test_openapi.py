@@ -78,7 +78,8 @@ def test_schemathesis_finds_no_server_error(gateway, tmp_path):
         (tmp_path / "schemathesis.toml").write_text('[parameters]\n"path.session" = "fuzzed"\n')
         run = subprocess.run(
             [str(schemathesis), "--config-file", str(tmp_path / "schemathesis.toml"), "run", f"{gateway.url}/agent/v1/openapi.json", "-H",
-             f"Authorization: token {gateway.token}", "--checks", "not_a_server_error,status_code_conformance",
+             f"Authorization: token {gateway.token}", "--checks",
+             "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance",
              "--phases", "examples,coverage,fuzzing", "--max-examples", "15", "--workers", "1", "--seed", "1",
              "--generation-database", "none", "--no-color"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path)
