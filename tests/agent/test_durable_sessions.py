@@ -17,7 +17,9 @@ import websocket
 
 from conftest import GATEWAY_BINARY, KERNELSPEC, AgentGateway
 
-PRINT_30_LINES = "import time\nfor i in range(30):\n    print(f'line {i}', flush=True)\n    time.sleep(0.1)\n'done'"
+# Prints 30 lines over 3 s; `progress` in the workspace says how far it got (a host-side view of a running cell).
+PRINT_30_LINES = ("import time\nfor i in range(30):\n    print(f'line {i}', flush=True)\n"
+                  "    open('progress', 'w').write(str(i))\n    time.sleep(0.1)\n'done'")
 
 
 # ---------------------------------------------------------------------------------------------- host-side views
@@ -198,10 +200,12 @@ def test_output_printed_while_no_gateway_ran_completes_the_cell(tmp_path):
             outcome["error"] = error
 
     try:
-        first.create_session("printer")
+        progress = state / "workspaces" / first.create_session("printer")["kernel_id"] / "progress"
         caller = threading.Thread(target=run)
         caller.start()
-        time.sleep(1.0)  # about ten lines printed, twenty to go
+        # The kill lands mid-cell: some lines printed, most to go.
+        wait_until(lambda: progress.exists() and progress.read_text() not in ("", "0", "1"), 30,
+                   "the cell to print its first lines")
     finally:
         kill_9(first)
     caller.join(timeout=30)
