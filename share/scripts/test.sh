@@ -32,7 +32,8 @@ for clients in tests/gateway/clients tests/agent/mcp_client; do
   echo "[deps] npm ci in $clients"
   (cd "$clients" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 done
-bash share/scripts/test-venv.sh "$build/venv"
+bash share/scripts/test-venv.sh "$build/venv" tests/requirements-pypi.txt --system-site-packages
+bash share/scripts/test-venv.sh "$build/peers-venv" tests/requirements-peers.txt
 # Every component is built, whatever a reused build directory's cache says: the suite tests all of them.
 bash share/scripts/build.sh "$build" "$stage" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCELLBLOCK_TEST_PREFIX="$stage" \
      -DCELLBLOCK_BUILD_KERNEL=ON -DCELLBLOCK_BUILD_GATEWAY=ON -DCELLBLOCK_BUILD_TESTS=ON

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""cellblock-gateway vs Jupyter Server 1.23 + ipykernel, in the same run (issue 4, "Speed").
+"""cellblock-gateway vs Jupyter Server 1.23 + ipykernel 6.17 (Debian), and from PyPI Jupyter Server 2.x and the
+Jupyter Kernel Gateway 3.0 with ipykernel 7.x, in the same run.
 
 Measures, for both servers:
   * create: POST /api/kernels → WebSocket open → kernel_info_reply (cellblock: from its warm pool; the pool is
@@ -107,25 +108,30 @@ def main():
             progress("starting jupyter server 1.23 (as shipped, and with TCP_NODELAY)")
             peers["jupyter-server"] = benchlib.start_jupyter_server(workdir / "js", nodelay=False)
             peers["jupyter-server+nodelay"] = benchlib.start_jupyter_server(workdir / "js-nodelay", nodelay=True)
+            progress("starting the PyPI peers: jupyter server 2.x with TCP_NODELAY, the Jupyter Kernel Gateway")
+            peers["jupyter-server-2+nodelay"] = benchlib.start_jupyter_server(workdir / "js2-nodelay", nodelay=True,
+                                                                              pypi=True)
+            peers["kernel-gateway"] = benchlib.start_kernel_gateway(workdir / "kg")
         try:
             wait_for_pool(ours, 2)
             idle_rss = benchlib.rss_kib(ours.server.pid)
             progress("create → kernel_info_reply")
             create_ours = create_samples(ours, creates, warm_pool=True)
             create_peer = {}
-            if peers:
-                create_peer["jupyter-server+nodelay"] = create_samples(peers["jupyter-server+nodelay"],
-                                                                       max(3, creates // 5), warm_pool=False)
+            for name, peer in peers.items():
+                if name != "jupyter-server":  # the same server as its nodelay twin: a cold ipykernel either way
+                    create_peer[name] = create_samples(peer, max(3, creates // 5), warm_pool=False)
             rows_latency.append(Row("POST /api/kernels → kernel_info_reply over WS", create_ours, create_peer,
                                     target="≤ 10 ms median (warm pool)", note="peer: cold ipykernel start"))
             progress("execute 1+1")
             exec_ours, cpu_ours = execute_samples(ours, executes)
             exec_peer, cpu_peer = {}, {}
             for name, peer in peers.items():
-                exec_peer[name], cpu_peer[name] = execute_samples(peer, executes if "nodelay" in name else
+                exec_peer[name], cpu_peer[name] = execute_samples(peer, executes if name != "jupyter-server" else
                                                                   max(20, executes // 5))
             rows_latency.append(Row("execute `1+1` over WS (request → idle)", exec_ours, exec_peer,
-                                    target="≤ 1.5 ms median", note="different kernels: cellblock vs ipykernel"))
+                                    target="≤ 1.5 ms median",
+                                    note="different kernels: cellblock vs ipykernel 6.17 (1.23) / 7.x (PyPI)"))
             rows_latency.append(Row("server CPU per `1+1` round trip", cpu_ours, cpu_peer, unit="ms CPU",
                                     note="gateway process only"))
 
@@ -163,7 +169,8 @@ def main():
                 peer.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(markdown_table("cellblock-gateway vs Jupyter Server 1.23 (latency)", rows_latency))
+    print(markdown_table("cellblock-gateway vs Jupyter Server 1.23 (Debian), 2.x and the Kernel Gateway (PyPI) "
+                         "(latency)", rows_latency))
     print(markdown_table("cellblock-gateway (scale)", rows_scale))
     if failed:
         progress(f"{failed} session creates failed (every create must succeed)")

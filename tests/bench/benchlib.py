@@ -5,6 +5,7 @@ interpreter) in the same run, on the same machine, and reports medians, p99 and 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -214,6 +215,42 @@ def kernelspec_available(name: str) -> bool:
     except NoSuchKernel:
         return False
     return bool(spec.argv) and os.access(spec.argv[0], os.X_OK)
+
+
+# Today's peers from PyPI (tests/requirements-peers.txt), in the venv share/scripts/test-venv.sh makes; their
+# kernelspecs are written under these names so they sit beside Debian's `python3` (ipykernel 6.17) and `xpython`.
+PYPI_IPYKERNEL = "pypi-ipykernel"
+PYPI_XPYTHON = "pypi-xpython"
+
+
+def peers_venv() -> Path:
+    """The PyPI peers' venv; a missing one is an install step (share/scripts/test.sh makes it), never a skip."""
+    venv = Path(os.environ.get("CELLBLOCK_PEERS_VENV") or REPO_ROOT / "build" / "test" / "peers-venv")
+    if not (venv / "bin" / "python").exists():
+        raise RuntimeError(f"{venv} is missing: share/scripts/test-venv.sh {venv} tests/requirements-peers.txt")
+    return venv
+
+
+def peer_version(distribution: str) -> str:
+    return subprocess.run([str(peers_venv() / "bin" / "python"), "-c",
+                           f"import importlib.metadata as m; print(m.version({distribution!r}))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def install_pypi_kernelspecs(workdir: Path) -> dict[str, str]:
+    """Kernelspecs for the PyPI ipykernel and xeus-python under `workdir`, put on JUPYTER_PATH; returns
+    label -> kernelspec name."""
+    python = str(peers_venv() / "bin" / "python")
+    kernels = workdir / "pypi-jupyter" / "kernels"
+    specs = {PYPI_IPYKERNEL: [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+             PYPI_XPYTHON: [python, "-m", "xpython_launcher", "-f", "{connection_file}"]}
+    for name, argv in specs.items():
+        (kernels / name).mkdir(parents=True, exist_ok=True)
+        (kernels / name / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": name,
+                                                                "language": "python"}))
+    os.environ["JUPYTER_PATH"] = f"{kernels.parent}:{os.environ.get('JUPYTER_PATH', '')}".rstrip(":")
+    return {f"ipykernel {peer_version('ipykernel')}": PYPI_IPYKERNEL,
+            f"xpython {peer_version('xeus-python')}": PYPI_XPYTHON}
 
 
 def free_port() -> int:
@@ -643,24 +680,68 @@ _Handler.open = _open_with_nodelay
 '''
 
 
+# Jupyter Server 2.x (PyPI) serves kernel WebSockets from another handler.
+_JUPYTER_SERVER_2_NODELAY_CONFIG = '''
+from jupyter_server.services.kernels.websocket import KernelWebsocketHandler as _Handler
+_original_open = _Handler.open
+async def _open_with_nodelay(self, kernel_id):
+    self.set_nodelay(True)
+    return await _original_open(self, kernel_id)
+_Handler.open = _open_with_nodelay
+'''
+
+
+def _pypi_peer_env(workdir: Path) -> dict:
+    """The environment of a PyPI peer: its own venv's kernelspecs (ipykernel 7.x as `python3`), not Debian's."""
+    env = {k: v for k, v in os.environ.items() if k != "JUPYTER_PATH"}
+    return dict(env, JUPYTER_CONFIG_DIR=str(workdir / "config"), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
+                JUPYTER_DATA_DIR=str(workdir / "data"))
+
+
 def start_jupyter_server(workdir: Path, nodelay: bool, extra_env: Optional[dict] = None,
-                         timeout: float = 90.0) -> KernelServer:
-    """Jupyter Server 1.23 on a free port with a private config/runtime dir under `workdir` (caller removes it)."""
+                         timeout: float = 90.0, pypi: bool = False) -> KernelServer:
+    """Jupyter Server on a free port with a private config/runtime dir under `workdir` (caller removes it): Debian's
+    1.23 with ipykernel 6.17, or with `pypi` the 2.x of the peers' venv with its ipykernel 7.x."""
     import secrets
     workdir.mkdir(parents=True, exist_ok=True)
     config_dir = workdir / "config"
     config_dir.mkdir(parents=True, exist_ok=True)
-    (config_dir / "jupyter_server_config.py").write_text(_JUPYTER_SERVER_NODELAY_CONFIG if nodelay else "")
+    nodelay_config = _JUPYTER_SERVER_2_NODELAY_CONFIG if pypi else _JUPYTER_SERVER_NODELAY_CONFIG
+    (config_dir / "jupyter_server_config.py").write_text(nodelay_config if nodelay else "")
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config_dir), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
-               JUPYTER_DATA_DIR=str(workdir / "data"), **(extra_env or {}))
-    argv = [DEBIAN_PYTHON, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+    if pypi:
+        env, python = dict(_pypi_peer_env(workdir), **(extra_env or {})), str(peers_venv() / "bin" / "python")
+    else:
+        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config_dir), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
+                   JUPYTER_DATA_DIR=str(workdir / "data"), **(extra_env or {}))
+        python = DEBIAN_PYTHON
+    argv = [python, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1",
             f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={workdir}",
             "--ServerApp.port_retries=0", "--log-level=WARN"]
-    server = ServerProcess(f"jupyter server{' (nodelay)' if nodelay else ''}", argv, env,
-                           workdir / f"jupyter-server-{port}.log")
+    name = f"jupyter server {peer_version('jupyter_server') if pypi else '1.23'}{' (nodelay)' if nodelay else ''}"
+    server = ServerProcess(name, argv, env, workdir / f"jupyter-server-{port}.log")
     try:
         server.wait_http(f"http://127.0.0.1:{port}/api/status", timeout, {"Authorization": f"token {token}"})
+    except Exception:
+        server.stop()
+        raise
+    return KernelServer(server.name, f"http://127.0.0.1:{port}", token, server)
+
+
+def start_kernel_gateway(workdir: Path, timeout: float = 90.0) -> KernelServer:
+    """The Jupyter Kernel Gateway (PyPI, the peers' venv) on a free port, its default kernel the venv's ipykernel;
+    the token travels in KG_AUTH_TOKEN, as its documentation says."""
+    import secrets
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config").mkdir(exist_ok=True)
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(_pypi_peer_env(workdir), KG_AUTH_TOKEN=token)
+    argv = [str(peers_venv() / "bin" / "jupyter-kernelgateway"), "--KernelGatewayApp.ip=127.0.0.1",
+            f"--KernelGatewayApp.port={port}", "--KernelGatewayApp.port_retries=0", "--log-level=WARN"]
+    server = ServerProcess(f"kernel gateway {peer_version('jupyter_kernel_gateway')}", argv, env,
+                           workdir / f"kernel-gateway-{port}.log")
+    try:
+        server.wait_http(f"http://127.0.0.1:{port}/api", timeout, {"Authorization": f"token {token}"})
     except Exception:
         server.stop()
         raise
