@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import queue
 import secrets
+import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -370,5 +373,86 @@ def test_thousands_of_connections_to_the_proxy_cost_the_kernel_a_bounded_memory(
         assert time.monotonic() - started < 1.0
         grown_mib = (rss_kib(k.pid) - before) / 1024
         assert grown_mib <= 32, f"the kernel grew by {grown_mib:.0f} MiB for 3,000 proxy connections"
+    finally:
+        k.shutdown()
+
+
+def egress_helpers(kernel_pid: int) -> list[int]:
+    """The kernel's children that run cellblock-egress (the egress proxy's own process)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            exe = os.readlink(f"/proc/{entry}/exe")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == kernel_pid and exe.endswith("/cellblock-egress"):
+            found.append(int(entry))
+    return found
+
+
+def proc_status(pid: int) -> dict:
+    return dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+
+
+# The worker keeps one connection to its proxy open, so the helper holds a worker-side socket while it is read.
+HOLD_A_PROXY_CONNECTION = ("import socket\n_held = socket.create_connection(('127.0.0.1', 3128))\nprint('held')\n")
+
+
+def test_the_proxy_runs_confined_in_its_own_process_without_the_kernels_key(allowlist_kernel):
+    k = allowlist_kernel
+    assert k.execute(HOLD_A_PROXY_CONNECTION).stream_text() == "held\n"
+    [helper] = egress_helpers(k.pid)
+    status = proc_status(helper)
+    assert all(int(uid) != 0 for uid in status["Uid"].split()), status["Uid"]
+    assert all(int(gid) != 0 for gid in status["Gid"].split()), status["Gid"]
+    assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
+    assert int(status["CapEff"].strip(), 16) == 0 and int(status["CapPrm"].strip(), 16) == 0, status
+    # The worker's connection is held by the helper: it has TCP sockets, the kernel's ZMQ sockets it has not.
+    fds = {fd: os.readlink(f"/proc/{helper}/fd/{fd}") for fd in os.listdir(f"/proc/{helper}/fd")}
+    sockets = {Path(f"/proc/{helper}/fd/{fd}").stat().st_ino for fd, target in fds.items() if target.startswith("socket:")}
+    kernel_sockets = {Path(f"/proc/{k.pid}/fd/{fd}").stat().st_ino for fd in os.listdir(f"/proc/{k.pid}/fd")
+                      if os.readlink(f"/proc/{k.pid}/fd/{fd}").startswith("socket:")}
+    tcp = Path(f"/proc/{helper}/net/tcp").read_text() + Path(f"/proc/{helper}/net/tcp6").read_text()
+    assert len(sockets) >= 2, fds  # its channel to the kernel, the worker's listener, the held connection
+    zmq_ports = {k.manager.shell_port, k.manager.iopub_port, k.manager.control_port, k.manager.stdin_port,
+                 k.manager.hb_port}
+    kernel_listening = {int(line.split()[9]) for line in tcp.splitlines()
+                        if line.split()[0] != "sl" and int(line.split()[1].rsplit(":", 1)[1], 16) in zmq_ports}
+    assert not (sockets & kernel_listening), "the helper holds one of the kernel's ZMQ sockets"
+    assert sockets - kernel_sockets, "every socket of the helper is also the kernel's: no connection of its own"
+    key = k.manager.session.key
+    assert key and key not in Path(f"/proc/{helper}/environ").read_bytes()
+    assert key not in Path(f"/proc/{helper}/cmdline").read_bytes()
+    assert not any(target.endswith(".json") or "kernel-" in target for target in fds.values()), fds
+
+
+def test_a_killed_proxy_is_reported_and_restarted_and_allows_nothing_meanwhile(origin, hosts_file):
+    k = start_kernel({"allow": ["allowed.test"], "ceiling": ["*.test"], "ports": [origin.port]}, hosts_file)
+    try:
+        assert k.execute(HOLD_A_PROXY_CONNECTION).stream_text() == "held\n"
+        [helper] = egress_helpers(k.pid)
+        os.kill(helper, signal.SIGKILL)
+        started = time.monotonic()
+        run = k.execute("print(6*7)")
+        answered = time.monotonic() - started
+        assert run.stream_text() == "42\n" and answered < 5, (run.stream_text(), answered)
+        event = iopub_until(k, egress_event("helper_crashed"), run)
+        assert "killed by signal 9" in event["content"]["detail"], event
+        # The connection the worker held died with the helper: nothing relays it any more.
+        run = k.execute("_held.settimeout(10)\nprint(repr(_held.recv(1)))", stop_on_error=False)
+        assert run.stream_text() == "b''\n" or run.content["status"] == "error", run.stream_text()
+        # Whatever happens during the restart, a host outside the policy is never reached.
+        before = len(origin.requests)
+        k.execute(fetch(f"http://evil.test:{origin.port}/data"), timeout=180, stop_on_error=False)
+        deadline = time.monotonic() + 30
+        while not (helpers := egress_helpers(k.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert helpers and helpers != [helper], helpers
+        run = k.execute(fetch(f"http://allowed.test:{origin.port}/data"), timeout=180)
+        assert run.stream_text() == fetched(origin), run.stream_text("stderr")
+        assert [host for host, _ in origin.requests[before:]] == [f"allowed.test:{origin.port}"], origin.requests
     finally:
         k.shutdown()

@@ -209,6 +209,13 @@ void NetworkApprovals::on_approval_decided(const egress::ApprovalRequest& reques
     publish("update_display_data", decision_display(request, decision, decided_by, timeout_s));
 }
 
+// The egress helper died (egress/egress_client.hpp): machines get an event, a notebook a line on stderr.
+void NetworkApprovals::on_helper_crashed(const std::string& text) {
+    const std::lock_guard lock(mutex_);
+    publish("cellblock_egress", {{"event", "helper_crashed"}, {"detail", text}});
+    publish("stream", {{"name", "stderr"}, {"text", "cellblock: " + text + "\n"}});
+}
+
 void NetworkApprovals::on_connection(const egress::ConnectionRecord& record) {
     nlohmann::json event = {{"event", "connection"},
                             {"host", record.host},

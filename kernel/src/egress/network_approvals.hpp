@@ -56,6 +56,9 @@ class NetworkApprovals final : public egress::ApprovalBroker, public egress::Egr
     void on_approval_decided(const egress::ApprovalRequest& request, egress::Decision decision,
                              const std::string& decided_by) override;
 
+    // The egress helper died and is being restarted (any thread).
+    void on_helper_crashed(const std::string& text);
+
     // The content of a cellblock_approval_decision_request -> the content of its reply:
     // {"status": "ok"} once the decision is passed on, or {"status": "error", "ename": "UnknownApproval"
     // | "ValueError", "evalue": ...} for an approval that is not pending (unknown, decided, timed out) or a

@@ -5,7 +5,8 @@
 // Threads: main runs the kernel server's I/O loop (kernel_server.hpp: every public socket, control
 // dispatched there), the interpreter runs shell requests on the server's interpreter thread, the
 // supervisor launches workers, the signal router takes SIGINT/SIGTERM, and with a network policy the egress
-// proxy serves each worker's loopback listener (its events reach IOPub through the server's I/O loop).
+// client's thread relays the egress helper process (which serves each worker's loopback listener) to IOPub
+// through the server's I/O loop.
 //
 // Exit status: 0 after shutdown_request, SIGTERM or SIGQUIT; 1 when start-up failed; 3
 // (lease_expired_exit_status) when the orphan lease ran out (CELLBLOCK_LEASE_S; see kernel/README.md).
@@ -23,8 +24,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <iostream>
+#include <iterator>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -34,8 +37,9 @@
 #include <xeus/xkernel_configuration.hpp>
 
 #include "cellblock/contract/environment.hpp"
+#include "cellblock/sandbox/sandbox.hpp"
 #include "common/logging.hpp"
-#include "egress/egress_proxy.hpp"
+#include "egress/egress_client.hpp"
 #include "egress/network_approvals.hpp"
 #include "launch/heap_policy.hpp"
 #include "launch/kernel_config.hpp"
@@ -154,6 +158,23 @@ class ExitPath {
 // Where the egress proxy listens inside each worker's network namespace (kernel/README.md "Network policy").
 constexpr std::uint16_t egress_proxy_port = 3128;
 
+// The egress helper (egress/egress_client.hpp): installed beside this executable, run as the uid just below
+// the range the sandbox hands to sessions, so it shares no uid with a worker nor with the kernel.
+egress::HelperSpec egress_helper_spec(const KernelConfig& config) {
+    egress::HelperSpec helper;
+    helper.program = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "cellblock-egress";
+    const auto sandbox_policy = sandbox::Policy::load(config.sandbox_policy);
+    helper.uid = sandbox_policy.uid_first - 1;
+    helper.gid = sandbox_policy.uid_first - 1;
+    helper.policy = *config.network_policy;
+    if (config.egress_hosts) {
+        std::ifstream file(*config.egress_hosts, std::ios::binary);
+        helper.hosts.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+        helper.hosts_origin = config.egress_hosts->string();
+    }
+    return helper;
+}
+
 // The worker's environment with a network policy: every standard client goes through the proxy (names
 // are resolved there: there is no resolver inside), and nothing bypasses it.
 std::vector<std::string> egress_proxy_environment() {
@@ -225,11 +246,11 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     // own output) is the one reported, not a bare "did not start".
     settings.worker_start_timeout = worker_start_timeout + std::chrono::seconds(5);
 
-    // With a network policy: one egress proxy for the kernel's whole life, serving each worker's listener
+    // With a network policy: one egress helper process (restarted if it dies), serving each worker's listener
     // in turn (a relaunched worker has a new network namespace, so a new listener). Declared before the
     // supervisor, which hands it listeners from its thread; approvals before the proxy, which calls them.
     NetworkApprovals approvals;
-    std::optional<egress::EgressProxy> proxy;
+    std::optional<egress::EgressClient> proxy;
     WorkerLaunchSpec spec;
     if (config.network_policy) {
         auto policy = egress::EgressPolicy::parse(*config.network_policy);
@@ -240,7 +261,11 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
                    {"ceiling", policy.describe_ceiling()},
                    {"ports", policy.describe_ports()},
                    {"ask", policy.ask()}});
-        proxy.emplace(std::move(policy), std::move(pinned), approvals, approvals);
+        // Parsed here too so that a bad policy or hosts file stops the kernel before anything starts.
+        static_cast<void>(pinned);
+        proxy.emplace(egress_helper_spec(config), approvals, approvals,
+                      [&approvals](const std::string& text) { approvals.on_helper_crashed(text); });
+        proxy->start();
         spec.environment = egress_proxy_environment();
         spec.loopback_service = WorkerLaunchSpec::LoopbackService{
             egress_proxy_port, [&proxy](UniqueFd listener) { proxy->serve(std::move(listener)); }};
