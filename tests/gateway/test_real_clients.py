@@ -7,7 +7,10 @@ Starts the installed `$CELLBLOCK_PREFIX/bin/cellblock-gateway` on a free port wi
     (issue 9): its reconnect gets the kernel it had, with its variables;
   * tests/gateway/clients/classic-notebook.test.js: Debian's classic Notebook 6.4 with --gateway-url pointing at the
     gateway, in headless Chromium: open a notebook, type and run cells, see 42; screenshot in
-    tests/artifacts/notebook.png.
+    tests/artifacts/notebook.png;
+  * tests/gateway/clients/jupyterlab.test.js: JupyterLab 4 (PyPI, in the peers' venv) with --gateway-url, attached to
+    an agent session's kernel in headless Chromium: it sees the agent's variables, the agent sees its cells, and the
+    agent's executes show as busy/idle; screenshot in tests/artifacts/jupyterlab.png.
 The Node clients take any KG-compatible base URL and token. To run them against another server that speaks the
 Kernel Gateway API (e.g. Jupyter Server 1.23 as a stand-in), set CELLBLOCK_TEST_GATEWAY_URL and
 CELLBLOCK_TEST_GATEWAY_TOKEN; then no gateway is started.
@@ -36,6 +39,8 @@ GATEWAY_BINARY = PREFIX / "bin" / "cellblock-gateway" if PREFIX else None
 EXTERNAL_GATEWAY_URL = os.environ.get("CELLBLOCK_TEST_GATEWAY_URL", "").rstrip("/")
 EXTERNAL_GATEWAY_TOKEN = os.environ.get("CELLBLOCK_TEST_GATEWAY_TOKEN", "")
 PYTHON = "/usr/bin/python3"  # Debian's, with notebook 6.4 (the pyenv python3 on PATH lacks it)
+# JupyterLab 4 from PyPI (tests/requirements-peers.txt), in the venv share/scripts/test-venv.sh makes.
+PEERS_VENV = Path(os.environ["CELLBLOCK_PEERS_VENV"]) if os.environ.get("CELLBLOCK_PEERS_VENV") else None
 
 # Generous limits: CI is a loaded 2-core machine; none of these is a speed assertion.
 STARTUP_TIMEOUT_S = 60
@@ -304,4 +309,71 @@ def test_classic_notebook_in_chromium_runs_a_cell_through_the_gateway(gateway, n
         raise AssertionError(f"{failure}\n--- notebook server log ---\n{notebook_server['server'].log_tail()}"
                              f"\n--- gateway log ---\n{gateway.log_tail()}") from None
     assert screenshot.is_file(), "the screenshot artifact was written"
+    gateway.assert_alive()
+
+
+@pytest.fixture
+def jupyterlab_server(gateway, tmp_path):
+    """JupyterLab 4 whose kernels are managed by the gateway, with one empty notebook to attach to an agent's kernel.
+    Both tokens travel in the environment, not argv (JUPYTER_TOKEN, JUPYTER_GATEWAY_AUTH_TOKEN)."""
+    jupyter = PEERS_VENV / "bin" / "jupyter" if PEERS_VENV else None
+    if jupyter is None or not os.access(jupyter, os.X_OK):
+        # Not a skip: a client that did not run must not look green (tests/README.md, skip policy).
+        pytest.fail(f"JupyterLab is not installed in CELLBLOCK_PEERS_VENV={PEERS_VENV}: "
+                    "share/scripts/test-venv.sh <build>/peers-venv tests/requirements-peers.txt")
+    root = tmp_path / "lab-root"
+    root.mkdir()
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells.append(nbformat.v4.new_code_cell(""))
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, root / "agent.ipynb")
+    # Private Jupyter and Lab directories: no user config leaks in, nothing is left in the home directory. Lab's news
+    # and update checks are off (the machine may have no internet, and their toasts would cover the notebook).
+    settings = tmp_path / "lab-settings"
+    (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True)
+    (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false", "checkForUpdates": false}')
+    port = free_port()
+    token = secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_TOKEN=token, JUPYTER_GATEWAY_AUTH_TOKEN=gateway.token,
+               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTER_DATA_DIR=str(tmp_path / "data"), JUPYTERLAB_SETTINGS_DIR=str(settings),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab-workspaces"))
+    env.pop("JUPYTER_PATH", None)  # Lab finds its extensions in its venv only; kernelspecs come from the gateway
+    server = ServerProcess("jupyter lab", [
+        str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}", "--port-retries=0",
+        f"--ServerApp.root_dir={root}", f"--gateway-url={gateway.url}",
+    ], tmp_path / "jupyterlab.log", env)
+
+    def answers() -> bool:
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/api/status", headers={"Authorization": f"token {token}"},
+                                timeout=5).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    try:
+        server.wait_until(answers, "answer on /api/status")
+        yield {"url": f"http://127.0.0.1:{port}", "token": token, "notebook": "agent.ipynb", "server": server}
+    finally:
+        server.stop()
+
+
+def test_jupyterlab_4_in_chromium_watches_and_shares_an_agent_kernel(gateway, node_clients, jupyterlab_server):
+    screenshot = ARTIFACTS_DIR / "jupyterlab.png"
+    screenshot.unlink(missing_ok=True)
+    started = time.monotonic()
+    try:
+        run_node_test(node_clients, "jupyterlab.test.js", {
+            "LAB_URL": jupyterlab_server["url"], "LAB_TOKEN": jupyterlab_server["token"],
+            "NOTEBOOK_PATH": jupyterlab_server["notebook"], "SCREENSHOT_PATH": str(screenshot),
+            "GATEWAY_URL": gateway.url, "GATEWAY_TOKEN": gateway.token,
+        })
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}\n--- jupyter lab log ---\n{jupyterlab_server['server'].log_tail()}"
+                             f"\n--- gateway log ---\n{gateway.log_tail()}") from None
+    print(f"[clients] jupyterlab.test.js took {time.monotonic() - started:.1f} s", file=sys.stderr)
+    assert screenshot.is_file(), "the screenshot artifact was written"
+    assert "GatewayKernelManager using existing kernel" in jupyterlab_server["server"].log_text(), \
+        "Jupyter Server adopted the agent's kernel rather than starting one"
     gateway.assert_alive()
