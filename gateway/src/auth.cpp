@@ -4,6 +4,7 @@
 #include <cctype>
 
 #include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/tenants.hpp"
 
 namespace cellblock::gateway {
 
@@ -25,21 +26,40 @@ std::string_view trim(std::string_view text) {
 }
 }  // namespace
 
-bool TokenAuthenticator::authorized(const HttpRequest& request,
-                                    const std::map<std::string, std::string>& query) const {
-    if (!enabled())
-        return true;
-    if (auto token = query.find("token"); token != query.end() && constant_time_equals(token->second, token_))
-        return true;
+namespace {
+// The token of "Authorization: token X" or "Authorization: Bearer X".
+std::optional<std::string_view> header_token(const HttpRequest& request) {
     auto header = request.find(http::field::authorization);
     if (header == request.end())
-        return false;
+        return std::nullopt;
     std::string_view value = trim(header->value());
     for (std::string_view scheme : {"token ", "bearer "}) {
         if (starts_with_ignoring_case(value, scheme))
-            return constant_time_equals(trim(value.substr(scheme.size())), token_);
+            return trim(value.substr(scheme.size()));
     }
-    return false;
+    return std::nullopt;
+}
+}  // namespace
+
+std::optional<Principal> TokenAuthenticator::authenticate(
+    const HttpRequest& request, const std::map<std::string, std::string>& query) const {
+    if (!enabled())
+        return Principal{};
+    // ?token= first, then the header, as Kernel Gateway accepts either.
+    std::optional<std::string_view> candidates[2] = {std::nullopt, header_token(request)};
+    if (auto token = query.find("token"); token != query.end())
+        candidates[0] = token->second;
+    for (const auto& token : candidates) {
+        if (!token)
+            continue;
+        if (constant_time_equals(*token, token_))
+            return Principal{};
+        if (tenants_) {
+            if (auto tenant = tenants_->resolve(*token))
+                return tenant;
+        }
+    }
+    return std::nullopt;
 }
 
 CorsPolicy::CorsPolicy(const GatewayConfig& config)

@@ -26,6 +26,8 @@
 #include "cellblock/gateway/store.hpp"
 #include "cellblock/gateway/store_sealing.hpp"
 #include "cellblock/gateway/store_writer.hpp"
+#include "cellblock/gateway/tenant_api.hpp"
+#include "cellblock/gateway/tenants.hpp"
 
 using namespace cellblock::gateway;
 
@@ -348,6 +350,7 @@ int main(int argc, char** argv) {
     // same directory, or a store that cannot be read, stops here with the reason and a non-zero status.
     std::unique_ptr<StateDirectory> state;
     std::unique_ptr<SessionStore> store;
+    std::optional<StoreSecret> secret;  // also keys the digests of tenants' tokens (TenantDirectory)
     try {
         state = std::make_unique<StateDirectory>(config.state_dir.empty()
                                                      ? StateDirectory::default_path()
@@ -369,11 +372,11 @@ int main(int argc, char** argv) {
                 "a PostgreSQL store needs --store-key-file: one secret, the same for every "
                 "gateway on the store, seals the kernels' keys in it (make one with "
                 "`openssl rand -hex 32 > FILE; chmod 600 FILE`)");
-        auto secret = config.store_key_file.empty() ? StoreSecret::load(state->path() / "store-key", true)
-                                                    : StoreSecret::load(config.store_key_file, false);
+        secret = config.store_key_file.empty() ? StoreSecret::load(state->path() / "store-key", true)
+                                               : StoreSecret::load(config.store_key_file, false);
         store = seal_kernel_keys(
             config.store.empty() ? open_sqlite_store(state->store_file()) : open_postgres_store(config.store),
-            secret);
+            *secret);
     } catch (const std::exception& error) {
         logger.error("cannot_start", {{"error", error.what()}});
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
@@ -391,13 +394,17 @@ int main(int argc, char** argv) {
                                                        {"searched", config.effective_kernelspec_dirs()}});
         KernelManager kernels(io, logger, config, kernelspecs, writer, metrics);
         JupyterSessionManager sessions(writer);
-        const TokenAuthenticator auth(*config.token);
+        TenantDirectory tenants(writer, *secret);
+        tenants.load();
+        tenants.follow_shared_store(io);
+        const TokenAuthenticator auth(*config.token, &tenants);
         const CorsPolicy cors(config);
         GatewayServices services{io,       logger, config, kernelspecs, kernels,
                                  sessions, writer, auth,   cors,        metrics};
         Router router;
         register_jupyter_api(router, services);
         register_metrics_endpoint(router, services);
+        register_tenant_api(router, services, tenants);
         cellblock::gateway::agent::AgentService agent_service(services, agent_config);
         agent_service.register_routes(router);
         HttpServer server(io, logger, config, router, auth, cors, metrics);

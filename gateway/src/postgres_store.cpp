@@ -18,7 +18,7 @@ using nlohmann::json;
 
 namespace {
 
-constexpr int current_schema_version = 1;
+constexpr int current_schema_version = 2;
 
 // Each migration brings the schema from version N-1 to N; all pending ones run in one transaction under
 // an advisory lock, so two gateways starting together never migrate twice.
@@ -41,6 +41,13 @@ constexpr std::array<const char*, current_schema_version> migrations = {
                         event TEXT NOT NULL, entry TEXT NOT NULL);
     CREATE INDEX audit_by_session ON audit (session, time);
     CREATE INDEX audit_by_event ON audit (event, time);
+    )sql",
+    // Tenants and their tokens (digests only); a session's or kernel's tenant lives in its record / extra.
+    R"sql(
+    CREATE TABLE tenants (name TEXT PRIMARY KEY, record TEXT NOT NULL);
+    CREATE TABLE tenant_tokens (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, role TEXT NOT NULL,
+                                digest TEXT NOT NULL UNIQUE, created TEXT NOT NULL);
+    CREATE INDEX tenant_tokens_by_tenant ON tenant_tokens (tenant);
     )sql"};
 
 // Advisory lock keys: (class, object). Leases hash their name into the object.
@@ -322,6 +329,51 @@ class PostgresStore final : public SessionStore {
             throw StoreError("store: cannot commit a batch of " + std::to_string(writes.size()) +
                              " writes: " + error.what());
         }
+    }
+
+    void put_tenant(const json& tenant) override {
+        with_connection([&](PGconn* c) {
+            run(c,
+                "INSERT INTO tenants (name, record) VALUES ($1, $2) "
+                "ON CONFLICT (name) DO UPDATE SET record = excluded.record",
+                {tenant.value("name", std::string()), dump(tenant)});
+        });
+    }
+    void remove_tenant(const std::string& name) override {
+        // One statement: the tokens go with the tenant or neither does.
+        with_connection([&](PGconn* c) {
+            run(c,
+                "WITH tokens_gone AS (DELETE FROM tenant_tokens WHERE tenant = $1) "
+                "DELETE FROM tenants WHERE name = $1",
+                {name});
+        });
+    }
+    std::vector<json> tenants() override {
+        return json_column("SELECT record FROM tenants ORDER BY name", {});
+    }
+    void put_tenant_token(const TenantToken& token) override {
+        with_connection([&](PGconn* c) {
+            run(c,
+                "INSERT INTO tenant_tokens (id, tenant, role, digest, created) VALUES ($1, $2, $3, $4, $5) "
+                "ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, role = excluded.role, "
+                "digest = excluded.digest, created = excluded.created",
+                {token.id, token.tenant, token.role, token.digest, token.created});
+        });
+    }
+    void remove_tenant_token(const std::string& id) override {
+        with_connection([&](PGconn* c) { run(c, "DELETE FROM tenant_tokens WHERE id = $1", {id}); });
+    }
+    std::vector<TenantToken> tenant_tokens() override {
+        std::vector<TenantToken> found;
+        with_connection([&](PGconn* c) {
+            Result rows = run(c,
+                              "SELECT id, tenant, role, digest, created FROM tenant_tokens "
+                              "ORDER BY created COLLATE \"C\", id");
+            for (int row = 0; row < rows.rows(); ++row)
+                found.push_back({rows.text(row, 0), rows.text(row, 1), rows.text(row, 2), rows.text(row, 3),
+                                 rows.text(row, 4)});
+        });
+        return found;
     }
 
     bool shared() const override { return true; }

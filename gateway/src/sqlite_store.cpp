@@ -67,7 +67,7 @@ bool ProcessIdentity::alive() const {
 
 namespace {
 
-constexpr int current_schema_version = 2;
+constexpr int current_schema_version = 3;
 
 // Each migration brings the schema from version N-1 to N; applied in order inside one transaction each.
 constexpr std::array<const char*, current_schema_version> migrations = {
@@ -92,6 +92,13 @@ constexpr std::array<const char*, current_schema_version> migrations = {
     // Fields of KernelRecord added later live in one JSON object (kernel_record_extra).
     R"sql(
     ALTER TABLE kernels ADD COLUMN extra TEXT NOT NULL DEFAULT '{}';
+    )sql",
+    // Tenants and their tokens (digests only); a session's or kernel's tenant lives in its record / extra.
+    R"sql(
+    CREATE TABLE tenants (name TEXT PRIMARY KEY, record TEXT NOT NULL);
+    CREATE TABLE tenant_tokens (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, role TEXT NOT NULL,
+                                digest TEXT NOT NULL UNIQUE, created TEXT NOT NULL);
+    CREATE INDEX tenant_tokens_by_tenant ON tenant_tokens (tenant);
     )sql"};
 
 struct DatabaseCloser {
@@ -406,6 +413,55 @@ class SqliteStore final : public SessionStore {
             throw StoreError("store: cannot commit a batch of " + std::to_string(writes.size()) +
                              " writes: " + message);
         }
+    }
+
+    void put_tenant(const json& tenant) override {
+        std::lock_guard lock(mutex_);
+        Statement(database_.get(), "INSERT OR REPLACE INTO tenants (name, record) VALUES (?1, ?2)")
+            .bind(1, tenant.value("name", std::string()))
+            .bind(2, dump(tenant))
+            .run();
+    }
+    void remove_tenant(const std::string& name) override {
+        std::lock_guard lock(mutex_);
+        execute_script(database_.get(), "SAVEPOINT remove_tenant", "cannot open a savepoint");
+        try {
+            Statement(database_.get(), "DELETE FROM tenant_tokens WHERE tenant = ?1").bind(1, name).run();
+            Statement(database_.get(), "DELETE FROM tenants WHERE name = ?1").bind(1, name).run();
+        } catch (...) {
+            sqlite3_exec(database_.get(), "ROLLBACK TO remove_tenant; RELEASE remove_tenant", nullptr,
+                         nullptr, nullptr);
+            throw;
+        }
+        execute_script(database_.get(), "RELEASE remove_tenant", "cannot release a savepoint");
+    }
+    std::vector<json> tenants() override {
+        return json_column("SELECT record FROM tenants ORDER BY name", {});
+    }
+    void put_tenant_token(const TenantToken& token) override {
+        std::lock_guard lock(mutex_);
+        Statement(database_.get(),
+                  "INSERT OR REPLACE INTO tenant_tokens (id, tenant, role, digest, created) "
+                  "VALUES (?1, ?2, ?3, ?4, ?5)")
+            .bind(1, token.id)
+            .bind(2, token.tenant)
+            .bind(3, token.role)
+            .bind(4, token.digest)
+            .bind(5, token.created)
+            .run();
+    }
+    void remove_tenant_token(const std::string& id) override {
+        std::lock_guard lock(mutex_);
+        Statement(database_.get(), "DELETE FROM tenant_tokens WHERE id = ?1").bind(1, id).run();
+    }
+    std::vector<TenantToken> tenant_tokens() override {
+        std::lock_guard lock(mutex_);
+        Statement query(database_.get(),
+                        "SELECT id, tenant, role, digest, created FROM tenant_tokens ORDER BY created, id");
+        std::vector<TenantToken> found;
+        while (query.step())
+            found.push_back({query.text(0), query.text(1), query.text(2), query.text(3), query.text(4)});
+        return found;
     }
 
     bool shared() const override { return false; }

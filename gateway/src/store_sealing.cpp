@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <openssl/rand.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -135,6 +136,27 @@ std::string StoreSecret::open(std::string_view sealed, std::string_view associat
     return plain;
 }
 
+std::string StoreSecret::token_digest(std::string_view token) const {
+    // A key of its own for tokens (HMAC of a fixed label under the secret): the sealing key is never used
+    // for anything else.
+    constexpr std::string_view label = "cellblock tenant token digest v1";
+    std::array<unsigned char, EVP_MAX_MD_SIZE> key{}, digest{};
+    unsigned int key_length = 0, digest_length = 0;
+    if (!HMAC(EVP_sha256(), bytes_.data(), static_cast<int>(bytes_.size()), bytes_of(label), label.size(),
+              key.data(), &key_length) ||
+        !HMAC(EVP_sha256(), key.data(), static_cast<int>(key_length), bytes_of(token), token.size(),
+              digest.data(), &digest_length))
+        throw StoreError("HMAC-SHA256 of a token failed");
+    static constexpr char hex[] = "0123456789abcdef";
+    std::string text;
+    text.reserve(digest_length * 2);
+    for (unsigned int i = 0; i < digest_length; ++i) {
+        text.push_back(hex[digest[i] >> 4]);
+        text.push_back(hex[digest[i] & 0x0f]);
+    }
+    return text;
+}
+
 namespace {
 
 // Forwards everything to the store it wraps; only kernel records pass through the secret.
@@ -205,6 +227,12 @@ class SealingStore final : public SessionStore {
     }
     void append_audit(const nlohmann::json& entry) override { inner_->append_audit(entry); }
     std::vector<nlohmann::json> audit(const AuditQuery& query) override { return inner_->audit(query); }
+    void put_tenant(const nlohmann::json& tenant) override { inner_->put_tenant(tenant); }
+    void remove_tenant(const std::string& name) override { inner_->remove_tenant(name); }
+    std::vector<nlohmann::json> tenants() override { return inner_->tenants(); }
+    void put_tenant_token(const TenantToken& token) override { inner_->put_tenant_token(token); }
+    void remove_tenant_token(const std::string& id) override { inner_->remove_tenant_token(id); }
+    std::vector<TenantToken> tenant_tokens() override { return inner_->tenant_tokens(); }
     bool shared() const override { return inner_->shared(); }
     bool try_lease(const std::string& name) override { return inner_->try_lease(name); }
     void release_lease(const std::string& name) override { inner_->release_lease(name); }

@@ -21,6 +21,7 @@ add_executable(gateway_core_unit_tests
   ${CMAKE_CURRENT_LIST_DIR}/repeating_timer_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/slurm_job_script_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/store_sealing_test.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/tenant_store_test.cpp
   ${CMAKE_CURRENT_LIST_DIR}/zmq_channel_test.cpp)
 target_link_libraries(gateway_core_unit_tests PRIVATE cellblock_gateway_core cellblock_gtest_main)
 cellblock_add_gtest(gateway_core_unit_tests TEST_PREFIX "gateway." TIMEOUT 60)

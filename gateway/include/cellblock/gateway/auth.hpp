@@ -2,22 +2,35 @@
 // Token authentication (?token=, "Authorization: token X", "Authorization: Bearer X", compared in constant
 // time) and the CORS / origin policy, shared by REST and WebSocket upgrades.
 #include <map>
+#include <optional>
 #include <string>
 
 #include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/principal.hpp"
 #include "cellblock/gateway/router.hpp"
 
 namespace cellblock::gateway {
 
+class TenantDirectory;
+
+// The one place a request's token becomes its Principal (every transport: REST, WebSocket upgrades, NDJSON,
+// MCP): the gateway's own token is the operator, a tenant's token (looked up in `tenants`) that tenant's.
 class TokenAuthenticator {
   public:
-    explicit TokenAuthenticator(std::string token) : token_(std::move(token)) {}
+    explicit TokenAuthenticator(std::string token, const TenantDirectory* tenants = nullptr)
+        : token_(std::move(token)), tenants_(tenants) {}
     bool enabled() const { return !token_.empty(); }
-    // True when auth is off or the request carries the right token in the query or the Authorization header.
-    bool authorized(const HttpRequest& request, const std::map<std::string, std::string>& query) const;
+    // Who the request is from: the operator when auth is off or it carries the gateway's token (query
+    // ?token= or the Authorization header), a tenant for a tenant's live token; nullopt otherwise.
+    std::optional<Principal> authenticate(const HttpRequest& request,
+                                          const std::map<std::string, std::string>& query) const;
+    bool authorized(const HttpRequest& request, const std::map<std::string, std::string>& query) const {
+        return authenticate(request, query).has_value();
+    }
 
   private:
     std::string token_;
+    const TenantDirectory* tenants_;
 };
 
 class CorsPolicy {

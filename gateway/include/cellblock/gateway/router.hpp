@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cellblock/gateway/principal.hpp"
 #include "cellblock/gateway/websocket_transport.hpp"
 
 namespace cellblock::gateway {
@@ -49,6 +50,7 @@ struct RequestContext {
     // Set by the HTTP server for plain requests: a handler may call it (once) instead of the Responder.
     StreamStarter start_stream = {};
     std::string client_address = {};  // peer IP address, for audit trails
+    Principal principal = {};         // who sent it (TokenAuthenticator), resolved once per request
     const std::string& param(const std::string& name) const { return params.at(name); }
     // Parses the body as a JSON object; an empty body gives {}. Throws HttpError(400) otherwise.
     nlohmann::json json_body() const;

@@ -96,6 +96,15 @@ class StoreError : public std::runtime_error {
   public:
     using std::runtime_error::runtime_error;
 };
+// A tenant's token as the store keeps it: never the token, only its keyed digest (TenantDirectory,
+// gateway/include/cellblock/gateway/tenants.hpp).
+struct TenantToken {
+    std::string id;       // shown to the operator, written in audit entries
+    std::string tenant;   // the tenant's name
+    std::string role;     // "agent" or "approver"
+    std::string digest;   // HMAC-SHA256 of the token under a key derived from the store secret, hex
+    std::string created;  // ISO 8601
+};
 
 class SessionStore {
   public:
@@ -144,6 +153,15 @@ class SessionStore {
 
     // True when other gateways may use this store at the same time (PostgreSQL): kernels and sessions this
     // gateway does not hold are looked up here on demand, and the leases below exclude the other gateways.
+    // Tenants ({name, quota, self_approve, created}), keyed by name, and their tokens. Removing a tenant
+    // removes its tokens in the same transaction.
+    virtual void put_tenant(const nlohmann::json& tenant) = 0;
+    virtual void remove_tenant(const std::string& name) = 0;
+    virtual std::vector<nlohmann::json> tenants() = 0;
+    virtual void put_tenant_token(const TenantToken& token) = 0;
+    virtual void remove_tenant_token(const std::string& id) = 0;
+    virtual std::vector<TenantToken> tenant_tokens() = 0;
+
     virtual bool shared() const = 0;
     // Leases between gateways sharing the store: `try_lease` takes the named lease for this gateway without
     // waiting (true = held now); it is held until `release_lease` or until this gateway's connection to the

@@ -31,6 +31,9 @@ class StoreSecret {
     // StoreError when the text was sealed under another secret or altered.
     std::string open(std::string_view sealed, std::string_view associated) const;
     static bool is_sealed(std::string_view text);
+    // HMAC-SHA256 of a tenant's token under a key derived from this secret (hex): what the store keeps of a
+    // token, so that reading the store gives neither a token nor a hash to try tokens against offline.
+    std::string token_digest(std::string_view token) const;
 
   private:
     std::array<unsigned char, size> bytes_;
