@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cellblock/gateway/agent/live_view.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
 #include "cellblock/gateway/config.hpp"
 
@@ -505,6 +506,7 @@ void AgentService::register_routes(Router& router) {
     router.add("/agent/v1/openapi.json",
                std::make_shared<OpenApiResource>(installed_data_dir() + "/cellblock/openapi/agent-v1.json"));
     register_mcp_endpoint(router, *this);
+    register_live_view(router, *this);
 }
 
 }  // namespace cellblock::gateway::agent

@@ -59,8 +59,10 @@ AgentSession::AgentSession(AgentSessionServices& services, Record record, std::v
                             ? "." + sha256_hex(services.kernels.owner()).substr(0, 8)
                             : std::string())),
       deadline_timer_(services.io),
-      lease_timer_(services.io) {
+      lease_timer_(services.io),
+      live_(services.config.inline_output_bytes) {
     had_kernel_ = !cells_.empty();
+    live_.seed(cells_);
 }
 
 AgentSession::~AgentSession() = default;
@@ -534,6 +536,7 @@ void AgentSession::start_reset(Pending pending) {
         self->release_execute_lease();
         if (!error) {
             self->cells_.clear();
+            self->live_.reset();
             self->services_.writer.submit(
                 [session = self->id()](SessionStore& store) { store.clear_cells(session); });
         }
@@ -552,6 +555,7 @@ void AgentSession::start_execute(Pending pending) {
     running.pending = std::move(pending);
     running.started = std::chrono::steady_clock::now();
     running.started_wall = std::chrono::system_clock::now();
+    live_.cell_started(running.pending.request.code);
     JupyterMessage request = make_message(Channel::shell, "execute_request",
                                           {{"code", running.pending.request.code},
                                            {"silent", false},
@@ -573,8 +577,8 @@ void AgentSession::start_execute(Pending pending) {
     std::weak_ptr<AgentSession> weak = weak_from_this();
     running.collector = std::make_unique<ExecutionCollector>(request.msg_id, [weak](const json& event) {
         auto self = weak.lock();
-        if (self && self->running_ && self->running_->pending.handlers.on_event)
-            self->running_->pending.handlers.on_event(event);
+        if (self)
+            self->stream_event(event);
     });
     running.msg_id = request.msg_id;
     // Recorded before it is sent: if the gateway dies now, the next one completes this cell from the kernel.
@@ -923,6 +927,7 @@ void AgentSession::finish_execute() {
 
     touch();
     release_execute_lease();
+    live_.cell_finished(answer);
     if (running->pending.handlers.on_done)
         running->pending.handlers.on_done(std::move(answer));
     std::weak_ptr<AgentSession> weak = weak_from_this();
@@ -996,6 +1001,7 @@ AgentSession::Approval* AgentSession::find_approval(const std::string& approval_
 }
 
 void AgentSession::stream_event(const json& event) {
+    live_.cell_event(event);
     if (running_ && running_->pending.handlers.on_event)
         running_->pending.handlers.on_event(event);
 }

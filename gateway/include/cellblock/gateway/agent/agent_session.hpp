@@ -16,6 +16,7 @@
 
 #include "cellblock/gateway/agent/agent_config.hpp"
 #include "cellblock/gateway/agent/execution.hpp"
+#include "cellblock/gateway/agent/live_events.hpp"
 #include "cellblock/gateway/kernel.hpp"
 #include "cellblock/gateway/kernel_manager.hpp"
 #include "cellblock/gateway/log.hpp"
@@ -116,6 +117,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // The host directory the kernel's code sees as its cwd; nullopt without a live kernel.
     std::optional<std::filesystem::path> workspace() const;
     std::shared_ptr<Kernel> kernel() const { return kernel_; }
+    // The session's cells as events for its live page (agent_api.cpp, .../events).
+    LiveLog& live() { return live_; }
     bool busy() const { return running_ != nullptr || !queue_.empty(); }
     std::size_t queued() const { return queue_.size(); }
     // More executes than this waiting behind the running one are refused (429) instead of piling up.
@@ -227,6 +230,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     static constexpr std::size_t max_approvals = 1000;
     // Decisions sent on the control channel, by the request's msg_id, until the kernel answers.
     std::map<std::string, std::function<void(const nlohmann::json& reply)>> decision_waiters_;
+    LiveLog live_;
 };
 
 }  // namespace cellblock::gateway::agent
