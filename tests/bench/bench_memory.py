@@ -311,7 +311,9 @@ def measure_all(args, zygote_dir) -> int:
             print(f"| {pid} | `{name}` | {pss} | {rss} | {top} |")
         print()
 
-    ok = "error" not in ours and bool(ours.get("pss_mib")) and not missing_peers
+    failed = benchlib.failed_peers({label: r.get("error") or (None if r.get("pss_mib") else "no sample")
+                                    for label, r in peers.items()})
+    ok = "error" not in ours and bool(ours.get("pss_mib")) and not missing_peers and not failed
     if zygote_dir is not None:
         forked = idle.get(ZYGOTE_KIND[0], {})
         ok = ok and "error" not in forked and bool(forked.get("pss_mib"))
@@ -364,6 +366,8 @@ def measure_all(args, zygote_dir) -> int:
                                                                                          "xpython")])
         for label, kernel_name in peers:
             if not benchlib.kernelspec_available(kernel_name):
+                progress(f"{label}: kernelspec {kernel_name} not installed: the run fails")
+                ok = False
                 continue
             directory = workdir / label.replace(" ", "").replace("+", "-")
             directory.mkdir()
@@ -425,6 +429,7 @@ def measure_all(args, zygote_dir) -> int:
             for problem in problems:
                 progress(f"cellblock-gateway: {problem}")
             ok = ok and not problems
+        ok = ok and not benchlib.failed_peers({label: r.get("error") for label, r in server_peers.items()})
     return 0 if ok else 1
 
 

@@ -163,7 +163,8 @@ def zmq_section(quick: bool) -> tuple[str, bool]:
             try:
                 kernel = benchlib.RunningKernel(name, env)
             except Exception as error:  # noqa: BLE001
-                progress(f"{label}: did not start: {error}")
+                progress(f"{label}: did not start: {error}: the run fails")
+                missing.append(label)
                 continue
             kernels.append(kernel)
             targets.append(Target(label, lambda code, k=kernel: benchlib.execute_round_trip(k.client, code),
@@ -174,14 +175,16 @@ def zmq_section(quick: bool) -> tuple[str, bool]:
         measure_all(targets, quick)
         text = table("Execute round trip over ZMQ (jupyter_client BlockingKernelClient)", "zmq", ours,
                      [t for t in targets if t is not ours], "kernel (+ worker)")
-        return text, not ours.failure and not missing
+        failed = benchlib.failed_peers({t.label: t.failure for t in targets if t is not ours})
+        return text, not ours.failure and not missing and not failed
     finally:
         benchlib.stop_kernels(kernels)
 
 
 def websocket_section(quick: bool, workdir: Path) -> tuple[str, bool]:
     if not benchlib.gateway_binary().exists():
-        return f"_cellblock-gateway not installed at {benchlib.gateway_binary()}: WebSocket path not measured._\n", True
+        progress(f"cellblock-gateway not installed at {benchlib.gateway_binary()}: the run fails")
+        return f"_cellblock-gateway not installed at {benchlib.gateway_binary()}: WebSocket path not measured._\n", False
     servers, sockets = [], []
     try:
         targets = []
@@ -208,7 +211,7 @@ def websocket_section(quick: bool, workdir: Path) -> tuple[str, bool]:
         ours, peer_targets = targets[0], targets[1:]
         text = table("Execute round trip over the WebSocket (websocket-client; server + ipykernel / cellblock kernel)",
                      "ws", ours, peer_targets, "server + kernel")
-        return text, not ours.failure
+        return text, not ours.failure and not benchlib.failed_peers({t.label: t.failure for t in peer_targets})
     finally:
         for socket in sockets:
             socket.close()

@@ -237,7 +237,8 @@ def main() -> int:
         print(f"- {label}: {len([k for k in result if isinstance(k, int)])} levels measured; started "
               f"{max(levels)} kernels in {result.get('start_s', 0):.1f} s, {result.get('start_failures', 0)} failed to "
               f"start{'; ' + result['error'] if 'error' in result else ''}")
-    return 0 if "error" not in ours and all(level in ours for level in levels) and not missing else 1
+    failed = benchlib.failed_peers({label: result.get("error") for label, result in peers.items()})
+    return 0 if "error" not in ours and all(level in ours for level in levels) and not missing and not failed else 1
 
 
 if __name__ == "__main__":

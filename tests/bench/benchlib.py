@@ -253,6 +253,15 @@ def install_pypi_kernelspecs(workdir: Path) -> dict[str, str]:
             f"xpython {peer_version('xeus-python')}": PYPI_XPYTHON}
 
 
+def failed_peers(results: dict[str, Optional[str]]) -> list[str]:
+    """The peers that were not measured ({label: error or None}), each named on stderr: a peer that is missing or
+    fails is an install or harness problem that must fail the run (its column would be silently empty)."""
+    failed = [label for label, error in results.items() if error]
+    for label in failed:
+        progress(f"{label}: not measured ({results[label]}): the run fails")
+    return failed
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as probe:
