@@ -261,8 +261,15 @@ def test_a_session_is_answered_created_once_the_other_gateway_can_find_it(postgr
                      "DROP FUNCTION cellblock_test_slow_write();")
 
 
-def test_a_deletion_through_one_gateway_is_seen_by_the_other(pair):
-    a, b = pair
+def ended_elsewhere(gateway, kernel_id: str) -> list:
+    """The reasons `gateway` logged for letting a kernel's ended process go instead of restarting it (info level)."""
+    lines = [line for line in gateway.log_path.read_text(errors="replace").splitlines()
+             if '"kernel_ended_elsewhere"' in line and kernel_id in line]
+    return [json.loads(line[line.index("{"):])["why"] for line in lines]
+
+
+def test_a_deletion_through_one_gateway_is_seen_by_the_other(start_pair):
+    a, b = start_pair("--log-level", "info")
     a.create_session("doomed")
     assert result_text(a.execute("doomed", "1 + 1")) == "2"
     assert result_text(b.execute("doomed", "2 + 2")) == "4"  # B holds it now too
@@ -281,10 +288,11 @@ def test_a_deletion_through_one_gateway_is_seen_by_the_other(pair):
     assert any(m["msg_type"] == "execute_result" for m in channels.execute("3 * 3"))
     assert kernel_processes(jupyter_kernel), "the kernel's process is not visible on the host"
     assert a.request("DELETE", f"/api/kernels/{jupyter_kernel}").status_code == 204
+    # B sees the process end and decides, in the one place where it would restart it: it logs why it does not.
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and kernel_processes(jupyter_kernel):
+    while time.monotonic() < deadline and not ended_elsewhere(b, jupyter_kernel):
         time.sleep(0.2)
-    time.sleep(3)  # long enough for a wrongly restarted kernel to come back
+    assert ended_elsewhere(b, jupyter_kernel) == ["deleted through another gateway"], b.log_tail()
     assert not kernel_processes(jupyter_kernel), "the deleted kernel runs again"
     channels.close()
     assert b.request("GET", f"/api/kernels/{jupyter_kernel}").status_code == 404
@@ -323,10 +331,10 @@ def test_a_session_deleted_and_purged_through_one_gateway_is_gone_from_the_other
     b.assert_alive()
 
 
-def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(pair):
+def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(start_pair):
     """A kernel both gateways hold is restarted through A (an agent reset, a Jupyter restart): B sees its process
     end and must not start a second one; it serves the new process instead."""
-    a, b = pair
+    a, b = start_pair("--log-level", "info")
     a.create_session("reset-me")
     assert result_text(a.execute("reset-me", "x = 1\nx")) == "1"
     assert result_text(b.execute("reset-me", "x")) == "1"
@@ -343,10 +351,12 @@ def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(pair):
     assert a.request("POST", "/agent/v1/sessions/reset-me/reset").status_code in (200, 204)
     restarted = a.request("POST", f"/api/kernels/{jupyter_kernel}/restart")
     assert restarted.status_code == 200, restarted.text
-    time.sleep(3)  # long enough for a second restart (by B) to have started
+    # B sees each old process end and decides, in the one place where it would restart it: it logs why it does not.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(ended_elsewhere(b, k) for k in (session_kernel, jupyter_kernel)):
+        time.sleep(0.2)
     for kernel in (session_kernel, jupyter_kernel):
-        pids = kernel_processes(kernel)
-        assert len(pids) == 1 and pids != before[kernel], f"{kernel}: {before[kernel]} before, {pids} after"
+        assert ended_elsewhere(b, kernel) == ["restarted through another gateway"], (kernel, b.log_tail())
 
     answer = b.execute("reset-me", "'x' in globals()")
     assert result_text(answer) == "False"
@@ -355,8 +365,11 @@ def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(pair):
     channels.close()
     assert any(m["msg_type"] == "execute_result" and m["content"]["data"]["text/plain"] == "False" for m in replies), [
         (m["msg_type"], m["content"]) for m in replies]
+    # Counted once both new processes have answered: right after a restart a second process with the kernel's
+    # command line was seen for a moment (a child of the starting kernel). One process each, not the one before.
     for kernel in (session_kernel, jupyter_kernel):
-        assert len(kernel_processes(kernel)) == 1, kernel
+        pids = kernel_processes(kernel)
+        assert len(pids) == 1 and pids != before[kernel], f"{kernel}: {before[kernel]} before, {pids} after"
 
 
 def test_culling_happens_once_from_the_activity_of_every_gateway(start_pair):
