@@ -237,17 +237,22 @@ def test_websocket_client_reconnecting_after_sigterm_gets_what_it_missed(tmp_pat
     first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
     kernel = first.request("POST", "/api/kernels", json={}).json()
     channels = Channels(first, kernel["id"], "watcher")
-    msg_id = channels.execute("import time\nfor i in range(20):\n    print(f'tick {i}', flush=True)\n"
-                              "    time.sleep(0.1)")
+    # Five ticks, then the cell waits for a gate the test opens only once the first gateway is gone: the other 15
+    # are printed while no gateway runs, however long its stop takes.
+    gate = state / "workspaces" / kernel["id"] / "gate"
+    msg_id = channels.execute("import os, time\nfor i in range(20):\n    print(f'tick {i}', flush=True)\n"
+                              "    while i == 4 and not os.path.exists('gate'):\n        time.sleep(0.02)")
     before = channels.collect(msg_id, until_type="stream")  # the cell is under way
     assert first.stop() == 0, first.log_tail()  # SIGTERM: an upgrade; the kernel keeps running
     before += channels.collect(msg_id, stop_on_connection_loss=True)
+    assert gate.parent.is_dir(), gate.parent
+    gate.write_text("")
     second = AgentGateway(state, tmp_path / "second.log")
     try:
         channels = Channels(second, kernel["id"], "watcher")
         after = channels.collect(msg_id)
         assert after[-1]["msg_type"] == "execute_reply" and after[-1]["content"]["status"] == "ok"
-        assert len(stream_text(before).splitlines()) < 20, "the cell ended before the restart: nothing was missed"
+        assert len(stream_text(before).splitlines()) <= 5, "lines printed behind the gate reached the first gateway"
         # Every line exactly once, in order, across the restart.
         assert stream_text(before) + stream_text(after) == "".join(f"tick {i}\n" for i in range(20))
         channels.close()
