@@ -3,6 +3,7 @@
 //   error/timeout) cellblock upload --session S FILE [DEST]  (into the session's workspace, the code's cwd)
 //   cellblock notebook --session S > s.ipynb  (the session's history as a notebook)
 //   cellblock approvals S / cellblock approve S ID allow_once|allow_session|deny  (held network requests)
+//   cellblock tenants add|list|show|quota|token|revoke|remove  (the operator's, tenants_command.hpp)
 // Sessions are named; `exec` and `upload` create a missing one. --url/--token or
 // CELLBLOCK_URL/CELLBLOCK_TOKEN.
 #include <CLI/CLI.hpp>
@@ -12,6 +13,7 @@
 #include <sstream>
 
 #include "agent_client.hpp"
+#include "tenants_command.hpp"
 
 using namespace cellblock::cli;
 using nlohmann::json;
@@ -231,6 +233,7 @@ int main(int argc, char** argv) {
     approve->add_option("decision", decision, "allow_once, allow_session or deny")
         ->required()
         ->check(CLI::IsMember({"allow_once", "allow_session", "deny"}));
+    TenantsCommand tenants(app);
     CLI11_PARSE(app, argc, argv);
     if (*token_option) {
         std::cerr << "cellblock: warning: --token on the command line is readable by every local user "
@@ -258,6 +261,8 @@ int main(int argc, char** argv) {
             return run_approvals(client, session);
         if (*approve)
             return run_approve(client, session, approval_id, decision);
+        if (tenants.chosen())
+            return tenants.run(client);
     } catch (const ClientError& error) {
         std::cerr << "cellblock: " << error.what() << "\n";
         return 2;

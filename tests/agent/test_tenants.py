@@ -2,14 +2,16 @@
 be refused with 403 operator_only everywhere, since no route isolates tenants yet), revocation taking effect on the
 next request, and a restarted gateway keeping tenants, quotas and tokens (tokens stored as keyed digests only)."""
 import json
+import os
 import signal
+import subprocess
 import time
 
 import pytest
 import requests
 import websocket
 
-from conftest import AgentGateway
+from conftest import CLI_BINARY, AgentGateway
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +188,42 @@ def test_two_gateways_on_one_postgresql_store_agree_on_tenants_and_revocations(t
         for gateway in gateways:
             gateway.stop()
         postgres.stop()
+
+
+def cellblock(gateway, *arguments, token=None):
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CELLBLOCK_URL": gateway.url,
+           "CELLBLOCK_TOKEN": token or gateway.token}
+    return subprocess.run([str(CLI_BINARY), *arguments], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_the_cli_adds_shows_changes_hands_out_revokes_and_removes(gateway):
+    added = cellblock(gateway, "tenants", "add", "heidi", "--sessions", "3", "--self-approve")
+    assert added.returncode == 0, added.stderr
+    token = added.stdout.strip()
+    assert token.startswith("cbt_") and token not in added.stderr
+    assert "sessions 3, memory_mb -, executes -" in added.stderr
+    assert as_token(gateway, token, "GET", "/agent/v1/sessions").status_code == 403
+
+    listed = cellblock(gateway, "tenants", "list")
+    assert "heidi\tsessions 3, memory_mb -, executes -\tself_approve" in listed.stdout.splitlines(), listed.stdout
+    changed = cellblock(gateway, "tenants", "quota", "heidi", "--executes", "0")
+    assert changed.returncode == 0 and "sessions -, memory_mb -, executes 0" in changed.stderr, changed.stderr
+
+    approver = cellblock(gateway, "tenants", "token", "heidi", "--role", "approver")
+    assert approver.returncode == 0, approver.stderr
+    shown = json.loads(cellblock(gateway, "tenants", "show", "heidi").stdout)
+    assert shown["quota"] == {"sessions": None, "memory_mb": None, "executes": 0}
+    roles = {token_info["role"]: token_info["id"] for token_info in shown["tokens"]}
+    assert set(roles) == {"agent", "approver"}
+
+    revoked = cellblock(gateway, "tenants", "revoke", "heidi", roles["approver"])
+    assert revoked.returncode == 0, revoked.stderr
+    assert as_token(gateway, approver.stdout.strip(), "GET", "/agent/v1/sessions").status_code == 401
+
+    # A tenant's own token cannot manage tenants; errors are one line and exit status 2.
+    refused = cellblock(gateway, "tenants", "list", token=token)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert cellblock(gateway, "tenants", "show", "nobody").returncode == 2
+
+    assert cellblock(gateway, "tenants", "remove", "heidi").returncode == 0
+    assert as_token(gateway, token, "GET", "/agent/v1/sessions").status_code == 401
