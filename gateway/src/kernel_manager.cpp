@@ -196,22 +196,52 @@ std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& recor
 }
 
 std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_id) {
-    auto held = find(kernel_id);
-    if (held && (held->state() != KernelState::dead || !writer_.store().shared()))
-        return held;
-    if (stopping_ || !writer_.store().shared() || shut_down_here_.contains(kernel_id))
-        return held;
-    if (held) {
-        // Dead here: another gateway deleted it (then it is gone) or restarted it (then the store names
-        // the new process, attached below).
-        let_go(held, "the kernel ended through another gateway");
-    }
+    if (!needs_store(kernel_id))
+        return attach_stored(kernel_id, std::nullopt);
     std::optional<KernelRecord> record;
     try {
         record = writer_.store().kernel(kernel_id);
     } catch (const std::exception& error) {
         logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", error.what()}});
         return nullptr;
+    }
+    return attach_stored(kernel_id, record);
+}
+
+void KernelManager::find_or_attach(const std::string& kernel_id,
+                                   std::function<void(std::shared_ptr<Kernel>)> then) {
+    if (!needs_store(kernel_id))
+        return then(attach_stored(kernel_id, std::nullopt));
+    writer_.read<std::optional<KernelRecord>>(
+        [kernel_id](SessionStore& store) { return store.kernel(kernel_id); }, StoreWriter::default_read_limit,
+        [this, kernel_id, then = std::move(then)](StoreAnswer<std::optional<KernelRecord>> answer) {
+            if (!answer.ok()) {
+                logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", answer.error}});
+                auto held = find(kernel_id);
+                return then(held && held->state() != KernelState::dead ? held : nullptr);
+            }
+            then(attach_stored(kernel_id, *answer.value));
+        });
+}
+
+bool KernelManager::needs_store(const std::string& kernel_id) const {
+    auto held = find(kernel_id);
+    if (held && held->state() != KernelState::dead)
+        return false;
+    return writer_.shared() && !stopping_ && !shut_down_here_.contains(kernel_id);
+}
+
+std::shared_ptr<Kernel> KernelManager::attach_stored(const std::string& kernel_id,
+                                                     const std::optional<KernelRecord>& record) {
+    auto held = find(kernel_id);
+    if (held && (held->state() != KernelState::dead || !writer_.shared()))
+        return held;
+    if (stopping_ || !writer_.shared() || shut_down_here_.contains(kernel_id))
+        return held;
+    if (held) {
+        // Dead here: another gateway deleted it (then it is gone) or restarted it (then the store names
+        // the new process, attached below).
+        let_go(held, "the kernel ended through another gateway");
     }
     // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. Only local kernels
     // are attached from another gateway: a Slurm job is watched (and cancelled) by the gateway that submitted
@@ -229,22 +259,29 @@ std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_
 }
 
 void KernelManager::restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel::ReadyHandler on_ready) {
-    if (!writer_.store().shared())
+    if (!writer_.shared())
         return kernel->restart(std::move(on_ready));
     const std::string lease = "kernel-restart:" + kernel->id();
-    bool held = false;
-    try {
-        held = writer_.store().try_lease(lease);
-    } catch (const std::exception& error) {
-        logger_.error("store_read_failed", {{"kernel_id", kernel->id()}, {"error", error.what()}});
-    }
-    if (!held)
-        return on_ready(std::string("the kernel is being restarted through another gateway"));
-    kernel->restart([this, lease, on_ready = std::move(on_ready)](std::optional<std::string> error) {
-        // The new process is recorded (persisted at spawn) before another gateway may restart it.
-        writer_.after_pending([this, lease] { release_lease(lease); });
-        on_ready(std::move(error));
-    });
+    // The lease is asked for on the store's reader thread; one taken after the limit is released there.
+    writer_.read<bool>(
+        [lease](SessionStore& store) { return store.try_lease(lease); }, StoreWriter::default_read_limit,
+        [this, kernel, lease, on_ready = std::move(on_ready)](StoreAnswer<bool> held) mutable {
+            if (!held.ok()) {
+                logger_.error("store_read_failed", {{"kernel_id", kernel->id()}, {"error", held.error}});
+                return on_ready(std::string("the store did not answer: the kernel was not restarted"));
+            }
+            if (!*held.value)
+                return on_ready(std::string("the kernel is being restarted through another gateway"));
+            kernel->restart([this, lease, on_ready = std::move(on_ready)](std::optional<std::string> error) {
+                // The new process is recorded (persisted at spawn) before another gateway may restart it.
+                writer_.after_pending([this, lease] { release_lease(lease); });
+                on_ready(std::move(error));
+            });
+        },
+        [this, lease](bool taken_late) {
+            if (taken_late)
+                release_lease(lease);
+        });
 }
 
 void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason) {
@@ -257,11 +294,17 @@ void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::str
 }
 
 void KernelManager::release_lease(const std::string& lease) {
-    try {
-        writer_.store().release_lease(lease);
-    } catch (const std::exception& error) {
-        logger_.error("store_write_failed", {{"lease", lease}, {"error", error.what()}});
-    }
+    // Behind this gateway's earlier lease calls on the one reader thread: never before the try_lease.
+    writer_.read<bool>(
+        [lease](SessionStore& store) {
+            store.release_lease(lease);
+            return true;
+        },
+        StoreWriter::default_read_limit,
+        [this, lease](const StoreAnswer<bool>& answer) {
+            if (!answer.ok())
+                logger_.error("store_write_failed", {{"lease", lease}, {"error", answer.error}});
+        });
 }
 
 bool KernelManager::known(const std::string& kernel_id) const {
@@ -783,26 +826,43 @@ void KernelManager::share_activity() {
 void KernelManager::cull_shared() {
     for (const auto& [id, kernel] : kernels_)
         kernel->expire_detached_sessions();
-    if (!cull_leader_) {
-        try {
-            cull_leader_ = writer_.store().try_lease("cull-leader");
-        } catch (const std::exception& error) {
-            logger_.error("store_read_failed", {{"lease", "cull-leader"}, {"error", error.what()}});
-        }
-        if (!cull_leader_)
-            return;
-        logger_.info("cull_leader", {{"owner", owner_}});
-    }
+    if (cull_read_pending_)
+        return;  // the store has not answered the previous sweep yet
+    cull_read_pending_ = true;
+    // The cull-leader lease and every kernel's record, read together on the store's reader thread.
+    struct Sweep {
+        bool leader = false;
+        std::vector<KernelRecord> records;
+    };
+    writer_.read<Sweep>(
+        [was_leader = cull_leader_](SessionStore& store) {
+            Sweep sweep{was_leader || store.try_lease("cull-leader"), {}};
+            if (sweep.leader)
+                sweep.records = store.kernels();
+            return sweep;
+        },
+        std::chrono::milliseconds(static_cast<long long>(std::max(1.0, config_.cull_interval) * 1000)),
+        [this](StoreAnswer<Sweep> answer) {
+            cull_read_pending_ = false;
+            if (!answer.ok())
+                return logger_.error("store_read_failed",
+                                     {{"lease", "cull-leader"}, {"error", answer.error}});
+            if (answer.value->leader && !std::exchange(cull_leader_, true))
+                logger_.info("cull_leader", {{"owner", owner_}});
+            if (cull_leader_ && !stopping_)
+                cull_recorded(answer.value->records);
+        },
+        [this](const Sweep& late) {
+            cull_read_pending_ = false;
+            if (late.leader && !std::exchange(cull_leader_, true))
+                logger_.info("cull_leader", {{"owner", owner_}});  // kept: the next sweep culls
+        });
+}
+
+void KernelManager::cull_recorded(const std::vector<KernelRecord>& records) {
     const auto now = std::chrono::system_clock::now();
     const auto idle_limit =
         std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));
-    std::vector<KernelRecord> records;
-    try {
-        records = writer_.store().kernels();
-    } catch (const std::exception& error) {
-        logger_.error("store_read_failed", {{"error", error.what()}});
-        return;
-    }
     for (const KernelRecord& record : records) {
         if (record.pooled || shut_down_here_.contains(record.id))
             continue;
@@ -816,7 +876,7 @@ void KernelManager::cull_shared() {
         }
         if (now - active < idle_limit)
             continue;
-        auto kernel = find_or_attach(record.id);
+        auto kernel = attach_stored(record.id, record);
         if (!kernel)
             continue;  // not running: its own gateway forgets it
         const auto idle_seconds = std::chrono::duration_cast<std::chrono::seconds>(now - active).count();
@@ -829,7 +889,7 @@ void KernelManager::cull_shared() {
 }
 
 void KernelManager::cull() {
-    if (writer_.store().shared())
+    if (writer_.shared())
         return cull_shared();
     const auto now = std::chrono::system_clock::now();
     const auto idle_limit =

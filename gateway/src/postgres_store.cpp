@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <regex>
 #include <thread>
@@ -99,6 +100,9 @@ Result run(PGconn* connection, const std::string& sql, const std::vector<std::st
             message = PQerrorMessage(connection);
         while (!message.empty() && (message.back() == '\n' || message.back() == ' '))
             message.pop_back();
+        // A connection that broke under the call (server restarted, network gone): nothing was applied.
+        if (PQstatus(connection) == CONNECTION_BAD)
+            throw StoreUnavailable("store: " + message);
         throw StoreError("store: " + message);
     }
     return result;
@@ -324,6 +328,8 @@ class PostgresStore final : public SessionStore {
         }
         try {
             run(connection, "COMMIT");
+        } catch (const StoreUnavailable&) {
+            throw;  // whether the server committed is unknown; StoreWriter applies the batch again
         } catch (const StoreError& error) {
             PQclear(PQexec(connection, "ROLLBACK"));
             throw StoreError("store: cannot commit a batch of " + std::to_string(writes.size()) +
@@ -411,15 +417,31 @@ class PostgresStore final : public SessionStore {
     }
 
     // A restarted server or a dropped connection is reconnected on the next call (leases held on the old
-    // connection are gone with it, as they are for a killed gateway).
+    // connection are gone with it, as they are for a killed gateway). Callers run on StoreWriter's threads,
+    // never the io_context's, so the blocking PQreset stalls no client; after a failed attempt the next ones
+    // wait a backoff (0.1 s doubling to 5 s) and calls meanwhile fail at once instead of queueing behind it.
     void reconnect_if_broken(Connection& connection) {
         if (PQstatus(connection.get()) == CONNECTION_OK)
             return;
+        Backoff& backoff = &connection == &primary_ ? primary_backoff_ : batch_backoff_;
+        const auto now = std::chrono::steady_clock::now();
+        if (now < backoff.next_attempt)
+            throw StoreUnavailable("store: PostgreSQL at " + without_password(url_) +
+                                   " is unreachable; reconnecting");
         PQreset(connection.get());
-        if (PQstatus(connection.get()) != CONNECTION_OK)
-            throw StoreError("store: lost the connection to PostgreSQL at " + without_password(url_) + ": " +
-                             PQerrorMessage(connection.get()));
+        if (PQstatus(connection.get()) == CONNECTION_OK) {
+            backoff = Backoff{};
+            return;
+        }
+        backoff.next_attempt = std::chrono::steady_clock::now() + backoff.wait;
+        backoff.wait = std::min(backoff.wait * 2, std::chrono::milliseconds(5000));
+        throw StoreUnavailable("store: lost the connection to PostgreSQL at " + without_password(url_) +
+                               ": " + PQerrorMessage(connection.get()));
     }
+    struct Backoff {
+        std::chrono::steady_clock::time_point next_attempt{};
+        std::chrono::milliseconds wait{100};
+    };
 
     std::vector<KernelRecord> kernel_rows(const std::string& condition,
                                           const std::vector<std::string>& parameters) {
@@ -514,6 +536,7 @@ class PostgresStore final : public SessionStore {
     std::string url_;
     std::mutex primary_mutex_, batch_mutex_;
     Connection primary_, batch_;
+    Backoff primary_backoff_, batch_backoff_;  // each guarded by its connection's mutex
     std::atomic<std::thread::id> batch_thread_{};
 };
 

@@ -49,6 +49,28 @@ std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string
     return services.kernels.find_or_attach(id);
 }
 
+// A resource of one kernel: before its handler runs, a kernel another gateway runs (shared store) is
+// attached with the store read off the io thread, so that the handler finds it with `held_kernel(context)`.
+class OneKernelResource : public RestResource {
+  public:
+    explicit OneKernelResource(GatewayServices& services) : services_(services) {}
+    void prepare(RequestContext& context, const std::function<void(RequestContext&)>& proceed) override {
+        const std::string& id = context.param("kernel_id");
+        if (!looks_like_kernel_id(id))
+            return proceed(context);
+        services_.kernels.find_or_attach(id, [kept = std::make_shared<RequestContext>(context),
+                                              proceed = std::function<void(RequestContext&)>(proceed)](
+                                                 const std::shared_ptr<Kernel>&) { proceed(*kept); });
+    }
+
+  protected:
+    std::shared_ptr<Kernel> held_kernel(RequestContext& context) const {
+        const std::string& id = context.param("kernel_id");
+        return looks_like_kernel_id(id) ? services_.kernels.find(id) : nullptr;
+    }
+    GatewayServices& services_;
+};
+
 HttpResponse created(const json& model, const std::string& location) {
     HttpResponse response = json_response(http::status::created, model);
     response.set(http::field::location, location);
@@ -226,12 +248,12 @@ class KernelsResource : public RestResource {
     GatewayServices& services_;
 };
 
-class KernelResource : public RestResource {
+class KernelResource : public OneKernelResource {
   public:
-    explicit KernelResource(GatewayServices& services) : services_(services) {}
+    using OneKernelResource::OneKernelResource;
     std::string allowed_methods() const override { return "GET, DELETE, OPTIONS"; }
     void get(RequestContext& context, Responder respond) override {
-        auto kernel = find_kernel(services_, context.param("kernel_id"));
+        auto kernel = held_kernel(context);
         if (!kernel)
             return respond(kernel_not_found(context.param("kernel_id")));
         respond(json_response(http::status::ok, kernel->model()));
@@ -239,37 +261,31 @@ class KernelResource : public RestResource {
     void delete_(RequestContext& context, Responder respond) override {
         const std::string& id = context.param("kernel_id");
         // Another gateway's kernel (a shared store) is attached first, then shut down like one of ours.
-        if (!find_kernel(services_, id) || !services_.kernels.shutdown_kernel(id))
+        if (!held_kernel(context) || !services_.kernels.shutdown_kernel(id))
             return respond(kernel_not_found(id));
         answer_once_stored(services_, std::move(respond), empty_response(http::status::no_content));
     }
-
-  private:
-    GatewayServices& services_;
 };
 
-class KernelInterruptResource : public RestResource {
+class KernelInterruptResource : public OneKernelResource {
   public:
-    explicit KernelInterruptResource(GatewayServices& services) : services_(services) {}
+    using OneKernelResource::OneKernelResource;
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
     void post(RequestContext& context, Responder respond) override {
-        auto kernel = find_kernel(services_, context.param("kernel_id"));
+        auto kernel = held_kernel(context);
         if (!kernel)
             return respond(kernel_not_found(context.param("kernel_id")));
         kernel->interrupt();  // the body (none, {} or {"kernel_id": ...}) is ignored, as in Kernel Gateway
         respond(empty_response(http::status::no_content));
     }
-
-  private:
-    GatewayServices& services_;
 };
 
-class KernelRestartResource : public RestResource {
+class KernelRestartResource : public OneKernelResource {
   public:
-    explicit KernelRestartResource(GatewayServices& services) : services_(services) {}
+    using OneKernelResource::OneKernelResource;
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
     void post(RequestContext& context, Responder respond) override {
-        auto kernel = find_kernel(services_, context.param("kernel_id"));
+        auto kernel = held_kernel(context);
         if (!kernel)
             return respond(kernel_not_found(context.param("kernel_id")));
         // Answers once the restarted kernel replied to kernel_info_request, as Jupyter does.
@@ -282,9 +298,6 @@ class KernelRestartResource : public RestResource {
             respond(json_response(http::status::ok, kernel->model()));
         });
     }
-
-  private:
-    GatewayServices& services_;
 };
 
 class KernelChannelsResource : public RestResource {

@@ -48,6 +48,41 @@ void method_not_allowed(RestResource& resource, Responder& respond) {
     response.set(http::field::allow, resource.allowed_methods());
     respond(std::move(response));
 }
+
+void call_method(RestResource& resource, RequestContext& context, Responder respond) {
+    try {
+        switch (context.request.method()) {
+            case http::verb::get:
+                resource.get(context, respond);
+                break;
+            case http::verb::head:
+                resource.head(context, respond);
+                break;
+            case http::verb::post:
+                resource.post(context, respond);
+                break;
+            case http::verb::put:
+                resource.put(context, respond);
+                break;
+            case http::verb::patch:
+                resource.patch(context, respond);
+                break;
+            case http::verb::delete_:
+                resource.delete_(context, respond);
+                break;
+            default:
+                method_not_allowed(resource, respond);
+                break;
+        }
+    } catch (const HttpError& error) {
+        respond(json_error(error.status(), error.what(), error.reason()));
+    } catch (const std::exception& error) {
+        respond(json_error(http::status::internal_server_error, error.what()));
+    } catch (...) {
+        respond(json_error(http::status::internal_server_error,
+                           "the handler failed with a non-standard exception"));
+    }
+}
 }  // namespace
 
 void RestResource::get(RequestContext&, Responder respond) {
@@ -166,37 +201,13 @@ void Router::dispatch(RequestContext& context, Responder respond) const {
     }
     context.params = std::move(found->params);
     RestResource& resource = *found->resource;
+    auto invoke = [&resource, respond](RequestContext& ready) { call_method(resource, ready, respond); };
     try {
-        switch (context.request.method()) {
-            case http::verb::get:
-                resource.get(context, respond);
-                break;
-            case http::verb::head:
-                resource.head(context, respond);
-                break;
-            case http::verb::post:
-                resource.post(context, respond);
-                break;
-            case http::verb::put:
-                resource.put(context, respond);
-                break;
-            case http::verb::patch:
-                resource.patch(context, respond);
-                break;
-            case http::verb::delete_:
-                resource.delete_(context, respond);
-                break;
-            default:
-                method_not_allowed(resource, respond);
-                break;
-        }
+        resource.prepare(context, invoke);
     } catch (const HttpError& error) {
         respond(json_error(error.status(), error.what(), error.reason()));
     } catch (const std::exception& error) {
         respond(json_error(http::status::internal_server_error, error.what()));
-    } catch (...) {
-        respond(json_error(http::status::internal_server_error,
-                           "the handler failed with a non-standard exception"));
     }
 }
 

@@ -7,7 +7,7 @@
 namespace cellblock::gateway {
 
 StoreWriter::StoreWriter(boost::asio::io_context& io, const Logger& logger, SessionStore& store)
-    : io_(io), logger_(logger), store_(store), thread_([this] { run(); }) {}
+    : io_(io), logger_(logger), store_(store), shared_(store.shared()), thread_([this] { run(); }) {}
 
 StoreWriter::~StoreWriter() {
     {
@@ -64,22 +64,48 @@ void StoreWriter::run() {
         }
         busy_ = true;
         lock.unlock();
-        if (!batch.empty()) {
-            try {
-                store_.write_batch(batch, [this](const std::exception& error) {
-                    // The logger writes one line to stderr; safe from this thread.
-                    logger_.error("store_write_failed", {{"error", error.what()}});
-                });
-            } catch (const std::exception& error) {
-                logger_.error("store_write_failed", {{"error", error.what()}, {"writes", batch.size()}});
-            }
-        }
+        if (!batch.empty())
+            apply(batch);
         if (notify)
             boost::asio::post(io_, std::move(notify));
         lock.lock();
         busy_ = false;
         if (queue_.empty())
             idle_.notify_all();
+    }
+}
+
+void StoreWriter::apply(const std::vector<Write>& batch) {
+    const auto give_up = std::chrono::steady_clock::now() + retry_limit;
+    auto backoff = std::chrono::milliseconds(100);
+    while (true) {
+        try {
+            store_.write_batch(batch, [this](const std::exception& error) {
+                // The logger writes one line to stderr; safe from this thread.
+                logger_.error("store_write_failed", {{"error", error.what()}});
+            });
+            return;
+        } catch (const StoreUnavailable& error) {
+            // Rolled back whole: the same batch again once the store is back (a restarted server, a dropped
+            // connection). Only this thread waits; the io_context goes on serving.
+            bool stopping = false;
+            {
+                std::lock_guard lock(mutex_);
+                stopping = stopping_;
+            }
+            // At exit a store that stays away costs a few seconds, not the whole retry limit.
+            if (std::chrono::steady_clock::now() + backoff > give_up ||
+                (stopping && backoff > std::chrono::milliseconds(1000))) {
+                logger_.error("store_write_failed", {{"error", error.what()}, {"writes", batch.size()}});
+                return;
+            }
+            logger_.warn("store_write_retried", {{"error", error.what()}, {"retry_ms", backoff.count()}});
+            std::this_thread::sleep_for(backoff);  // the writer's own thread: nothing else waits on it
+            backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));
+        } catch (const std::exception& error) {
+            logger_.error("store_write_failed", {{"error", error.what()}, {"writes", batch.size()}});
+            return;
+        }
     }
 }
 

@@ -80,6 +80,15 @@ json request_body(RequestContext& context) {
     }
 }
 
+// The error of an execute that never ran because the store did not answer (AgentSession), else nullptr.
+const json* store_unavailable(const json& answer) {
+    const auto error = answer.find("error");
+    if (error == answer.end() || !error->is_object() ||
+        error->value("ename", std::string()) != AgentSession::store_unavailable_ename)
+        return nullptr;
+    return &*error;
+}
+
 Caller caller_of(const RequestContext& context, std::string via = "http") {
     return {context.client_address, std::move(via)};
 }
@@ -87,6 +96,17 @@ Caller caller_of(const RequestContext& context, std::string via = "http") {
 class AgentResource : public RestResource {
   public:
     explicit AgentResource(AgentService& service) : service_(service), operations_(service.operations()) {}
+
+    // A request naming a session waits (off the io thread) for the shared store's word on it: deleted or
+    // created through another gateway. Its handler then finds it without touching the store.
+    void prepare(RequestContext& context, const std::function<void(RequestContext&)>& proceed) override {
+        const auto named = context.params.find("session");
+        if (named == context.params.end())
+            return proceed(context);
+        operations_.resolve(named->second,
+                            [kept = std::make_shared<RequestContext>(context),
+                             proceed = std::function<void(RequestContext&)>(proceed)] { proceed(*kept); });
+    }
 
   protected:
     std::shared_ptr<AgentSession> session(RequestContext& context) const {
@@ -263,6 +283,10 @@ class ExecuteResource : public AgentResource {
             if (!streaming) {
                 ExecuteHandlers handlers;
                 handlers.on_done = [respond](const json& answer) {
+                    if (const json* error = store_unavailable(answer))
+                        return respond(json_error(http::status::service_unavailable,
+                                                  error->value("evalue", std::string()),
+                                                  "store_unavailable"));
                     respond(json_response(http::status::ok, answer));
                 };
                 operations_.execute(target, arguments, caller_of(context), std::move(handlers));

@@ -1,5 +1,8 @@
 #include "cellblock/gateway/agent/agent_operations.hpp"
 
+#include <boost/asio/post.hpp>
+#include <boost/asio/thread_pool.hpp>
+
 #include "cellblock/gateway/agent/output_shield.hpp"
 #include "cellblock/gateway/rest_handlers.hpp"
 #include "cellblock/sandbox/sandbox.hpp"
@@ -75,33 +78,50 @@ OperationError from_workspace(const sandbox::WorkspaceError& error) {
 }
 
 // Runs `action` on the session's workspace once it has a kernel (and so a workspace) and answers its value
-// or the refusal.
+// or the refusal. The file system is touched on `files` (a worker thread), never the io thread; `then` runs
+// back on the io thread. `action` must not touch the session (it is the io thread's).
 template <class Value>
-void on_workspace(const std::shared_ptr<AgentSession>& session, AgentOperations::Then<Value> then,
+void on_workspace(const std::shared_ptr<AgentSession>& session, boost::asio::thread_pool& files,
+                  boost::asio::io_context& io, AgentOperations::Then<Value> then,
                   std::function<Value(sandbox::Workspace&)> action) {
     session->touch();
-    session->ensure_kernel(
-        [session, then = std::move(then), action = std::move(action)](std::optional<std::string> error) {
-            if (error)
-                return then(OperationError(Kind::unavailable, "kernel_unavailable",
-                                           "the session has no kernel: " + *error));
-            const auto root = session->workspace();
-            if (!root)
-                return then(
-                    OperationError(Kind::unavailable, "kernel_unavailable", "the session has no workspace"));
-            std::optional<Outcome<Value>> outcome;
-            try {
-                sandbox::Workspace workspace(*root);
-                outcome.emplace(action(workspace));
-            } catch (const sandbox::WorkspaceError& failure) {
-                outcome.emplace(from_workspace(failure));
-            } catch (const OperationError& failure) {
-                outcome.emplace(failure);
-            } catch (const std::exception& failure) {
-                outcome.emplace(OperationError(Kind::internal, "workspace_error", failure.what()));
-            }
-            then(std::move(*outcome));
-        });
+    session->ensure_kernel([session, &files, &io, then = std::move(then),
+                            action = std::move(action)](std::optional<std::string> error) mutable {
+        if (error)
+            return then(OperationError(Kind::unavailable, "kernel_unavailable",
+                                       "the session has no kernel: " + *error));
+        const auto root = session->workspace();
+        if (!root)
+            return then(
+                OperationError(Kind::unavailable, "kernel_unavailable", "the session has no workspace"));
+        boost::asio::post(
+            files, [root = *root, &io, then = std::move(then), action = std::move(action)]() mutable {
+                std::optional<Outcome<Value>> outcome;
+                try {
+                    sandbox::Workspace workspace(root);
+                    outcome.emplace(action(workspace));
+                } catch (const sandbox::WorkspaceError& failure) {
+                    outcome.emplace(from_workspace(failure));
+                } catch (const OperationError& failure) {
+                    outcome.emplace(failure);
+                } catch (const std::exception& failure) {
+                    outcome.emplace(OperationError(Kind::internal, "workspace_error", failure.what()));
+                }
+                boost::asio::post(io, [then = std::move(then), outcome = std::move(*outcome)]() mutable {
+                    then(std::move(outcome));
+                });
+            });
+    });
+}
+
+// `then`, after recording `entry` in the session's audit trail when the operation succeeded.
+AgentOperations::Then<std::string> audited(const std::shared_ptr<AgentSession>& session, json entry,
+                                           AgentOperations::Then<std::string> then) {
+    return [session, entry = std::move(entry), then = std::move(then)](Outcome<std::string> outcome) {
+        if (outcome.ok())
+            session->audit(entry);
+        then(std::move(outcome));
+    };
 }
 
 }  // namespace
@@ -156,11 +176,22 @@ NetworkRequest AgentOperations::checked_network(const json& requested) const {
     }
 }
 
+void AgentOperations::resolve(const std::string& id_or_name, std::function<void()> then) {
+    registry_.resolve(id_or_name, std::move(then));
+}
+
 void AgentOperations::session_or_create(const std::string& id_or_name, const Caller& caller,
                                         Then<SessionPtr> then, const json& network_argument) {
     std::optional<NetworkRequest> network;
     if (!network_argument.is_null())
         network = checked_network(network_argument);
+    registry_.resolve(id_or_name, [this, id_or_name, caller, then = std::move(then), network]() mutable {
+        found_or_created(id_or_name, caller, std::move(then), network);
+    });
+}
+
+void AgentOperations::found_or_created(const std::string& id_or_name, const Caller& caller,
+                                       Then<SessionPtr> then, const std::optional<NetworkRequest>& network) {
     if (auto found = registry_.find(id_or_name)) {
         if (network && !(*network == found->record().network))
             return then(OperationError(
@@ -264,37 +295,35 @@ std::uint64_t AgentOperations::queue_checked(const SessionPtr& session, ExecuteR
 // ------------------------------------------------------------------------------------------------ files
 
 void AgentOperations::list_files(const SessionPtr& session, Then<std::vector<WorkspaceFile>> then) {
-    on_workspace<std::vector<WorkspaceFile>>(session, std::move(then), [](sandbox::Workspace& workspace) {
-        std::vector<WorkspaceFile> files;
-        for (const auto& entry : workspace.list())
-            if (!entry.is_directory)
-                files.push_back({entry.path, entry.size});
-        return files;
-    });
+    on_workspace<std::vector<WorkspaceFile>>(session, files_, services_.io, std::move(then),
+                                             [](sandbox::Workspace& workspace) {
+                                                 std::vector<WorkspaceFile> files;
+                                                 for (const auto& entry : workspace.list())
+                                                     if (!entry.is_directory)
+                                                         files.push_back({entry.path, entry.size});
+                                                 return files;
+                                             });
 }
 
 void AgentOperations::read_file(const SessionPtr& session, const std::string& path, Then<std::string> then) {
     const std::string relative = workspace_path(path);
     const std::uint64_t cap = services_.config.max_file_bytes;
-    on_workspace<std::string>(session, std::move(then), [relative, cap](sandbox::Workspace& workspace) {
-        return workspace.read_file(relative, cap);
-    });
+    on_workspace<std::string>(
+        session, files_, services_.io, std::move(then),
+        [relative, cap](sandbox::Workspace& workspace) { return workspace.read_file(relative, cap); });
 }
 
 void AgentOperations::write_file(const SessionPtr& session, const std::string& path, std::string bytes,
                                  const Caller& caller, Then<std::string> then) {
     const std::string relative = workspace_path(path);
     const std::uint64_t cap = services_.config.max_file_bytes;
+    json entry = {{"event", "file_put"}, {"client", caller.address}, {"via", caller.via},
+                  {"path", relative},    {"bytes", bytes.size()},    {"sha256", sha256_hex(bytes)}};
     auto shared_bytes = std::make_shared<const std::string>(std::move(bytes));
-    on_workspace<std::string>(session, std::move(then),
-                              [session, relative, cap, shared_bytes, caller](sandbox::Workspace& workspace) {
+    on_workspace<std::string>(session, files_, services_.io,
+                              audited(session, std::move(entry), std::move(then)),
+                              [relative, cap, shared_bytes](sandbox::Workspace& workspace) {
                                   workspace.write_file(relative, *shared_bytes, cap);
-                                  session->audit({{"event", "file_put"},
-                                                  {"client", caller.address},
-                                                  {"via", caller.via},
-                                                  {"path", relative},
-                                                  {"bytes", shared_bytes->size()},
-                                                  {"sha256", sha256_hex(*shared_bytes)}});
                                   return relative;  // NOLINT(performance-no-automatic-move): a copy, the
                                                     // lambda keeps its own
                               });
@@ -303,13 +332,12 @@ void AgentOperations::write_file(const SessionPtr& session, const std::string& p
 void AgentOperations::delete_file(const SessionPtr& session, const std::string& path, const Caller& caller,
                                   Then<std::string> then) {
     const std::string relative = workspace_path(path);
-    on_workspace<std::string>(session, std::move(then),
-                              [session, relative, caller](sandbox::Workspace& workspace) {
+    json entry = {
+        {"event", "file_delete"}, {"client", caller.address}, {"via", caller.via}, {"path", relative}};
+    on_workspace<std::string>(session, files_, services_.io,
+                              audited(session, std::move(entry), std::move(then)),
+                              [relative](sandbox::Workspace& workspace) {
                                   workspace.remove_file(relative);
-                                  session->audit({{"event", "file_delete"},
-                                                  {"client", caller.address},
-                                                  {"via", caller.via},
-                                                  {"path", relative}});
                                   return relative;  // NOLINT(performance-no-automatic-move): a copy, the
                                                     // lambda keeps its own
                               });
@@ -325,15 +353,17 @@ void AgentOperations::audit_trail(const SessionPtr& session, AuditQuery query, T
     query.session = session->id();
     StoreWriter& writer = services_.writer;
     // Entries queued for the store are included: answer once the writer has reached this point.
-    writer.after_pending([&writer, query = std::move(query), then = std::move(then)] {
-        std::vector<json> entries;
-        try {
-            entries = writer.store().audit(query);
-        } catch (const std::exception& error) {
-            return then(OperationError(Kind::internal, "audit_unreadable",
-                                       std::string("cannot read the audit trail: ") + error.what()));
-        }
-        then(std::move(entries));
+    // Entries queued for the store are included: read (on the store's reader thread) once the writer has
+    // reached this point.
+    writer.after_pending([&writer, query = std::move(query), then = std::move(then)]() mutable {
+        writer.read<std::vector<json>>(
+            [query](SessionStore& store) { return store.audit(query); }, StoreWriter::default_read_limit,
+            [then = std::move(then)](StoreAnswer<std::vector<json>> answer) {
+                if (!answer.ok())
+                    return then(OperationError(Kind::internal, "audit_unreadable",
+                                               "cannot read the audit trail: " + answer.error));
+                then(std::move(*answer.value));
+            });
     });
 }
 

@@ -39,6 +39,18 @@ std::string joined_traceback(const json& traceback) {
     return strip_ansi(text);
 }
 
+// Releases a lease of this gateway on the store's reader thread. Queued behind this gateway's earlier lease
+// calls (one reader thread, in order): never overtakes the try_lease that took it. Leases are counted per
+// connection (PostgreSQL advisory locks), so every lease taken is released exactly once.
+void release_lease_later(StoreWriter& writer, const std::string& lease) {
+    writer.read<bool>(
+        [lease](SessionStore& store) {
+            store.release_lease(lease);
+            return true;
+        },
+        StoreWriter::default_read_limit, [](const StoreAnswer<bool>&) {});
+}
+
 json digest_of(const std::string& text) {
     if (text.empty())
         return nullptr;
@@ -124,6 +136,8 @@ void AgentSession::ensure_kernel(Done done) {
     kernel_waiters_.push_back(std::move(done));
     if (kernel_wait_ != KernelWait::none)
         return;  // the start or readiness wait in flight answers every waiter
+    // A kernel whose new process another gateway may have started.
+    std::string reattach;
     if (kernel_ &&
         (kernel_->state() == KernelState::dead || services_.kernels.find(kernel_->id()) != kernel_)) {
         // Deleted through /api/kernels, culled, or dead past its restart limit. A dead kernel still
@@ -131,20 +145,32 @@ void AgentSession::ensure_kernel(Done done) {
         // may have been restarted through another gateway: then its new process is attached instead.
         auto gone = std::exchange(kernel_, nullptr);
         link_ = nullptr;
-        if (services_.writer.store().shared()) {
-            if (auto again = services_.kernels.find_or_attach(gone->id());
-                again && again != gone && again->state() != KernelState::dead)
-                attach_kernel(again);  // the state is gone: the next answer says so
-        } else if (services_.kernels.find(gone->id()) == gone) {
+        if (services_.writer.shared())
+            reattach = gone->id();
+        else if (services_.kernels.find(gone->id()) == gone)
             services_.kernels.shutdown_kernel(gone->id(), "dead past its restart limit");
-        }
-    } else if (!kernel_ && !let_go_kernel_id_.empty() && services_.writer.store().shared()) {
+    } else if (!kernel_ && !let_go_kernel_id_.empty() && services_.writer.shared()) {
         // Let go here because another gateway restarted it: the session stays on it.
-        if (auto again = services_.kernels.find_or_attach(let_go_kernel_id_);
-            again && again->state() != KernelState::dead)
-            attach_kernel(again);
+        reattach = let_go_kernel_id_;
     }
     let_go_kernel_id_.clear();
+    if (reattach.empty())
+        return bind_kernel();
+    // The store is asked off the io thread; the waiters wait as they would for a starting kernel.
+    kernel_wait_ = KernelWait::attaching;
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    services_.kernels.find_or_attach(reattach, [weak](std::shared_ptr<Kernel> again) {
+        auto self = weak.lock();
+        if (!self || self->kernel_wait_ != KernelWait::attaching)
+            return;  // closed meanwhile: its waiters were answered
+        self->kernel_wait_ = KernelWait::none;
+        if (again && again->state() != KernelState::dead)
+            self->attach_kernel(again);  // the state may be gone: the next answer says so
+        self->bind_kernel();
+    });
+}
+
+void AgentSession::bind_kernel() {
     std::weak_ptr<AgentSession> weak = weak_from_this();
     if (kernel_) {
         kernel_wait_ = KernelWait::readying;
@@ -472,57 +498,94 @@ void AgentSession::run_next() {
             });
             return;
         }
-        self->with_execute_lease([weak, shared_pending] {
-            auto locked = weak.lock();
-            if (!locked)
-                return;
-            if (locked->closed_ || !locked->kernel_) {
-                locked->running_.reset();
-                locked->release_execute_lease();
-                locked->fail_pending(*shared_pending, locked->closed_ ? "SessionClosed" : "KernelUnavailable",
-                                     locked->closed_ ? "the session was deleted" : "the kernel went away");
-                return locked->run_next();
-            }
-            if (shared_pending->is_reset)
-                locked->start_reset(std::move(*shared_pending));
-            else
-                locked->start_execute(std::move(*shared_pending));
-        });
+        self->with_execute_lease(
+            self->store_give_up(*shared_pending),
+            [weak, shared_pending](std::optional<std::string> unavailable) {
+                auto locked = weak.lock();
+                if (!locked)
+                    return;
+                if (unavailable) {
+                    locked->running_.reset();
+                    locked->fail_pending(*shared_pending, std::string(store_unavailable_ename), *unavailable);
+                    return locked->run_next();
+                }
+                if (locked->closed_ || !locked->kernel_) {
+                    locked->running_.reset();
+                    locked->release_execute_lease();
+                    locked->fail_pending(
+                        *shared_pending, locked->closed_ ? "SessionClosed" : "KernelUnavailable",
+                        locked->closed_ ? "the session was deleted" : "the kernel went away");
+                    return locked->run_next();
+                }
+                if (shared_pending->is_reset)
+                    locked->start_reset(std::move(*shared_pending));
+                else
+                    locked->start_execute(std::move(*shared_pending));
+            });
     });
 }
 
-void AgentSession::with_execute_lease(std::function<void()> then) {
-    if (holds_execute_lease_)
-        return then();
-    bool held = false;
-    try {
-        held = services_.writer.store().try_lease("agent-session:" + record_.id);
-    } catch (const std::exception& error) {
-        services_.logger.error("execute_lease_failed", {{"session", id()}, {"error", error.what()}});
-    }
-    if (held) {
-        holds_execute_lease_ = true;
-        return then();
-    }
-    // Another gateway runs an execute of this session now (or the store did not answer): try again soon.
+void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give_up,
+                                      std::function<void(std::optional<std::string> unavailable)> then) {
+    if (holds_execute_lease_ || !services_.writer.shared())
+        return then(std::nullopt);  // an embedded store has this gateway alone: every lease is granted
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= give_up)
+        return then(std::string("the store did not answer within the execute's time limit"));
+    const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - now);
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    lease_timer_.expires_after(std::chrono::milliseconds(10));
-    lease_timer_.async_wait([weak, then = std::move(then)](const boost::system::error_code& error) mutable {
-        if (error)
-            return;
-        if (auto self = weak.lock())
-            self->with_execute_lease(std::move(then));
-    });
+    const std::string lease = "agent-session:" + record_.id;
+    // On the store's reader thread with a deadline; a lease it takes after the deadline is released there.
+    services_.writer.read<bool>(
+        [lease](SessionStore& store) { return store.try_lease(lease); }, limit,
+        [weak, give_up, patience = give_up - now, lease, &writer = services_.writer,
+         then = std::move(then)](StoreAnswer<bool> answer) mutable {
+            auto self = weak.lock();
+            if (!self) {
+                if (answer.ok() && *answer.value)
+                    release_lease_later(writer, lease);  // the session went while its lease was asked for
+                return;
+            }
+            if (answer.ok() && *answer.value) {
+                self->holds_execute_lease_ = true;
+                return then(std::nullopt);
+            }
+            if (!answer.ok())
+                self->services_.logger.warn("execute_lease_failed",
+                                            {{"session", self->id()}, {"error", answer.error}});
+            // Another gateway runs an execute of this session now (retried soon, as long as it takes), or
+            // the store failed (retried until the execute's limit, then 503 store_unavailable).
+            const auto retry = answer.ok() ? std::chrono::milliseconds(10) : std::chrono::milliseconds(200);
+            if (!answer.ok() && std::chrono::steady_clock::now() + retry >= give_up)
+                return then("the store is unavailable: " + answer.error);
+            self->lease_timer_.expires_after(retry);
+            self->lease_timer_.async_wait([weak, answered = answer.ok(), give_up, patience,
+                                           then = std::move(then)](
+                                              const boost::system::error_code& error) mutable {
+                if (error)
+                    return;
+                // After a refusal the store answered, the next attempt gets the same patience again.
+                if (auto again = weak.lock())
+                    again->with_execute_lease(
+                        answered ? std::chrono::steady_clock::now() + patience : give_up, std::move(then));
+            });
+        },
+        [&writer = services_.writer, lease](bool taken_late) {
+            if (taken_late)
+                release_lease_later(writer, lease);
+        });
 }
 
 void AgentSession::release_execute_lease() {
-    if (!std::exchange(holds_execute_lease_, false))
-        return;
-    try {
-        services_.writer.store().release_lease("agent-session:" + record_.id);
-    } catch (const std::exception& error) {
-        services_.logger.error("execute_lease_failed", {{"session", id()}, {"error", error.what()}});
-    }
+    if (std::exchange(holds_execute_lease_, false) && services_.writer.shared())
+        release_lease_later(services_.writer, "agent-session:" + record_.id);
+}
+
+std::chrono::steady_clock::time_point AgentSession::store_give_up(const Pending& pending) const {
+    const double limit_s =
+        pending.request.timeout_s > 0 ? pending.request.timeout_s : record_.limits.timeout_s;
+    return std::chrono::steady_clock::now() +
+           std::min(seconds_to_ms(limit_s), std::chrono::milliseconds(lease_store_limit));
 }
 
 void AgentSession::start_reset(Pending pending) {

@@ -82,7 +82,29 @@ void AgentSessionRegistry::load_sessions() {
 }
 
 std::shared_ptr<AgentSession> AgentSessionRegistry::load_record(const json& record, bool at_start) {
+    // At start, before the gateway serves: reading the store here blocks nobody.
     SessionStore& store = services_.writer.store();
+    const std::string id = record.value("id", std::string());
+    std::vector<json> cells;
+    try {
+        cells = store.cells(id);
+    } catch (const std::exception& failure) {
+        services_.logger.warn("agent_session_unreadable",
+                              {{"record", record.dump()}, {"error", failure.what()}});
+        return nullptr;
+    }
+    const std::string kernel_id = record.contains("kernel_id") && record["kernel_id"].is_string()
+                                      ? record["kernel_id"].get<std::string>()
+                                      : "";
+    auto kernel = kernel_id.empty() ? nullptr : services_.kernels.find(kernel_id);
+    return build_session(record, std::move(cells), kernel,
+                         at_start ? store.inflight(id) : std::vector<InflightExecute>{}, at_start);
+}
+
+std::shared_ptr<AgentSession> AgentSessionRegistry::build_session(const json& record, std::vector<json> cells,
+                                                                  const std::shared_ptr<Kernel>& kernel,
+                                                                  std::vector<InflightExecute> inflight,
+                                                                  bool at_start) {
     try {
         AgentSession::Record loaded{
             record.at("id").get<std::string>(), record.at("name").get<std::string>(),
@@ -93,7 +115,7 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::load_record(const json& reco
             parse_network_request(record.value("network", json(nullptr)))};
         if (by_id_.contains(loaded.id) || id_by_name_.contains(loaded.name))
             return nullptr;
-        auto session = std::make_shared<AgentSession>(services_, loaded, store.cells(loaded.id));
+        auto session = std::make_shared<AgentSession>(services_, loaded, std::move(cells));
         session->mark_record_committed();
         id_by_name_[loaded.name] = loaded.id;
         by_id_[loaded.id] = session;
@@ -101,10 +123,6 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::load_record(const json& reco
                                           ? record["kernel_id"].get<std::string>()
                                           : "";
         // Attached on demand, the execute in flight (if any) is the other gateway's to finish.
-        auto inflight = at_start ? store.inflight(loaded.id) : std::vector<InflightExecute>{};
-        auto kernel = kernel_id.empty() ? nullptr
-                      : at_start        ? services_.kernels.find(kernel_id)
-                                        : services_.kernels.find_or_attach(kernel_id);
         if (at_start)
             session->audit({{"event", "session_reloaded"},
                             {"kernel_id", kernel ? json(kernel_id) : json(nullptr)},
@@ -129,25 +147,90 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::load_record(const json& reco
     }
 }
 
-std::optional<json> AgentSessionRegistry::stored_record(const std::string& id_or_name) {
-    SessionStore& store = services_.writer.store();
-    if (!store.shared())
+std::optional<json> AgentSessionRegistry::stored_record(SessionStore& store, const std::string& id_or_name) {
+    if (looks_like_kernel_id(id_or_name)) {
+        auto record = store.agent_session(id_or_name);
+        if (record && record->is_object() && !record->value("deleted", false))
+            return record;
         return std::nullopt;
-    try {
-        if (looks_like_kernel_id(id_or_name)) {
-            auto record = store.agent_session(id_or_name);
-            if (record && record->is_object() && !record->value("deleted", false))
-                return record;
-            return std::nullopt;
-        }
-        for (json& record : store.agent_sessions())
-            if (record.is_object() && !record.value("deleted", false) &&
-                record.value("name", std::string()) == id_or_name)
-                return std::move(record);
-    } catch (const std::exception& error) {
-        services_.logger.error("store_read_failed", {{"session", id_or_name}, {"error", error.what()}});
     }
+    for (json& record : store.agent_sessions())
+        if (record.is_object() && !record.value("deleted", false) &&
+            record.value("name", std::string()) == id_or_name)
+            return std::move(record);
     return std::nullopt;
+}
+
+std::shared_ptr<AgentSession> AgentSessionRegistry::held(const std::string& id_or_name) const {
+    if (auto by_id = by_id_.find(id_or_name); by_id != by_id_.end())
+        return by_id->second;
+    if (auto named = id_by_name_.find(id_or_name); named != id_by_name_.end())
+        if (auto by_name = by_id_.find(named->second); by_name != by_id_.end())
+            return by_name->second;
+    return nullptr;
+}
+
+void AgentSessionRegistry::resolve(const std::string& id_or_name, std::function<void()> then) {
+    if (!services_.writer.shared())
+        return then();
+    if (auto found = held(id_or_name))
+        return check_still_stored(found, std::move(then));
+    // Another gateway's session: its record, history and kernel record, read together off the io thread.
+    struct Stored {
+        std::optional<json> record;
+        std::vector<json> cells;
+        std::optional<KernelRecord> kernel;
+    };
+    services_.writer.read<Stored>(
+        [id_or_name](SessionStore& store) {
+            Stored stored{stored_record(store, id_or_name), {}, std::nullopt};
+            if (!stored.record)
+                return stored;
+            stored.cells = store.cells(stored.record->value("id", std::string()));
+            const json& kernel_id =
+                stored.record->contains("kernel_id") ? (*stored.record)["kernel_id"] : json();
+            if (kernel_id.is_string() && !kernel_id.get<std::string>().empty())
+                stored.kernel = store.kernel(kernel_id.get<std::string>());
+            return stored;
+        },
+        StoreWriter::default_read_limit,
+        [this, id_or_name, then = std::move(then)](StoreAnswer<Stored> answer) {
+            if (!answer.ok())
+                services_.logger.error("store_read_failed",
+                                       {{"session", id_or_name}, {"error", answer.error}});
+            else if (answer.value->record && !held(id_or_name)) {
+                const json& record = *answer.value->record;
+                const json& kernel_id = record.contains("kernel_id") ? record["kernel_id"] : json();
+                auto kernel =
+                    kernel_id.is_string() && !kernel_id.get<std::string>().empty()
+                        ? services_.kernels.attach_stored(kernel_id.get<std::string>(), answer.value->kernel)
+                        : nullptr;
+                build_session(record, std::move(answer.value->cells), kernel, {}, false);
+            }
+            then();
+        });
+}
+
+void AgentSessionRegistry::check_still_stored(const std::shared_ptr<AgentSession>& found,
+                                              std::function<void()> then) {
+    // Deleted through another gateway: let it go here too (its kernel is shut down already). No answer in
+    // time: the session held here serves, as it would have without a shared store (briefly asked: the
+    // request's own time limit runs meanwhile).
+    services_.writer.read<std::optional<json>>(
+        [id = found->id()](SessionStore& store) { return store.agent_session(id); }, held_check_limit,
+        [this, found, then = std::move(then)](StoreAnswer<std::optional<json>> answer) {
+            if (!answer.ok()) {
+                services_.logger.error("store_read_failed",
+                                       {{"session", found->id()}, {"error", answer.error}});
+                return then();
+            }
+            const auto& record = *answer.value;
+            // No record at all: deleted there longer ago than the retention, and purged.
+            if ((record ? record->value("deleted", false) : found->record_committed()) &&
+                held(found->id()) == found)
+                let_go(found);
+            then();
+        });
 }
 
 void AgentSessionRegistry::create(std::string name, AgentLimits limits, const NetworkRequest& network,
@@ -157,7 +240,7 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const Ne
                                        "too many agent sessions (" + std::to_string(by_id_.size()) +
                                            "); delete some first",
                                        "too_many_sessions"));
-    const std::string id = new_uuid();
+    std::string id = new_uuid();
     if (name.empty())
         name = "session-" + id.substr(0, 8);
     if (!valid_session_name(name))
@@ -166,10 +249,33 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const Ne
                               "name must be 1-64 characters of A-Z a-z 0-9 . _ - starting with a letter or "
                               "digit (and not look like a session id)",
                               "bad_name"));
-    if (id_by_name_.contains(name) || stored_record(name))
-        return done(nullptr, HttpError(http::status::conflict, "a session named " + name + " already exists",
-                                       "name_taken"));
+    if (id_by_name_.contains(name))
+        return done(nullptr, name_taken(name));
+    if (!services_.writer.shared())
+        return create_named(std::move(id), std::move(name), limits, network, client_address, std::move(done));
+    // A session of that name created through another gateway: asked off the io thread.
+    services_.writer.read<bool>(
+        [name](SessionStore& store) { return stored_record(store, name).has_value(); },
+        StoreWriter::default_read_limit,
+        [this, id, name, limits, network, client_address,
+         done = std::move(done)](StoreAnswer<bool> taken) mutable {
+            if (!taken.ok())
+                return done(nullptr,
+                            HttpError(http::status::service_unavailable,
+                                      "the store did not answer: " + taken.error, "store_unavailable"));
+            if (*taken.value || id_by_name_.contains(name))
+                return done(nullptr, name_taken(name));
+            create_named(std::move(id), std::move(name), limits, network, client_address, std::move(done));
+        });
+}
 
+HttpError AgentSessionRegistry::name_taken(const std::string& name) {
+    return HttpError(http::status::conflict, "a session named " + name + " already exists", "name_taken");
+}
+
+void AgentSessionRegistry::create_named(std::string id, std::string name, AgentLimits limits,
+                                        const NetworkRequest& network, const std::string& client_address,
+                                        CreateHandler done) {
     AgentSession::Record record{id, name, format_iso8601_utc(std::chrono::system_clock::now()), limits,
                                 network};
     auto session = std::make_shared<AgentSession>(services_, record, std::vector<json>{});
@@ -205,35 +311,7 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const Ne
 }
 
 std::shared_ptr<AgentSession> AgentSessionRegistry::find(const std::string& id_or_name) {
-    std::shared_ptr<AgentSession> found;
-    if (auto by_id = by_id_.find(id_or_name); by_id != by_id_.end())
-        found = by_id->second;
-    else if (auto named = id_by_name_.find(id_or_name); named != id_by_name_.end()) {
-        if (auto by_name = by_id_.find(named->second); by_name != by_id_.end())
-            found = by_name->second;
-    }
-    SessionStore& store = services_.writer.store();
-    if (!store.shared())
-        return found;
-    if (found) {
-        // Deleted through another gateway: let it go here too (its kernel is shut down already).
-        std::optional<json> record;
-        try {
-            record = store.agent_session(found->id());
-        } catch (const std::exception& error) {
-            services_.logger.error("store_read_failed", {{"session", found->id()}, {"error", error.what()}});
-            return found;
-        }
-        // No record at all: deleted there longer ago than the retention, and purged.
-        if (record ? record->value("deleted", false) : found->record_committed()) {
-            let_go(found);
-            return nullptr;
-        }
-        return found;
-    }
-    if (auto record = stored_record(id_or_name))
-        return load_record(*record, false);
-    return nullptr;
+    return held(id_or_name);
 }
 
 std::vector<std::shared_ptr<AgentSession>> AgentSessionRegistry::list() const {

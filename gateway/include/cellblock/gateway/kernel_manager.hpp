@@ -62,7 +62,14 @@ class KernelManager {
     // find(), and on a shared store (another gateway's kernels): a kernel recorded there whose process runs
     // on this machine is attached on demand (re-adopted as after a restart, without taking it from its
     // gateway). nullptr when unknown, pooled by another gateway, shut down here, or no longer running.
+    // Reads the store on the calling thread: start-up only (the io_context thread uses the overload below).
     std::shared_ptr<Kernel> find_or_attach(const std::string& kernel_id);
+    // The same with the store read on StoreWriter's reader thread; `then` runs on the io_context thread (at
+    // once when the store is not needed). No answer in time: the kernel held here if it lives, else nullptr.
+    void find_or_attach(const std::string& kernel_id, std::function<void(std::shared_ptr<Kernel>)> then);
+    // find_or_attach's decision with the store's `record` of the kernel already read (nullopt: none).
+    std::shared_ptr<Kernel> attach_stored(const std::string& kernel_id,
+                                          const std::optional<KernelRecord>& record);
     // Restarts `kernel` (Kernel::restart). On a shared store only one gateway restarts a kernel at a time
     // (the kernel's restart lease, also taken before an automatic restart): a restart that finds it taken
     // fails at once, and the other gateways re-attach the new process instead of restarting it again.
@@ -119,6 +126,8 @@ class KernelManager {
     // Shared store: only the gateway holding the cull-leader lease culls, over every kernel in the store,
     // from the activity all gateways record there (share_activity, with the housekeeping).
     void cull_shared();
+    // The leader's sweep over the records the store answered (io thread).
+    void cull_recorded(const std::vector<KernelRecord>& records);
     void share_activity();
     void adopt(const std::shared_ptr<Kernel>& kernel);
     void readopt_recorded_kernels();
@@ -128,6 +137,8 @@ class KernelManager {
     void persist(const Kernel& kernel);
     void forget(const std::string& kernel_id);
     void release_lease(const std::string& lease);
+    // Whether find_or_attach must ask the store (shared store, and no live kernel of that id here).
+    bool needs_store(const std::string& kernel_id) const;
     // Drops a kernel this gateway held for other gateways (shared store) without stopping its process or
     // removing its files (sockets, workspace): its clients here are disconnected and reconnect to what the
     // store records.
@@ -175,6 +186,7 @@ class KernelManager {
     std::set<std::string> attached_from_others_;
     std::map<std::string, std::chrono::system_clock::time_point> activity_shared_;  // last written, by kernel
     bool cull_leader_ = false;
+    bool cull_read_pending_ = false;  // a sweep's store read is queued or running
     bool stopping_ = false;
     MetricsRegistry::SamplerHandle kernels_by_state_, pool_by_state_, pool_target_;
 };

@@ -87,6 +87,12 @@ class RestResource {
     virtual void patch(RequestContext& context, Responder respond);
     // NOLINTNEXTLINE(readability-identifier-naming): `delete` is a keyword.
     virtual void delete_(RequestContext& context, Responder respond);
+    // Runs before the method (and its handler): a resource that needs something the io thread must not wait
+    // for (a store read) calls `proceed` once it has it, with a context it keeps alive until then (the
+    // request it refers to lives until the response). Default: at once.
+    virtual void prepare(RequestContext& context, const std::function<void(RequestContext&)>& proceed) {
+        proceed(context);
+    }
     // Methods this resource implements, for 405 Allow headers.
     virtual std::string allowed_methods() const { return "GET, OPTIONS"; }
 

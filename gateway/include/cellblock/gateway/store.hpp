@@ -96,6 +96,13 @@ class StoreError : public std::runtime_error {
   public:
     using std::runtime_error::runtime_error;
 };
+// The store could not be reached (a broken or refused connection): nothing of the call was applied, and the
+// same call may succeed once the store is back (StoreWriter retries a batch that failed so).
+class StoreUnavailable : public StoreError {
+  public:
+    using StoreError::StoreError;
+};
+
 // A tenant's token as the store keeps it: never the token, only its keyed digest (TenantDirectory,
 // gateway/include/cellblock/gateway/tenants.hpp).
 struct TenantToken {

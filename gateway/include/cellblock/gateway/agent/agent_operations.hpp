@@ -5,6 +5,7 @@
 // resources (agent_api.cpp) and the MCP tools (mcp_endpoint.cpp) only translate: their request into
 // arguments, the answer or the error into their wire format (as jupyter_server's handlers sit over its
 // managers).
+#include <boost/asio/thread_pool.hpp>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -98,8 +99,12 @@ class AgentOperations {
     // once the session's kernel is ready. A network policy beyond the gateway's ceiling is refused
     // ("network_not_allowed").
     void create_session(const nlohmann::json& arguments, const Caller& caller, Then<SessionPtr> then);
-    // By id, then by name; throws OperationError not_found "unknown_session".
+    // By id, then by name, among the sessions held here; throws OperationError not_found "unknown_session".
+    // On a shared store call `resolve` first (AgentResource::prepare does).
     SessionPtr session(const std::string& id_or_name) const;
+    // Calls `then` (io thread) once the registry agrees with the shared store on this session
+    // (AgentSessionRegistry::resolve); at once on an embedded store.
+    void resolve(const std::string& id_or_name, std::function<void()> then);
     // The session of that id or name, created with the default limits on first use of a name (MCP's
     // sessions appear on demand); an id of no session is "unknown_session" as everywhere else. Answers once
     // the session has a kernel.
@@ -161,9 +166,14 @@ class AgentOperations {
   private:
     // The "network" argument of a creation, checked against the ceiling; throws OperationError.
     NetworkRequest checked_network(const nlohmann::json& requested) const;
+    // session_or_create once the registry is resolved.
+    void found_or_created(const std::string& id_or_name, const Caller& caller, Then<SessionPtr> then,
+                          const std::optional<NetworkRequest>& network);
 
     AgentSessionServices& services_;
     AgentSessionRegistry& registry_;
+    // Workspace file operations run here, never on the io thread (a slow disk stalls no other client).
+    boost::asio::thread_pool files_{1};
 };
 
 // A client's file path as a workspace-relative path: empty components collapse; throws OperationError

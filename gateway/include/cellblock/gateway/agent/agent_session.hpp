@@ -124,6 +124,9 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // More executes than this waiting behind the running one are refused (429) instead of piling up.
     static constexpr std::size_t max_queued = 64;
     bool closed() const { return closed_; }
+    // The `ename` of an execute answered without running because the store did not answer in time (the agent
+    // API answers it 503 store_unavailable).
+    static constexpr std::string_view store_unavailable_ename = "StoreUnavailable";
     // The session's record is committed to the store (set once its creation is answered, and for sessions
     // loaded from the store): from then on a record missing from a shared store means the session was
     // deleted and purged through another gateway.
@@ -164,10 +167,18 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     };
 
     void run_next();
-    // Runs `then` once this gateway holds the session's execute lease (other gateways on a shared store
-    // serve the same session: one execute at a time across all of them); retried every few milliseconds.
-    void with_execute_lease(std::function<void()> then);
+    // Calls `then(nullopt)` once this gateway holds the session's execute lease (other gateways on a shared
+    // store serve the same session: one execute at a time across all of them; retried every few milliseconds
+    // while another holds it). The store is asked on its reader thread: a store that does not answer or fails
+    // until `give_up` gives `then` the reason instead (the execute answers 503 store_unavailable).
+    void with_execute_lease(std::chrono::steady_clock::time_point give_up,
+                            std::function<void(std::optional<std::string> unavailable)> then);
     void release_execute_lease();
+    // When an execute stops waiting for a store that does not answer: its time limit (at most
+    // lease_store_limit) after it asks for the lease. Waiting behind other executes does not count, as their
+    // time limits do not count against it.
+    std::chrono::steady_clock::time_point store_give_up(const Pending& pending) const;
+    static constexpr std::chrono::seconds lease_store_limit{10};
     void start_execute(Pending pending);
     void start_reset(Pending pending);
     void on_deadline();
@@ -184,6 +195,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
                        bool interrupted_by_client, bool reached_kernel);
     std::map<std::string, std::string> kernel_limit_environment() const;
     void attach_kernel(std::shared_ptr<Kernel> kernel);
+    // ensure_kernel's second half: waits for kernel_ to be ready, or starts one.
+    void bind_kernel();
     // Sends nothing: follows an execute the previous gateway sent (its answer goes to the history only).
     void resume_execute(const InflightExecute& inflight);
     // Answers everything waiting in kernel_waiters_ (nullopt = the kernel is ready) and ends the wait.
@@ -208,7 +221,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::string kernel_info_msg_id_;
     // Whether a request for the kernel is in flight; every caller of ensure_kernel waits in kernel_waiters_
     // until it settles.
-    enum class KernelWait { none, starting, readying } kernel_wait_ = KernelWait::none;
+    // `attaching`: the shared store is asked whether another gateway runs the kernel's new process.
+    enum class KernelWait { none, attaching, starting, readying } kernel_wait_ = KernelWait::none;
     bool had_kernel_ = false;         // a kernel served this session before (a new one means lost state)
     bool state_lost_notice_ = false;  // tell the next answer that a new kernel replaced the old one
     std::string state_lost_cause_;    // why, when the gateway knows (a kernel lost across a restart)

@@ -33,9 +33,13 @@ class AgentSessionRegistry {
     // `network` has been checked against the ceiling (AgentOperations).
     void create(std::string name, AgentLimits limits, const NetworkRequest& network,
                 const std::string& client_address, CreateHandler done);
-    // By id, then by name. On a shared store also sessions another gateway created (loaded from the store,
-    // their kernel attached), and a session deleted through another gateway is let go here too.
+    // By id, then by name, among the sessions held here (never reads the store).
     std::shared_ptr<AgentSession> find(const std::string& id_or_name);
+    // On a shared store, brings this registry up to date for `id_or_name` and then calls `then` (io thread):
+    // a session another gateway created is loaded (its kernel attached), one deleted through another gateway
+    // is let go here too. The store is read on StoreWriter's reader thread; without an answer in time the
+    // registry stays as it is. At once on an embedded store.
+    void resolve(const std::string& id_or_name, std::function<void()> then);
     std::vector<std::shared_ptr<AgentSession>> list() const;
     void remove(const std::shared_ptr<AgentSession>& session, const std::string& reason,
                 const std::string& client);
@@ -50,8 +54,19 @@ class AgentSessionRegistry {
     // Builds the session of a stored record with its history; `at_start`: after this gateway's restart
     // (its kernel re-adopted with the execute in flight), else attached on demand from a shared store.
     std::shared_ptr<AgentSession> load_record(const nlohmann::json& record, bool at_start);
-    // A stored, not deleted record by id or name (shared store only).
-    std::optional<nlohmann::json> stored_record(const std::string& id_or_name);
+    // The session of `record` with what was read for it; nullptr when unreadable or its id or name is taken.
+    std::shared_ptr<AgentSession> build_session(const nlohmann::json& record,
+                                                std::vector<nlohmann::json> cells,
+                                                const std::shared_ptr<Kernel>& kernel,
+                                                std::vector<InflightExecute> inflight, bool at_start);
+    // A stored, not deleted record by id or name (on StoreWriter's reader thread).
+    static std::optional<nlohmann::json> stored_record(SessionStore& store, const std::string& id_or_name);
+    std::shared_ptr<AgentSession> held(const std::string& id_or_name) const;
+    void check_still_stored(const std::shared_ptr<AgentSession>& found, std::function<void()> then);
+    static constexpr std::chrono::milliseconds held_check_limit{250};
+    static HttpError name_taken(const std::string& name);
+    void create_named(std::string id, std::string name, AgentLimits limits, const NetworkRequest& network,
+                      const std::string& client_address, CreateHandler done);
     void expire_idle();
     // The store forgets the sessions deleted longer ago than --agent-deleted-retention, with their notebooks
     // and audit trails.
