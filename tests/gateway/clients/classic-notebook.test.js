@@ -11,9 +11,8 @@
 const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
-const os = require('node:os');
 const path = require('node:path');
-const { chromium } = require('playwright-core');
+const { openHeadlessChromium } = require('./headless-chromium');
 
 const NOTEBOOK_URL = requiredEnv('NOTEBOOK_URL');
 const NOTEBOOK_TOKEN = process.env.NOTEBOOK_TOKEN ?? '';
@@ -21,7 +20,6 @@ const NOTEBOOK_PATH = requiredEnv('NOTEBOOK_PATH');
 const SCREENSHOT_PATH = requiredEnv('SCREENSHOT_PATH');
 const GATEWAY_URL = process.env.GATEWAY_URL ?? '';
 const GATEWAY_TOKEN = process.env.GATEWAY_TOKEN ?? '';
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 // Generous: the first kernel start goes Notebook → gateway → confined kernel on a loaded 2-core machine.
 const KERNEL_READY_TIMEOUT_MS = 120_000;
 const OUTPUT_TIMEOUT_MS = 60_000;
@@ -32,35 +30,17 @@ function requiredEnv(name) {
   return value;
 }
 
-let browserContext;
+let browser;
 let page;
-let userDataDir;
-const pageProblems = [];
 
 before(async () => {
-  userDataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'cellblock-chromium-'));
-  browserContext = await chromium.launchPersistentContext(userDataDir, {
-    executablePath: CHROMIUM,
-    headless: true,
-    viewport: { width: 1100, height: 700 },
-    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-  });
-  page = browserContext.pages()[0] ?? await browserContext.newPage();
-  // Kept for the failure message: a broken WebSocket or a JS error usually shows up here first.
-  page.on('pageerror', (error) => pageProblems.push(`page error: ${error.message}`));
-  page.on('console', (message) => {
-    if (message.type() === 'error') pageProblems.push(`console error: ${message.text()}`);
-  });
-});
-
-after(async () => {
-  await browserContext?.close();
-  if (userDataDir) fs.rmSync(userDataDir, { recursive: true, force: true });
+  browser = await openHeadlessChromium({ width: 1100, height: 700 });
+  page = browser.page;
 });
 
 function problems() {
-  return pageProblems.length ? `\npage problems:\n  ${pageProblems.slice(-10).join('\n  ')}` : '';
+  const seen = browser?.problems ?? [];
+  return seen.length ? `\npage problems:\n  ${seen.slice(-10).join('\n  ')}` : '';
 }
 
 async function saveScreenshot() {

@@ -15,9 +15,8 @@
 const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
-const os = require('node:os');
 const path = require('node:path');
-const { chromium } = require('playwright-core');
+const { openHeadlessChromium } = require('./headless-chromium');
 
 const LAB_URL = requiredEnv('LAB_URL');
 const LAB_TOKEN = requiredEnv('LAB_TOKEN');
@@ -25,7 +24,6 @@ const NOTEBOOK_PATH = requiredEnv('NOTEBOOK_PATH');
 const GATEWAY_URL = requiredEnv('GATEWAY_URL');
 const GATEWAY_TOKEN = requiredEnv('GATEWAY_TOKEN');
 const SCREENSHOT_PATH = requiredEnv('SCREENSHOT_PATH');
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 // Generous: Lab's first page load compiles a lot of JavaScript on a loaded 2-core machine. None is a speed check.
 const PAGE_READY_TIMEOUT_MS = 120_000;
 const OUTPUT_TIMEOUT_MS = 60_000;
@@ -37,11 +35,9 @@ function requiredEnv(name) {
   return value;
 }
 
-let browserContext;
+let browser;
 let page;
-let userDataDir;
 let agentKernelId;
-const pageProblems = [];
 
 async function call(base, token, method, route, body, headers = {}) {
   const response = await fetch(`${base}${route}`, {
@@ -63,7 +59,8 @@ async function agentExecute(code) {
 }
 
 function problems() {
-  return pageProblems.length ? `\npage problems:\n  ${pageProblems.slice(-10).join('\n  ')}` : '';
+  const seen = browser?.problems ?? [];
+  return seen.length ? `\npage problems:\n  ${seen.slice(-10).join('\n  ')}` : '';
 }
 
 async function saveScreenshot() {
@@ -90,25 +87,8 @@ before(async () => {
   const created = await agent('POST', '/agent/v1/sessions', { name: AGENT_SESSION });
   assert.equal(created.status, 201, `agent session: ${JSON.stringify(created.body)}`);
   agentKernelId = created.body.kernel_id;
-  userDataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'cellblock-chromium-'));
-  browserContext = await chromium.launchPersistentContext(userDataDir, {
-    executablePath: CHROMIUM,
-    headless: true,
-    viewport: { width: 1280, height: 800 },
-    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-  });
-  page = browserContext.pages()[0] ?? await browserContext.newPage();
-  // Kept for the failure message: a broken WebSocket or a JS error usually shows up here first.
-  page.on('pageerror', (error) => pageProblems.push(`page error: ${error.message}`));
-  page.on('console', (message) => {
-    if (message.type() === 'error') pageProblems.push(`console error: ${message.text()}`);
-  });
-});
-
-after(async () => {
-  await browserContext?.close();
-  if (userDataDir) fs.rmSync(userDataDir, { recursive: true, force: true });
+  browser = await openHeadlessChromium({ width: 1280, height: 800 });
+  page = browser.page;
 });
 
 test('the agent defines x through the agent API', async () => {
