@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <vector>
 
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/tenants.hpp"
@@ -41,6 +42,120 @@ std::optional<std::string_view> header_token(const HttpRequest& request) {
 }
 }  // namespace
 
+namespace {
+constexpr std::string_view list_scope = "/agent/v1/view", sessions_prefix = "/agent/v1/sessions/";
+
+// `prefix` followed by one non-empty segment ("/static/page.js").
+bool one_segment_after(std::string_view rest, std::string_view prefix) {
+    return rest.starts_with(prefix) && rest.size() > prefix.size() &&
+           rest.substr(prefix.size()).find('/') == std::string_view::npos;
+}
+bool is_static_file(std::string_view rest) {
+    return one_segment_after(rest, "/static/");
+}
+
+std::string html_escaped(std::string_view text) {
+    std::string escaped;
+    for (const char c : text) {
+        switch (c) {
+            case '<':
+                escaped += "&lt;";
+                break;
+            case '>':
+                escaped += "&gt;";
+                break;
+            case '&':
+                escaped += "&amp;";
+                break;
+            case '"':
+                escaped += "&quot;";
+                break;
+            case '\'':
+                escaped += "&#39;";
+                break;
+            default:
+                escaped += c;
+        }
+    }
+    return escaped;
+}
+
+std::string_view path_of(const HttpRequest& request) {
+    const std::string_view target = request.target();
+    return target.substr(0, target.find('?'));
+}
+
+// Every value of a `cellblock_view` cookie in the request's Cookie headers.
+std::vector<std::string_view> view_cookies(const HttpRequest& request) {
+    std::vector<std::string_view> values;
+    for (auto field = request.find(http::field::cookie);
+         field != request.end() && field->name() == http::field::cookie; ++field) {
+        std::string_view rest = field->value();
+        while (!rest.empty()) {
+            const auto end = rest.find(';');
+            const std::string_view pair = trim(rest.substr(0, end));
+            rest = end == std::string_view::npos ? std::string_view{} : rest.substr(end + 1);
+            const auto equals = pair.find('=');
+            if (equals != std::string_view::npos &&
+                trim(pair.substr(0, equals)) == TokenAuthenticator::view_cookie_name)
+                values.push_back(trim(pair.substr(equals + 1)));
+        }
+    }
+    return values;
+}
+}  // namespace
+
+std::optional<std::string_view> TokenAuthenticator::view_cookie_scope(std::string_view path) {
+    if (const auto at = path.rfind(list_scope); at != std::string_view::npos) {
+        const std::string_view rest = path.substr(at + list_scope.size());
+        if (rest.empty() || rest == "/sessions" || is_static_file(rest) || one_segment_after(rest, "/open/"))
+            return path.substr(0, at + list_scope.size());
+    }
+    const auto at = path.rfind(sessions_prefix);
+    if (at == std::string_view::npos)
+        return std::nullopt;
+    const std::string_view after = path.substr(at + sessions_prefix.size());
+    const auto slash = after.find('/');
+    if (slash == 0 || slash == std::string_view::npos)
+        return std::nullopt;
+    const std::string_view rest = after.substr(slash);
+    if (rest == "/view" || rest == "/events" ||
+        (rest.starts_with("/view/") && is_static_file(rest.substr(std::string_view("/view").size()))))
+        return path.substr(0, at + sessions_prefix.size() + slash);
+    return std::nullopt;
+}
+
+std::string TokenAuthenticator::view_cookie(std::string_view scope) const {
+    // HMAC-SHA256 over "view:" + scope (the signer's four frames are hashed in sequence), hex.
+    const HmacSigner signer(token_);
+    const std::string_view parts[4] = {"view:", scope, "", ""};
+    return signer.sign(parts);
+}
+
+HttpResponse TokenAuthenticator::refusal(const HttpRequest& request) const {
+    const std::string_view path = path_of(request);
+    const auto scope = request.method() == http::verb::get ? view_cookie_scope(path) : std::nullopt;
+    const std::string_view rest = scope ? path.substr(scope->size()) : std::string_view("-");
+    if (!scope || !(rest.empty() || rest == "/view"))
+        return json_error(http::status::unauthorized, "Missing or invalid token");
+    HttpResponse response{http::status::unauthorized, request.version()};
+    response.set(http::field::content_type, "text/html; charset=utf-8");
+    response.set(http::field::cache_control, "no-store");
+    response.set("Content-Security-Policy", "default-src 'none'");
+    response.set("X-Content-Type-Options", "nosniff");
+    response.set("Referrer-Policy", "no-referrer");
+    response.body() =
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>cellblock: open with a "
+        "token</title></head>\n<body><h1>401: this page needs the gateway's token</h1>\n<p>Open this page "
+        "once "
+        "with <code>?token=</code> and the token added to its address (<code>" +
+        html_escaped(path) +
+        "?token=...</code>). The gateway then answers with a cookie for this page alone and takes the token "
+        "out of the address.</p></body></html>\n";
+    response.prepare_payload();
+    return response;
+}
+
 std::optional<Principal> TokenAuthenticator::authenticate(
     const HttpRequest& request, const std::map<std::string, std::string>& query) const {
     if (!enabled())
@@ -57,6 +172,18 @@ std::optional<Principal> TokenAuthenticator::authenticate(
         if (tenants_) {
             if (auto tenant = tenants_->resolve(*token))
                 return tenant;
+        }
+    }
+    // The live page's cookie: only on a GET of its own paths, and only the one derived for that scope.
+    if (request.method() == http::verb::get) {
+        if (const auto scope = view_cookie_scope(path_of(request))) {
+            const std::vector<std::string_view> cookies = view_cookies(request);
+            if (!cookies.empty()) {
+                const std::string expected = view_cookie(*scope);
+                for (const std::string_view value : cookies)
+                    if (constant_time_equals(value, expected))
+                        return Principal{};
+            }
         }
     }
     return std::nullopt;

@@ -298,7 +298,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         if (!context_.auth.authorized(
                 header, parse_query(query_start == std::string_view::npos ? std::string_view{}
                                                                           : target.substr(query_start + 1))))
-            return json_error(http::status::unauthorized, "Missing or invalid token");
+            return context_.auth.refusal(header);
         return std::nullopt;
     }
 
@@ -360,8 +360,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         }
         auto principal = context_.auth.authenticate(request_, request_context.query);
         if (!principal)
-            return write(json_error(http::status::unauthorized, "Missing or invalid token"),
-                         upgrade ? false : keep_alive);
+            return write(context_.auth.refusal(request_), upgrade ? false : keep_alive);
         // Tenants' tokens authenticate, but no route isolates what a tenant sees yet: until one does, each
         // is the operator's alone (gateway/README.md, "Tenants").
         if (!principal->is_operator())

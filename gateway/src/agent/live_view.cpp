@@ -1,7 +1,15 @@
 #include "cellblock/gateway/agent/live_view.hpp"
 
 #include <boost/asio/steady_timer.hpp>
+#include <cctype>
 #include <charconv>
+#include <fstream>
+#include <sstream>
+
+#include "cellblock/gateway/agent/agent_operations.hpp"
+#include "cellblock/gateway/agent/agent_session.hpp"
+#include "cellblock/gateway/auth.hpp"
+#include "cellblock/gateway/config.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -44,6 +52,8 @@ class EventStream : public std::enable_shared_from_this<EventStream> {
             self->keepalive_.cancel();
             self->stream_->finish();
         };
+        // A dropped page's EventSource reconnects after a second (with Last-Event-ID), not the default three.
+        stream_->write("retry: 1000\n\n");
         key_ = session->live().subscribe(after_id, std::move(reader));
         std::weak_ptr<AgentSession> weak_session = session;
         stream_->on_disconnect([weak_session, weak, key = key_] {
@@ -99,10 +109,233 @@ class EventsResource : public RestResource {
     AgentService& service_;
 };
 
+// ----------------------------------------------------------------------------------------------- the pages
+
+// The page's own policy: nothing but its own files and its own origin; outputs render in frames of
+// view/static/frame.html, which carries its own, stricter policy.
+constexpr const char* page_policy =
+    "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; frame-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'self'";
+// The frame of one output (agent-written HTML, SVG, Markdown, JavaScript): a sandbox without same-origin
+// even when opened directly, no fetch, no request to the gateway or anywhere (only inline script and style,
+// data: images).
+constexpr const char* frame_policy =
+    "sandbox allow-scripts; default-src 'none'; img-src data:; style-src 'unsafe-inline'; "
+    "script-src 'unsafe-inline'; base-uri 'none'; form-action 'none'";
+
+struct StaticFile {
+    std::string_view name, content_type, policy;
+};
+// The only files served: the rest of share/cellblock/view/ (the two pages) is served by its own route.
+constexpr StaticFile static_files[] = {
+    {"page.js", "text/javascript; charset=utf-8", page_policy},
+    {"page.css", "text/css; charset=utf-8", page_policy},
+    {"frame.html", "text/html; charset=utf-8", frame_policy},
+};
+
+// A file of share/cellblock/view/, read per request (they are small; a reinstall shows at once).
+std::string view_file(std::string_view name) {
+    const std::string path = installed_data_dir() + "/cellblock/view/" + std::string(name);
+    std::ifstream in(path, std::ios::binary);
+    if (!in)
+        throw HttpError(http::status::internal_server_error, "the live page's file " + path + " is missing",
+                        "view_missing");
+    std::ostringstream text;
+    text << in.rdbuf();
+    return text.str();
+}
+
+HttpResponse view_response(const RequestContext& context, std::string body, std::string_view content_type,
+                           std::string_view policy) {
+    HttpResponse response{http::status::ok, context.request.version()};
+    response.set(http::field::content_type, content_type);
+    response.set(http::field::cache_control, "no-cache");
+    response.set("Content-Security-Policy", policy);
+    response.set("X-Content-Type-Options", "nosniff");
+    response.set("Referrer-Policy", "no-referrer");
+    response.body() = std::move(body);
+    response.prepare_payload();
+    return response;
+}
+
+// The path as the client sent it, base_url included: what the browser matches a cookie's Path against.
+std::string client_path(const RequestContext& context) {
+    std::string base = context.base_url;
+    if (base.ends_with('/'))
+        base.pop_back();
+    return base + context.path;
+}
+
+// The session of that id held here, or 404 unknown_session. The pages take the operator's cookie or token
+// only (their resources do not serve tenants), so every session is theirs to see.
+void listed_session(AgentService& service, const std::string& id) {
+    for (const auto& session : service.sessions().list())
+        if (session->id() == id)
+            return;
+    throw HttpError(http::status::not_found, "no session " + id, "unknown_session");
+}
+
+// A page (the session's or the list's), opened with the token once: ?token= answers 303 to the same path
+// without it and a cookie for the page's scope; a header token gets the page and the cookie; the cookie
+// alone the page.
+void answer_page(AgentService& service, const RequestContext& context, std::string_view file,
+                 const Responder& respond) {
+    const TokenAuthenticator& auth = service.gateway().auth;
+    const std::string path = client_path(context);
+    const auto scope = TokenAuthenticator::view_cookie_scope(path);
+    std::string cookie;
+    const bool token_in_query = context.query.contains("token");
+    if (auth.enabled() && scope &&
+        (token_in_query || context.request.find(http::field::authorization) != context.request.end())) {
+        if (!context.principal.is_operator())
+            throw HttpError(http::status::forbidden,
+                            "the live page takes the gateway's token (tenants' pages need viewer tokens)",
+                            "operator_only");
+        cookie = std::string(TokenAuthenticator::view_cookie_name) + "=" + auth.view_cookie(*scope) +
+                 "; HttpOnly; SameSite=Strict; Path=" + std::string(*scope);
+    }
+    if (token_in_query) {
+        // Every other parameter stays; the token leaves the address (and so history and Referer).
+        std::string location = path, separator = "?";
+        const std::string_view target = context.request.target();
+        const auto query_start = target.find('?');
+        std::string_view query = query_start == std::string_view::npos ? "" : target.substr(query_start + 1);
+        while (!query.empty()) {
+            const auto end = query.find('&');
+            const std::string_view pair = query.substr(0, end);
+            query = end == std::string_view::npos ? std::string_view{} : query.substr(end + 1);
+            if (pair.empty() || pair == "token" || pair.starts_with("token="))
+                continue;
+            location += separator + std::string(pair);
+            separator = "&";
+        }
+        HttpResponse response{http::status::see_other, context.request.version()};
+        response.set(http::field::location, location);
+        response.set(http::field::cache_control, "no-store");
+        response.set("Referrer-Policy", "no-referrer");
+        if (!cookie.empty())
+            response.set(http::field::set_cookie, cookie);
+        response.prepare_payload();
+        return respond(std::move(response));
+    }
+    HttpResponse response = view_response(context, view_file(file), "text/html; charset=utf-8", page_policy);
+    if (!cookie.empty())
+        response.set(http::field::set_cookie, cookie);
+    respond(std::move(response));
+}
+
+class SessionPageResource : public RestResource {
+  public:
+    explicit SessionPageResource(AgentService& service) : service_(service) {}
+    void get(RequestContext& context, Responder respond) override {
+        listed_session(service_, context.param("session"));
+        answer_page(service_, context, "session.html", respond);
+    }
+
+  private:
+    AgentService& service_;
+};
+
+class ListPageResource : public RestResource {
+  public:
+    explicit ListPageResource(AgentService& service) : service_(service) {}
+    void get(RequestContext& context, Responder respond) override {
+        answer_page(service_, context, "list.html", respond);
+    }
+
+  private:
+    AgentService& service_;
+};
+
+// What the list page polls (under its cookie's scope): each session's model, as GET /agent/v1/sessions.
+class ListDataResource : public RestResource {
+  public:
+    explicit ListDataResource(AgentService& service) : service_(service) {}
+    void get(RequestContext&, Responder respond) override {
+        nlohmann::json sessions = nlohmann::json::array();
+        for (const auto& session : service_.sessions().list())
+            sessions.push_back(session->model());
+        HttpResponse response = json_response(http::status::ok, {{"sessions", sessions}});
+        response.set(http::field::cache_control, "no-store");
+        response.set("X-Content-Type-Options", "nosniff");
+        respond(std::move(response));
+    }
+
+  private:
+    AgentService& service_;
+};
+
+// A link of the list page: the list's cookie (or a token) opens a session's page by a 303 with that page's
+// own cookie (the list's cookie is not sent to a session's path).
+class OpenResource : public RestResource {
+  public:
+    explicit OpenResource(AgentService& service) : service_(service) {}
+    void get(RequestContext& context, Responder respond) override {
+        const std::string& id = context.param("session");
+        listed_session(service_, id);
+        std::string base = context.base_url;
+        if (base.ends_with('/'))
+            base.pop_back();
+        const std::string scope = base + "/agent/v1/sessions/" + escaped_segment(id);
+        HttpResponse response{http::status::see_other, context.request.version()};
+        response.set(http::field::location, scope + "/view");
+        response.set(http::field::cache_control, "no-store");
+        response.set("Referrer-Policy", "no-referrer");
+        const TokenAuthenticator& auth = service_.gateway().auth;
+        if (auth.enabled() && context.principal.is_operator())
+            response.set(http::field::set_cookie, std::string(TokenAuthenticator::view_cookie_name) + "=" +
+                                                      auth.view_cookie(scope) +
+                                                      "; HttpOnly; SameSite=Strict; Path=" + scope);
+        response.prepare_payload();
+        respond(std::move(response));
+    }
+
+  private:
+    // A session id as one path segment (ids are [A-Za-z0-9-]; anything else is percent-encoded).
+    static std::string escaped_segment(std::string_view id) {
+        static constexpr char hex[] = "0123456789ABCDEF";
+        std::string out;
+        for (const unsigned char c : id) {
+            if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+                out += static_cast<char>(c);
+            } else {
+                out += '%';
+                out += hex[c >> 4];
+                out += hex[c & 15];
+            }
+        }
+        return out;
+    }
+    AgentService& service_;
+};
+
+class StaticResource : public RestResource {
+  public:
+    explicit StaticResource(AgentService& service) : service_(service) {}
+    void get(RequestContext& context, Responder respond) override {
+        if (const auto session = context.params.find("session"); session != context.params.end())
+            listed_session(service_, session->second);
+        const std::string& name = context.param("file");
+        for (const StaticFile& file : static_files)
+            if (file.name == name)
+                return respond(view_response(context, view_file(file.name), file.content_type, file.policy));
+        respond(json_error(http::status::not_found, "no such file of the live page: " + name, "not_found"));
+    }
+
+  private:
+    AgentService& service_;
+};
+
 }  // namespace
 
 void register_live_view(Router& router, AgentService& service) {
     router.add("/agent/v1/sessions/{session}/events", std::make_shared<EventsResource>(service));
+    router.add("/agent/v1/sessions/{session}/view", std::make_shared<SessionPageResource>(service));
+    router.add("/agent/v1/sessions/{session}/view/static/{file}", std::make_shared<StaticResource>(service));
+    router.add("/agent/v1/view", std::make_shared<ListPageResource>(service));
+    router.add("/agent/v1/view/sessions", std::make_shared<ListDataResource>(service));
+    router.add("/agent/v1/view/open/{session}", std::make_shared<OpenResource>(service));
+    router.add("/agent/v1/view/static/{file}", std::make_shared<StaticResource>(service));
 }
 
 }  // namespace cellblock::gateway::agent

@@ -1,6 +1,7 @@
 #pragma once
 // Token authentication (?token=, "Authorization: token X", "Authorization: Bearer X", compared in constant
-// time) and the CORS / origin policy, shared by REST and WebSocket upgrades.
+// time; the live page's cookie on its own GET paths) and the CORS / origin policy, shared by REST and
+// WebSocket upgrades.
 #include <map>
 #include <optional>
 #include <string>
@@ -27,6 +28,21 @@ class TokenAuthenticator {
     bool authorized(const HttpRequest& request, const std::map<std::string, std::string>& query) const {
         return authenticate(request, query).has_value();
     }
+    // The answer to a request without a valid token: 401 JSON, or for a GET of a live page (.../view) a
+    // short HTML page that says to open it once with ?token=.
+    HttpResponse refusal(const HttpRequest& request) const;
+
+    // The live page's cookie (gateway/src/agent/README.md, "The live page"): `cellblock_view` with the value
+    // HMAC-SHA256(key = the gateway's token, "view:" + scope), where the scope is the cookie's Path: a
+    // session's "<base>/agent/v1/sessions/{id}" or the list's "<base>/agent/v1/view". It stands for the
+    // operator, only on GET requests of the page's own paths inside its scope (the page, its static files,
+    // its events; the list's data and its links to the sessions' pages), never for the API. Tenants' tokens
+    // are stored hashed, so no cookie derives from them (the page is the operator's for now).
+    static constexpr std::string_view view_cookie_name = "cellblock_view";
+    std::string view_cookie(std::string_view scope) const;
+    // The scope a view cookie must be derived for to be accepted on a GET of `path` (the raw path, without
+    // the query); nullopt for a path that no cookie opens.
+    static std::optional<std::string_view> view_cookie_scope(std::string_view path);
 
   private:
     std::string token_;
