@@ -377,3 +377,22 @@ def test_jupyterlab_4_in_chromium_watches_and_shares_an_agent_kernel(gateway, no
     assert "GatewayKernelManager using existing kernel" in jupyterlab_server["server"].log_text(), \
         "Jupyter Server adopted the agent's kernel rather than starting one"
     gateway.assert_alive()
+
+
+def test_live_page_in_chromium_follows_an_agent_session(gateway, node_clients):
+    """The gateway's own live page of an agent session (share/cellblock/view/) in headless Chromium: a print in the
+    DOM within 1 s of its stdout event, a plot as an image (screenshot), a coloured traceback, hostile HTML that
+    reads and sends nothing, a reconnect that shows each missed cell once, 1,000 cells opening within 1 s."""
+    screenshot = ARTIFACTS_DIR / "live-page.png"
+    screenshot.unlink(missing_ok=True)
+    try:
+        output = run_node_test(node_clients, "live-page.test.js", {
+            "GATEWAY_URL": gateway.url, "GATEWAY_TOKEN": gateway.token, "SCREENSHOT_PATH": str(screenshot),
+        })
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}\n--- gateway log ---\n{gateway.log_tail()}") from None
+    for line in output.splitlines():
+        if "[live-page]" in line:
+            print(line.strip(), file=sys.stderr)
+    assert screenshot.is_file(), "the screenshot artifact was written"
+    gateway.assert_alive()

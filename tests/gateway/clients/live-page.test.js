@@ -1,0 +1,322 @@
+'use strict';
+// The live page of an agent session (GET /agent/v1/sessions/{id}/view, share/cellblock/view/) in headless
+// Chromium, driven by playwright-core, while an agent works through the agent API (/agent/v1). The browser
+// reaches the gateway through a TCP relay started here: it sees every request the browser sends (the proof
+// that a hostile output sent none) and can cut the page's connections (the reconnect check).
+//
+// Environment: GATEWAY_URL, GATEWAY_TOKEN, SCREENSHOT_PATH, optional CHROMIUM, optional LIVE_PAGE_UNSAFE=1 (takes
+// the sandbox and the frame's policy away in the browser, to show the hostile-output test fails without them).
+// Run: node --test live-page.test.js
+const { test, before, after } = require('node:test');
+const assert = require('node:assert/strict');
+const http = require('node:http');
+const net = require('node:net');
+const { openHeadlessChromium } = require('./headless-chromium');
+
+const GATEWAY_URL = requiredEnv('GATEWAY_URL');
+const GATEWAY_TOKEN = requiredEnv('GATEWAY_TOKEN');
+const SCREENSHOT_PATH = requiredEnv('SCREENSHOT_PATH');
+const UNSAFE = process.env.LIVE_PAGE_UNSAFE === '1';
+const WAIT_MS = 60_000;
+const CELLS = Number(process.env.LIVE_PAGE_CELLS || 1000);
+
+function requiredEnv(name) {
+  const value = process.env[name];
+  if (!value) throw new Error(`${name} must be set`);
+  return value;
+}
+
+// ------------------------------------------------------------------------------------------- the relay
+// Forwards TCP to the gateway; notes the request line of every HTTP request the browser sends; `cut()` drops
+// every connection and refuses new ones until `restore()`.
+function startRelay(target) {
+  const targetUrl = new URL(target);
+  const sockets = new Set();
+  const requests = [];
+  let refusing = false;
+  const server = net.createServer((client) => {
+    if (refusing) return client.destroy();
+    const upstream = net.connect(Number(targetUrl.port), targetUrl.hostname);
+    sockets.add(client);
+    sockets.add(upstream);
+    let pending = '';
+    client.on('data', (chunk) => {
+      pending = (pending + chunk.toString('latin1')).slice(-65536);
+      for (let match; (match = /(GET|POST|PUT|DELETE|HEAD|OPTIONS|PATCH) (\S+) HTTP\/1\.[01]\r\n/.exec(pending));) {
+        requests.push(`${match[1]} ${match[2]}`);
+        pending = pending.slice(match.index + match[0].length);
+      }
+    });
+    client.pipe(upstream);
+    upstream.pipe(client);
+    const drop = () => { client.destroy(); upstream.destroy(); sockets.delete(client); sockets.delete(upstream); };
+    client.on('error', drop);
+    upstream.on('error', drop);
+    client.on('close', drop);
+    upstream.on('close', drop);
+  });
+  return new Promise((resolve) => server.listen(0, '127.0.0.1', () => resolve({
+    url: `http://127.0.0.1:${server.address().port}`,
+    requests,
+    cut() { refusing = true; for (const socket of sockets) socket.destroy(); sockets.clear(); },
+    restore() { refusing = false; },
+    close() { for (const socket of sockets) socket.destroy(); server.close(); },
+  })));
+}
+
+// --------------------------------------------------------------------------------------- the agent API
+async function api(method, path, body) {
+  const response = await fetch(`${GATEWAY_URL}${path}`, {
+    method,
+    headers: { Authorization: `token ${GATEWAY_TOKEN}`, 'Content-Type': 'application/json' },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await response.text();
+  assert.ok(response.ok, `${method} ${path}: ${response.status} ${text}`);
+  return JSON.parse(text);
+}
+
+// Runs `code` with the NDJSON stream; `onEvent(event, receivedAtMs)` sees each event as it arrives.
+function executeStreaming(session, code, onEvent) {
+  return new Promise((resolve, reject) => {
+    const url = new URL(`${GATEWAY_URL}/agent/v1/sessions/${session}/execute`);
+    const request = http.request(url, {
+      method: 'POST',
+      headers: { Authorization: `token ${GATEWAY_TOKEN}`, 'Content-Type': 'application/json',
+        Accept: 'application/x-ndjson' },
+    }, (response) => {
+      let buffer = '';
+      let last = null;
+      response.setEncoding('utf8');
+      response.on('data', (chunk) => {
+        const now = Date.now();
+        buffer += chunk;
+        let newline;
+        while ((newline = buffer.indexOf('\n')) >= 0) {
+          const line = buffer.slice(0, newline).trim();
+          buffer = buffer.slice(newline + 1);
+          if (!line) continue;
+          last = JSON.parse(line);
+          if (onEvent) onEvent(last, now);
+        }
+      });
+      response.on('end', () => resolve(last));
+      response.on('error', reject);
+    });
+    request.on('error', reject);
+    request.end(JSON.stringify({ code }));
+  });
+}
+
+let browser;
+let page;
+let relay;
+let session;
+
+before(async () => {
+  relay = await startRelay(GATEWAY_URL);
+  session = (await api('POST', '/agent/v1/sessions', {})).id;
+  browser = await openHeadlessChromium({ width: 1100, height: 900 });
+  page = browser.page;
+  if (UNSAFE) {
+    // Only to show the hostile-output test red: no sandbox attribute, no policy in or on the frame.
+    await page.route('**/view/static/page.js', async (route) => {
+      const response = await route.fetch();
+      const body = (await response.text())
+        .replace("iframe.setAttribute('sandbox', 'allow-scripts');", '')
+        .replace('<meta http-equiv="Content-Security-Policy" content="${FRAME_POLICY}">', '');
+      await route.fulfill({ response, body });
+    });
+    await page.route('**/view/static/frame.html', async (route) => {
+      const response = await route.fetch();
+      const headers = { ...response.headers() };
+      delete headers['content-security-policy'];
+      await route.fulfill({ response, headers });
+    });
+  }
+  // Every message the page receives from a frame, for the hostile-output test (installed before the page's own
+  // script; Playwright's init scripts are not subject to the page's policy).
+  await page.addInitScript(() => {
+    window.hostileReports = [];
+    addEventListener('message', (event) => {
+      if (event.data && event.data.hostile) window.hostileReports.push(event.data);
+    });
+  });
+});
+
+after(async () => {
+  if (browser) await browser.close();
+  if (relay) relay.close();
+});
+
+function failOnProblems() {
+  const problems = browser.problems.filter((problem) =>
+    !/Content Security Policy|net::ERR_|Failed to load resource|ERR_CONNECTION|EventSource/.test(problem));
+  assert.deepEqual(problems, [], 'the page had no errors of its own');
+}
+
+// Resolves with Date.now() at the moment the page's DOM first has `marker` in a cell (a MutationObserver in
+// the page notes it).
+async function watchFor(marker) {
+  await page.evaluate((text) => {
+    window.seenAt = window.seenAt || {};
+    const observer = new MutationObserver(() => {
+      if (document.getElementById('cells').textContent.includes(text)) {
+        window.seenAt[text] = Date.now();
+        observer.disconnect();
+      }
+    });
+    observer.observe(document.getElementById('cells'), { childList: true, subtree: true, characterData: true });
+  }, marker);
+  return async () => {
+    const handle = await page.waitForFunction((text) => window.seenAt && window.seenAt[text], marker,
+      { timeout: WAIT_MS });
+    return handle.jsonValue();
+  };
+}
+
+test('the token travels once: a 303 takes it out of the address, the cookie is HttpOnly', async () => {
+  await page.goto(`${relay.url}/agent/v1/sessions/${session}/view?token=${GATEWAY_TOKEN}`);
+  assert.equal(page.url(), `${relay.url}/agent/v1/sessions/${session}/view`);
+  assert.ok(!page.url().includes(GATEWAY_TOKEN));
+  await page.waitForFunction(() => document.getElementById('connection').textContent === 'live', null,
+    { timeout: WAIT_MS });
+  assert.equal(await page.evaluate(() => document.cookie), '', 'the page script cannot read the cookie');
+  const cookies = await page.context().cookies();
+  const view = cookies.find((cookie) => cookie.name === 'cellblock_view');
+  assert.ok(view && view.httpOnly && view.sameSite === 'Strict' && view.path === `/agent/v1/sessions/${session}`);
+  assert.notEqual(view.value, GATEWAY_TOKEN);
+  assert.ok(relay.requests.every((line) => !line.includes(GATEWAY_TOKEN) || line.includes('view?token=')),
+    'the token went over the wire once, in the first request');
+});
+
+test('a print shows in the page within 1 s of its stdout event', async () => {
+  const latencies = [];
+  for (let round = 0; round < 5; round++) {
+    const marker = `printed-live-${round}-${process.pid}`;
+    const seen = await watchFor(marker);
+    let stdoutAt = null;
+    const answer = await executeStreaming(session,
+      `import time\nprint(${JSON.stringify(marker)}, flush=True)\ntime.sleep(0.3)`,
+      (event, at) => { if (event.type === 'stdout' && event.text.includes(marker) && stdoutAt === null) stdoutAt = at; });
+    assert.equal(answer.status, 'ok', JSON.stringify(answer));
+    assert.ok(stdoutAt !== null, 'the execute streamed its stdout');
+    latencies.push((await seen()) - stdoutAt);
+  }
+  latencies.sort((a, b) => a - b);
+  console.log(`[live-page] stdout event -> page DOM: median ${latencies[2]} ms, max ${latencies[4]} ms ` +
+    `(${latencies.join(', ')})`);
+  assert.ok(latencies[4] <= 1000, `within 1 s: ${latencies}`);
+  const cell = page.locator('section.cell', { hasText: `printed-live-4-${process.pid}` });
+  await cell.locator('.outcome', { hasText: 'ok' }).waitFor({ timeout: WAIT_MS });
+  assert.match(await cell.locator('.duration').textContent(), /\d+(\.\d+)? m?s/);
+});
+
+test('a matplotlib plot renders as an image', async () => {
+  const answer = await executeStreaming(session,
+    "import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\n" +
+    "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2, 5], marker='o')\nplt.title('live page')\nplt.show()");
+  assert.equal(answer.status, 'ok', JSON.stringify(answer));
+  const image = page.locator('section.cell .output-img img[src^="data:image/png;base64,"]').last();
+  await image.waitFor({ timeout: WAIT_MS });
+  await page.waitForFunction((img) => img.complete && img.naturalWidth > 100, await image.elementHandle(),
+    { timeout: WAIT_MS });
+  await image.scrollIntoViewIfNeeded();
+  await page.screenshot({ path: SCREENSHOT_PATH });
+});
+
+test('an error shows its traceback in colour, ANSI output too', async () => {
+  await executeStreaming(session,
+    "print('\\x1b[31mred text\\x1b[0m plain')\ndef ratio(a, b):\n    return a / b\nratio(1, 0)");
+  const cell = page.locator('section.cell.error', { hasText: 'ratio(1, 0)' });
+  await cell.locator('.outcome', { hasText: 'error' }).waitFor({ timeout: WAIT_MS });
+  const exception = cell.locator('.traceback .tb-exc, .traceback [class*="ansi-fg"]').last();
+  await exception.waitFor({ timeout: WAIT_MS });
+  assert.match(await cell.locator('.traceback').textContent(), /ZeroDivisionError/);
+  const colour = await exception.evaluate((node) => getComputedStyle(node).color);
+  assert.notEqual(colour, await page.evaluate(() => getComputedStyle(document.body).color), 'coloured');
+  const red = cell.locator('.stream .ansi-fg-1');
+  assert.equal(await red.textContent(), 'red text');
+  assert.doesNotMatch(await cell.locator('.stream').first().textContent(), /\x1b|\[31m/);
+});
+
+test('hostile HTML and img onerror in an output read nothing and send nothing', async () => {
+  const hostileHtml = [
+    '<p id="hostile">hostile output</p>',
+    '<script>',
+    'const report = (what, value) => parent.postMessage({hostile: what, value: String(value).slice(0, 300)}, "*");',
+    "fetch('/agent/v1/sessions?hostile=fetch').then(r => r.text()).then(t => report('fetch', t), e => report('fetch-failed', e));",
+    `fetch('/agent/v1/sessions/${session}/events?hostile=events', {headers: {Accept: 'text/event-stream'}})`,
+    "  .then(r => report('events', r.status), e => report('events-failed', e));",
+    "try { report('parent-dom', parent.document.body.textContent) } catch (e) { report('parent-dom-failed', e) }",
+    "try { report('cookie', document.cookie) } catch (e) { report('cookie-failed', e) }",
+    '</script>',
+    '<img src="x?hostile=img" onerror="fetch(\'/agent/v1/sessions?hostile=onerror\').then(r => r.text())' +
+      '.then(t => parent.postMessage({hostile: \'onerror\', value: t}, \'*\'), e => parent.postMessage(' +
+      '{hostile: \'onerror-failed\', value: String(e)}, \'*\'))">',
+  ].join('\n');
+  const answer = await executeStreaming(session,
+    `from IPython.display import HTML, display\ndisplay(HTML(${JSON.stringify(hostileHtml)}))`);
+  assert.equal(answer.status, 'ok', JSON.stringify(answer));
+  const frame = page.locator('section.cell .frame-holder iframe').last();
+  await frame.waitFor({ timeout: WAIT_MS });
+  if (!UNSAFE) assert.equal(await frame.getAttribute('sandbox'), 'allow-scripts');
+  // Each attempt reports once, as a success or a failure: wait for all five.
+  await page.waitForFunction(() => new Set(window.hostileReports.map((r) => r.hostile.replace('-failed', ''))).size >= 5,
+    null, { timeout: WAIT_MS });
+  const reports = await page.evaluate(() => window.hostileReports);
+  const succeeded = reports.filter((report) => !report.hostile.endsWith('-failed'));
+  assert.deepEqual(succeeded, [], `the output read something: ${JSON.stringify(succeeded)}`);
+  const sent = relay.requests.filter((line) => line.includes('hostile='));
+  assert.deepEqual(sent, [], 'no request of the output reached the gateway');
+  // The frame did render the output (it is contained, not just broken).
+  const inner = page.frameLocator('section.cell .frame-holder iframe').last();
+  assert.equal(await inner.locator('#hostile').textContent(), 'hostile output');
+});
+
+test('cells run while the page is cut off appear once each when it reconnects', async () => {
+  const markers = [0, 1, 2].map((i) => `while-offline-${i}-${process.pid}`);
+  relay.cut();
+  await page.waitForFunction(() => document.getElementById('connection').textContent !== 'live', null,
+    { timeout: WAIT_MS });
+  for (const marker of markers) {
+    const answer = await executeStreaming(session, `print(${JSON.stringify(marker)})`);
+    assert.equal(answer.status, 'ok');
+  }
+  const before = await page.evaluate(() => document.getElementById('cells').textContent);
+  assert.ok(markers.every((marker) => !before.includes(marker)), 'nothing arrived while cut off');
+  relay.restore();
+  await page.waitForFunction((texts) => texts.every((text) => document.getElementById('cells').textContent.includes(text)),
+    markers, { timeout: WAIT_MS });
+  await page.waitForFunction(() => document.getElementById('connection').textContent === 'live', null,
+    { timeout: WAIT_MS });
+  for (const marker of markers) {
+    assert.equal(await page.locator('section.cell .code', { hasText: marker }).count(), 1, `${marker}: one cell`);
+    assert.equal(await page.locator('section.cell .stream', { hasText: marker }).count(), 1, `${marker}: once`);
+  }
+  const numbers = await page.evaluate(() => [...document.querySelectorAll('section.cell')].map((c) => Number(c.dataset.cell)));
+  assert.deepEqual(numbers, [...numbers].sort((a, b) => a - b), 'cells in order');
+  assert.equal(new Set(numbers).size, numbers.length, 'no cell twice');
+  failOnProblems();
+});
+
+test(`a session of ${CELLS} cells opens within 1 s`, async () => {
+  const big = (await api('POST', '/agent/v1/sessions', {})).id;
+  let next = 0;
+  const worker = async () => {
+    while (next < CELLS) {
+      const index = next++;
+      await api('POST', `/agent/v1/sessions/${big}/execute`, { code: `print('cell ${index}')\n${index}` });
+    }
+  };
+  await Promise.all(Array.from({ length: 4 }, worker));
+  await page.goto(`${relay.url}/agent/v1/sessions/${big}/view?token=${GATEWAY_TOKEN}`);
+  const started = await page.evaluate(() => performance.timeOrigin);
+  await page.waitForFunction((count) => document.querySelectorAll('section.cell.ok').length >= count, CELLS,
+    { timeout: WAIT_MS, polling: 'raf' });
+  const done = await page.evaluate(() => performance.timeOrigin + performance.now());
+  const openMs = Math.round(done - started);
+  console.log(`[live-page] ${CELLS} cells: page open to every cell rendered ${openMs} ms`);
+  assert.ok(openMs <= 1000, `opened in ${openMs} ms`);
+  failOnProblems();
+});
