@@ -166,13 +166,13 @@ std::string client_path(const RequestContext& context) {
     return base + context.path;
 }
 
-// The session of that id held here, or 404 unknown_session. The pages take the operator's cookie or token
-// only (their resources do not serve tenants), so every session is theirs to see.
-void listed_session(AgentService& service, const std::string& id) {
+// The session of that id (or name) held here, or 404 unknown_session. The pages take the operator's cookie or
+// token only (their resources do not serve tenants), so every session is theirs to see.
+void listed_session(AgentService& service, const std::string& id_or_name) {
     for (const auto& session : service.sessions().list())
-        if (session->id() == id)
+        if (session->id() == id_or_name || session->name() == id_or_name)
             return;
-    throw HttpError(http::status::not_found, "no session " + id, "unknown_session");
+    throw HttpError(http::status::not_found, "no agent session " + id_or_name, "unknown_session");
 }
 
 // A page (the session's or the list's), opened with the token once: ?token= answers 303 to the same path
