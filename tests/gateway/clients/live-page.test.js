@@ -320,3 +320,21 @@ test(`a session of ${CELLS} cells opens within 1 s`, async () => {
   assert.ok(openMs <= 1000, `opened in ${openMs} ms`);
   failOnProblems();
 });
+
+test('the list page shows each session live and its link opens the session page', async () => {
+  await page.goto(`${relay.url}/agent/v1/view?token=${GATEWAY_TOKEN}`);
+  assert.equal(page.url(), `${relay.url}/agent/v1/view`);
+  const row = page.locator('#sessions tbody tr', { has: page.locator(`a[href="view/open/${session}"]`) });
+  await row.waitFor({ timeout: WAIT_MS });
+  assert.equal(await row.locator('td').nth(1).textContent(), 'idle');
+  // A running cell shows as running on the next poll, and idle again after.
+  const running = executeStreaming(session, "import time\nprint('list-page', flush=True)\ntime.sleep(1.5)");
+  await row.locator('td', { hasText: 'running' }).waitFor({ timeout: WAIT_MS });
+  await running;
+  await row.locator('td', { hasText: 'idle' }).waitFor({ timeout: WAIT_MS });
+  await row.locator('a').click();
+  await page.waitForURL(`${relay.url}/agent/v1/sessions/${session}/view`, { timeout: WAIT_MS });
+  await page.locator('section.cell .stream', { hasText: 'list-page' }).waitFor({ timeout: WAIT_MS });
+  assert.equal(await page.evaluate(() => document.cookie), '');
+  failOnProblems();
+});
