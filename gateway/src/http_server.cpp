@@ -361,14 +361,6 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         auto principal = context_.auth.authenticate(request_, request_context.query);
         if (!principal)
             return write(context_.auth.refusal(request_), upgrade ? false : keep_alive);
-        // Tenants' tokens authenticate, but no route isolates what a tenant sees yet: until one does, each
-        // is the operator's alone (gateway/README.md, "Tenants").
-        if (!principal->is_operator())
-            return write(
-                json_error(http::status::forbidden,
-                           "this gateway serves only the operator's token on " + request_context.path,
-                           "operator_only"),
-                upgrade ? false : keep_alive);
         request_context.principal = *principal;
         pending_.reset();  // authenticated: no longer counted against the caps on unauthenticated connections
         if (upgrade)
@@ -627,6 +619,8 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
             return write(json_error(http::status::bad_request, match->refusal, "bad_path"), false);
         request_context.params = match->params;
         RestResource* resource = match->resource;
+        if (auto refusal = principal_refusal(*resource, request_context, http::verb::connect))
+            return write(std::move(*refusal), false);
         if (auto refusal = resource->check_upgrade(request_context))
             return write(std::move(*refusal), false);
         const std::string subprotocol = resource->select_subprotocol(request_context);

@@ -202,6 +202,8 @@ json Kernel::model() const {
                   {"last_activity", format_iso8601_utc(last_activity_)},
                   {"execution_state", kernel_state_name(state())},
                   {"connections", connections_}};
+    if (!tenant_.empty())
+        model["tenant"] = tenant_;
     // Where a kernel not local to the gateway runs, and while it starts, what it waits for (a pending job's
     // reason from Slurm).
     if (reports_connection() && process_) {
@@ -565,6 +567,7 @@ KernelRecord Kernel::record(bool pooled) const {
     record.pooled = pooled;
     record.last_iopub_id = last_iopub_id_;
     record.created = launch_.created;
+    record.tenant = tenant_;
     if (reports_connection() && process_ && !endpoints_.tcp_ip.empty()) {
         record.provisioner = process_->describe();
         record.provisioner["ip"] = endpoints_.tcp_ip;

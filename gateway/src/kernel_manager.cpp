@@ -171,6 +171,7 @@ std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& recor
     launch.created = record.created;
     launch.last_iopub_id = record.last_iopub_id;
     auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
+    kernel->set_tenant(record.tenant);
     std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
     every_kernel_.push_back(kernel);
     watch_kernel(*kernel);
@@ -614,6 +615,7 @@ void KernelManager::start_kernel(const KernelStartRequest& request, const StartH
         on_started(KernelStartError{KernelStartError::Kind::failed, error.what()});
         return;
     }
+    kernel->set_tenant(request.tenant);
     ++reserved_;
     auto finish = [this, kernel, on_started](std::optional<std::string> error) {
         --reserved_;

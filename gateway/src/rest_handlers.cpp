@@ -43,10 +43,16 @@ HttpResponse kernel_not_found(const std::string& id) {
     return json_error(http::status::not_found, "Kernel does not exist: " + id);
 }
 
-std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string& id) {
+// The kernel `id` as `principal` sees it: another tenant's kernel is no kernel (principal.hpp).
+std::shared_ptr<Kernel> visible(std::shared_ptr<Kernel> kernel, const Principal& principal) {
+    return kernel && principal.sees(kernel->tenant()) ? std::move(kernel) : nullptr;
+}
+
+std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string& id,
+                                    const Principal& principal) {
     if (!looks_like_kernel_id(id))
         return nullptr;
-    return services.kernels.find_or_attach(id);
+    return visible(services.kernels.find_or_attach(id), principal);
 }
 
 // A resource of one kernel: before its handler runs, a kernel another gateway runs (shared store) is
@@ -54,6 +60,7 @@ std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string
 class OneKernelResource : public RestResource {
   public:
     explicit OneKernelResource(GatewayServices& services) : services_(services) {}
+    bool serves_tenants() const override { return true; }
     void prepare(RequestContext& context, const std::function<void(RequestContext&)>& proceed) override {
         const std::string& id = context.param("kernel_id");
         if (!looks_like_kernel_id(id))
@@ -66,7 +73,7 @@ class OneKernelResource : public RestResource {
   protected:
     std::shared_ptr<Kernel> held_kernel(RequestContext& context) const {
         const std::string& id = context.param("kernel_id");
-        return looks_like_kernel_id(id) ? services_.kernels.find(id) : nullptr;
+        return looks_like_kernel_id(id) ? visible(services_.kernels.find(id), context.principal) : nullptr;
     }
     GatewayServices& services_;
 };
@@ -122,8 +129,10 @@ std::string optional_string(const json& body, const char* key) {
     return found->get<std::string>();
 }
 
+// Nobody's own: the version, and the kernelspecs every client lists before it starts a kernel.
 class ApiRootResource : public RestResource {
   public:
+    bool serves_tenants() const override { return true; }
     void get(RequestContext&, Responder respond) override {
         respond(json_response(http::status::ok, {{"version", CELLBLOCK_GATEWAY_VERSION},
                                                  {"gateway_version", CELLBLOCK_GATEWAY_VERSION},
@@ -158,6 +167,7 @@ class StatusResource : public RestResource {
 class KernelSpecsResource : public RestResource {
   public:
     explicit KernelSpecsResource(GatewayServices& services) : services_(services) {}
+    bool serves_tenants() const override { return true; }
     void get(RequestContext& context, Responder respond) override {
         services_.kernelspecs.refresh();
         respond(json_response(http::status::ok, services_.kernelspecs.list_model(context.base_url)));
@@ -170,6 +180,7 @@ class KernelSpecsResource : public RestResource {
 class KernelSpecResource : public RestResource {
   public:
     explicit KernelSpecResource(GatewayServices& services) : services_(services) {}
+    bool serves_tenants() const override { return true; }
     void get(RequestContext& context, Responder respond) override {
         const std::string& name = context.param("name");
         auto spec = services_.kernelspecs.find(name);
@@ -187,6 +198,7 @@ class KernelSpecResource : public RestResource {
 class KernelSpecFileResource : public RestResource {
   public:
     explicit KernelSpecFileResource(GatewayServices& services) : services_(services) {}
+    bool serves_tenants() const override { return true; }
     void get(RequestContext& context, Responder respond) override {
         auto path = services_.kernelspecs.resource_path(context.param("name"), context.param("file"));
         if (!path) {
@@ -220,19 +232,22 @@ class KernelsResource : public RestResource {
   public:
     explicit KernelsResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
-    void get(RequestContext&, Responder respond) override {
+    bool serves_tenants() const override { return true; }
+    void get(RequestContext& context, Responder respond) override {
         if (!services_.config.list_kernels) {
             respond(json_error(http::status::forbidden, "Forbidden"));
             return;
         }
         json models = json::array();
         for (const auto& kernel : services_.kernels.list_everywhere())
-            models.push_back(kernel->model());
+            if (context.principal.sees(kernel->tenant()))
+                models.push_back(kernel->model());
         respond(json_response(http::status::ok, models));
     }
     void post(RequestContext& context, Responder respond) override {
         const json body = context.json_body();
         KernelStartRequest request{optional_string(body, "name"), request_env(body)};
+        request.tenant = context.principal.tenant;
         const std::string base_url = context.base_url;
         services_.kernels.start_kernel(request, [respond, base_url](auto result) {
             if (auto* error = std::get_if<KernelStartError>(&result)) {
@@ -304,11 +319,12 @@ class KernelChannelsResource : public RestResource {
   public:
     explicit KernelChannelsResource(GatewayServices& services) : services_(services) {}
     bool accepts_websocket() const override { return true; }
+    bool serves_tenants() const override { return true; }
     void get(RequestContext&, Responder respond) override {
         respond(json_error(http::status::bad_request, "This endpoint only accepts WebSocket upgrades"));
     }
     std::optional<HttpResponse> check_upgrade(RequestContext& context) override {
-        if (!find_kernel(services_, context.param("kernel_id")))
+        if (!find_kernel(services_, context.param("kernel_id"), context.principal))
             return kernel_not_found(context.param("kernel_id"));
         return std::nullopt;
     }
@@ -334,7 +350,7 @@ class KernelChannelsResource : public RestResource {
         return {};
     }
     void on_upgraded(RequestContext& context, std::shared_ptr<WebSocketTransport> transport) override {
-        auto kernel = find_kernel(services_, context.param("kernel_id"));
+        auto kernel = find_kernel(services_, context.param("kernel_id"), context.principal);
         if (!kernel) {
             transport->close("kernel does not exist");
             return;
@@ -394,13 +410,15 @@ class SessionsResource : public RestResource {
   public:
     explicit SessionsResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
-    void get(RequestContext&, Responder respond) override {
+    bool serves_tenants() const override { return true; }
+    void get(RequestContext& context, Responder respond) override {
         if (!services_.config.list_kernels)
             return respond(json_error(http::status::forbidden, "Forbidden"));
         prune_sessions(services_);
         json models = json::array();
         for (const auto& [id, record] : services_.sessions.all())
-            models.push_back(session_model(services_, record));
+            if (context.principal.sees(record.tenant))
+                models.push_back(session_model(services_, record));
         respond(json_response(http::status::ok, models));
     }
     void post(RequestContext& context, Responder respond) override {
@@ -419,7 +437,8 @@ class SessionsResource : public RestResource {
             throw HttpError(http::status::bad_request, "Missing field in JSON data: type");
         std::string name = optional_string(body, "name");
         const std::string location_base = context.base_url + "api/sessions/";
-        if (JupyterSessionRecord* existing = services_.sessions.find_by_path(path)) {
+        const std::string tenant = context.principal.tenant;
+        if (JupyterSessionRecord* existing = services_.sessions.find_by_path(path, tenant)) {
             respond(created(session_model(services_, *existing), location_base + existing->id));
             return;
         }
@@ -427,16 +446,17 @@ class SessionsResource : public RestResource {
             body.contains("kernel") && body["kernel"].is_object() ? body["kernel"] : json::object();
         const std::string kernel_id = optional_string(kernel_request, "id");
         if (!kernel_id.empty()) {
-            if (!find_kernel(services_, kernel_id))
+            if (!find_kernel(services_, kernel_id, context.principal))
                 throw HttpError(http::status::not_found, "Kernel does not exist: " + kernel_id);
-            JupyterSessionRecord& record = services_.sessions.create(path, name, type, kernel_id);
+            JupyterSessionRecord& record = services_.sessions.create(path, name, type, kernel_id, tenant);
             answer_once_stored(services_, std::move(respond),
                                created(session_model(services_, record), location_base + record.id));
             return;
         }
         KernelStartRequest request{optional_string(kernel_request, "name"), request_env(kernel_request)};
+        request.tenant = tenant;
         GatewayServices& services = services_;
-        services_.kernels.start_kernel(request, [&services, respond, path, name, type, location_base,
+        services_.kernels.start_kernel(request, [&services, respond, path, name, type, location_base, tenant,
                                                  kernel_name = request.name](auto result) {
             if (auto* error = std::get_if<KernelStartError>(&result)) {
                 if (error->kind == KernelStartError::Kind::no_such_kernel) {
@@ -449,7 +469,7 @@ class SessionsResource : public RestResource {
                 return;
             }
             const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
-            JupyterSessionRecord& record = services.sessions.create(path, name, type, kernel->id());
+            JupyterSessionRecord& record = services.sessions.create(path, name, type, kernel->id(), tenant);
             answer_once_stored(services, respond,
                                created(session_model(services, record), location_base + record.id));
         });
@@ -463,9 +483,10 @@ class SessionResource : public RestResource {
   public:
     explicit SessionResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, PATCH, DELETE, OPTIONS"; }
+    bool serves_tenants() const override { return true; }
     void get(RequestContext& context, Responder respond) override {
         prune_sessions(services_);
-        JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
+        JupyterSessionRecord* record = visible_session(context);
         if (!record)
             return respond(session_not_found(context));
         respond(json_response(http::status::ok, session_model(services_, *record)));
@@ -473,7 +494,7 @@ class SessionResource : public RestResource {
     void patch(RequestContext& context, Responder respond) override {
         const json body = context.json_body();
         prune_sessions(services_);
-        JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
+        JupyterSessionRecord* record = visible_session(context);
         if (!record)
             return respond(session_not_found(context));
         if (body.contains("path"))
@@ -487,7 +508,7 @@ class SessionResource : public RestResource {
         const std::string kernel_id = optional_string(kernel_request, "id");
         const std::string kernel_name = optional_string(kernel_request, "name");
         if (!kernel_id.empty()) {
-            if (!find_kernel(services_, kernel_id))
+            if (!find_kernel(services_, kernel_id, context.principal))
                 throw HttpError(http::status::bad_request, "Kernel does not exist: " + kernel_id);
             record->kernel_id = kernel_id;
             services_.sessions.save(*record);
@@ -495,8 +516,9 @@ class SessionResource : public RestResource {
             // A new kernel of another spec replaces the old one, which is shut down once the new one runs.
             GatewayServices& services = services_;
             const std::string session_id = record->id;
-            services_.kernels.start_kernel(KernelStartRequest{kernel_name, {}}, [&services, respond,
-                                                                                 session_id](auto result) {
+            KernelStartRequest request{kernel_name, {}};
+            request.tenant = record->tenant;
+            services_.kernels.start_kernel(request, [&services, respond, session_id](auto result) {
                 if (auto* error = std::get_if<KernelStartError>(&result))
                     return respond(start_error_response(*error));
                 JupyterSessionRecord* current = services.sessions.find(session_id);
@@ -518,7 +540,7 @@ class SessionResource : public RestResource {
     }
     void delete_(RequestContext& context, Responder respond) override {
         prune_sessions(services_);
-        JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
+        JupyterSessionRecord* record = visible_session(context);
         if (!record)
             return respond(session_not_found(context));
         const std::string kernel_id = record->kernel_id;
@@ -529,6 +551,11 @@ class SessionResource : public RestResource {
     }
 
   private:
+    // The session named by the path, as the request's principal sees it (another tenant's is none).
+    JupyterSessionRecord* visible_session(RequestContext& context) {
+        JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));
+        return record && context.principal.sees(record->tenant) ? record : nullptr;
+    }
     static HttpResponse session_not_found(RequestContext& context) {
         return json_error(http::status::not_found, "Session not found: " + context.param("session_id"));
     }

@@ -189,6 +189,22 @@ std::optional<Router::Match> Router::match(std::string_view path) const {
     return std::nullopt;
 }
 
+std::optional<HttpResponse> principal_refusal(const RestResource& resource, const RequestContext& context,
+                                              http::verb method) {
+    const Principal& principal = context.principal;
+    if (principal.is_operator())
+        return std::nullopt;
+    if (!resource.serves_tenants())
+        return json_error(http::status::forbidden, "only the operator's token may use " + context.path,
+                          "operator_only");
+    if (!principal.may(resource.action(method)))
+        return json_error(http::status::forbidden,
+                          std::string("a token of role ") + role_name(principal.role) + " may not " +
+                              std::string(http::to_string(method)) + " " + context.path,
+                          "role_forbidden");
+    return std::nullopt;
+}
+
 void Router::dispatch(RequestContext& context, Responder respond) const {
     auto found = match(context.path);
     if (!found) {
@@ -201,6 +217,8 @@ void Router::dispatch(RequestContext& context, Responder respond) const {
     }
     context.params = std::move(found->params);
     RestResource& resource = *found->resource;
+    if (auto refusal = principal_refusal(resource, context, context.request.method()))
+        return respond(std::move(*refusal));
     auto invoke = [&resource, respond](RequestContext& ready) { call_method(resource, ready, respond); };
     try {
         resource.prepare(context, invoke);

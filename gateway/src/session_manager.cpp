@@ -7,20 +7,22 @@ namespace cellblock::gateway {
 using nlohmann::json;
 
 json JupyterSessionRecord::to_json() const {
-    return {{"id", id}, {"path", path}, {"name", name}, {"type", type}, {"kernel_id", kernel_id}};
+    return {{"id", id},     {"path", path},           {"name", name},
+            {"type", type}, {"kernel_id", kernel_id}, {"tenant", tenant}};
 }
 
 std::optional<JupyterSessionRecord> JupyterSessionRecord::from_json(const json& stored) {
     if (!stored.is_object() || !stored.contains("id") || !stored["id"].is_string())
         return std::nullopt;
-    return JupyterSessionRecord{stored.value("id", ""), stored.value("path", ""), stored.value("name", ""),
-                                stored.value("type", ""), stored.value("kernel_id", "")};
+    return JupyterSessionRecord{stored.value("id", ""),        stored.value("path", ""),
+                                stored.value("name", ""),      stored.value("type", ""),
+                                stored.value("kernel_id", ""), stored.value("tenant", "")};
 }
 
 JupyterSessionRecord& JupyterSessionManager::create(std::string path, std::string name, std::string type,
-                                                    std::string kernel_id) {
-    JupyterSessionRecord record{new_uuid(), std::move(path), std::move(name), std::move(type),
-                                std::move(kernel_id)};
+                                                    std::string kernel_id, std::string tenant) {
+    JupyterSessionRecord record{new_uuid(),      std::move(path),      std::move(name),
+                                std::move(type), std::move(kernel_id), std::move(tenant)};
     auto [it, inserted] = sessions_.emplace(record.id, record);
     save(it->second);
     return it->second;
@@ -31,9 +33,10 @@ JupyterSessionRecord* JupyterSessionManager::find(const std::string& id) {
     return found == sessions_.end() ? nullptr : &found->second;
 }
 
-JupyterSessionRecord* JupyterSessionManager::find_by_path(const std::string& path) {
+JupyterSessionRecord* JupyterSessionManager::find_by_path(const std::string& path,
+                                                          const std::string& tenant) {
     for (auto& [id, record] : sessions_)
-        if (record.path == path)
+        if (record.path == path && record.tenant == tenant)
             return &record;
     return nullptr;
 }

@@ -140,8 +140,11 @@ std::optional<Principal> TenantDirectory::resolve(std::string_view token) const 
     if (found == tokens_by_digest_.end())
         return std::nullopt;
     const TenantToken& record = found->second;
+    const auto tenant = tenants_.find(record.tenant);
+    if (tenant == tenants_.end())
+        return std::nullopt;
     return Principal{record.role == "approver" ? Principal::Role::approver : Principal::Role::agent,
-                     record.tenant, record.id};
+                     record.tenant, record.id, tenant->second.self_approve};
 }
 
 TenantDirectory::IssuedToken TenantDirectory::make_token(const std::string& tenant, const std::string& role) {

@@ -62,9 +62,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
     std::vector<std::function<void()>> pending;
     const McpProtocol protocol(
-        json::array({{{"name", "run_python"}}}),
-        [&](const std::string& tool, const json& arguments, const std::string&, const json& id,
-            const McpReply& reply) {
+        json::array({{{"name", "run_python"}}}), [&](const std::string& tool, const json& arguments,
+                                                     const Caller&, const json& id, const McpReply& reply) {
             require(arguments.is_object(), "a tool gets its arguments as an object");
             if (tool == "run_python")
                 AgentOperations::parse_execute_arguments(arguments);
@@ -83,7 +82,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
     int answers = 0;
     McpHttpAnswer answered;
-    protocol.handle_body(body, "fuzz", [&](McpHttpAnswer answer) {
+    protocol.handle_body(body, Caller{"fuzz", "mcp"}, [&](McpHttpAnswer answer) {
         ++answers;
         answered = std::move(answer);
     });

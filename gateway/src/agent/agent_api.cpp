@@ -90,12 +90,14 @@ const json* store_unavailable(const json& answer) {
 }
 
 Caller caller_of(const RequestContext& context, std::string via = "http") {
-    return {context.client_address, std::move(via)};
+    return {context.client_address, std::move(via), context.principal};
 }
 
 class AgentResource : public RestResource {
   public:
     explicit AgentResource(AgentService& service) : service_(service), operations_(service.operations()) {}
+    // Every agent resource shows a principal only the sessions it sees (AgentOperations).
+    bool serves_tenants() const override { return true; }
 
     // A request naming a session waits (off the io thread) for the shared store's word on it: deleted or
     // created through another gateway. Its handler then finds it without touching the store.
@@ -103,14 +105,14 @@ class AgentResource : public RestResource {
         const auto named = context.params.find("session");
         if (named == context.params.end())
             return proceed(context);
-        operations_.resolve(named->second,
+        operations_.resolve(context.principal, named->second,
                             [kept = std::make_shared<RequestContext>(context),
                              proceed = std::function<void(RequestContext&)>(proceed)] { proceed(*kept); });
     }
 
   protected:
     std::shared_ptr<AgentSession> session(RequestContext& context) const {
-        return operations_.session(context.param("session"));
+        return operations_.session(context.principal, context.param("session"));
     }
     AgentService& service_;
     AgentOperations& operations_;
@@ -123,9 +125,9 @@ class SessionsResource : public AgentResource {
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
 
-    void get(RequestContext&, Responder respond) override {
+    void get(RequestContext& context, Responder respond) override {
         json sessions = json::array();
-        for (const auto& session : operations_.sessions())
+        for (const auto& session : operations_.sessions(context.principal))
             sessions.push_back(session->model());
         respond(json_response(http::status::ok, {{"sessions", sessions}}));
     }
@@ -434,6 +436,9 @@ class ApprovalResource : public AgentResource {
   public:
     using AgentResource::AgentResource;
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
+    Principal::Action action(http::verb method) const override {
+        return method == http::verb::post ? Principal::Action::decide : AgentResource::action(method);
+    }
     void get(RequestContext& context, Responder respond) override {
         translated(respond, [&] {
             const std::string approval_id = context.param("approval");
@@ -475,9 +480,10 @@ void AgentService::start() {
     registry_.start();
 }
 
-std::shared_ptr<AgentSession> AgentService::require_session(const std::string& id_or_name) const {
+std::shared_ptr<AgentSession> AgentService::require_session(const Principal& principal,
+                                                            const std::string& id_or_name) const {
     try {
-        return operations_.session(id_or_name);
+        return operations_.session(principal, id_or_name);
     } catch (const OperationError& error) {
         throw HttpError(http_status(error.kind()), error.what(), error.reason());
     }
@@ -489,6 +495,7 @@ std::shared_ptr<AgentSession> AgentService::require_session(const std::string& i
 // generator or a fuzzer (tests/agent/test_openapi.py) gets the installed file as it is.
 class OpenApiResource : public RestResource {
   public:
+    bool serves_tenants() const override { return true; }  // nobody's own: the API's description
     explicit OpenApiResource(const std::filesystem::path& file) {
         std::ifstream in(file, std::ios::binary);
         std::ostringstream text;

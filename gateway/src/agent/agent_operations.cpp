@@ -147,7 +147,7 @@ void AgentOperations::create_session(const json& arguments, const Caller& caller
     }
     const NetworkRequest network =
         checked_network(arguments.contains("network") ? arguments["network"] : json(nullptr));
-    registry_.create(name, limits, network, caller.address,
+    registry_.create(name, caller.principal.tenant, limits, network, caller.address,
                      [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
                          if (error)
                              return then(from_registry(*error));
@@ -155,8 +155,9 @@ void AgentOperations::create_session(const json& arguments, const Caller& caller
                      });
 }
 
-AgentOperations::SessionPtr AgentOperations::session(const std::string& id_or_name) const {
-    auto found = registry_.find(id_or_name);
+AgentOperations::SessionPtr AgentOperations::session(const Principal& principal,
+                                                     const std::string& id_or_name) const {
+    auto found = registry_.find(principal, id_or_name);
     if (!found)
         throw OperationError(Kind::not_found, "unknown_session",
                              "no agent session with id or name '" + id_or_name + "'");
@@ -176,8 +177,9 @@ NetworkRequest AgentOperations::checked_network(const json& requested) const {
     }
 }
 
-void AgentOperations::resolve(const std::string& id_or_name, std::function<void()> then) {
-    registry_.resolve(id_or_name, std::move(then));
+void AgentOperations::resolve(const Principal& principal, const std::string& id_or_name,
+                              std::function<void()> then) {
+    registry_.resolve(principal.tenant, id_or_name, std::move(then));
 }
 
 void AgentOperations::session_or_create(const std::string& id_or_name, const Caller& caller,
@@ -185,14 +187,15 @@ void AgentOperations::session_or_create(const std::string& id_or_name, const Cal
     std::optional<NetworkRequest> network;
     if (!network_argument.is_null())
         network = checked_network(network_argument);
-    registry_.resolve(id_or_name, [this, id_or_name, caller, then = std::move(then), network]() mutable {
-        found_or_created(id_or_name, caller, std::move(then), network);
-    });
+    registry_.resolve(caller.principal.tenant, id_or_name,
+                      [this, id_or_name, caller, then = std::move(then), network]() mutable {
+                          found_or_created(id_or_name, caller, std::move(then), network);
+                      });
 }
 
 void AgentOperations::found_or_created(const std::string& id_or_name, const Caller& caller,
                                        Then<SessionPtr> then, const std::optional<NetworkRequest>& network) {
-    if (auto found = registry_.find(id_or_name)) {
+    if (auto found = registry_.find(caller.principal, id_or_name)) {
         if (network && !(*network == found->record().network))
             return then(OperationError(
                 Kind::conflict, "network_fixed",
@@ -202,16 +205,19 @@ void AgentOperations::found_or_created(const std::string& id_or_name, const Call
                     "; a session's network is fixed when it is created"));
         return then(std::move(found));
     }
-    // Ids are made by the gateway, names by clients: an id that names no session is not created.
-    if (looks_like_kernel_id(id_or_name))
+    // Ids are made by the gateway, names by clients: an id that names no session is not created; nor is a
+    // session by a principal that may not run one (an approver only reads).
+    if (looks_like_kernel_id(id_or_name) || !caller.principal.may(Principal::Action::run))
         return then(OperationError(Kind::not_found, "unknown_session",
                                    "no agent session with id or name '" + id_or_name + "'"));
     registry_.create(
-        id_or_name, services_.config.default_limits, network.value_or(NetworkRequest{}), caller.address,
-        [this, id_or_name, then = std::move(then)](SessionPtr created, std::optional<HttpError> error) {
+        id_or_name, caller.principal.tenant, services_.config.default_limits,
+        network.value_or(NetworkRequest{}), caller.address,
+        [this, id_or_name, principal = caller.principal, then = std::move(then)](
+            SessionPtr created, std::optional<HttpError> error) {
             // Two calls for a new name at once: the second finds the session the first is creating.
             if (error && error->status() == http::status::conflict)
-                created = registry_.find(id_or_name);
+                created = registry_.find(principal, id_or_name);
             if (!created)
                 return then(error ? from_registry(*error)
                                   : OperationError(Kind::gone, "session_deleted",
@@ -225,8 +231,11 @@ void AgentOperations::found_or_created(const std::string& id_or_name, const Call
         });
 }
 
-std::vector<AgentOperations::SessionPtr> AgentOperations::sessions() const {
-    return registry_.list();
+std::vector<AgentOperations::SessionPtr> AgentOperations::sessions(const Principal& principal) const {
+    std::vector<SessionPtr> seen = registry_.list();
+    std::erase_if(seen,
+                  [&principal](const SessionPtr& session) { return !principal.sees(session->tenant()); });
+    return seen;
 }
 
 void AgentOperations::delete_session(const SessionPtr& session, const Caller& caller,

@@ -185,6 +185,7 @@ void AgentSession::bind_kernel() {
     request.trusted_env = kernel_limit_environment();
     // An agent session has its own policy (none by default), never the Kernel Gateway API's default.
     request.network = record_.network;
+    request.tenant = record_.tenant;
     services_.kernels.start_kernel(
         request,
         [weak, &kernels = services_.kernels](std::variant<std::shared_ptr<Kernel>, KernelStartError> result) {
@@ -356,15 +357,18 @@ json AgentSession::model() const {
         state = "starting";
     else if (kernel_)
         state = running_ ? "busy" : std::string(kernel_state_name(kernel_->state()));
-    return {{"id", record_.id},
-            {"name", record_.name},
-            {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
-            {"created", record_.created},
-            {"limits", record_.limits.to_json()},
-            {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
-            {"state", state},
-            {"cells", cells_.size()},
-            {"queued", queue_.size()}};
+    json model = {{"id", record_.id},
+                  {"name", record_.name},
+                  {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
+                  {"created", record_.created},
+                  {"limits", record_.limits.to_json()},
+                  {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
+                  {"state", state},
+                  {"cells", cells_.size()},
+                  {"queued", queue_.size()}};
+    if (!record_.tenant.empty())
+        model["tenant"] = record_.tenant;
+    return model;
 }
 
 void AgentSession::persist_record() {
@@ -374,7 +378,8 @@ void AgentSession::persist_record() {
                    {"limits", record_.limits.to_json()},
                    {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
                    {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
-                   {"deleted", closed_}};
+                   {"deleted", closed_},
+                   {"tenant", record_.tenant}};
     if (closed_)
         record["deleted_at"] = deleted_at_;
     services_.writer.submit([record](SessionStore& store) { store.put_agent_session(record); });
@@ -382,6 +387,8 @@ void AgentSession::persist_record() {
 
 void AgentSession::audit(const json& entry) {
     json line = {{"time", format_iso8601_utc(std::chrono::system_clock::now())}, {"session", record_.id}};
+    if (!record_.tenant.empty())
+        line["tenant"] = record_.tenant;
     line.update(entry);
     services_.writer.submit([line](SessionStore& store) { store.append_audit(line); });
 }

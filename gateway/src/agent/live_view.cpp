@@ -86,9 +86,10 @@ class EventStream : public std::enable_shared_from_this<EventStream> {
 class EventsResource : public RestResource {
   public:
     explicit EventsResource(AgentService& service) : service_(service) {}
+    bool serves_tenants() const override { return true; }  // require_session: only a session it sees
 
     void get(RequestContext& context, Responder respond) override {
-        auto session = service_.require_session(context.param("session"));
+        auto session = service_.require_session(context.principal, context.param("session"));
         const std::uint64_t after_id = resume_after(context);
         // Only a reader that asks for the stream gets it (EventSource does): a plain GET never hangs open.
         if (context.request[http::field::accept].find("text/event-stream") == std::string_view::npos ||

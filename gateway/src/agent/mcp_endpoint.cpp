@@ -192,12 +192,14 @@ class McpResource : public RestResource {
     explicit McpResource(AgentService& service)
         : operations_(service.operations()),
           approvals_mcp_(service.config().approvals_mcp),
-          protocol_(tool_definitions(approvals_mcp_),
-                    [this](const std::string& tool, const json& arguments, const std::string& client,
-                           const json& id, const Reply& reply) {
-                        call_tool(tool, arguments, Caller{client, "mcp"}, id, reply);
-                    }) {}
+          protocol_(
+              tool_definitions(approvals_mcp_),
+              [this](const std::string& tool, const json& arguments, const Caller& caller, const json& id,
+                     const Reply& reply) { call_tool(tool, arguments, caller, id, reply); }) {}
     std::string allowed_methods() const override { return "POST, OPTIONS"; }
+    // Each tool is checked against the caller's role (role_allows below); the endpoint itself any may reach.
+    bool serves_tenants() const override { return true; }
+    Principal::Action action(http::verb) const override { return Principal::Action::read; }
 
     void get(RequestContext&, Responder respond) override {
         HttpResponse response =
@@ -209,7 +211,8 @@ class McpResource : public RestResource {
 
     void post(RequestContext& context, Responder respond) override {
         protocol_.handle_body(
-            context.request.body(), context.client_address, [respond](McpHttpAnswer answer) {
+            context.request.body(), Caller{context.client_address, "mcp", context.principal},
+            [respond](McpHttpAnswer answer) {
                 if (!answer.body)
                     return respond(empty_response(static_cast<http::status>(answer.status)));
                 respond(json_response(static_cast<http::status>(answer.status), *answer.body));
@@ -217,6 +220,18 @@ class McpResource : public RestResource {
     }
 
   private:
+    // What a tool does, for the role check (principal.hpp): listing reads, deciding decides, the rest runs.
+    static void check_role(const std::string& tool, const Principal& principal) {
+        const Principal::Action action =
+            tool == "list_approvals" || tool == "list_files" || tool == "read_file" ? Principal::Action::read
+            : tool == "decide_approval" ? Principal::Action::decide
+                                        : Principal::Action::run;
+        if (!principal.may(action))
+            throw OperationError(
+                OperationErrorKind::refused, "role_forbidden",
+                std::string("a token of role ") + role_name(principal.role) + " may not call " + tool);
+    }
+
     // Runs `use` on the named session (created on first use of a name); a refusal, there or thrown by
     // `use`, is the tool's answer.
     void on_session(const std::string& name, const Caller& caller, const json& id, const Reply& reply,
@@ -239,6 +254,7 @@ class McpResource : public RestResource {
     void call_tool(const std::string& tool, const json& arguments, const Caller& caller, const json& id,
                    const Reply& reply) {
         const std::string name = string_argument(arguments, "session", false, "default");
+        check_role(tool, caller.principal);
         if (tool == "run_python") {
             const ExecuteArguments parsed = AgentOperations::parse_execute_arguments(arguments);
             return on_session(

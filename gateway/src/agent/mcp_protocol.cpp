@@ -39,13 +39,13 @@ json mcp_tool_refusal(const json& id, const OperationError& error) {
 McpProtocol::McpProtocol(json tools, CallTool call_tool)
     : tools_(std::move(tools)), call_tool_(std::move(call_tool)) {}
 
-void McpProtocol::handle_body(std::string_view body, const std::string& client,
+void McpProtocol::handle_body(std::string_view body, const Caller& caller,
                               std::function<void(McpHttpAnswer)> done) const {
     const json message = json::parse(body, nullptr, false);
     if (message.is_discarded())
         return done({400, mcp_error(nullptr, mcp_parse_error, "Parse error: body is not JSON")});
     if (!message.is_array()) {
-        return handle(message, client, [done = std::move(done)](std::optional<json> reply) {
+        return handle(message, caller, [done = std::move(done)](std::optional<json> reply) {
             if (!reply)
                 return done({202, std::nullopt});
             done({200, std::move(*reply)});
@@ -62,7 +62,7 @@ void McpProtocol::handle_body(std::string_view body, const std::string& client,
     auto batch = std::make_shared<Batch>(
         Batch{std::vector<std::optional<json>>(message.size()), message.size(), std::move(done)});
     for (std::size_t i = 0; i < message.size(); ++i) {
-        handle(message[i], client, [batch, i](std::optional<json> reply) {
+        handle(message[i], caller, [batch, i](std::optional<json> reply) {
             batch->replies[i] = std::move(reply);
             if (--batch->left > 0)
                 return;
@@ -77,7 +77,7 @@ void McpProtocol::handle_body(std::string_view body, const std::string& client,
     }
 }
 
-void McpProtocol::handle(const json& message, const std::string& client, const McpReply& reply) const {
+void McpProtocol::handle(const json& message, const Caller& caller, const McpReply& reply) const {
     // Every field is checked for its type before it is read: a member of the wrong type is an Invalid Request
     // of its own, never an exception that loses the whole body's answers.
     if (!message.is_object() || !message.contains("jsonrpc") || message["jsonrpc"] != "2.0" ||
@@ -124,7 +124,7 @@ void McpProtocol::handle(const json& message, const std::string& client, const M
         if (!arguments.is_object())
             return reply(mcp_error(id, mcp_invalid_params, "params.arguments must be an object"));
         try {
-            call_tool_(params["name"].get<std::string>(), arguments, client, id, reply);
+            call_tool_(params["name"].get<std::string>(), arguments, caller, id, reply);
         } catch (const OperationError& error) {
             reply(mcp_tool_refusal(id, error));
         } catch (const std::exception& error) {

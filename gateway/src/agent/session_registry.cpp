@@ -112,12 +112,14 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::build_session(const json& re
             parse_limits(record.value("limits", json::object()), services_.config.default_limits,
                          AgentLimits{1e12, UINT64_MAX / 2, UINT64_MAX / 2}),
             // Kept as created: the kernel's proxy still applies the ceiling in force when a kernel starts.
-            parse_network_request(record.value("network", json(nullptr)))};
-        if (by_id_.contains(loaded.id) || id_by_name_.contains(loaded.name))
+            parse_network_request(record.value("network", json(nullptr))),
+            record.value("tenant", std::string())};
+        const std::string key = name_key(loaded.tenant, loaded.name);
+        if (by_id_.contains(loaded.id) || id_by_name_.contains(key))
             return nullptr;
         auto session = std::make_shared<AgentSession>(services_, loaded, std::move(cells));
         session->mark_record_committed();
-        id_by_name_[loaded.name] = loaded.id;
+        id_by_name_[key] = loaded.id;
         by_id_[loaded.id] = session;
         const std::string kernel_id = record.contains("kernel_id") && record["kernel_id"].is_string()
                                           ? record["kernel_id"].get<std::string>()
@@ -147,7 +149,8 @@ std::shared_ptr<AgentSession> AgentSessionRegistry::build_session(const json& re
     }
 }
 
-std::optional<json> AgentSessionRegistry::stored_record(SessionStore& store, const std::string& id_or_name) {
+std::optional<json> AgentSessionRegistry::stored_record(SessionStore& store, const std::string& tenant,
+                                                        const std::string& id_or_name) {
     if (looks_like_kernel_id(id_or_name)) {
         auto record = store.agent_session(id_or_name);
         if (record && record->is_object() && !record->value("deleted", false))
@@ -156,24 +159,27 @@ std::optional<json> AgentSessionRegistry::stored_record(SessionStore& store, con
     }
     for (json& record : store.agent_sessions())
         if (record.is_object() && !record.value("deleted", false) &&
-            record.value("name", std::string()) == id_or_name)
+            record.value("name", std::string()) == id_or_name &&
+            record.value("tenant", std::string()) == tenant)
             return std::move(record);
     return std::nullopt;
 }
 
-std::shared_ptr<AgentSession> AgentSessionRegistry::held(const std::string& id_or_name) const {
+std::shared_ptr<AgentSession> AgentSessionRegistry::held(const std::string& tenant,
+                                                         const std::string& id_or_name) const {
     if (auto by_id = by_id_.find(id_or_name); by_id != by_id_.end())
         return by_id->second;
-    if (auto named = id_by_name_.find(id_or_name); named != id_by_name_.end())
+    if (auto named = id_by_name_.find(name_key(tenant, id_or_name)); named != id_by_name_.end())
         if (auto by_name = by_id_.find(named->second); by_name != by_id_.end())
             return by_name->second;
     return nullptr;
 }
 
-void AgentSessionRegistry::resolve(const std::string& id_or_name, std::function<void()> then) {
+void AgentSessionRegistry::resolve(const std::string& tenant, const std::string& id_or_name,
+                                   std::function<void()> then) {
     if (!services_.writer.shared())
         return then();
-    if (auto found = held(id_or_name))
+    if (auto found = held(tenant, id_or_name))
         return check_still_stored(found, std::move(then));
     // Another gateway's session: its record, history and kernel record, read together off the io thread.
     struct Stored {
@@ -182,8 +188,8 @@ void AgentSessionRegistry::resolve(const std::string& id_or_name, std::function<
         std::optional<KernelRecord> kernel;
     };
     services_.writer.read<Stored>(
-        [id_or_name](SessionStore& store) {
-            Stored stored{stored_record(store, id_or_name), {}, std::nullopt};
+        [tenant, id_or_name](SessionStore& store) {
+            Stored stored{stored_record(store, tenant, id_or_name), {}, std::nullopt};
             if (!stored.record)
                 return stored;
             stored.cells = store.cells(stored.record->value("id", std::string()));
@@ -194,11 +200,11 @@ void AgentSessionRegistry::resolve(const std::string& id_or_name, std::function<
             return stored;
         },
         StoreWriter::default_read_limit,
-        [this, id_or_name, then = std::move(then)](StoreAnswer<Stored> answer) {
+        [this, tenant, id_or_name, then = std::move(then)](StoreAnswer<Stored> answer) {
             if (!answer.ok())
                 services_.logger.error("store_read_failed",
                                        {{"session", id_or_name}, {"error", answer.error}});
-            else if (answer.value->record && !held(id_or_name)) {
+            else if (answer.value->record && !held(tenant, id_or_name)) {
                 const json& record = *answer.value->record;
                 const json& kernel_id = record.contains("kernel_id") ? record["kernel_id"] : json();
                 auto kernel =
@@ -227,14 +233,15 @@ void AgentSessionRegistry::check_still_stored(const std::shared_ptr<AgentSession
             const auto& record = *answer.value;
             // No record at all: deleted there longer ago than the retention, and purged.
             if ((record ? record->value("deleted", false) : found->record_committed()) &&
-                held(found->id()) == found)
+                held(found->tenant(), found->id()) == found)
                 let_go(found);
             then();
         });
 }
 
-void AgentSessionRegistry::create(std::string name, AgentLimits limits, const NetworkRequest& network,
-                                  const std::string& client_address, CreateHandler done) {
+void AgentSessionRegistry::create(std::string name, const std::string& tenant, AgentLimits limits,
+                                  const NetworkRequest& network, const std::string& client_address,
+                                  CreateHandler done) {
     if (services_.config.max_sessions > 0 && by_id_.size() >= services_.config.max_sessions)
         return done(nullptr, HttpError(http::status::too_many_requests,
                                        "too many agent sessions (" + std::to_string(by_id_.size()) +
@@ -249,23 +256,25 @@ void AgentSessionRegistry::create(std::string name, AgentLimits limits, const Ne
                               "name must be 1-64 characters of A-Z a-z 0-9 . _ - starting with a letter or "
                               "digit (and not look like a session id)",
                               "bad_name"));
-    if (id_by_name_.contains(name))
+    if (id_by_name_.contains(name_key(tenant, name)))
         return done(nullptr, name_taken(name));
     if (!services_.writer.shared())
-        return create_named(std::move(id), std::move(name), limits, network, client_address, std::move(done));
+        return create_named(std::move(id), std::move(name), tenant, limits, network, client_address,
+                            std::move(done));
     // A session of that name created through another gateway: asked off the io thread.
     services_.writer.read<bool>(
-        [name](SessionStore& store) { return stored_record(store, name).has_value(); },
+        [tenant, name](SessionStore& store) { return stored_record(store, tenant, name).has_value(); },
         StoreWriter::default_read_limit,
-        [this, id, name, limits, network, client_address,
+        [this, id, name, tenant, limits, network, client_address,
          done = std::move(done)](StoreAnswer<bool> taken) mutable {
             if (!taken.ok())
                 return done(nullptr,
                             HttpError(http::status::service_unavailable,
                                       "the store did not answer: " + taken.error, "store_unavailable"));
-            if (*taken.value || id_by_name_.contains(name))
+            if (*taken.value || id_by_name_.contains(name_key(tenant, name)))
                 return done(nullptr, name_taken(name));
-            create_named(std::move(id), std::move(name), limits, network, client_address, std::move(done));
+            create_named(std::move(id), std::move(name), tenant, limits, network, client_address,
+                         std::move(done));
         });
 }
 
@@ -273,14 +282,14 @@ HttpError AgentSessionRegistry::name_taken(const std::string& name) {
     return HttpError(http::status::conflict, "a session named " + name + " already exists", "name_taken");
 }
 
-void AgentSessionRegistry::create_named(std::string id, std::string name, AgentLimits limits,
-                                        const NetworkRequest& network, const std::string& client_address,
-                                        CreateHandler done) {
-    AgentSession::Record record{id, name, format_iso8601_utc(std::chrono::system_clock::now()), limits,
-                                network};
+void AgentSessionRegistry::create_named(std::string id, std::string name, const std::string& tenant,
+                                        AgentLimits limits, const NetworkRequest& network,
+                                        const std::string& client_address, CreateHandler done) {
+    AgentSession::Record record{id,     name,    format_iso8601_utc(std::chrono::system_clock::now()),
+                                limits, network, tenant};
     auto session = std::make_shared<AgentSession>(services_, record, std::vector<json>{});
     by_id_[id] = session;
-    id_by_name_[name] = id;  // reserved while the kernel starts
+    id_by_name_[name_key(tenant, name)] = id;  // reserved while the kernel starts
     session->persist_record();
     session->audit({{"event", "session_created"},
                     {"client", client_address},
@@ -310,8 +319,10 @@ void AgentSessionRegistry::create_named(std::string id, std::string name, AgentL
     });
 }
 
-std::shared_ptr<AgentSession> AgentSessionRegistry::find(const std::string& id_or_name) {
-    return held(id_or_name);
+std::shared_ptr<AgentSession> AgentSessionRegistry::find(const Principal& principal,
+                                                         const std::string& id_or_name) {
+    auto found = held(principal.tenant, id_or_name);
+    return found && principal.sees(found->tenant()) ? found : nullptr;
 }
 
 std::vector<std::shared_ptr<AgentSession>> AgentSessionRegistry::list() const {
@@ -332,7 +343,7 @@ void AgentSessionRegistry::remove(const std::shared_ptr<AgentSession>& session, 
 
 void AgentSessionRegistry::unregister(const AgentSession& session) {
     by_id_.erase(session.id());
-    if (auto named = id_by_name_.find(session.name());
+    if (auto named = id_by_name_.find(name_key(session.tenant(), session.name()));
         named != id_by_name_.end() && named->second == session.id())
         id_by_name_.erase(named);
 }

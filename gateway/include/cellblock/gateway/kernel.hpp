@@ -177,6 +177,10 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void expire_detached_sessions();
 
     const std::string& id() const { return launch_.id; }
+    // The tenant the kernel belongs to (principal.hpp); empty = the operator's. Set when it is handed to a
+    // requester (a warm-pool kernel belongs to nobody until then) or re-adopted from its record.
+    const std::string& tenant() const { return tenant_; }
+    void set_tenant(std::string tenant) { tenant_ = std::move(tenant); }
     const std::string& spec_name() const { return launch_.spec.name; }
     const std::filesystem::path& workspace_dir() const { return launch_.workspace_dir; }
     KernelState state() const { return lifecycle_.client_state(busy_); }
@@ -245,6 +249,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     const Logger& logger_;
     const GatewayConfig& config_;
     KernelLaunch launch_;
+    std::string tenant_;
     KernelEndpoints endpoints_;
     HmacSigner signer_;
     std::filesystem::path connection_file_;

@@ -37,6 +37,8 @@ struct KernelStartRequest {
     // The agent API's policy for this kernel (its session's "network", checked against the ceiling),
     // replacing the kernelspec's and the gateway's default; nullopt = those (Kernel Gateway API kernels).
     std::optional<NetworkRequest> network = std::nullopt;
+    // Whose kernel it is (the requesting principal's tenant; empty = the operator's).
+    std::string tenant = {};
 };
 
 struct KernelStartError {

@@ -1,17 +1,43 @@
 #pragma once
 // Who a request is from, resolved once from its token (TokenAuthenticator, auth.hpp): the operator (the
-// gateway's own --token, or no auth at all) or one token of a tenant with its role.
+// gateway's own --token, or no auth at all) or one token of a tenant with its role. The rules of what each
+// may see and do are stated here once, and every transport (REST, WebSocket, NDJSON, MCP) asks them:
+//
+// - What a tenant created (agent sessions, kernels, the Jupyter sessions on them) is that tenant's: only its
+//   tokens and the operator see it. To anyone else it does not exist (404, the same as an unknown id).
+// - `agent` reads and runs: sessions, kernels, executes, files. `approver` reads and decides approvals, and
+//   runs nothing. An agent decides approvals only for a tenant created with "self_approve": true.
+// - The operator sees and does everything; routes that are not isolated per tenant are the operator's alone
+//   (RestResource::serves_tenants, router.hpp).
 #include <string>
+#include <string_view>
 
 namespace cellblock::gateway {
 
 struct Principal {
     enum class Role { operator_, agent, approver };
+    // What a request asks to do with what it names.
+    enum class Action { read, run, decide };
+
     Role role = Role::operator_;
-    std::string tenant;    // empty for the operator
-    std::string token_id;  // the tenant token's id (never the token); empty for the operator
+    std::string tenant;         // empty for the operator
+    std::string token_id;       // the tenant token's id (never the token); empty for the operator
+    bool self_approve = false;  // the tenant's agents may decide its approvals
 
     bool is_operator() const { return role == Role::operator_; }
+    // Whether something owned by `owner` (a tenant's name; empty = the operator's) exists for this principal.
+    bool sees(std::string_view owner) const { return is_operator() || owner == tenant; }
+    bool may(Action action) const {
+        switch (role) {
+            case Role::operator_:
+                return true;
+            case Role::agent:
+                return action != Action::decide || self_approve;
+            case Role::approver:
+                return action != Action::run;
+        }
+        return false;
+    }
 };
 
 // "operator", "agent", "approver".

@@ -95,6 +95,15 @@ class RestResource {
     }
     // Methods this resource implements, for 405 Allow headers.
     virtual std::string allowed_methods() const { return "GET, OPTIONS"; }
+    // Whether tenants' tokens may use this resource at all: one that shows each principal only what it sees
+    // (Principal::sees, principal.hpp) says so. Any other resource is the operator's alone.
+    virtual bool serves_tenants() const { return false; }
+    // What `method` does here, for the role check (Principal::may): GET and HEAD read, anything else runs,
+    // including a WebSocket upgrade (asked as http::verb::connect: a kernel's channels can execute).
+    virtual Principal::Action action(http::verb method) const {
+        return method == http::verb::get || method == http::verb::head ? Principal::Action::read
+                                                                       : Principal::Action::run;
+    }
 
     // WebSocket endpoints override these. check_upgrade runs before the 101 and may refuse with a response.
     virtual bool accepts_websocket() const { return false; }
@@ -130,6 +139,12 @@ class Router {
     };
     std::vector<Route> routes_;
 };
+
+// The answer to a request `resource` must not serve for its principal (403 "operator_only" for a tenant on a
+// resource that is not isolated, 403 "role_forbidden" for a role that may not do the method's action);
+// nullopt when it may proceed. Asked by dispatch and by the WebSocket upgrade alike.
+std::optional<HttpResponse> principal_refusal(const RestResource& resource, const RequestContext& context,
+                                              http::verb method);
 
 // Percent-decoding of one path segment or query component; nullopt for malformed escapes.
 std::optional<std::string> url_decode(std::string_view text, bool plus_is_space);

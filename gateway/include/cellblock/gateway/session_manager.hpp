@@ -12,6 +12,7 @@ namespace cellblock::gateway {
 
 struct JupyterSessionRecord {
     std::string id, path, name, type, kernel_id;
+    std::string tenant;  // whose session it is (principal.hpp); empty = the operator's
     nlohmann::json to_json() const;
     static std::optional<JupyterSessionRecord> from_json(const nlohmann::json& stored);
 };
@@ -43,9 +44,11 @@ class JupyterSessionManager {
             if (!sessions_.contains(id) && kernel_exists(record.kernel_id))
                 sessions_.emplace(id, std::move(record));
     }
-    JupyterSessionRecord& create(std::string path, std::string name, std::string type, std::string kernel_id);
+    JupyterSessionRecord& create(std::string path, std::string name, std::string type, std::string kernel_id,
+                                 std::string tenant);
     JupyterSessionRecord* find(const std::string& id);
-    JupyterSessionRecord* find_by_path(const std::string& path);
+    // Paths are per tenant: two tenants' notebooks of one path are two sessions.
+    JupyterSessionRecord* find_by_path(const std::string& path, const std::string& tenant);
     // Writes `record` (changed in place by a PATCH) to the store.
     void save(const JupyterSessionRecord& record);
     bool remove(const std::string& id);

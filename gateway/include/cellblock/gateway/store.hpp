@@ -58,6 +58,8 @@ struct KernelRecord {
     // When a client last used the kernel through any gateway (ISO 8601; shared stores: culling is decided
     // from it by one gateway, the cull leader). Empty = unknown.
     std::string last_activity;
+    // The tenant the kernel belongs to (principal.hpp); empty = the operator's.
+    std::string tenant;
 };
 
 // Fields of KernelRecord kept in the stores' `extra` JSON column, so that adding one needs no schema
@@ -65,6 +67,7 @@ struct KernelRecord {
 // these).
 inline nlohmann::json kernel_record_extra(const KernelRecord& kernel) {
     return {{"owner", kernel.owner},
+            {"tenant", kernel.tenant},
             {"last_activity", kernel.last_activity},
             {"provisioner", kernel.provisioner}};
 }
@@ -73,6 +76,7 @@ inline void read_kernel_record_extra(const nlohmann::json& extra, KernelRecord& 
         return;
     kernel.owner = extra.value("owner", std::string());
     kernel.last_activity = extra.value("last_activity", std::string());
+    kernel.tenant = extra.value("tenant", std::string());
     kernel.provisioner = extra.value("provisioner", nlohmann::json::object());
     if (!kernel.provisioner.is_object())
         kernel.provisioner = nlohmann::json::object();

@@ -27,8 +27,9 @@ class AgentService {
     GatewayServices& gateway() { return gateway_; }
     const AgentConfig& config() const { return config_; }
 
-    // Finds a session by id or name, or throws HttpError 404 {"reason": "unknown_session"}.
-    std::shared_ptr<AgentSession> require_session(const std::string& id_or_name) const;
+    // Finds a session `principal` sees by id or name, or throws HttpError 404 {"reason": "unknown_session"}.
+    std::shared_ptr<AgentSession> require_session(const Principal& principal,
+                                                  const std::string& id_or_name) const;
 
   private:
     GatewayServices& gateway_;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cellblock/gateway/agent/session_registry.hpp"
+#include "cellblock/gateway/principal.hpp"
 #include "cellblock/gateway/store.hpp"
 
 namespace cellblock::gateway::agent {
@@ -70,10 +71,12 @@ class Outcome {
     std::variant<Value, OperationError> state_;
 };
 
-// Who asked: the client's address and the transport ("http", "ndjson", "mcp"), for the audit trail.
+// Who asked: the client's address and the transport ("http", "ndjson", "mcp"), for the audit trail, and the
+// principal whose sessions the call may see and create (principal.hpp).
 struct Caller {
     std::string address;
     std::string via;
+    Principal principal = {};
 };
 
 struct WorkspaceFile {
@@ -99,12 +102,13 @@ class AgentOperations {
     // once the session's kernel is ready. A network policy beyond the gateway's ceiling is refused
     // ("network_not_allowed").
     void create_session(const nlohmann::json& arguments, const Caller& caller, Then<SessionPtr> then);
-    // By id, then by name, among the sessions held here; throws OperationError not_found "unknown_session".
-    // On a shared store call `resolve` first (AgentResource::prepare does).
-    SessionPtr session(const std::string& id_or_name) const;
+    // By id, then by name, among the sessions held here that `principal` sees; throws OperationError
+    // not_found "unknown_session" (for another tenant's session too). On a shared store call `resolve`
+    // first (AgentResource::prepare does).
+    SessionPtr session(const Principal& principal, const std::string& id_or_name) const;
     // Calls `then` (io thread) once the registry agrees with the shared store on this session
     // (AgentSessionRegistry::resolve); at once on an embedded store.
-    void resolve(const std::string& id_or_name, std::function<void()> then);
+    void resolve(const Principal& principal, const std::string& id_or_name, std::function<void()> then);
     // The session of that id or name, created with the default limits on first use of a name (MCP's
     // sessions appear on demand); an id of no session is "unknown_session" as everywhere else. Answers once
     // the session has a kernel.
@@ -112,7 +116,8 @@ class AgentOperations {
     // another policy, it is refused ("network_fixed": a session's network is fixed at creation).
     void session_or_create(const std::string& id_or_name, const Caller& caller, Then<SessionPtr> then,
                            const nlohmann::json& network = nullptr);
-    std::vector<SessionPtr> sessions() const;
+    // The sessions `principal` sees.
+    std::vector<SessionPtr> sessions(const Principal& principal) const;
     // `deleted` runs once the deletion is in the store (other gateways on a shared store see it from then
     // on).
     void delete_session(const SessionPtr& session, const Caller& caller, const std::string& reason,

@@ -54,7 +54,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     struct Record {
         std::string id, name, created;
         AgentLimits limits;
-        NetworkRequest network;  // checked against the ceiling at creation; none() = no network
+        NetworkRequest network;   // checked against the ceiling at creation; none() = no network
+        std::string tenant = {};  // whose session it is (principal.hpp); empty = the operator's
     };
     // A network request the kernel's proxy holds for a decision (kernel/README.md "Network policy"), and what
     // became of it.
@@ -114,6 +115,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     const Record& record() const { return record_; }
     const std::string& id() const { return record_.id; }
     const std::string& name() const { return record_.name; }
+    const std::string& tenant() const { return record_.tenant; }
     // The host directory the kernel's code sees as its cwd; nullopt without a live kernel.
     std::optional<std::filesystem::path> workspace() const;
     std::shared_ptr<Kernel> kernel() const { return kernel_; }

@@ -33,18 +33,18 @@ class McpProtocol {
     // `reply` exactly once, now or later. Thrown instead: an OperationError is answered as
     // `mcp_tool_refusal`, any other exception as a tool error with its text.
     using CallTool =
-        std::function<void(const std::string& tool, const nlohmann::json& arguments,
-                           const std::string& client, const nlohmann::json& id, const McpReply& reply)>;
+        std::function<void(const std::string& tool, const nlohmann::json& arguments, const Caller& caller,
+                           const nlohmann::json& id, const McpReply& reply)>;
 
     // `tools`: the array tools/list answers.
     McpProtocol(nlohmann::json tools, CallTool call_tool);
 
-    // Answers the POSTed `body` of `client` through `done`, once, when the last tool call of it has answered.
-    void handle_body(std::string_view body, const std::string& client,
+    // Answers the POSTed `body` of `caller` through `done`, once, when the last tool call of it has answered.
+    void handle_body(std::string_view body, const Caller& caller,
                      std::function<void(McpHttpAnswer)> done) const;
 
   private:
-    void handle(const nlohmann::json& message, const std::string& client, const McpReply& reply) const;
+    void handle(const nlohmann::json& message, const Caller& caller, const McpReply& reply) const;
 
     nlohmann::json tools_;
     CallTool call_tool_;

@@ -29,17 +29,20 @@ class AgentSessionRegistry {
 
     using CreateHandler =
         std::function<void(std::shared_ptr<AgentSession> session, std::optional<HttpError> error)>;
-    // Empty `name` = generated. Responds once the session's kernel is ready.
+    // Empty `name` = generated. Responds once the session's kernel is ready. The session is `tenant`'s; names
+    // are unique within a tenant (two tenants may each have a session "main").
     // `network` has been checked against the ceiling (AgentOperations).
-    void create(std::string name, AgentLimits limits, const NetworkRequest& network,
-                const std::string& client_address, CreateHandler done);
-    // By id, then by name, among the sessions held here (never reads the store).
-    std::shared_ptr<AgentSession> find(const std::string& id_or_name);
-    // On a shared store, brings this registry up to date for `id_or_name` and then calls `then` (io thread):
+    void create(std::string name, const std::string& tenant, AgentLimits limits,
+                const NetworkRequest& network, const std::string& client_address, CreateHandler done);
+    // By id, then by name (in the principal's tenant), among the sessions held here (never reads the store);
+    // nullptr also for a session `principal` does not see.
+    std::shared_ptr<AgentSession> find(const Principal& principal, const std::string& id_or_name);
+    // On a shared store, brings this registry up to date for `id_or_name` (a name in `tenant`) and then calls
+    // `then` (io thread):
     // a session another gateway created is loaded (its kernel attached), one deleted through another gateway
     // is let go here too. The store is read on StoreWriter's reader thread; without an answer in time the
     // registry stays as it is. At once on an embedded store.
-    void resolve(const std::string& id_or_name, std::function<void()> then);
+    void resolve(const std::string& tenant, const std::string& id_or_name, std::function<void()> then);
     std::vector<std::shared_ptr<AgentSession>> list() const;
     void remove(const std::shared_ptr<AgentSession>& session, const std::string& reason,
                 const std::string& client);
@@ -59,14 +62,19 @@ class AgentSessionRegistry {
                                                 std::vector<nlohmann::json> cells,
                                                 const std::shared_ptr<Kernel>& kernel,
                                                 std::vector<InflightExecute> inflight, bool at_start);
-    // A stored, not deleted record by id or name (on StoreWriter's reader thread).
-    static std::optional<nlohmann::json> stored_record(SessionStore& store, const std::string& id_or_name);
-    std::shared_ptr<AgentSession> held(const std::string& id_or_name) const;
+    // A stored, not deleted record by id or by `tenant`'s name (on StoreWriter's reader thread).
+    static std::optional<nlohmann::json> stored_record(SessionStore& store, const std::string& tenant,
+                                                       const std::string& id_or_name);
+    std::shared_ptr<AgentSession> held(const std::string& tenant, const std::string& id_or_name) const;
+    // The key of a session name in id_by_name_: names are per tenant.
+    static std::string name_key(const std::string& tenant, const std::string& name) {
+        return tenant + '/' + name;
+    }
     void check_still_stored(const std::shared_ptr<AgentSession>& found, std::function<void()> then);
     static constexpr std::chrono::milliseconds held_check_limit{250};
     static HttpError name_taken(const std::string& name);
-    void create_named(std::string id, std::string name, AgentLimits limits, const NetworkRequest& network,
-                      const std::string& client_address, CreateHandler done);
+    void create_named(std::string id, std::string name, const std::string& tenant, AgentLimits limits,
+                      const NetworkRequest& network, const std::string& client_address, CreateHandler done);
     void expire_idle();
     // The store forgets the sessions deleted longer ago than --agent-deleted-retention, with their notebooks
     // and audit trails.

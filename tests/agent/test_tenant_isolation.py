@@ -1,0 +1,271 @@
+"""Tenants on the isolated routes: each tenant's tokens see only what that tenant created (agent sessions, Kernel
+Gateway kernels, /api/sessions), through REST, the kernel WebSocket, NDJSON and MCP (the official SDK client); another
+tenant's id answers exactly what an unknown id answers; roles (agent, approver) limit what a token does; the operator
+sees everything with its tenant; and a restarted gateway keeps every owner."""
+import json
+import os
+import subprocess
+import uuid
+
+import pytest
+import requests
+import websocket
+
+from conftest import AgentGateway
+from test_agent_clients import MCP_CLIENT_DIR, mcp_client  # noqa: F401 (mcp_client is a fixture)
+from test_durable_sessions import Channels
+
+
+class Tenant:
+    """A tenant's token as a client holds it."""
+
+    def __init__(self, gateway, token):
+        self.gateway, self.token = gateway, token
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"token {token}"
+
+    def request(self, method, path, **kwargs):
+        kwargs.setdefault("timeout", 120)
+        return self.http.request(method, self.gateway.url + path, **kwargs)
+
+    def channels(self, kernel_id):
+        return TenantChannels(self, kernel_id)
+
+
+class TenantChannels(Channels):
+    """The kernel's /channels WebSocket (Channels of the durable tests) opened with a tenant's token."""
+
+    def __init__(self, tenant, kernel_id):  # noqa: super().__init__ would use the operator's token
+        self.session_id = uuid.uuid4().hex
+        url = tenant.gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels"
+        self.socket = websocket.create_connection(url, header=[f"Authorization: token {tenant.token}"], timeout=60)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """One gateway with tenants alice (agent and approver tokens) and bob, and one agent session "main" each."""
+    directory = tmp_path_factory.mktemp("tenant-isolation")
+    gateway = AgentGateway(directory / "state", directory / "gateway.log", keep_kernels=False)
+    try:
+        tokens = {}
+        for name in ("alice", "bob"):
+            added = gateway.request("POST", "/agent/v1/tenants", json={"name": name})
+            assert added.status_code == 201, added.text
+            tokens[name] = added.json()["token"]
+        approver = gateway.request("POST", "/agent/v1/tenants/alice/tokens", json={"role": "approver"})
+        assert approver.status_code == 201, approver.text
+        alice, bob = Tenant(gateway, tokens["alice"]), Tenant(gateway, tokens["bob"])
+        sessions = {}
+        for who, client in (("alice", alice), ("bob", bob)):
+            created = client.request("POST", "/agent/v1/sessions", json={"name": "main"})
+            assert created.status_code == 201, created.text
+            sessions[who] = created.json()
+        ran = alice.request("POST", f"/agent/v1/sessions/{sessions['alice']['id']}/execute",
+                            json={"code": "secret = 'alice-only'"})
+        assert ran.status_code == 200 and ran.json()["status"] == "ok", ran.text
+        yield {"gateway": gateway, "alice": alice, "bob": bob, "sessions": sessions,
+               "approver": Tenant(gateway, approver.json()["token"])}
+    finally:
+        gateway.stop()
+
+
+def unknown_answer(client, method, path_template, **kwargs):
+    """What `client` gets for an id of nothing at all, to compare another tenant's id with."""
+    return client.request(method, path_template.format(id=str(uuid.uuid4())), **kwargs)
+
+
+def same_as_unknown(answer, unknown, other_id):
+    """Another tenant's id answers as an unknown one: the same status and body, but for the id itself."""
+    assert answer.status_code == unknown.status_code == 404, (answer.text, unknown.text)
+    mine = json.loads(answer.text.replace(other_id, "ID"))
+    theirs = unknown.json()
+    for key in ("reason",):
+        assert mine.get(key) == theirs.get(key), (mine, theirs)
+    assert set(mine) == set(theirs), (mine, theirs)
+
+
+def test_each_tenant_lists_only_its_own_sessions_and_names_are_per_tenant(world):
+    alice, bob, sessions = world["alice"], world["bob"], world["sessions"]
+    assert [s["id"] for s in alice.request("GET", "/agent/v1/sessions").json()["sessions"]] == [sessions["alice"]["id"]]
+    assert [s["id"] for s in bob.request("GET", "/agent/v1/sessions").json()["sessions"]] == [sessions["bob"]["id"]]
+    # Both are called "main": a name resolves within its tenant.
+    assert alice.request("GET", "/agent/v1/sessions/main").json()["id"] == sessions["alice"]["id"]
+    assert bob.request("GET", "/agent/v1/sessions/main").json()["id"] == sessions["bob"]["id"]
+    # The operator sees both, each with its tenant.
+    listed = world["gateway"].request("GET", "/agent/v1/sessions").json()["sessions"]
+    owners = {s["id"]: s.get("tenant") for s in listed}
+    assert owners[sessions["alice"]["id"]] == "alice" and owners[sessions["bob"]["id"]] == "bob"
+
+
+@pytest.mark.parametrize("method,path,body", [
+    ("GET", "/agent/v1/sessions/{id}", None),
+    ("DELETE", "/agent/v1/sessions/{id}", None),
+    ("POST", "/agent/v1/sessions/{id}/execute", {"code": "print(secret)"}),
+    ("POST", "/agent/v1/sessions/{id}/reset", None),
+    ("GET", "/agent/v1/sessions/{id}/files", None),
+    ("PUT", "/agent/v1/sessions/{id}/files/planted.txt", None),
+    ("GET", "/agent/v1/sessions/{id}/notebook", None),
+    ("GET", "/agent/v1/sessions/{id}/audit", None),
+    ("GET", "/agent/v1/sessions/{id}/approvals", None),
+])
+def test_another_tenants_session_answers_like_an_unknown_id(world, method, path, body):
+    bob, alice_id = world["bob"], world["sessions"]["alice"]["id"]
+    kwargs = {"json": body} if body is not None else {}
+    answer = bob.request(method, path.format(id=alice_id), **kwargs)
+    same_as_unknown(answer, unknown_answer(bob, method, path, **kwargs), alice_id)
+    # Nothing happened to alice's session: still there, its state intact, no file planted.
+    alice = world["alice"]
+    still = alice.request("POST", f"/agent/v1/sessions/{alice_id}/execute", json={"code": "print(secret)"})
+    assert still.status_code == 200 and still.json()["stdout"] == "alice-only\n", still.text
+    files = alice.request("GET", f"/agent/v1/sessions/{alice_id}/files").json()
+    assert "planted.txt" not in json.dumps(files)
+
+
+def test_the_events_stream_of_another_tenants_session_is_404(world):
+    bob, alice_id = world["bob"], world["sessions"]["alice"]["id"]
+    answer = bob.request("GET", f"/agent/v1/sessions/{alice_id}/events",
+                         headers={"Accept": "text/event-stream"}, stream=True)
+    assert answer.status_code == 404, answer.text
+    answer.close()
+
+
+def test_ndjson_execute_in_another_tenants_session_is_404_and_runs_nothing(world):
+    bob, alice_id = world["bob"], world["sessions"]["alice"]["id"]
+    answer = bob.request("POST", f"/agent/v1/sessions/{alice_id}/execute",
+                         json={"code": "secret = 'bob was here'"}, headers={"Accept": "application/x-ndjson"})
+    assert answer.status_code == 404, answer.text
+    check = world["alice"].request("POST", f"/agent/v1/sessions/{alice_id}/execute", json={"code": "print(secret)"})
+    assert check.json()["stdout"] == "alice-only\n"
+
+
+def test_kernels_started_by_a_tenant_are_its_own_over_rest_and_websocket(world):
+    alice, bob, gateway = world["alice"], world["bob"], world["gateway"]
+    started = alice.request("POST", "/api/kernels", json={})
+    assert started.status_code == 201, started.text
+    kernel = started.json()
+    assert kernel["tenant"] == "alice"
+    try:
+        assert kernel["id"] in [k["id"] for k in alice.request("GET", "/api/kernels").json()]
+        assert kernel["id"] not in [k["id"] for k in bob.request("GET", "/api/kernels").json()]
+        assert {k["id"]: k.get("tenant") for k in gateway.request("GET", "/api/kernels").json()}[kernel["id"]] == "alice"
+        for method, suffix in (("GET", ""), ("POST", "/interrupt"), ("POST", "/restart"), ("DELETE", "")):
+            answer = bob.request(method, f"/api/kernels/{kernel['id']}{suffix}")
+            unknown = unknown_answer(bob, method, "/api/kernels/{id}" + suffix)
+            assert answer.status_code == unknown.status_code == 404, (method, suffix, answer.text)
+        # The agent session's kernel is alice's too.
+        agent_kernel = world["sessions"]["alice"]["kernel_id"]
+        assert bob.request("GET", f"/api/kernels/{agent_kernel}").status_code == 404
+        # The WebSocket: bob is refused as for no kernel at all; alice executes.
+        for kernel_id in (kernel["id"], agent_kernel):
+            with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+                bob.channels(kernel_id)
+            assert refused.value.status_code == 404
+        channels = alice.channels(agent_kernel)
+        try:
+            replies = channels.collect(channels.execute("print(secret)"))
+            printed = [m["content"]["text"] for m in replies if m["msg_type"] == "stream"]
+            assert printed == ["alice-only\n"]
+        finally:
+            channels.socket.close()
+    finally:
+        assert alice.request("DELETE", f"/api/kernels/{kernel['id']}").status_code == 204
+
+
+def test_jupyter_sessions_are_per_tenant(world):
+    alice, bob = world["alice"], world["bob"]
+    # (A session of its own kernel: deleting a Jupyter session shuts its kernel down.)
+    mine = alice.request("POST", "/api/sessions", json={"path": "shared.ipynb", "type": "notebook", "kernel": {}})
+    assert mine.status_code == 201, mine.text
+    session = mine.json()
+    assert session["kernel"]["tenant"] == "alice"
+    assert bob.request("GET", f"/api/kernels/{session['kernel']['id']}").status_code == 404
+    try:
+        assert session["id"] in [s["id"] for s in alice.request("GET", "/api/sessions").json()]
+        assert session["id"] not in [s["id"] for s in bob.request("GET", "/api/sessions").json()]
+        for method, body in (("GET", None), ("PATCH", {"name": "taken"}), ("DELETE", None)):
+            answer = bob.request(method, f"/api/sessions/{session['id']}", json=body)
+            assert answer.status_code == 404, (method, answer.text)
+        # Bob cannot wrap alice's kernel in a session of his, and the same path is his own session.
+        stolen = bob.request("POST", "/api/sessions", json={"path": "x.ipynb", "type": "notebook",
+                                                             "kernel": {"id": session["kernel"]["id"]}})
+        assert stolen.status_code == 404, stolen.text
+        assert alice.request("GET", f"/api/sessions/{session['id']}").json()["name"] != "taken"
+    finally:
+        assert alice.request("DELETE", f"/api/sessions/{session['id']}").status_code == 204
+
+
+def test_an_approver_reads_and_decides_but_runs_nothing(world):
+    approver, alice_id = world["approver"], world["sessions"]["alice"]["id"]
+    assert [s["id"] for s in approver.request("GET", "/agent/v1/sessions").json()["sessions"]] == [alice_id]
+    assert approver.request("GET", f"/agent/v1/sessions/{alice_id}/notebook").status_code == 200
+    for method, path, body in (("POST", f"/agent/v1/sessions/{alice_id}/execute", {"code": "secret = 1"}),
+                               ("POST", "/agent/v1/sessions", {"name": "approvers-own"}),
+                               ("DELETE", f"/agent/v1/sessions/{alice_id}", None),
+                               ("POST", "/api/kernels", {})):
+        answer = approver.request(method, path, json=body)
+        assert answer.status_code == 403 and answer.json()["reason"] == "role_forbidden", (method, path, answer.text)
+    with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+        approver.channels(world["sessions"]["alice"]["kernel_id"])
+    assert refused.value.status_code == 403
+    # An approval that does not exist is the approver's to ask about (404 unknown_approval, not 403).
+    decided = approver.request("POST", f"/agent/v1/sessions/{alice_id}/approvals/nope", json={"decision": "deny"})
+    assert decided.status_code == 404 and decided.json()["reason"] == "unknown_approval", decided.text
+    # An agent token of a tenant without self_approve may not decide.
+    agent = world["alice"].request("POST", f"/agent/v1/sessions/{alice_id}/approvals/nope", json={"decision": "deny"})
+    assert agent.status_code == 403 and agent.json()["reason"] == "role_forbidden", agent.text
+
+
+def mcp_as(token, gateway, node, *calls):
+    env = dict(os.environ, GATEWAY_URL=gateway.url, GATEWAY_TOKEN=token)
+    done = subprocess.run([node, "mcp_calls.mjs", json.dumps(list(calls))], cwd=MCP_CLIENT_DIR, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{done.stderr}\n--- gateway ---\n{gateway.log_tail()}"
+    return json.loads(done.stdout)
+
+
+def test_mcp_tools_see_only_the_tenants_own_sessions(world, mcp_client):
+    gateway, alice_id = world["gateway"], world["sessions"]["alice"]["id"]
+    def run(session, code):
+        return {"name": "run_python", "arguments": {"session": session, "code": code}}
+
+    # "main" over MCP is each tenant's own session of that name.
+    [alice_main] = mcp_as(world["alice"].token, gateway, mcp_client, run("main", "print(secret)"))
+    bob_main, bob_by_id = mcp_as(world["bob"].token, gateway, mcp_client, run("main", "print(secret)"),
+                                 run(alice_id, "print(secret)"))
+    assert alice_main["result"]["structuredContent"]["stdout"] == "alice-only\n", alice_main
+    assert "NameError" in json.dumps(bob_main["result"]), bob_main
+    assert bob_by_id["result"]["isError"] is True, bob_by_id
+    assert bob_by_id["result"]["structuredContent"]["reason"] == "unknown_session", bob_by_id
+    refused = mcp_as(world["approver"].token, gateway, mcp_client, run("main", "secret = 0"))[0]
+    assert refused["result"]["structuredContent"]["reason"] == "role_forbidden", refused
+    # No session "main" appeared for the operator, and bob's MCP call made none in alice's tenant.
+    names = [(s["name"], s.get("tenant")) for s in gateway.request("GET", "/agent/v1/sessions").json()["sessions"]]
+    assert sorted(names) == [("main", "alice"), ("main", "bob")], names
+
+
+def test_a_restarted_gateway_keeps_every_owner(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
+    try:
+        token = first.request("POST", "/agent/v1/tenants", json={"name": "ivan"}).json()["token"]
+        ivan = Tenant(first, token)
+        session = ivan.request("POST", "/agent/v1/sessions", json={"name": "kept"}).json()
+        kernel = ivan.request("POST", "/api/kernels", json={}).json()
+        assert ivan.request("POST", f"/agent/v1/sessions/{session['id']}/execute",
+                            json={"code": "k = 7"}).json()["status"] == "ok"
+    finally:
+        first.stop()
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        ivan = Tenant(second, token)
+        other = Tenant(second, second.request("POST", "/agent/v1/tenants", json={"name": "judy"}).json()["token"])
+        assert [s["id"] for s in ivan.request("GET", "/agent/v1/sessions").json()["sessions"]] == [session["id"]]
+        assert ivan.request("GET", "/agent/v1/sessions/kept").json()["tenant"] == "ivan"
+        assert kernel["id"] in [k["id"] for k in ivan.request("GET", "/api/kernels").json()]
+        assert other.request("GET", f"/agent/v1/sessions/{session['id']}").status_code == 404
+        assert other.request("GET", f"/api/kernels/{kernel['id']}").status_code == 404
+        assert other.request("GET", "/api/kernels").json() == []
+        assert ivan.request("POST", f"/agent/v1/sessions/{session['id']}/execute",
+                            json={"code": "k"}).json()["result"]["text/plain"] == "7"
+    finally:
+        second.stop()
