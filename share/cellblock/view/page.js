@@ -103,7 +103,7 @@
     lines.forEach((line, index) => {
       let className = '';
       if (index === last) className = 'tb-exc';
-      else if (/^\s*(File "|Cell In\[|Input In \[|Traceback \(most recent call last\))/.test(line)) className = 'tb-loc';
+      else if (/^\s*(File "|Cell In ?\[|Input In ?\[|Traceback \(most recent call last\))/.test(line)) className = 'tb-loc';
       else if (/^-*>\s*\d+/.test(line)) className = 'tb-arrow';
       pre.append(className ? element('span', className, line) : document.createTextNode(line));
       if (index < lines.length - 1) pre.append('\n');
