@@ -399,8 +399,10 @@ int main(int argc, char** argv) {
         tenants.follow_shared_store(io);
         const TokenAuthenticator auth(*config.token, &tenants);
         const CorsPolicy cors(config);
-        GatewayServices services{io,       logger, config, kernelspecs, kernels,
-                                 sessions, writer, auth,   cors,        metrics};
+        TenantQuotas quotas(tenants, kernels,
+                            static_cast<std::int64_t>(agent_config.default_limits.memory_mb));
+        GatewayServices services{io,     logger, config, kernelspecs, kernels, sessions,
+                                 writer, auth,   cors,   metrics,     quotas};
         Router router;
         register_jupyter_api(router, services);
         register_metrics_endpoint(router, services);

@@ -78,6 +78,15 @@ class OneKernelResource : public RestResource {
     GatewayServices& services_;
 };
 
+// A new kernel counts against the requesting tenant's quota (tenant_quotas.hpp): past it, 429 quota_exceeded.
+void admit_kernel(const GatewayServices& services, const Principal& principal) {
+    try {
+        services.quotas.admit(principal, {1, services.quotas.kernel_memory_mb(), 0});
+    } catch (const QuotaExceeded& exceeded) {
+        throw HttpError(http::status::too_many_requests, exceeded.what(), "quota_exceeded");
+    }
+}
+
 HttpResponse created(const json& model, const std::string& location) {
     HttpResponse response = json_response(http::status::created, model);
     response.set(http::field::location, location);
@@ -248,6 +257,7 @@ class KernelsResource : public RestResource {
         const json body = context.json_body();
         KernelStartRequest request{optional_string(body, "name"), request_env(body)};
         request.tenant = context.principal.tenant;
+        admit_kernel(services_, context.principal);
         const std::string base_url = context.base_url;
         services_.kernels.start_kernel(request, [respond, base_url](auto result) {
             if (auto* error = std::get_if<KernelStartError>(&result)) {
@@ -455,6 +465,7 @@ class SessionsResource : public RestResource {
         }
         KernelStartRequest request{optional_string(kernel_request, "name"), request_env(kernel_request)};
         request.tenant = tenant;
+        admit_kernel(services_, context.principal);
         GatewayServices& services = services_;
         services_.kernels.start_kernel(request, [&services, respond, path, name, type, location_base, tenant,
                                                  kernel_name = request.name](auto result) {

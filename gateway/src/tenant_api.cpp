@@ -64,8 +64,7 @@ class TenantResource : public RestResource {
         model["tokens"] = json::array();
         for (const auto& token : tenants_.tokens_of(tenant.name))
             model["tokens"].push_back(token_json(token));
-        // Nothing runs for a tenant yet: its tokens are refused by every session route (http_server.cpp).
-        model["usage"] = {{"sessions", 0}, {"memory_mb", 0}, {"executes", 0}};
+        model["usage"] = services_.quotas.usage(tenant.name).to_json();
         return model;
     }
     GatewayServices& services_;

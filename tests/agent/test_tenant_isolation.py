@@ -1,8 +1,10 @@
-"""Tenants on the isolated routes: each tenant's tokens see only what that tenant created (agent sessions, Kernel
+"""Tenants on the isolated routes, and their quotas: each tenant's tokens see only what that tenant created (agent sessions, Kernel
 Gateway kernels, /api/sessions), through REST, the kernel WebSocket, NDJSON and MCP (the official SDK client); another
 tenant's id answers exactly what an unknown id answers; roles (agent, approver) limit what a token does; the operator
 sees everything with its tenant; and a restarted gateway keeps every owner."""
 import json
+import threading
+import time
 import os
 import subprocess
 import uuid
@@ -269,3 +271,91 @@ def test_a_restarted_gateway_keeps_every_owner(tmp_path):
                             json={"code": "k"}).json()["result"]["text/plain"] == "7"
     finally:
         second.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------- quotas
+
+def quota_refusal(answer, text):
+    assert answer.status_code == 429, answer.text
+    body = answer.json()
+    assert body["reason"] == "quota_exceeded" and text in body["message"], body
+    return body
+
+
+def test_the_sessions_quota_counts_agent_sessions_and_kernels_together_and_touches_nothing_running(world,
+                                                                                                   mcp_client):
+    gateway = world["gateway"]
+    added = gateway.request("POST", "/agent/v1/tenants", json={"name": "kim", "quota": {"sessions": 2}})
+    kim = Tenant(gateway, added.json()["token"])
+    first = kim.request("POST", "/agent/v1/sessions", json={"name": "one"})
+    assert first.status_code == 201, first.text
+    kernel = kim.request("POST", "/api/kernels", json={})
+    assert kernel.status_code == 201, kernel.text
+    quota_refusal(kim.request("POST", "/agent/v1/sessions", json={"name": "three"}), "tenant kim has 2 of 2 sessions")
+    quota_refusal(kim.request("POST", "/api/kernels", json={}), "2 of 2 sessions")
+    quota_refusal(kim.request("POST", "/api/sessions", json={"path": "n.ipynb", "type": "notebook", "kernel": {}}),
+                  "2 of 2 sessions")
+    [over_mcp] = mcp_as(kim.token, gateway, mcp_client,
+                        {"name": "run_python", "arguments": {"session": "fresh", "code": "1"}})
+    assert over_mcp["result"]["isError"] is True
+    assert over_mcp["result"]["structuredContent"]["reason"] == "quota_exceeded", over_mcp
+    usage = gateway.request("GET", "/agent/v1/tenants/kim").json()["usage"]
+    assert usage["sessions"] == 2 and usage["memory_mb"] > 0, usage
+    # A quota of 0 allows nothing new; what runs goes on.
+    assert gateway.request("PATCH", "/agent/v1/tenants/kim", json={"quota": {"sessions": 0}}).status_code == 200
+    ran = kim.request("POST", "/agent/v1/sessions/one/execute", json={"code": "6*7"})
+    assert ran.status_code == 200 and ran.json()["result"]["text/plain"] == "42", ran.text
+    quota_refusal(kim.request("POST", "/agent/v1/sessions", json={"name": "three"}), "2 of 0 sessions")
+    # Raised again and one gone: a new one is admitted. Other tenants never counted.
+    assert gateway.request("PATCH", "/agent/v1/tenants/kim", json={"quota": {"sessions": 2}}).status_code == 200
+    assert kim.request("DELETE", f"/api/kernels/{kernel.json()['id']}").status_code == 204
+    assert kim.request("POST", "/agent/v1/sessions", json={"name": "three"}).status_code == 201
+    assert world["alice"].request("POST", "/agent/v1/sessions", json={"name": "extra"}).status_code == 201
+    assert names_of(gateway, "kim") == ["one", "three"]
+
+
+def names_of(gateway, tenant):
+    return sorted(s["name"] for s in gateway.request("GET", "/agent/v1/sessions").json()["sessions"]
+                  if s.get("tenant") == tenant)
+
+
+def test_the_memory_quota_sums_the_sessions_memory_limits(world):
+    gateway = world["gateway"]
+    added = gateway.request("POST", "/agent/v1/tenants", json={"name": "lee", "quota": {"memory_mb": 3000}})
+    lee = Tenant(gateway, added.json()["token"])
+    assert lee.request("POST", "/agent/v1/sessions", json={"name": "big", "limits": {"memory_mb": 2048}}).status_code == 201
+    quota_refusal(lee.request("POST", "/agent/v1/sessions", json={"name": "big2", "limits": {"memory_mb": 2048}}),
+                  "tenant lee has 2048 of 3000 MB of memory")
+    assert lee.request("POST", "/agent/v1/sessions", json={"name": "small", "limits": {"memory_mb": 512}}).status_code == 201
+    assert names_of(gateway, "lee") == ["big", "small"]
+
+
+def test_the_executes_quota_counts_executes_in_flight(world, tmp_path):
+    gateway = world["gateway"]
+    added = gateway.request("POST", "/agent/v1/tenants", json={"name": "max", "quota": {"executes": 1}})
+    max_ = Tenant(gateway, added.json()["token"])
+    session = max_.request("POST", "/agent/v1/sessions", json={"name": "busy"}).json()
+    workspace_gate = "gate"
+    answers = {}
+
+
+    def long_execute():
+        answers["first"] = max_.request(
+            "POST", f"/agent/v1/sessions/{session['id']}/execute",
+            json={"code": f"import os, time\nwhile not os.path.exists({workspace_gate!r}):\n    time.sleep(0.02)\n'out'"})
+
+    runner = threading.Thread(target=long_execute)
+    runner.start()
+    try:
+        # The first execute is under way once the session says so.
+        deadline = time.monotonic() + 60
+        while max_.request("GET", f"/agent/v1/sessions/{session['id']}").json()["state"] != "busy":
+            assert time.monotonic() < deadline, "the first execute never started"
+        quota_refusal(max_.request("POST", f"/agent/v1/sessions/{session['id']}/execute", json={"code": "1"}),
+                      "tenant max has 1 of 1 executes running")
+    finally:
+        put = max_.request("PUT", f"/agent/v1/sessions/{session['id']}/files/{workspace_gate}", data=b"")
+        assert put.status_code in (200, 201), put.text
+        runner.join(120)
+    assert answers["first"].json()["result"]["text/plain"] == "'out'", answers["first"].text
+    assert max_.request("POST", f"/agent/v1/sessions/{session['id']}/execute", json={"code": "1"}).status_code == 200

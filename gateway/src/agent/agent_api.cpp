@@ -3,6 +3,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "cellblock/gateway/agent/live_view.hpp"
@@ -469,12 +470,37 @@ class ApprovalResource : public AgentResource {
 AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
     : gateway_(gateway),
       config_(config),
-      session_services_{gateway.io, gateway.logger, gateway.kernels,
-                        config_,    gateway.writer, gateway.metrics},
+      session_services_{gateway.io,     gateway.logger,  gateway.kernels, config_,
+                        gateway.writer, gateway.metrics, gateway.quotas},
       registry_(session_services_),
-      operations_(session_services_, registry_) {}
+      operations_(session_services_, registry_) {
+    gateway.quotas.count_usage_with([this](const std::string& tenant) { return tenant_usage(tenant); });
+}
 
-AgentService::~AgentService() = default;
+TenantUsage AgentService::tenant_usage(const std::string& tenant) const {
+    // An agent session counts once, with its kernel; a Kernel Gateway kernel of the tenant counts on its own.
+    TenantUsage usage;
+    std::set<std::string> session_kernels;
+    for (const auto& session : registry_.list()) {
+        if (session->tenant() != tenant)
+            continue;
+        ++usage.sessions;
+        usage.memory_mb += static_cast<std::int64_t>(session->record().limits.memory_mb);
+        usage.executes += static_cast<std::int64_t>(session->executes_in_flight());
+        if (auto kernel = session->kernel())
+            session_kernels.insert(kernel->id());
+    }
+    for (const auto& kernel : gateway_.kernels.list())
+        if (kernel->tenant() == tenant && !session_kernels.contains(kernel->id())) {
+            ++usage.sessions;
+            usage.memory_mb += gateway_.quotas.kernel_memory_mb();
+        }
+    return usage;
+}
+
+AgentService::~AgentService() {
+    gateway_.quotas.count_usage_with({});  // the count above refers to this service
+}
 
 void AgentService::start() {
     registry_.start();

@@ -147,6 +147,7 @@ void AgentOperations::create_session(const json& arguments, const Caller& caller
     }
     const NetworkRequest network =
         checked_network(arguments.contains("network") ? arguments["network"] : json(nullptr));
+    admit(caller.principal, {1, static_cast<std::int64_t>(limits.memory_mb), 0});
     registry_.create(name, caller.principal.tenant, limits, network, caller.address,
                      [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
                          if (error)
@@ -162,6 +163,14 @@ AgentOperations::SessionPtr AgentOperations::session(const Principal& principal,
         throw OperationError(Kind::not_found, "unknown_session",
                              "no agent session with id or name '" + id_or_name + "'");
     return found;
+}
+
+void AgentOperations::admit(const Principal& principal, const TenantUsage& adding) const {
+    try {
+        services_.quotas.admit(principal, adding);
+    } catch (const QuotaExceeded& exceeded) {
+        throw OperationError(Kind::busy, "quota_exceeded", exceeded.what());
+    }
 }
 
 NetworkRequest AgentOperations::checked_network(const json& requested) const {
@@ -210,6 +219,11 @@ void AgentOperations::found_or_created(const std::string& id_or_name, const Call
     if (looks_like_kernel_id(id_or_name) || !caller.principal.may(Principal::Action::run))
         return then(OperationError(Kind::not_found, "unknown_session",
                                    "no agent session with id or name '" + id_or_name + "'"));
+    try {
+        admit(caller.principal, {1, static_cast<std::int64_t>(services_.config.default_limits.memory_mb), 0});
+    } catch (const OperationError& refused) {
+        return then(refused);
+    }
     registry_.create(
         id_or_name, caller.principal.tenant, services_.config.default_limits,
         network.value_or(NetworkRequest{}), caller.address,
@@ -277,6 +291,7 @@ std::uint64_t AgentOperations::execute(const SessionPtr& session, const ExecuteA
 
 ExecuteRequest AgentOperations::check_execute(const SessionPtr& session, const ExecuteArguments& arguments,
                                               const Caller& caller) const {
+    admit(caller.principal, {0, 0, 1});
     if (session->queued() >= AgentSession::max_queued)
         throw OperationError(
             Kind::busy, "session_busy",

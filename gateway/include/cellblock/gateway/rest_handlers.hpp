@@ -10,6 +10,7 @@
 #include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/router.hpp"
 #include "cellblock/gateway/session_manager.hpp"
+#include "cellblock/gateway/tenant_quotas.hpp"
 
 namespace cellblock::gateway {
 
@@ -25,6 +26,7 @@ struct GatewayServices {
     const TokenAuthenticator& auth;
     const CorsPolicy& cors;
     GatewayMetrics& metrics;
+    TenantQuotas& quotas;
 };
 
 // Registers /api, /api/status, /api/kernelspecs..., /kernelspecs/{name}/{file}, /api/kernels...,

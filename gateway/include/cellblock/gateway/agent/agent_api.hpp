@@ -31,6 +31,9 @@ class AgentService {
     std::shared_ptr<AgentSession> require_session(const Principal& principal,
                                                   const std::string& id_or_name) const;
 
+    // What `tenant` uses now (its quotas count it; tenant_quotas.hpp).
+    TenantUsage tenant_usage(const std::string& tenant) const;
+
   private:
     GatewayServices& gateway_;
     const AgentConfig& config_;

@@ -169,6 +169,9 @@ class AgentOperations {
                          const std::string& decision, const Caller& caller, Then<nlohmann::json> then);
 
   private:
+    // `adding` within the caller's tenant's quotas (tenant_quotas.hpp), or OperationError busy
+    // "quota_exceeded".
+    void admit(const Principal& principal, const TenantUsage& adding) const;
     // The "network" argument of a creation, checked against the ceiling; throws OperationError.
     NetworkRequest checked_network(const nlohmann::json& requested) const;
     // session_or_create once the registry is resolved.

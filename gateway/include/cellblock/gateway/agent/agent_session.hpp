@@ -23,6 +23,7 @@
 #include "cellblock/gateway/metrics.hpp"
 #include "cellblock/gateway/network_policy.hpp"
 #include "cellblock/gateway/store_writer.hpp"
+#include "cellblock/gateway/tenant_quotas.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -35,6 +36,7 @@ struct AgentSessionServices {
     const AgentConfig& config;
     StoreWriter& writer;
     GatewayMetrics& metrics;
+    TenantQuotas& quotas;
 };
 
 struct ExecuteRequest {
@@ -122,6 +124,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // The session's cells as events for its live page (agent_api.cpp, .../events).
     LiveLog& live() { return live_; }
     bool busy() const { return running_ != nullptr || !queue_.empty(); }
+    // Executes running or queued (what a tenant's `executes` quota counts, tenant_quotas.hpp).
+    std::size_t executes_in_flight() const { return queue_.size() + (running_ != nullptr ? 1 : 0); }
     std::size_t queued() const { return queue_.size(); }
     // More executes than this waiting behind the running one are refused (429) instead of piling up.
     static constexpr std::size_t max_queued = 64;
