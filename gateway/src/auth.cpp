@@ -189,6 +189,12 @@ std::optional<Principal> TokenAuthenticator::authenticate(
     return std::nullopt;
 }
 
+void TokenAuthenticator::close_on_revocation(const Principal& principal, std::weak_ptr<void> target,
+                                             std::function<void()> close) const {
+    if (tenants_ && !principal.is_operator())
+        tenants_->watch_revocation(principal.token_id, std::move(target), std::move(close));
+}
+
 CorsPolicy::CorsPolicy(const GatewayConfig& config)
     : allow_origin_(config.allow_origin),
       allow_credentials_(config.allow_credentials),

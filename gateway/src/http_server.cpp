@@ -362,6 +362,17 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         if (!principal)
             return write(context_.auth.refusal(request_), upgrade ? false : keep_alive);
         request_context.principal = *principal;
+        if (!principal->is_operator() && principal->token_id != watched_token_) {
+            // A revoked token's open stream ends with its connection (its next request would be refused).
+            watched_token_ = principal->token_id;
+            context_.auth.close_on_revocation(
+                *principal, this->weak_from_this(), [weak = this->weak_from_this()] {
+                    if (auto self = weak.lock()) {
+                        beast::error_code ignored;
+                        beast::get_lowest_layer(self->stream_).socket().close(ignored);
+                    }
+                });
+        }
         pending_.reset();  // authenticated: no longer counted against the caps on unauthenticated connections
         if (upgrade)
             return handle_upgrade(request_context);
@@ -626,6 +637,11 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         const std::string subprotocol = resource->select_subprotocol(request_context);
         auto transport = std::make_shared<BeastWebSocketTransport<Stream>>(
             std::move(stream_), std::move(request_), subprotocol, context_);
+        context_.auth.close_on_revocation(request_context.principal, transport,
+                                          [weak = std::weak_ptr<WebSocketTransport>(transport)] {
+                                              if (auto open = weak.lock())
+                                                  open->close("the token was revoked", true);
+                                          });
         transport->accept([transport, resource, query = request_context.query,
                            params = request_context.params, path = request_context.path,
                            base_url = request_context.base_url, principal = request_context.principal,
@@ -678,6 +694,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
     }
 
     Stream stream_;
+    std::string watched_token_;  // the tenant token whose revocation closes this connection (if any)
     StreamState streaming_;
     const HttpServerContext& context_;
     beast::flat_buffer buffer_;

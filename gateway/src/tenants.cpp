@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <boost/asio/post.hpp>
+#include <set>
 
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/time_format.hpp"
@@ -98,6 +99,30 @@ void TenantDirectory::apply(const std::vector<json>& tenants, std::vector<Tenant
     for (TenantToken& token : tokens)
         if (tenants_.contains(token.tenant))
             tokens_by_digest_[token.digest] = std::move(token);
+    close_revoked();
+}
+
+void TenantDirectory::watch_revocation(const std::string& token_id, std::weak_ptr<void> target,
+                                       std::function<void()> close) {
+    std::erase_if(watches_, [](const RevocationWatch& watch) { return watch.target.expired(); });
+    watches_.push_back({token_id, std::move(target), std::move(close)});
+}
+
+void TenantDirectory::close_revoked() {
+    std::set<std::string> live;
+    for (const auto& [digest, token] : tokens_by_digest_)
+        live.insert(token.id);
+    std::vector<std::function<void()>> closing;
+    std::erase_if(watches_, [&](RevocationWatch& watch) {
+        if (watch.target.expired())
+            return true;
+        if (live.contains(watch.token_id))
+            return false;
+        closing.push_back(std::move(watch.close));
+        return true;
+    });
+    for (auto& close : closing)  // after the erase: a close may register or end other watches
+        close();
 }
 
 void TenantDirectory::follow_shared_store(boost::asio::io_context& io) {
@@ -228,6 +253,7 @@ void TenantDirectory::revoke_token(const std::string& name, const std::string& t
             tokens_by_digest_.erase(it);
             ++generation_;
             writer_.submit([token_id](SessionStore& store) { store.remove_tenant_token(token_id); });
+            close_revoked();
             return;
         }
     }
@@ -241,6 +267,7 @@ void TenantDirectory::remove(const std::string& name) {
     tenants_.erase(name);
     ++generation_;
     writer_.submit([name](SessionStore& store) { store.remove_tenant(name); });
+    close_revoked();
 }
 
 std::vector<TenantToken> TenantDirectory::tokens_of(const std::string& name) const {

@@ -359,3 +359,50 @@ def test_the_executes_quota_counts_executes_in_flight(world, tmp_path):
         runner.join(120)
     assert answers["first"].json()["result"]["text/plain"] == "'out'", answers["first"].text
     assert max_.request("POST", f"/agent/v1/sessions/{session['id']}/execute", json={"code": "1"}).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------------- revocation
+
+def test_revoking_a_token_closes_its_open_websocket_and_streams_within_a_second(world):
+    gateway = world["gateway"]
+    added = gateway.request("POST", "/agent/v1/tenants", json={"name": "nina"}).json()
+    nina = Tenant(gateway, added["token"])
+    session = nina.request("POST", "/agent/v1/sessions", json={"name": "watched"}).json()
+    channels = nina.channels(session["kernel_id"])
+    events = nina.request("GET", f"/agent/v1/sessions/{session['id']}/events",
+                          headers={"Accept": "text/event-stream"}, stream=True)
+    assert events.status_code == 200, events.text
+    ended = {}
+
+    def read_until_closed(name, lines):
+        try:
+            for _ in lines:
+                pass
+        except requests.exceptions.RequestException:
+            pass
+        ended[name] = time.monotonic()
+
+    streamed = nina.request("POST", f"/agent/v1/sessions/{session['id']}/execute", stream=True,
+                            headers={"Accept": "application/x-ndjson"},
+                            json={"code": "import time\nprint('started', flush=True)\ntime.sleep(300)"})
+    assert streamed.status_code == 200, streamed.text
+    lines = streamed.iter_lines()
+    assert any(b"started" in line for line in lines), "the execute never started"
+    readers = [threading.Thread(target=read_until_closed, args=("ndjson", lines)),
+               threading.Thread(target=read_until_closed, args=("events", events.iter_lines()))]
+    for reader in readers:
+        reader.start()
+
+    revoked_at = time.monotonic()
+    assert gateway.request("DELETE", f"/agent/v1/tenants/nina/tokens/{added['token_id']}").status_code == 204
+    channels.socket.settimeout(5)
+    with pytest.raises((websocket.WebSocketConnectionClosedException, ConnectionError, OSError)):
+        while True:
+            channels.socket.recv()
+    ended["websocket"] = time.monotonic()
+    for reader in readers:
+        reader.join(5)
+    assert set(ended) == {"websocket", "ndjson", "events"}, ended
+    late = {name: round(at - revoked_at, 3) for name, at in ended.items() if at - revoked_at > 1.0}
+    assert not late, f"still open more than 1 s after the revocation: {late}"
+    assert nina.request("GET", "/agent/v1/sessions").status_code == 401

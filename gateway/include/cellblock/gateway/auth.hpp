@@ -2,7 +2,9 @@
 // Token authentication (?token=, "Authorization: token X", "Authorization: Bearer X", compared in constant
 // time; the live page's cookie on its own GET paths) and the CORS / origin policy, shared by REST and
 // WebSocket upgrades.
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -18,7 +20,7 @@ class TenantDirectory;
 // MCP): the gateway's own token is the operator, a tenant's token (looked up in `tenants`) that tenant's.
 class TokenAuthenticator {
   public:
-    explicit TokenAuthenticator(std::string token, const TenantDirectory* tenants = nullptr)
+    explicit TokenAuthenticator(std::string token, TenantDirectory* tenants = nullptr)
         : token_(std::move(token)), tenants_(tenants) {}
     bool enabled() const { return !token_.empty(); }
     // Who the request is from: the operator when auth is off or it carries the gateway's token (query
@@ -28,6 +30,10 @@ class TokenAuthenticator {
     bool authorized(const HttpRequest& request, const std::map<std::string, std::string>& query) const {
         return authenticate(request, query).has_value();
     }
+    // Closes what `principal`'s token holds open (`close`, while `target` lives) once the token is revoked
+    // (TenantDirectory::watch_revocation); nothing for the operator.
+    void close_on_revocation(const Principal& principal, std::weak_ptr<void> target,
+                             std::function<void()> close) const;
     // The answer to a request without a valid token: 401 JSON, or for a GET of a live page (.../view) a
     // short HTML page that says to open it once with ?token=.
     HttpResponse refusal(const HttpRequest& request) const;
@@ -46,7 +52,7 @@ class TokenAuthenticator {
 
   private:
     std::string token_;
-    const TenantDirectory* tenants_;
+    TenantDirectory* tenants_;
 };
 
 class CorsPolicy {

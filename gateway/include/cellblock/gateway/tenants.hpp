@@ -5,6 +5,7 @@
 // digest (StoreSecret::token_digest), so the plaintext exists only in the one answer that hands it out.
 #include <boost/asio/io_context.hpp>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -88,7 +89,16 @@ class TenantDirectory {
     void remove(const std::string& name);
     std::vector<TenantToken> tokens_of(const std::string& name) const;
 
+    // A long-lived use of a tenant's token (a keep-alive connection with its streamed responses, a
+    // WebSocket): `close` runs once, when the token is revoked or its tenant removed, here or through another
+    // gateway (follow_shared_store), so that revocation ends what is open as well as what comes next.
+    // Forgotten when `target` is gone.
+    void watch_revocation(const std::string& token_id, std::weak_ptr<void> target,
+                          std::function<void()> close);
+
   private:
+    // Runs the watches whose token is no longer live.
+    void close_revoked();
     IssuedToken make_token(const std::string& tenant, const std::string& role);
     Tenant& require(const std::string& name);
     void apply(const std::vector<nlohmann::json>& tenants, std::vector<TenantToken> tokens);
@@ -98,6 +108,12 @@ class TenantDirectory {
     StoreSecret secret_;
     std::map<std::string, Tenant> tenants_;
     std::map<std::string, TenantToken> tokens_by_digest_;
+    struct RevocationWatch {
+        std::string token_id;
+        std::weak_ptr<void> target;
+        std::function<void()> close;
+    };
+    std::vector<RevocationWatch> watches_;
     // Counts changes made here: a store read queued before one of them is stale and not applied.
     std::uint64_t generation_ = 0;
     bool refresh_pending_ = false;
