@@ -406,8 +406,10 @@ int main(int argc, char** argv) {
         Router router;
         register_jupyter_api(router, services);
         register_metrics_endpoint(router, services);
-        register_tenant_api(router, services, tenants);
         cellblock::gateway::agent::AgentService agent_service(services, agent_config);
+        register_tenant_api(router, services, tenants, [&agent_service](const std::string& tenant) {
+            agent_service.end_sessions_of(tenant);
+        });
         agent_service.register_routes(router);
         HttpServer server(io, logger, config, router, auth, cors, metrics);
         const std::uint16_t port = server.listen(config.ip, config.port);

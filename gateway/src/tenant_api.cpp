@@ -98,7 +98,8 @@ class TenantsResource : public TenantResource {
 
 class TenantItemResource : public TenantResource {
   public:
-    using TenantResource::TenantResource;
+    TenantItemResource(GatewayServices& services, TenantDirectory& tenants, TenantSessionsEnd end_sessions)
+        : TenantResource(services, tenants), end_sessions_(std::move(end_sessions)) {}
     std::string allowed_methods() const override { return "GET, PATCH, DELETE, OPTIONS"; }
     void get(RequestContext& context, Responder respond) override {
         answer(context, std::move(respond), [&] {
@@ -113,10 +114,18 @@ class TenantItemResource : public TenantResource {
     }
     void delete_(RequestContext& context, Responder respond) override {
         answer(context, std::move(respond), [&] {
-            tenants_.remove(context.param("tenant"));
+            const std::string name = context.param("tenant");
+            tenants_.remove(name);
+            end_sessions_(name);
+            for (const auto& kernel : services_.kernels.list())
+                if (kernel->tenant() == name)
+                    services_.kernels.shutdown_kernel(kernel->id(), "its tenant was removed");
             return empty_response(http::status::no_content);
         });
     }
+
+  private:
+    TenantSessionsEnd end_sessions_;
 };
 
 class TenantTokensResource : public TenantResource {
@@ -147,9 +156,11 @@ class TenantTokenResource : public TenantResource {
 
 }  // namespace
 
-void register_tenant_api(Router& router, GatewayServices& services, TenantDirectory& tenants) {
+void register_tenant_api(Router& router, GatewayServices& services, TenantDirectory& tenants,
+                         TenantSessionsEnd end_sessions) {
     router.add("/agent/v1/tenants", std::make_shared<TenantsResource>(services, tenants));
-    router.add("/agent/v1/tenants/{tenant}", std::make_shared<TenantItemResource>(services, tenants));
+    router.add("/agent/v1/tenants/{tenant}",
+               std::make_shared<TenantItemResource>(services, tenants, std::move(end_sessions)));
     router.add("/agent/v1/tenants/{tenant}/tokens",
                std::make_shared<TenantTokensResource>(services, tenants));
     router.add("/agent/v1/tenants/{tenant}/tokens/{token}",

@@ -406,3 +406,20 @@ def test_revoking_a_token_closes_its_open_websocket_and_streams_within_a_second(
     late = {name: round(at - revoked_at, 3) for name, at in ended.items() if at - revoked_at > 1.0}
     assert not late, f"still open more than 1 s after the revocation: {late}"
     assert nina.request("GET", "/agent/v1/sessions").status_code == 401
+
+
+def test_removing_a_tenant_ends_its_sessions_and_kernels_and_a_new_one_of_its_name_starts_empty(world):
+    gateway = world["gateway"]
+    oscar = Tenant(gateway, gateway.request("POST", "/agent/v1/tenants", json={"name": "oscar"}).json()["token"])
+    session = oscar.request("POST", "/agent/v1/sessions", json={"name": "work"}).json()
+    kernel = oscar.request("POST", "/api/kernels", json={}).json()
+    assert gateway.request("DELETE", "/agent/v1/tenants/oscar").status_code == 204
+    listed = gateway.request("GET", "/agent/v1/sessions").json()["sessions"]
+    assert session["id"] not in [s["id"] for s in listed]
+    kernel_ids = [k["id"] for k in gateway.request("GET", "/api/kernels").json()]
+    assert kernel["id"] not in kernel_ids and session["kernel_id"] not in kernel_ids
+    audit = gateway.request("GET", f"/agent/v1/sessions/{session['id']}/audit?event=session_deleted")
+    assert audit.status_code in (200, 404), audit.text
+    again = Tenant(gateway, gateway.request("POST", "/agent/v1/tenants", json={"name": "oscar"}).json()["token"])
+    assert again.request("GET", "/agent/v1/sessions").json()["sessions"] == []
+    assert again.request("GET", "/api/kernels").json() == []

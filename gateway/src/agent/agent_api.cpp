@@ -477,6 +477,12 @@ AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
     gateway.quotas.count_usage_with([this](const std::string& tenant) { return tenant_usage(tenant); });
 }
 
+void AgentService::end_sessions_of(const std::string& tenant) {
+    for (const auto& session : registry_.list())
+        if (session->tenant() == tenant)
+            operations_.delete_session(session, Caller{"", "tenants"}, "its tenant was removed", [] {});
+}
+
 TenantUsage AgentService::tenant_usage(const std::string& tenant) const {
     // An agent session counts once, with its kernel; a Kernel Gateway kernel of the tenant counts on its own.
     TenantUsage usage;

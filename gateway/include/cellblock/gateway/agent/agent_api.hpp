@@ -31,6 +31,8 @@ class AgentService {
     std::shared_ptr<AgentSession> require_session(const Principal& principal,
                                                   const std::string& id_or_name) const;
 
+    // Deletes every session of `tenant` held here (its tenant was removed), each audited as deleted.
+    void end_sessions_of(const std::string& tenant);
     // What `tenant` uses now (its quotas count it; tenant_quotas.hpp).
     TenantUsage tenant_usage(const std::string& tenant) const;
 
