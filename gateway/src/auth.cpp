@@ -172,6 +172,8 @@ std::optional<Principal> TokenAuthenticator::authenticate(
         if (tenants_) {
             if (auto tenant = tenants_->resolve(*token))
                 return tenant;
+            if (auto viewer = tenants_->resolve_viewer(*token))
+                return viewer;
         }
     }
     // The live page's cookie: only on a GET of its own paths, and only the one derived for that scope.
@@ -180,13 +182,23 @@ std::optional<Principal> TokenAuthenticator::authenticate(
             const std::vector<std::string_view> cookies = view_cookies(request);
             if (!cookies.empty()) {
                 const std::string expected = view_cookie(*scope);
-                for (const std::string_view value : cookies)
+                for (const std::string_view value : cookies) {
                     if (constant_time_equals(value, expected))
                         return Principal{};
+                    // A viewer's cookie is its token, good on its own session's page only.
+                    if (auto viewer = tenants_ ? tenants_->resolve_viewer(value) : std::nullopt;
+                        viewer && scope->ends_with("/agent/v1/sessions/" + viewer->session))
+                        return viewer;
+                }
             }
         }
     }
     return std::nullopt;
+}
+
+std::string TokenAuthenticator::issue_viewer(const std::string& session, const std::string& tenant,
+                                             std::int64_t expires) const {
+    return tenants_ ? tenants_->issue_viewer(session, tenant, expires) : std::string();
 }
 
 void TokenAuthenticator::close_on_revocation(const Principal& principal, std::weak_ptr<void> target,

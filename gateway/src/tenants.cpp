@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <boost/asio/post.hpp>
+#include <chrono>
 #include <set>
 
 #include "cellblock/gateway/crypto.hpp"
@@ -170,6 +171,44 @@ std::optional<Principal> TenantDirectory::resolve(std::string_view token) const 
         return std::nullopt;
     return Principal{record.role == "approver" ? Principal::Role::approver : Principal::Role::agent,
                      record.tenant, record.id, tenant->second.self_approve};
+}
+
+namespace {
+constexpr std::string_view viewer_prefix = "cbv_";
+}
+
+std::string TenantDirectory::issue_viewer(const std::string& session, const std::string& tenant,
+                                          std::int64_t expires) const {
+    const std::string body = session + "." + tenant + "." + std::to_string(expires);
+    return std::string(viewer_prefix) + body + "." + secret_.token_digest("viewer:" + body);
+}
+
+std::optional<Principal> TenantDirectory::resolve_viewer(std::string_view token) const {
+    if (!token.starts_with(viewer_prefix))
+        return std::nullopt;
+    token.remove_prefix(viewer_prefix.size());
+    const auto signature_at = token.rfind('.');
+    if (signature_at == std::string_view::npos)
+        return std::nullopt;
+    const std::string body(token.substr(0, signature_at));
+    if (!constant_time_equals(token.substr(signature_at + 1), secret_.token_digest("viewer:" + body)))
+        return std::nullopt;
+    // Signed by a gateway: the three fields are as it wrote them.
+    const auto first = body.find('.'), last = body.rfind('.');
+    if (first == std::string::npos || last == first)
+        return std::nullopt;
+    const std::string tenant = body.substr(first + 1, last - first - 1);
+    const std::int64_t expires = std::stoll(body.substr(last + 1));
+    const auto now =
+        std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
+    if (now >= expires || (!tenant.empty() && !tenants_.contains(tenant)))
+        return std::nullopt;
+    Principal viewer;
+    viewer.role = Principal::Role::viewer;
+    viewer.tenant = tenant;
+    viewer.session = body.substr(0, first);
+    return viewer;
 }
 
 TenantDirectory::IssuedToken TenantDirectory::make_token(const std::string& tenant, const std::string& role) {

@@ -423,3 +423,75 @@ def test_removing_a_tenant_ends_its_sessions_and_kernels_and_a_new_one_of_its_na
     again = Tenant(gateway, gateway.request("POST", "/agent/v1/tenants", json={"name": "oscar"}).json()["token"])
     assert again.request("GET", "/agent/v1/sessions").json()["sessions"] == []
     assert again.request("GET", "/api/kernels").json() == []
+
+
+# --------------------------------------------------------------------------------------------------- viewer links
+
+def test_a_viewer_link_reads_its_one_session_and_nothing_else(world):
+    alice, gateway, alice_id = world["alice"], world["gateway"], world["sessions"]["alice"]["id"]
+    other = alice.request("POST", "/agent/v1/sessions", json={"name": "not-shared"}).json()
+    shared = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={"ttl_s": 600})
+    assert shared.status_code == 201, shared.text
+    link = shared.json()
+    assert link["token"].startswith("cbv_") and link["view"].endswith(f"/agent/v1/sessions/{alice_id}/view")
+    viewer = Tenant(gateway, link["token"])
+    assert [s["id"] for s in viewer.request("GET", "/agent/v1/sessions").json()["sessions"]] == [alice_id]
+    for path in ("", "/notebook", "/audit"):
+        assert viewer.request("GET", f"/agent/v1/sessions/{alice_id}{path}").status_code == 200, path
+    events = viewer.request("GET", f"/agent/v1/sessions/{alice_id}/events", headers={"Accept": "text/event-stream"},
+                            stream=True)
+    assert events.status_code == 200
+    events.close()
+    for method, path in (("POST", f"/agent/v1/sessions/{alice_id}/execute"), ("DELETE", f"/agent/v1/sessions/{alice_id}"),
+                         ("POST", f"/agent/v1/sessions/{alice_id}/share"), ("POST", "/agent/v1/sessions")):
+        answer = viewer.request(method, path, json={"code": "secret = 0"})
+        assert answer.status_code == 403 and answer.json()["reason"] == "role_forbidden", (method, path, answer.text)
+    assert viewer.request("GET", f"/agent/v1/sessions/{other['id']}").status_code == 404
+    assert viewer.request("GET", "/api/kernels").json() == []
+    assert viewer.request("GET", f"/api/kernels/{world['sessions']['alice']['kernel_id']}").status_code == 404
+    with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+        viewer.channels(world["sessions"]["alice"]["kernel_id"])
+    assert refused.value.status_code in (403, 404)
+    # Tampered (another session or a later expiry under the same signature) or malformed: no token at all.
+    prefix, rest = link["token"][:4], link["token"][40:]
+    for forged in (prefix + other["id"] + rest, link["token"][:-1] + ("0" if link["token"][-1] != "0" else "1"),
+                   "cbv_x", "cbv_"):
+        assert Tenant(gateway, forged).request("GET", "/agent/v1/sessions").status_code == 401, forged
+    assert alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={"ttl_s": 0}).json()["reason"] == "bad_ttl"
+    # Another tenant cannot share alice's session; the session's end ends the link.
+    assert world["bob"].request("POST", f"/agent/v1/sessions/{alice_id}/share", json={}).status_code == 404
+    other_link = alice.request("POST", f"/agent/v1/sessions/{other['id']}/share", json={}).json()["token"]
+    assert alice.request("DELETE", f"/agent/v1/sessions/{other['id']}").status_code == 204
+    assert Tenant(gateway, other_link).request("GET", f"/agent/v1/sessions/{other['id']}").status_code == 404
+
+
+def test_a_viewer_link_expires(world):
+    alice, alice_id = world["alice"], world["sessions"]["alice"]["id"]
+    token = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={"ttl_s": 1}).json()["token"]
+    viewer = Tenant(world["gateway"], token)
+    deadline = time.monotonic() + 5
+    while viewer.request("GET", "/agent/v1/sessions").status_code == 200:  # the link's own clock, not a sleep
+        assert time.monotonic() < deadline, "a viewer token of 1 s still works after 5 s"
+    assert viewer.request("GET", f"/agent/v1/sessions/{alice_id}").status_code == 401
+
+
+def test_a_viewer_opens_the_live_page_with_its_link_and_gets_a_cookie_for_that_page_only(world):
+    alice, gateway, alice_id = world["alice"], world["gateway"], world["sessions"]["alice"]["id"]
+    token = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={}).json()["token"]
+    opened = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view?token={token}", allow_redirects=False,
+                          timeout=60)
+    assert opened.status_code == 303 and "token" not in opened.headers["Location"], opened.headers
+    cookie = opened.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and f"Path=/agent/v1/sessions/{alice_id}" in cookie
+    value = cookie.split(";")[0].split("=", 1)[1]
+    jar = {"cellblock_view": value}
+    page = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view", cookies=jar, timeout=60)
+    assert page.status_code == 200 and "text/html" in page.headers["Content-Type"]
+    events = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/events", cookies=jar, stream=True,
+                          headers={"Accept": "text/event-stream"}, timeout=60)
+    assert events.status_code == 200
+    events.close()
+    # The cookie opens nothing else: not the API under the same path, not another session's page.
+    assert requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/notebook", cookies=jar, timeout=60).status_code == 401
+    bob_id = world["sessions"]["bob"]["id"]
+    assert requests.get(f"{gateway.url}/agent/v1/sessions/{bob_id}/view", cookies=jar, timeout=60).status_code == 401

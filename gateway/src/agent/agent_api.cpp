@@ -1,6 +1,8 @@
 #include "cellblock/gateway/agent/agent_api.hpp"
 
 #include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -9,6 +11,7 @@
 #include "cellblock/gateway/agent/live_view.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
 #include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/time_format.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -421,6 +424,47 @@ class AuditResource : public AgentResource {
 
 // ------------------------------------------------------------------------------------------------ approvals
 
+// ------------------------------------------------------------------------------------------------ viewer
+// links
+
+// POST {"ttl_s"?} → 201 {"token", "expires", "view"}: a token that reads this one session (its model,
+// notebook, audit, events and live page) until it expires or the session ends (principal.hpp, "viewer").
+// Sharing runs (Principal::Action::run): a viewer or an approver cannot share further.
+class ShareResource : public AgentResource {
+  public:
+    using AgentResource::AgentResource;
+    static constexpr double max_ttl_s = 7 * 24 * 3600;
+    std::string allowed_methods() const override { return "POST, OPTIONS"; }
+    void post(RequestContext& context, Responder respond) override {
+        translated(respond, [&] {
+            auto target = session(context);
+            const json body = request_body(context);
+            double ttl_s = 3600;
+            if (body.contains("ttl_s") && !body["ttl_s"].is_null()) {
+                if (!body["ttl_s"].is_number() || body["ttl_s"].get<double>() <= 0 ||
+                    body["ttl_s"].get<double>() > max_ttl_s)
+                    throw OperationError(
+                        OperationErrorKind::malformed, "bad_ttl",
+                        "ttl_s must be a number of seconds above 0 and at most 604800 (7 days)");
+                ttl_s = body["ttl_s"].get<double>();
+            }
+            const auto expires = std::chrono::system_clock::now() +
+                                 std::chrono::seconds(static_cast<std::int64_t>(std::ceil(ttl_s)));
+            const std::int64_t expires_s =
+                std::chrono::duration_cast<std::chrono::seconds>(expires.time_since_epoch()).count();
+            const std::string token =
+                service_.gateway().auth.issue_viewer(target->id(), target->tenant(), expires_s);
+            if (token.empty())
+                throw OperationError(OperationErrorKind::unavailable, "no_viewers",
+                                     "this gateway runs without authentication: there is nothing to share");
+            respond(json_response(http::status::created, {{"token", token},
+                                                          {"expires", format_iso8601_utc(expires)},
+                                                          {"view", context.base_url + "agent/v1/sessions/" +
+                                                                       target->id() + "/view"}}));
+        });
+    }
+};
+
 class ApprovalsResource : public AgentResource {
   public:
     using AgentResource::AgentResource;
@@ -564,6 +608,7 @@ void AgentService::register_routes(Router& router) {
     router.add("/agent/v1/sessions/{session}/notebook", std::make_shared<NotebookResource>(*this));
     router.add("/agent/v1/sessions/{session}/audit", std::make_shared<AuditResource>(*this));
     router.add("/agent/v1/sessions/{session}/approvals", std::make_shared<ApprovalsResource>(*this));
+    router.add("/agent/v1/sessions/{session}/share", std::make_shared<ShareResource>(*this));
     router.add("/agent/v1/sessions/{session}/approvals/{approval}",
                std::make_shared<ApprovalResource>(*this));
     router.add("/agent/v1/openapi.json",

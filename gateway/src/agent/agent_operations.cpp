@@ -247,8 +247,9 @@ void AgentOperations::found_or_created(const std::string& id_or_name, const Call
 
 std::vector<AgentOperations::SessionPtr> AgentOperations::sessions(const Principal& principal) const {
     std::vector<SessionPtr> seen = registry_.list();
-    std::erase_if(seen,
-                  [&principal](const SessionPtr& session) { return !principal.sees(session->tenant()); });
+    std::erase_if(seen, [&principal](const SessionPtr& session) {
+        return !principal.sees_session(session->tenant(), session->id());
+    });
     return seen;
 }
 

@@ -167,13 +167,19 @@ std::string client_path(const RequestContext& context) {
     return base + context.path;
 }
 
-// The session of that id (or name) held here, or 404 unknown_session. The pages take the operator's cookie or
-// token only (their resources do not serve tenants), so every session is theirs to see.
-void listed_session(AgentService& service, const std::string& id_or_name) {
-    for (const auto& session : service.sessions().list())
-        if (session->id() == id_or_name || session->name() == id_or_name)
-            return;
-    throw HttpError(http::status::not_found, "no agent session " + id_or_name, "unknown_session");
+// The session of that id (or name) held here as `context`'s principal sees it (the operator any; a viewer its
+// own), or 404 unknown_session.
+void listed_session(AgentService& service, const RequestContext& context, const std::string& id_or_name) {
+    service.require_session(context.principal, id_or_name);
+}
+
+// The token the request presented (?token= or the Authorization header), empty when none.
+std::string presented_token(const RequestContext& context) {
+    if (const auto query = context.query.find("token"); query != context.query.end())
+        return query->second;
+    const std::string_view header = context.request[http::field::authorization];
+    const auto space = header.find(' ');
+    return space == std::string_view::npos ? std::string() : std::string(header.substr(space + 1));
 }
 
 // A page (the session's or the list's), opened with the token once: ?token= answers 303 to the same path
@@ -188,11 +194,17 @@ void answer_page(AgentService& service, const RequestContext& context, std::stri
     const bool token_in_query = context.query.contains("token");
     if (auth.enabled() && scope &&
         (token_in_query || context.request.find(http::field::authorization) != context.request.end())) {
-        if (!context.principal.is_operator())
+        // The operator's cookie derives from its token; a viewer's cookie is its own token (scoped to its one
+        // session, expiring); a tenant's agent token opens pages through a viewer link of its own
+        // (.../share).
+        const Principal& principal = context.principal;
+        if (!principal.is_operator() && principal.role != Principal::Role::viewer)
             throw HttpError(http::status::forbidden,
-                            "the live page takes the gateway's token (tenants' pages need viewer tokens)",
+                            "the live page takes the gateway's token or a viewer link (POST .../share)",
                             "operator_only");
-        cookie = std::string(TokenAuthenticator::view_cookie_name) + "=" + auth.view_cookie(*scope) +
+        const std::string value =
+            principal.is_operator() ? auth.view_cookie(*scope) : presented_token(context);
+        cookie = std::string(TokenAuthenticator::view_cookie_name) + "=" + value +
                  "; HttpOnly; SameSite=Strict; Path=" + std::string(*scope);
     }
     if (token_in_query) {
@@ -228,8 +240,9 @@ void answer_page(AgentService& service, const RequestContext& context, std::stri
 class SessionPageResource : public RestResource {
   public:
     explicit SessionPageResource(AgentService& service) : service_(service) {}
+    bool serves_tenants() const override { return true; }  // listed_session: only a session it sees
     void get(RequestContext& context, Responder respond) override {
-        listed_session(service_, context.param("session"));
+        listed_session(service_, context, context.param("session"));
         answer_page(service_, context, "session.html", respond);
     }
 
@@ -273,7 +286,7 @@ class OpenResource : public RestResource {
     explicit OpenResource(AgentService& service) : service_(service) {}
     void get(RequestContext& context, Responder respond) override {
         const std::string& id = context.param("session");
-        listed_session(service_, id);
+        listed_session(service_, context, id);
         std::string base = context.base_url;
         if (base.ends_with('/'))
             base.pop_back();
@@ -313,9 +326,10 @@ class OpenResource : public RestResource {
 class StaticResource : public RestResource {
   public:
     explicit StaticResource(AgentService& service) : service_(service) {}
+    bool serves_tenants() const override { return true; }  // fixed files; a session's only if it sees it
     void get(RequestContext& context, Responder respond) override {
         if (const auto session = context.params.find("session"); session != context.params.end())
-            listed_session(service_, session->second);
+            listed_session(service_, context, session->second);
         const std::string& name = context.param("file");
         for (const StaticFile& file : static_files)
             if (file.name == name)

@@ -322,7 +322,7 @@ void AgentSessionRegistry::create_named(std::string id, std::string name, const 
 std::shared_ptr<AgentSession> AgentSessionRegistry::find(const Principal& principal,
                                                          const std::string& id_or_name) {
     auto found = held(principal.tenant, id_or_name);
-    return found && principal.sees(found->tenant()) ? found : nullptr;
+    return found && principal.sees_session(found->tenant(), found->id()) ? found : nullptr;
 }
 
 std::vector<std::shared_ptr<AgentSession>> AgentSessionRegistry::list() const {

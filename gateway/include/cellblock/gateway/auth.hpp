@@ -34,6 +34,10 @@ class TokenAuthenticator {
     // (TenantDirectory::watch_revocation); nothing for the operator.
     void close_on_revocation(const Principal& principal, std::weak_ptr<void> target,
                              std::function<void()> close) const;
+    // A viewer token of one agent session (TenantDirectory::issue_viewer); empty when the gateway has no
+    // tenants directory (nothing could resolve it).
+    std::string issue_viewer(const std::string& session, const std::string& tenant,
+                             std::int64_t expires) const;
     // The answer to a request without a valid token: 401 JSON, or for a GET of a live page (.../view) a
     // short HTML page that says to open it once with ?token=.
     HttpResponse refusal(const HttpRequest& request) const;

@@ -7,6 +7,8 @@
 //   tokens and the operator see it. To anyone else it does not exist (404, the same as an unknown id).
 // - `agent` reads and runs: sessions, kernels, executes, files. `approver` reads and decides approvals, and
 //   runs nothing. An agent decides approvals only for a tenant created with "self_approve": true.
+// - A `viewer` (a link from POST .../sessions/{id}/share) reads that one session until its token expires or
+//   the session ends, and sees nothing else.
 // - The operator sees and does everything; routes that are not isolated per tenant are the operator's alone
 //   (RestResource::serves_tenants, router.hpp).
 #include <string>
@@ -15,7 +17,7 @@
 namespace cellblock::gateway {
 
 struct Principal {
-    enum class Role { operator_, agent, approver };
+    enum class Role { operator_, agent, approver, viewer };
     // What a request asks to do with what it names.
     enum class Action { read, run, decide };
 
@@ -23,10 +25,18 @@ struct Principal {
     std::string tenant;         // empty for the operator
     std::string token_id;       // the tenant token's id (never the token); empty for the operator
     bool self_approve = false;  // the tenant's agents may decide its approvals
+    std::string session = {};   // a viewer's one session (its id)
 
     bool is_operator() const { return role == Role::operator_; }
     // Whether something owned by `owner` (a tenant's name; empty = the operator's) exists for this principal.
-    bool sees(std::string_view owner) const { return is_operator() || owner == tenant; }
+    // A viewer sees no owner's things as such, only its session (sees_session).
+    bool sees(std::string_view owner) const {
+        return is_operator() || (role != Role::viewer && owner == tenant);
+    }
+    // Whether the agent session `id` of `owner` exists for this principal.
+    bool sees_session(std::string_view owner, std::string_view id) const {
+        return sees(owner) || (role == Role::viewer && id == session);
+    }
     bool may(Action action) const {
         switch (role) {
             case Role::operator_:
@@ -35,18 +45,22 @@ struct Principal {
                 return action != Action::decide || self_approve;
             case Role::approver:
                 return action != Action::run;
+            case Role::viewer:
+                return action == Action::read;
         }
         return false;
     }
 };
 
-// "operator", "agent", "approver".
+// "operator", "agent", "approver", "viewer".
 inline const char* role_name(Principal::Role role) {
     switch (role) {
         case Principal::Role::agent:
             return "agent";
         case Principal::Role::approver:
             return "approver";
+        case Principal::Role::viewer:
+            return "viewer";
         case Principal::Role::operator_:
             break;
     }

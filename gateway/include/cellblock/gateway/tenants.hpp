@@ -69,6 +69,15 @@ class TenantDirectory {
     // The tenant principal of `token`; nullopt when it is no tenant's live token.
     std::optional<Principal> resolve(std::string_view token) const;
 
+    // Viewer tokens (POST /agent/v1/sessions/{id}/share): "cbv_<session>.<tenant>.<expires>.<signature>", the
+    // signature a keyed digest of the rest under the store secret, so nothing is stored, every gateway on the
+    // store accepts them and none outlives its expiry (Unix seconds). A viewer of a session whose tenant was
+    // removed is refused.
+    std::string issue_viewer(const std::string& session, const std::string& tenant,
+                             std::int64_t expires) const;
+    // The viewer principal of a live `token` (nullopt: not a viewer token, forged, expired, tenant gone).
+    std::optional<Principal> resolve_viewer(std::string_view token) const;
+
     // A token as handed out: shown once, never stored.
     struct IssuedToken {
         TenantToken record;
