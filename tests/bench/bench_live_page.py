@@ -270,6 +270,55 @@ def measure_cpu(gateway: Gateway, counts: list[int], lines: int, rounds: int) ->
     return measured
 
 
+DRAIN = """import selectors, socket, sys
+port, count = int(sys.argv[1]), int(sys.argv[2])
+selector = selectors.DefaultSelector()
+for _ in range(count):
+    selector.register(socket.create_connection(("127.0.0.1", port)), selectors.EVENT_READ)
+while selector.get_map():
+    for key, _ in selector.select():
+        if not key.fileobj.recv(1 << 20):
+            selector.unregister(key.fileobj)
+"""
+
+
+def send_floor_us(payload: bytes, readers: int, events: int, repeats: int) -> Stats:
+    """The least a server can spend to deliver one event to one reader: one send() of the event's bytes on a
+    loopback TCP connection with TCP_NODELAY (as the gateway's), fanned out to `readers` connections that another
+    process drains, events 1 ms apart as a steadily printing cell's are (back to back, Linux would cork them into
+    one segment). The sending thread's CPU per send, µs, less the same loop without the sends (the sleeps); Linux
+    charges the loopback delivery to the sender, as it does to the gateway."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=readers)
+    drain = subprocess.Popen([sys.executable, "-c", DRAIN, str(listener.getsockname()[1]), str(readers)])
+    connections = []
+    try:
+        for _ in range(readers):
+            connection, _ = listener.accept()
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connections.append(connection)
+
+        def run(send: bool) -> float:
+            started = time.thread_time()
+            for _ in range(events):
+                if send:
+                    for connection in connections:
+                        connection.sendall(payload)
+                time.sleep(0.001)
+            return time.thread_time() - started
+
+        samples = []
+        for repeat in range(repeats + 1):  # the first is a warm-up
+            with_sends, without = run(True), run(False)
+            if repeat:
+                samples.append((with_sends - without) / (events * readers) * 1e6)
+    finally:
+        for connection in connections:
+            connection.close()
+        listener.close()
+        drain.wait(10)
+    return Stats(samples)
+
+
 def measure_cpu_pages(gateway: Gateway, counts: list[int], lines: int, rounds: int) -> dict:
     """The same as measure_cpu with live pages in headless Chromium instead of plain readers."""
     node = node_clients_ready()
@@ -321,6 +370,11 @@ def main() -> int:
             latency = measure_latency(gateway, prints, bigs)
             progress(f"live page: gateway CPU, {lines} lines with {counts} readers, {rounds} rounds")
             cpu = measure_cpu(gateway, counts, lines, rounds)
+            # One event of the busy cell as the gateway writes it (event, chunk framing): the floor's payload.
+            event = b'id: 1234\ndata: {"cell":1,"text":"001234 busy-00\\n","type":"stdout"}\n\n'
+            floor_us = {count: send_floor_us(b"%x\r\n" % len(event) + event + b"\r\n", count,
+                                             100 if args.quick else 400, 1 if args.quick else 5)
+                        for count in sorted(set(counts) | set(page_counts)) if count}
             cpu_pages = {}
             if page_counts:
                 progress(f"live page: gateway CPU, {lines} lines with {page_counts} pages, {rounds} rounds")
@@ -357,12 +411,14 @@ def main() -> int:
             if count == 0:
                 continue
             extra = [measured[count][r][0] - measured[0][r][0] for r in range(rounds)]
-            cpu_rows.append(Row(f"… per {kind}, {count} {kind}s watching (minus 0)",
+            watching = f"{count} {kind}{'s' if count != 1 else ''} watching"
+            cpu_rows.append(Row(f"… per {kind}, {watching} (minus 0)",
                                 Stats([e / count * 1000 for e in extra]), unit="ms CPU",
                                 note=f"for the cell's {lines} lines"))
             per_round = [measured[count][r][1] or events for r in range(rounds)]
-            cpu_rows.append(Row(f"… per event delivered to one {kind}, {count} {kind}s watching",
-                                Stats([e / (count * n) * 1e6 for e, n in zip(extra, per_round)]), unit="µs CPU",
+            cpu_rows.append(Row(f"… per event delivered to one {kind}, {watching}",
+                                Stats([e / (count * n) * 1e6 for e, n in zip(extra, per_round)]),
+                                {"one send() per event and reader (floor)": floor_us[count]}, unit="µs CPU",
                                 note=f"{events:.0f} events per reader (median)"))
     print(markdown_table(f"Gateway CPU while readers watch one busy session ({lines} lines, flushed one by one)",
                          cpu_rows))
@@ -377,6 +433,7 @@ def main() -> int:
         args.json.write_text(json.dumps({"latency_ms": latency,
                                          "cpu": {str(c): [{"cpu_s": s[0], "events_per_reader": s[1], "seconds": s[2]}
                                                           for s in v] for c, v in cpu.items()},
+                                         "send_floor_us": {str(c): v.samples for c, v in floor_us.items()},
                                          "cpu_pages": {str(c): [{"cpu_s": s[0], "seconds": s[2]} for s in v]
                                                        for c, v in cpu_pages.items()},
                                          "lines": lines, "rounds": rounds}, indent=1))
