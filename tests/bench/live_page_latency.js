@@ -96,19 +96,25 @@ async function main() {
   const browser = await openHeadlessChromium({ width: 1100, height: 900 });
   const { page } = browser;
   const reader = plainReader();
-  const result = { print: { page: [], plain: [] }, big: { page: [], plain: [], firstPage: [], firstPlain: [], total: [] } };
+  const result = {
+    print: { page: [], plain: [], eventSource: [] },
+    big: { page: [], plain: [], eventSource: [], firstPage: [], firstPlain: [], firstEventSource: [], total: [] },
+  };
   try {
     await page.goto(`${GATEWAY_URL}/agent/v1/sessions/${SESSION}/view?token=${TOKEN}`);
     await page.waitForFunction(() => document.getElementById('connection').textContent === 'live', null,
       { timeout: WAIT_MS });
-    // watch(text, ended): the page notes when its last cell first shows `text` (and, with `ended`, is marked ok).
+    // watch(text, ended): the page notes when its last cell's outputs first show `text` (and, with `ended`, the
+    // cell is marked ok).
     const watch = (text, ended) => page.evaluate(([marker, mustEnd]) => {
       window.seenAt = window.seenAt || {};
       const cells = document.getElementById('cells');
       const observer = new MutationObserver(() => {
         const cell = cells.lastElementChild;
         if (!cell || (mustEnd && !cell.classList.contains('ok'))) return;
-        if (!cell.textContent.includes(marker)) return;
+        // Its outputs only: the cell's code, shown when the cell starts, holds the marker too.
+        const outputs = cell.querySelector('.outputs');
+        if (!outputs || !outputs.textContent.includes(marker)) return;
         window.seenAt[marker] = performance.timeOrigin + performance.now();
         observer.disconnect();
       });
@@ -126,6 +132,27 @@ async function main() {
       }
       return best;
     };
+    // The floor in the browser: a second EventSource of the same events in the page (its cookie), whose handler
+    // notes when a message arrives, before any parsing or drawing: what the browser's delivery costs.
+    await page.evaluate(() => {
+      window.esSeen = {};
+      window.esWatch = [];
+      const source = new EventSource('events');
+      source.onmessage = (message) => {
+        const at = performance.timeOrigin + performance.now();
+        if (!window.esWatch.length) return;
+        const event = JSON.parse(message.data);
+        window.esWatch = window.esWatch.filter(({ key, type, marker, start }) => {
+          const text = type === 'end' ? event.stdout : event.text;
+          if (event.type !== type || typeof text !== 'string') return true;
+          if (start ? !text.startsWith(marker) : !text.includes(marker)) return true;
+          window.esSeen[key] = at;
+          return false;
+        });
+      };
+    });
+    const esWatch = (key, type, marker, start) => page.evaluate((entry) => window.esWatch.push(entry),
+      { key, type, marker, start: Boolean(start) });
     const clock = await clockOffset();
     result.clock = [clock];
     const seen = async (text) => {
@@ -133,11 +160,16 @@ async function main() {
         { timeout: WAIT_MS });
       return (await handle.jsonValue()) - clock.offset;
     };
+    const esSeen = async (key) => {
+      const handle = await page.waitForFunction((k) => window.esSeen[k], key, { timeout: WAIT_MS });
+      return (await handle.jsonValue()) - clock.offset;
+    };
 
     for (let round = -1; round < PRINTS; round++) {  // round -1 warms up, not recorded
       const marker = `live-print-${round + 1}-${process.pid}`;
       await watch(marker, false);
       const plainAt = reader.arrival((e) => e.type === 'stdout' && (e.text || '').includes(marker));
+      await esWatch(marker, 'stdout', marker);
       let iopubAt = null;
       const answer = await executeStreaming(`print(${JSON.stringify(marker)})`, (event, at) => {
         if (event.type === 'stdout' && event.text.includes(marker) && iopubAt === null) iopubAt = at;
@@ -145,7 +177,12 @@ async function main() {
       if (!answer || answer.status !== 'ok' || iopubAt === null) throw new Error(`print: ${JSON.stringify(answer)}`);
       const pageAt = await seen(marker);
       const plain = await plainAt;
-      if (round >= 0) { result.print.page.push(pageAt - iopubAt); result.print.plain.push(plain - iopubAt); }
+      const inPage = await esSeen(marker);
+      if (round >= 0) {
+        result.print.page.push(pageAt - iopubAt);
+        result.print.plain.push(plain - iopubAt);
+        result.print.eventSource.push(inPage - iopubAt);
+      }
     }
     process.stderr.write(`[bench] live page: ${PRINTS} prints measured\n`);
 
@@ -160,6 +197,8 @@ async function main() {
       await watch(marker, true);
       const plainAt = reader.arrival((e) => e.type === 'end' && (e.stdout || '').includes(marker));
       const plainFirstAt = reader.arrival((e) => e.type === 'stdout' && (e.text || '').startsWith(head));
+      await esWatch(marker, 'end', marker);
+      await esWatch(head, 'stdout', head, true);
       let firstAt = null;
       let endAt = null;
       const answer = await executeStreaming(code, (event, at) => {
@@ -176,7 +215,11 @@ async function main() {
       const pageAt = await seen(marker);
       const plain = await plainAt;
       const plainFirst = await plainFirstAt;
+      const inPage = await esSeen(marker);
+      const inPageFirst = await esSeen(head);
       if (round >= 0) {
+        result.big.eventSource.push(inPage - endAt);
+        result.big.firstEventSource.push(inPageFirst - firstAt);
         result.big.page.push(pageAt - endAt);
         result.big.plain.push(plain - endAt);
         result.big.firstPage.push(firstPageAt - firstAt);
