@@ -255,6 +255,8 @@ GatewayMetrics::GatewayMetrics()
           "cellblock_agent_executes_total",
           "Agent executes (REST, NDJSON, MCP) by how they ended; see gateway/README.md for each outcome.",
           "outcome")),
+      tenant_executes(registry.counter_family("cellblock_tenant_executes_total",
+                                              "Agent executes of tenants' sessions, by tenant.", "tenant")),
       agent_execute_duration(registry.histogram("cellblock_agent_execute_duration_seconds",
                                                 "Time from sending an agent execute to its kernel until its "
                                                 "answer, for executes that reached a kernel.",

@@ -495,3 +495,24 @@ def test_a_viewer_opens_the_live_page_with_its_link_and_gets_a_cookie_for_that_p
     assert requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/notebook", cookies=jar, timeout=60).status_code == 401
     bob_id = world["sessions"]["bob"]["id"]
     assert requests.get(f"{gateway.url}/agent/v1/sessions/{bob_id}/view", cookies=jar, timeout=60).status_code == 401
+
+
+# ----------------------------------------------------------------------------------------------- audit and metrics
+
+def test_audit_entries_name_the_tenant_and_token_id_and_metrics_count_by_tenant(world):
+    gateway, alice, alice_id = world["gateway"], world["alice"], world["sessions"]["alice"]["id"]
+    ran = alice.request("POST", f"/agent/v1/sessions/{alice_id}/execute", json={"code": "'audited'"})
+    assert ran.status_code == 200, ran.text
+    agent_token_id = [t["id"] for t in gateway.request("GET", "/agent/v1/tenants/alice").json()["tokens"]
+                      if t["role"] == "agent"][0]
+    entries = alice.request("GET", f"/agent/v1/sessions/{alice_id}/audit?event=execute").json()["entries"]
+    last = entries[-1]
+    assert last["code"] == "'audited'" and last["tenant"] == "alice" and last["token_id"] == agent_token_id, last
+    assert alice.token not in json.dumps(entries)
+    metrics = gateway.request("GET", "/metrics").text
+    sessions = [line for line in metrics.splitlines() if line.startswith('cellblock_tenant_sessions{tenant="alice"}')]
+    executes = [line for line in metrics.splitlines()
+                if line.startswith('cellblock_tenant_executes_total{tenant="alice"}')]
+    assert sessions and float(sessions[0].split()[-1]) >= 1, metrics
+    assert executes and float(executes[0].split()[-1]) >= 1, metrics
+    assert alice.request("GET", "/metrics").json()["reason"] == "operator_only"

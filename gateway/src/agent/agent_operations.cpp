@@ -309,6 +309,7 @@ ExecuteRequest AgentOperations::check_execute(const SessionPtr& session, const E
     request.timeout_s = arguments.timeout_s.value_or(0);  // 0: the session's limit
     request.client_address = caller.address;
     request.client_kind = caller.via;
+    request.token_id = caller.principal.token_id;
     return request;
 }
 
@@ -342,8 +343,10 @@ void AgentOperations::write_file(const SessionPtr& session, const std::string& p
                                  const Caller& caller, Then<std::string> then) {
     const std::string relative = workspace_path(path);
     const std::uint64_t cap = services_.config.max_file_bytes;
-    json entry = {{"event", "file_put"}, {"client", caller.address}, {"via", caller.via},
-                  {"path", relative},    {"bytes", bytes.size()},    {"sha256", sha256_hex(bytes)}};
+    json entry = {{"event", "file_put"},        {"client", caller.address},
+                  {"via", caller.via},          {"token_id", caller.principal.token_id},
+                  {"path", relative},           {"bytes", bytes.size()},
+                  {"sha256", sha256_hex(bytes)}};
     auto shared_bytes = std::make_shared<const std::string>(std::move(bytes));
     on_workspace<std::string>(session, files_, services_.io,
                               audited(session, std::move(entry), std::move(then)),
@@ -357,8 +360,11 @@ void AgentOperations::write_file(const SessionPtr& session, const std::string& p
 void AgentOperations::delete_file(const SessionPtr& session, const std::string& path, const Caller& caller,
                                   Then<std::string> then) {
     const std::string relative = workspace_path(path);
-    json entry = {
-        {"event", "file_delete"}, {"client", caller.address}, {"via", caller.via}, {"path", relative}};
+    json entry = {{"event", "file_delete"},
+                  {"client", caller.address},
+                  {"via", caller.via},
+                  {"token_id", caller.principal.token_id},
+                  {"path", relative}};
     on_workspace<std::string>(session, files_, services_.io,
                               audited(session, std::move(entry), std::move(then)),
                               [relative](sandbox::Workspace& workspace) {

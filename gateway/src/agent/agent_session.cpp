@@ -473,6 +473,8 @@ void AgentSession::count_execute(const json& answer, std::string_view kernel_out
     const std::string_view outcome =
         execute_outcome(answer.value("status", std::string()), kernel_outcome, ename, interrupted_by_client);
     services_.metrics.agent_executes.with(std::string(outcome)).increment();
+    if (!record_.tenant.empty())
+        services_.metrics.tenant_executes.with(record_.tenant).increment();
     if (outcome == GatewayMetrics::outcome_sandbox_unavailable)
         services_.metrics.count_launch_failure(GatewayMetrics::cause_sandbox_unavailable);
     if (reached_kernel && answer.contains("duration_ms") && answer["duration_ms"].is_number())
@@ -973,6 +975,7 @@ void AgentSession::finish_execute() {
     audit({{"event", "execute"},
            {"client", running->pending.request.client_address},
            {"via", running->pending.request.client_kind},
+           {"token_id", running->pending.request.token_id},
            {"started", format_iso8601_utc(running->started_wall)},
            {"code", running->pending.request.code},
            {"code_sha256", sha256_hex(running->pending.request.code)},

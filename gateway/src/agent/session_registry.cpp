@@ -43,6 +43,15 @@ AgentSessionRegistry::AgentSessionRegistry(AgentSessionServices& services)
                         count += 1;
             return samples;
         });
+    sessions_by_tenant_ = services.metrics.registry.sampled_gauge(
+        "cellblock_tenant_sessions",
+        "Agent sessions of tenants, by tenant (the operator's own are not in it).", "tenant", [this] {
+            std::map<std::string, double> counts;
+            for (const auto& [id, session] : by_id_)
+                if (!session->tenant().empty())
+                    counts[session->tenant()] += 1;
+            return std::vector<GaugeSample>(counts.begin(), counts.end());
+        });
 }
 
 AgentSessionRegistry::~AgentSessionRegistry() {

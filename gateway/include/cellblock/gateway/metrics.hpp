@@ -133,6 +133,7 @@ class GatewayMetrics {
     // Agent executes by how they ended (agent::execute_outcome) and how long those that reached a kernel
     // took.
     CounterFamily& agent_executes;
+    CounterFamily& tenant_executes;  // by tenant (the operator's own executes are not in it)
     Histogram& agent_execute_duration;
     // A request the warm pool could serve that found a kernel there (hit) or none (miss: a cold start).
     Counter& warm_pool_hits;

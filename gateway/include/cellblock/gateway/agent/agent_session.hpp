@@ -44,6 +44,7 @@ struct ExecuteRequest {
     double timeout_s = 0;        // the circuit breaker for this call; <= the session's limits.timeout_s
     std::string client_address;  // for the audit trail
     std::string client_kind;     // "http", "ndjson", "mcp"
+    std::string token_id;        // the tenant token that asked (never the token); empty for the operator
 };
 
 struct ExecuteHandlers {

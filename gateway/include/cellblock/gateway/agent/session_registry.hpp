@@ -85,7 +85,8 @@ class AgentSessionRegistry {
     std::map<std::string, std::string> id_by_name_;
     RepeatingTimer expiry_sweep_;  // expire_idle, every quarter of the TTL (0.25 to 30 s)
     RepeatingTimer purge_sweep_;   // purge_deleted, every quarter of the retention (0.25 s to an hour)
-    MetricsRegistry::SamplerHandle sessions_by_state_;  // cellblock_agent_sessions, sampled from by_id_
+    MetricsRegistry::SamplerHandle sessions_by_state_;   // cellblock_agent_sessions, sampled from by_id_
+    MetricsRegistry::SamplerHandle sessions_by_tenant_;  // cellblock_tenant_sessions, sampled from by_id_
 };
 
 }  // namespace cellblock::gateway::agent
