@@ -261,11 +261,21 @@ function gatewayCpuSeconds() {
   return (Number(fields[11]) + Number(fields[12])) / 100;  // utime, stime in ticks of 1/100 s (CLK_TCK)
 }
 
+// Each page in a browser context of its own, as N people's browsers: Chromium opens at most 6 HTTP/1.1
+// connections to one host per profile, each live page holds one (its EventSource), so a 7th page of the same
+// gateway in one profile never loads.
 async function pagesMain() {
   const counts = process.env.PAGE_COUNTS.split(',').map(Number);
   const rounds = Number(process.env.ROUNDS || 1);
-  const browser = await openHeadlessChromium({ width: 900, height: 700 });
-  const context = browser.page.context();
+  const { chromium } = require(require.resolve('playwright-core',
+    { paths: [require('node:path').join(__dirname, '..', 'gateway', 'clients')] }));
+  const browser = await chromium.launch({
+    executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
+    headless: true,
+    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  });
+  const newPage = async () => (await browser.newContext({ viewport: { width: 900, height: 700 } })).newPage();
   const measured = Object.fromEntries(counts.map((count) => [count, []]));
   const endedIn = (page, cell) => page.waitForFunction((number) => {
     const node = document.querySelector(`section.cell[data-cell="${number}"]`);
@@ -275,10 +285,10 @@ async function pagesMain() {
     for (let round = 0; round < rounds; round++) {
       for (const count of round % 2 === 0 ? counts : [...counts].reverse()) {
         const session = (await api('POST', '/agent/v1/sessions', {})).id;
-        const pages = await Promise.all(Array.from({ length: count }, () => context.newPage()));
+        const pages = await Promise.all(Array.from({ length: count }, newPage));
         try {
           await Promise.all(pages.map((page) => page.goto(
-            `${GATEWAY_URL}/agent/v1/sessions/${session}/view?token=${TOKEN}`)));
+            `${GATEWAY_URL}/agent/v1/sessions/${session}/view?token=${TOKEN}`, { timeout: WAIT_MS })));
           await api('POST', `/agent/v1/sessions/${session}/execute`, { code: 'pass' });
           await Promise.all(pages.map((page) => endedIn(page, 0)));
           const before = gatewayCpuSeconds();
@@ -291,7 +301,7 @@ async function pagesMain() {
           process.stderr.write(`[bench] live page: round ${round + 1}, ${count} pages: gateway ${cpu.toFixed(2)} ` +
             `CPU s over ${((now() - started) / 1000).toFixed(2)} s\n`);
         } finally {
-          await Promise.all(pages.map((page) => page.close()));
+          await Promise.all(pages.map((page) => page.context().close()));
           await api('DELETE', `/agent/v1/sessions/${session}`);
         }
       }
