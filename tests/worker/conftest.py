@@ -109,6 +109,7 @@ class WorkerProcess:
             os.set_blocking(fd, False)
         self.events = []  # ("stdout"|"stderr", text, t) or ("frame", dict, t)
         self._next_id = 0
+        self._interrupted = False  # since the last sync
         self.ready = self.next_frame()
         self.ready_at = time.monotonic()
 
@@ -127,6 +128,7 @@ class WorkerProcess:
             os.set_blocking(fd, False)
         self.events = []
         self._next_id = 0
+        self._interrupted = False
         self.ready = self.next_frame()
         self.ready_at = time.monotonic()
 
@@ -188,6 +190,8 @@ class WorkerProcess:
                 self._drain_pipes()
 
     def request(self, kind, timeout=DEFAULT_TIMEOUT, **fields):
+        if self._interrupted:
+            self.sync()  # as the kernel does after a request it interrupted (PROTOCOL.md, "Signals")
         self._next_id += 1
         request_id = f"req-{self._next_id}"
         start = len(self.events)
@@ -219,7 +223,21 @@ class WorkerProcess:
             self.process.close()
 
     def interrupt(self):
+        self._interrupted = True
         os.kill(self.process.pid, signal.SIGINT)
+
+    def sync(self, timeout=DEFAULT_TIMEOUT):
+        """Sends a sync and waits for its reply, which is left out of the events."""
+        self._interrupted = False
+        self._next_id += 1
+        sync_id = f"sync-{self._next_id}"
+        self.send({"type": "sync", "id": sync_id})
+        while True:
+            frame = self.next_frame(timeout)
+            if frame["type"] == "reply":
+                assert frame["id"] == sync_id and frame["content"] == {"status": "ok"}, frame
+                self.events.pop()
+                return
 
 
 class Exchange:

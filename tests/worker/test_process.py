@@ -2,6 +2,7 @@
 
 import os
 import random
+import select
 import signal
 import socket
 import struct
@@ -54,7 +55,31 @@ def test_sigint_sent_with_the_request_is_not_lost(worker):
         frames = _reply_after(worker, timeout=60)
         assert frames[-1]["id"] == f"early-{attempt}"
         assert frames[-1]["content"]["ename"] == "KeyboardInterrupt", frames[-1]
+        worker.sync()
     assert worker.execute("kept").result["data"]["text/plain"] == "3"
+
+
+def test_an_interrupt_taken_late_is_dropped_at_the_sync_not_raised_in_the_next_cell(worker):
+    # The interrupt is sent while the cell is in flight (its reply not read yet), but the worker runs its
+    # handler only after the next request is already waiting: here because it is stopped, in production
+    # because it was descheduled. The sync the kernel sends first takes it, so the next cell runs.
+    worker.execute("total = 0").assert_ok()
+    for attempt in range(3):
+        worker.send({"type": "execute", "id": f"done-{attempt}", "code": "total += 1", "silent": False,
+                     "store_history": True, "user_expressions": {}, "allow_stdin": False})
+        select.select([worker._channel], [], [], 60)  # the reply is written, not read
+        os.kill(worker.process.pid, signal.SIGSTOP)
+        worker.interrupt()
+        assert _reply_after(worker)[-1]["content"]["status"] == "ok"
+        worker.send({"type": "sync", "id": f"sync-{attempt}"})
+        worker.send({"type": "execute", "id": f"next-{attempt}", "code": "total", "silent": False,
+                     "store_history": True, "user_expressions": {}, "allow_stdin": False})
+        os.kill(worker.process.pid, signal.SIGCONT)
+        assert _reply_after(worker)[-1] == {"type": "reply", "id": f"sync-{attempt}", "content": {"status": "ok"}}
+        reply = _reply_after(worker)[-1]
+        assert reply["id"] == f"next-{attempt}" and reply["content"]["status"] == "ok", reply
+        worker._interrupted = False  # synced by hand above
+    assert worker.execute("total").result["data"]["text/plain"] == "3"
 
 
 def test_sigints_at_every_moment_of_short_cells_never_kill_or_wedge_the_worker(worker):
@@ -77,6 +102,7 @@ def test_sigints_at_every_moment_of_short_cells_never_kill_or_wedge_the_worker(w
         assert reply["id"] == f"short-{attempt}"
         content = reply["content"]
         outcomes["ok" if content["status"] == "ok" else content["ename"]] += 1
+        worker.sync()
         worker.events.clear()
     assert outcomes["ok"] > 0 and outcomes["KeyboardInterrupt"] > 0, outcomes  # both sides of the race were hit
     total = int(worker.execute("total").result["data"]["text/plain"])

@@ -41,6 +41,10 @@ constexpr std::size_t stream_batch_bytes = 4u << 20;
 // Pipe pages are allocated as they are written: an idle worker's pipes cost nothing.
 constexpr int pipe_capacity_bytes = 1 << 20;
 
+// A worker that answered a request answers the sync after it at once (it is idle); one that does not within
+// this time is stuck in a thread of its own, and the held reply is returned anyway.
+constexpr double sync_timeout_s = 5;
+
 constexpr int stdout_index = 0;
 constexpr int stderr_index = 1;
 const std::array<std::string, 2> stream_names = {"stdout", "stderr"};
@@ -499,13 +503,16 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
         }
     }
 
-    const std::uint64_t id = ++next_request_id_;
+    std::uint64_t id = ++next_request_id_;  // of the reply awaited: the request's, then the sync's
     request["id"] = id;
     bool channel_open = send_all(worker->channel_fd(), encode_frame(request));
     bool killed_for_protocol = false;
     const auto started = Clock::now();
     const auto never = Clock::time_point::max();
     run.deadline = run.timeout_s > 0 ? started + to_duration(run.timeout_s) : never;
+    // The worker's reply, held while a sync makes sure no SIGINT of this run is still on its way.
+    std::optional<Ending> answered;
+    auto settle_by = never;
     if (!channel_open) {
         worker->kill();  // it is gone or going; the pidfd tells why
     }
@@ -532,7 +539,11 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
         if (run.kill_cause != no_kill && !run.killed) {
             next_event = std::min(next_event, run.kill_at);
         }
-        next_event = std::min(next_event, run.flush_at);
+        next_event = std::min({next_event, run.flush_at, settle_by});
+        if (answered && now >= settle_by) {
+            log_event(LogLevel::warning, "worker_sync_timeout", {{"timeout_s", sync_timeout_s}});
+            return *answered;
+        }
         int wait_ms = -1;
         if (next_event != never) {
             wait_ms = static_cast<int>(std::max<long long>(
@@ -582,11 +593,27 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
                                 log_event(LogLevel::warning, "stale_worker_reply", {{"id", *reply_id}});
                                 continue;
                             }
+                            if (answered) {
+                                return *answered;  // the sync's reply
+                            }
                             // Output of children or C code that raced with the reply still belongs here.
                             drain_streams(*worker, run, sink);
                             Ending ending{Ending::Kind::reply, object_field(message, "content"), {}};
                             ending.earlier_state_lost = earlier_state_lost;
-                            return ending;
+                            if (!run.interrupted && !run.timed_out) {
+                                return ending;
+                            }
+                            // A SIGINT of this run may not have been taken yet; it must not reach the next
+                            // request (PROTOCOL.md, "Signals").
+                            id = ++next_request_id_;
+                            if (!send_all(worker->channel_fd(),
+                                          encode_frame({{"type", "sync"}, {"id", id}}))) {
+                                return ending;
+                            }
+                            answered = std::move(ending);
+                            run.kill_cause = no_kill;  // answered: nothing left to escalate
+                            run.deadline = never;
+                            settle_by = Clock::now() + to_duration(sync_timeout_s);
                         }
                     }
                 } catch (const std::exception& failure) {
@@ -619,9 +646,12 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
         }
         if (fds[4].revents & POLLIN) {
             controls_.drain_wakeup();
-            if (controls_.take_interrupt(run.msg_id)) {
+            if (controls_.take_interrupt(run.msg_id) && !answered) {
                 interrupt_worker(*worker, run);
             }
+        }
+        if (fds[3].revents != 0 && answered) {
+            return *answered;  // died after answering: the next request finds it gone and replaces it
         }
         if (fds[3].revents != 0) {
             drain_streams(*worker, run, sink);

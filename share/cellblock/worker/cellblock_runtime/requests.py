@@ -48,7 +48,14 @@ class RequestHandlers:
             "complete": self.complete,
             "inspect": self.inspect,
             "is_complete": self.is_complete,
+            "sync": self.sync,
         }.get(kind)
+
+    @staticmethod
+    def sync(request):
+        """Nothing to do: the kernel sends it after the reply to a request it interrupted, so that a SIGINT
+        still on its way is taken (and dropped at this reply) before the next request (PROTOCOL.md)."""
+        return {"status": "ok"}
 
     # -- execute --------------------------------------------------------------------------------
     def execute(self, request):
