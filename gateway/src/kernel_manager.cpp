@@ -571,7 +571,20 @@ void KernelManager::adopt(const std::shared_ptr<Kernel>& kernel) {
     });
 }
 
-void KernelManager::start_kernel(const KernelStartRequest& request, const StartHandler& on_started) {
+namespace {
+
+// The worker zygote's tenant of a store tenant's kernels: its own template, never the operator's nor another
+// tenant's (forks of one template share its hash secret and layout, sandbox/README.md). Store tenant names
+// have no '_', so no operator-chosen plain name of theirs can be one of these.
+std::string zygote_tenant_of(const std::string& tenant) { return "t_" + tenant; }
+
+}  // namespace
+
+void KernelManager::start_kernel(const KernelStartRequest& original, const StartHandler& on_started) {
+    KernelStartRequest request = original;
+    if (!request.tenant.empty())
+        // Trusted, so a warm kernel (whose worker may be a fork of the operator's template) never serves it.
+        request.trusted_env["CELLBLOCK_ZYGOTE_TENANT"] = zygote_tenant_of(request.tenant);
     std::string name = !config_.force_kernel_name.empty() ? config_.force_kernel_name
                        : request.name.empty()             ? registry_.default_name()
                                                           : request.name;

@@ -9,11 +9,12 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import cellblock_zygote
 import pytest
 
-from gateway_harness import PREFIX, kernel_pids
+from gateway_harness import PREFIX, KernelSocket, kernel_pids
 
 TEMPLATE_START_TIMEOUT = 240  # the template imports IPython, numpy, pandas and matplotlib on a loaded machine
 ZYGOTE_KERNEL = "cellblock-zygote-untenanted"
@@ -44,6 +45,31 @@ def kernel_environment(gateway, kernel_id) -> dict:
     return dict(entry.partition("=")[::2] for entry in raw.decode().split("\0") if entry)
 
 
+def result_of(socket, code) -> str:
+    results = [m["content"]["data"]["text/plain"] for m in socket.execute(code) if m["msg_type"] == "execute_result"]
+    assert len(results) == 1, results
+    return results[0]
+
+
+def use_a_forked_worker(socket, kernel_id, policy, tenant):
+    """Makes the kernel's worker a fork of the tenant's template: its first launch may have gone by exec while it
+    started the template, so the worker is ended until the kernel launches one the template forks."""
+    socket.wait_ready()
+    template = cellblock_zygote.template_serving(policy, tenant, timeout=TEMPLATE_START_TIMEOUT)
+    kernel_pid = kernel_pids(kernel_id)[0]
+
+    def worker():
+        return [pid for pid in cellblock_zygote.kernel_tree(kernel_pid) if pid != kernel_pid]
+
+    for _ in range(5):
+        if any(cellblock_zygote._ppid(pid) == template for pid in worker()):
+            break
+        socket.execute("import os; os._exit(0)")
+        assert result_of(socket, "1+1") == "2"
+    forked = [pid for pid in worker() if cellblock_zygote._ppid(pid) == template]
+    assert forked, f"no worker of kernel {kernel_pid} is a child of template {template}: {worker()}"
+
+
 def test_a_gateway_started_kernels_worker_is_a_fork_of_the_gateways_tenant(make_gateway, zygote_kernelspec):
     kernels, policy = zygote_kernelspec
     tenant = cellblock_zygote.other_tenant("gateway")
@@ -52,27 +78,41 @@ def test_a_gateway_started_kernels_worker_is_a_fork_of_the_gateways_tenant(make_
     assert kernel_environment(gateway, model["id"])["CELLBLOCK_ZYGOTE_TENANT"] == tenant
     socket = gateway.connect(model["id"])
     try:
-        socket.wait_ready()
-        # The tenant's first launch goes by exec while it starts the template; the next worker is a fork.
-        template = cellblock_zygote.template_serving(policy, tenant, timeout=TEMPLATE_START_TIMEOUT)
-        kernel_pid = kernel_pids(model["id"])[0]
-
-        def worker():
-            return [pid for pid in cellblock_zygote.kernel_tree(kernel_pid) if pid != kernel_pid]
-
-        for _ in range(5):
-            if any(cellblock_zygote._ppid(pid) == template for pid in worker()):
-                break
-            socket.execute("import os; os._exit(0)")
-            replies = socket.execute("1+1")
-            assert any(m["msg_type"] == "execute_result" for m in replies), replies
-        forked = [pid for pid in worker() if cellblock_zygote._ppid(pid) == template]
-        assert forked, f"no worker of kernel {kernel_pid} is a child of template {template}: {worker()}"
-        results = [m["content"]["data"]["text/plain"] for m in socket.execute("6*7")
-                   if m["msg_type"] == "execute_result"]
-        assert results == ["42"]
+        use_a_forked_worker(socket, model["id"], policy, tenant)
+        assert result_of(socket, "6*7") == "42"
     finally:
         socket.close()
+
+
+def test_each_store_tenant_forks_from_a_template_of_its_own(make_gateway, zygote_kernelspec):
+    # Forks of one template share its hash secret (sandbox/README.md): hash("abc") is the sharing rule made
+    # visible. Two kernels of one tenant agree on it; a kernel of another tenant, or the operator's, does not.
+    kernels, policy = zygote_kernelspec
+    operator_tenant = cellblock_zygote.other_tenant("operator")
+    gateway = make_gateway("--kernelspec-dir", str(kernels), "--zygote-tenant", operator_tenant, warm_pool=0)
+    tokens = {None: gateway.token}
+    for name in (f"alice-{os.getpid()}", f"bob-{os.getpid()}"):
+        created = gateway.post("/agent/v1/tenants", json={"name": name})
+        assert created.status_code == 201, created.text
+        tokens[name] = created.json()["token"]
+    hashes = {}
+    for owner in (f"alice-{os.getpid()}", f"alice-{os.getpid()}", f"bob-{os.getpid()}", None):
+        as_owner = SimpleNamespace(token=tokens[owner], ws_base=gateway.ws_base)
+        started = gateway.post("/api/kernels", json={"name": ZYGOTE_KERNEL},
+                               headers={"Authorization": f"token {tokens[owner]}"})
+        assert started.status_code == 201, started.text
+        kernel_id = started.json()["id"]
+        tenant = operator_tenant if owner is None else cellblock_zygote.named_tenant(f"t_{owner}")
+        assert kernel_environment(gateway, kernel_id)["CELLBLOCK_ZYGOTE_TENANT"] == tenant
+        socket = KernelSocket(as_owner, kernel_id)
+        try:
+            use_a_forked_worker(socket, kernel_id, policy, tenant)
+            hashes.setdefault(owner, []).append(result_of(socket, "hash('abc')"))
+        finally:
+            socket.close()
+    alice, bob = hashes[f"alice-{os.getpid()}"], hashes[f"bob-{os.getpid()}"]
+    assert alice[0] == alice[1], hashes
+    assert len({alice[0], bob[0], hashes[None][0]}) == 3, hashes
 
 
 @pytest.mark.parametrize("gateway_tenant", [None, "operators-choice"])

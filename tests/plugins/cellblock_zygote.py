@@ -149,6 +149,12 @@ def other_tenant(suffix: str) -> str:
     return tenant
 
 
+def named_tenant(tenant: str) -> str:
+    """A tenant named by someone else (the gateway's "t_<store tenant>"), stopped with the rest by stop_templates."""
+    _TENANTS_USED.add(tenant)
+    return tenant
+
+
 def stop_templates(policy_path) -> None:
     """Ends the templates of this run's tenants (a test run's templates are not left idling for their hour) and
     removes their state files (socket, lock, log, the template's empty workspace)."""
