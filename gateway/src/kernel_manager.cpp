@@ -576,7 +576,9 @@ namespace {
 // The worker zygote's tenant of a store tenant's kernels: its own template, never the operator's nor another
 // tenant's (forks of one template share its hash secret and layout, sandbox/README.md). Store tenant names
 // have no '_', so no operator-chosen plain name of theirs can be one of these.
-std::string zygote_tenant_of(const std::string& tenant) { return "t_" + tenant; }
+std::string zygote_tenant_of(const std::string& tenant) {
+    return "t_" + tenant;
+}
 
 }  // namespace
 
