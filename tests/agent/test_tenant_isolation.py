@@ -516,3 +516,21 @@ def test_audit_entries_name_the_tenant_and_token_id_and_metrics_count_by_tenant(
     assert sessions and float(sessions[0].split()[-1]) >= 1, metrics
     assert executes and float(executes[0].split()[-1]) >= 1, metrics
     assert alice.request("GET", "/metrics").json()["reason"] == "operator_only"
+
+
+def test_a_sessions_creation_and_reset_name_the_token_that_asked(world):
+    gateway, alice = world["gateway"], world["alice"]
+    agent_token_id = [t["id"] for t in gateway.request("GET", "/agent/v1/tenants/alice").json()["tokens"]
+                      if t["role"] == "agent"][0]
+    created = alice.request("POST", "/agent/v1/sessions", json={"name": "audited-lifecycle"})
+    assert created.status_code == 201, created.text
+    session_id = created.json()["id"]
+    try:
+        assert alice.request("POST", f"/agent/v1/sessions/{session_id}/reset").status_code == 200
+        entries = alice.request("GET", f"/agent/v1/sessions/{session_id}/audit").json()["entries"]
+        by_event = {entry["event"]: entry for entry in entries}
+        assert by_event["session_created"]["token_id"] == agent_token_id, entries
+        assert by_event["reset"]["token_id"] == agent_token_id, entries
+        assert alice.token not in json.dumps(entries)
+    finally:
+        assert alice.request("DELETE", f"/agent/v1/sessions/{session_id}").status_code == 204

@@ -737,13 +737,14 @@ def start_jupyter_server(workdir: Path, nodelay: bool, extra_env: Optional[dict]
     return KernelServer(server.name, f"http://127.0.0.1:{port}", token, server)
 
 
-def start_kernel_gateway(workdir: Path, timeout: float = 90.0) -> KernelServer:
-    """The Jupyter Kernel Gateway (PyPI, the peers' venv) on a free port, its default kernel the venv's ipykernel;
-    the token travels in KG_AUTH_TOKEN, as its documentation says."""
+def start_kernel_gateway(workdir: Path, timeout: float = 90.0, port: Optional[int] = None,
+                         token: Optional[str] = None) -> KernelServer:
+    """The Jupyter Kernel Gateway (PyPI, the peers' venv) on a free port (or `port`), its default kernel the venv's
+    ipykernel; the token (random unless given) travels in KG_AUTH_TOKEN, as its documentation says."""
     import secrets
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config").mkdir(exist_ok=True)
-    port, token = free_port(), secrets.token_hex(16)
+    port, token = port or free_port(), token or secrets.token_hex(16)
     env = dict(_pypi_peer_env(workdir), KG_AUTH_TOKEN=token)
     argv = [str(peers_venv() / "bin" / "jupyter-kernelgateway"), "--KernelGatewayApp.ip=127.0.0.1",
             f"--KernelGatewayApp.port={port}", "--KernelGatewayApp.port_retries=0", "--log-level=WARN"]
@@ -762,11 +763,12 @@ def gateway_binary() -> Path:
 
 
 def start_gateway(workdir: Path, extra_args: Optional[list[str]] = None, extra_env: Optional[dict] = None,
-                  timeout: float = 90.0) -> KernelServer:
-    """The installed cellblock-gateway on a free port, runtime and workspaces under `workdir` (caller removes it)."""
+                  timeout: float = 90.0, port: Optional[int] = None, token: Optional[str] = None) -> KernelServer:
+    """The installed cellblock-gateway on a free port (or `port`, e.g. to restart on a state directory), runtime
+    and workspaces under `workdir` (caller removes it); a random token unless `token`."""
     import secrets
     workdir.mkdir(parents=True, exist_ok=True)
-    port, token = free_port(), secrets.token_hex(16)
+    port, token = port or free_port(), token or secrets.token_hex(16)
     env = dict(os.environ, **(extra_env or {}))
     argv = [str(gateway_binary()), "--ip", "127.0.0.1", "--port", str(port), "--token", token,
             "--state-dir", str(workdir / "state"), "--shutdown-kernels-on-exit",

@@ -171,7 +171,7 @@ class _KernelThroughGateway:
 
     def __init__(self):
         if not URL:
-            raise RuntimeError("CONFORMANCE_GATEWAY_URL must name the gateway (and CONFORMANCE_GATEWAY_TOKEN its token)")
+            raise RuntimeError("CONFORMANCE_GATEWAY_URL must name the gateway, CONFORMANCE_GATEWAY_TOKEN its token")
         self.http = requests.Session()
         self.http.headers["Authorization"] = f"token {TOKEN}"
         response = self.http.post(f"{URL}/api/kernels", json={}, timeout=START_TIMEOUT_S)

@@ -149,6 +149,7 @@ void AgentOperations::create_session(const json& arguments, const Caller& caller
         checked_network(arguments.contains("network") ? arguments["network"] : json(nullptr));
     admit(caller.principal, {1, static_cast<std::int64_t>(limits.memory_mb), 0});
     registry_.create(name, caller.principal.tenant, limits, network, caller.address,
+                     caller.principal.token_id,
                      [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
                          if (error)
                              return then(from_registry(*error));
@@ -226,7 +227,7 @@ void AgentOperations::found_or_created(const std::string& id_or_name, const Call
     }
     registry_.create(
         id_or_name, caller.principal.tenant, services_.config.default_limits,
-        network.value_or(NetworkRequest{}), caller.address,
+        network.value_or(NetworkRequest{}), caller.address, caller.principal.token_id,
         [this, id_or_name, principal = caller.principal, then = std::move(then)](
             SessionPtr created, std::optional<HttpError> error) {
             // Two calls for a new name at once: the second finds the session the first is creating.
@@ -255,16 +256,18 @@ std::vector<AgentOperations::SessionPtr> AgentOperations::sessions(const Princip
 
 void AgentOperations::delete_session(const SessionPtr& session, const Caller& caller,
                                      const std::string& reason, std::function<void()> deleted) {
-    registry_.remove(session, reason, caller.address);
+    registry_.remove(session, reason, caller.address, caller.principal.token_id);
     services_.writer.after_pending(std::move(deleted));
 }
 
 void AgentOperations::reset(const SessionPtr& session, const Caller& caller, Then<SessionPtr> then) {
-    session->reset(caller.address, [session, then = std::move(then)](std::optional<std::string> error) {
-        if (error)
-            return then(OperationError(Kind::unavailable, "kernel_unavailable", "reset failed: " + *error));
-        then(session);
-    });
+    session->reset(caller.address, caller.principal.token_id,
+                   [session, then = std::move(then)](std::optional<std::string> error) {
+                       if (error)
+                           return then(OperationError(Kind::unavailable, "kernel_unavailable",
+                                                      "reset failed: " + *error));
+                       then(session);
+                   });
 }
 
 // ------------------------------------------------------------------------------------------------ execute
@@ -423,7 +426,7 @@ void AgentOperations::decide_approval(const SessionPtr& session, const std::stri
                                       const std::string& decision, const Caller& caller, Then<json> then) {
     using Status = AgentSession::DecisionResult::Status;
     session->decide_approval(
-        approval_id, decision, "agent api", caller.address,
+        approval_id, decision, "agent api", caller.address, caller.principal.token_id,
         [then = std::move(then), approval_id](AgentSession::DecisionResult result) {
             switch (result.status) {
                 case Status::ok:

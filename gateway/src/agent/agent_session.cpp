@@ -411,12 +411,13 @@ std::uint64_t AgentSession::execute(ExecuteRequest request, ExecuteHandlers hand
     return ticket;
 }
 
-void AgentSession::reset(std::string client_address, Done done) {
+void AgentSession::reset(std::string client_address, std::string token_id, Done done) {
     touch();
     Pending pending;
     pending.ticket = next_ticket_++;
     pending.is_reset = true;
     pending.request.client_address = std::move(client_address);
+    pending.request.token_id = std::move(token_id);
     pending.reset_done = std::move(done);
     if (closed_)
         return pending.reset_done(std::string("session was deleted"));
@@ -614,6 +615,7 @@ void AgentSession::start_reset(Pending pending) {
         }
         self->audit({{"event", "reset"},
                      {"client", shared_pending->request.client_address},
+                     {"token_id", shared_pending->request.token_id},
                      {"status", error ? "error" : "ok"},
                      {"error", error ? json(*error) : json(nullptr)}});
         if (shared_pending->reset_done)
@@ -1163,7 +1165,7 @@ void AgentSession::on_egress(const JupyterMessage& message) {
 
 void AgentSession::decide_approval(const std::string& approval_id, const std::string& decision,
                                    const std::string& decided_by, const std::string& client_address,
-                                   std::function<void(DecisionResult)> done) {
+                                   const std::string& token_id, std::function<void(DecisionResult)> done) {
     using Status = DecisionResult::Status;
     touch();
     Approval* approval = find_approval(approval_id);
@@ -1183,8 +1185,8 @@ void AgentSession::decide_approval(const std::string& approval_id, const std::st
     auto timer = std::make_shared<boost::asio::steady_timer>(services_.io);
     auto shared_done = std::make_shared<std::function<void(DecisionResult)>>(std::move(done));
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    decision_waiters_[msg_id] = [weak, timer, shared_done, approval_id, decision, decided_by,
-                                 client_address](const json& reply) {
+    decision_waiters_[msg_id] = [weak, timer, shared_done, approval_id, decision, decided_by, client_address,
+                                 token_id](const json& reply) {
         timer->cancel();
         auto self = weak.lock();
         if (!self)
@@ -1215,6 +1217,7 @@ void AgentSession::decide_approval(const std::string& approval_id, const std::st
                          {"decision", decision},
                          {"decided_by", decided_by},
                          {"client", client_address},
+                         {"token_id", token_id},
                          {"kernel_id", known->kernel_id}});
             json streamed = known->to_json();
             streamed["type"] = "approval";

@@ -250,7 +250,7 @@ void AgentSessionRegistry::check_still_stored(const std::shared_ptr<AgentSession
 
 void AgentSessionRegistry::create(std::string name, const std::string& tenant, AgentLimits limits,
                                   const NetworkRequest& network, const std::string& client_address,
-                                  CreateHandler done) {
+                                  const std::string& token_id, CreateHandler done) {
     if (services_.config.max_sessions > 0 && by_id_.size() >= services_.config.max_sessions)
         return done(nullptr, HttpError(http::status::too_many_requests,
                                        "too many agent sessions (" + std::to_string(by_id_.size()) +
@@ -268,13 +268,13 @@ void AgentSessionRegistry::create(std::string name, const std::string& tenant, A
     if (id_by_name_.contains(name_key(tenant, name)))
         return done(nullptr, name_taken(name));
     if (!services_.writer.shared())
-        return create_named(std::move(id), std::move(name), tenant, limits, network, client_address,
+        return create_named(std::move(id), std::move(name), tenant, limits, network, client_address, token_id,
                             std::move(done));
     // A session of that name created through another gateway: asked off the io thread.
     services_.writer.read<bool>(
         [tenant, name](SessionStore& store) { return stored_record(store, tenant, name).has_value(); },
         StoreWriter::default_read_limit,
-        [this, id, name, tenant, limits, network, client_address,
+        [this, id, name, tenant, limits, network, client_address, token_id,
          done = std::move(done)](StoreAnswer<bool> taken) mutable {
             if (!taken.ok())
                 return done(nullptr,
@@ -282,7 +282,7 @@ void AgentSessionRegistry::create(std::string name, const std::string& tenant, A
                                       "the store did not answer: " + taken.error, "store_unavailable"));
             if (*taken.value || id_by_name_.contains(name_key(tenant, name)))
                 return done(nullptr, name_taken(name));
-            create_named(std::move(id), std::move(name), tenant, limits, network, client_address,
+            create_named(std::move(id), std::move(name), tenant, limits, network, client_address, token_id,
                          std::move(done));
         });
 }
@@ -293,7 +293,8 @@ HttpError AgentSessionRegistry::name_taken(const std::string& name) {
 
 void AgentSessionRegistry::create_named(std::string id, std::string name, const std::string& tenant,
                                         AgentLimits limits, const NetworkRequest& network,
-                                        const std::string& client_address, CreateHandler done) {
+                                        const std::string& client_address, const std::string& token_id,
+                                        CreateHandler done) {
     AgentSession::Record record{id,     name,    format_iso8601_utc(std::chrono::system_clock::now()),
                                 limits, network, tenant};
     auto session = std::make_shared<AgentSession>(services_, record, std::vector<json>{});
@@ -302,6 +303,7 @@ void AgentSessionRegistry::create_named(std::string id, std::string name, const 
     session->persist_record();
     session->audit({{"event", "session_created"},
                     {"client", client_address},
+                    {"token_id", token_id},
                     {"name", name},
                     {"limits", limits.to_json()},
                     {"network", network.none() ? json(nullptr) : network.to_json()}});
@@ -342,11 +344,12 @@ std::vector<std::shared_ptr<AgentSession>> AgentSessionRegistry::list() const {
 }
 
 void AgentSessionRegistry::remove(const std::shared_ptr<AgentSession>& session, const std::string& reason,
-                                  const std::string& client) {
+                                  const std::string& client, const std::string& token_id) {
     if (!session)
         return;
     unregister(*session);
-    session->audit({{"event", "session_deleted"}, {"reason", reason}, {"client", client}});
+    session->audit(
+        {{"event", "session_deleted"}, {"reason", reason}, {"client", client}, {"token_id", token_id}});
     session->close(reason);
 }
 

@@ -95,7 +95,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void abandon(std::uint64_t ticket);
     // Restarts the kernel in place (variables gone, files kept) and clears the history; runs after queued
     // executes.
-    void reset(std::string client_address, Done done);
+    void reset(std::string client_address, std::string token_id, Done done);
     // Shuts the kernel down and fails whatever is queued. The session is unusable afterwards. Its record is
     // written as deleted, unless `record_deletion` is false: another gateway deleted it and wrote that
     // already (and the retention may have purged it since; writing it again would bring a tombstone back).
@@ -108,7 +108,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // channel and answers with the kernel's verdict.
     void decide_approval(const std::string& approval_id, const std::string& decision,
                          const std::string& decided_by, const std::string& client_address,
-                         std::function<void(DecisionResult)> done);
+                         const std::string& token_id, std::function<void(DecisionResult)> done);
     // nbformat 4.5 notebook of the history; `only_ok` leaves out cells that failed or timed out.
     nlohmann::json notebook(bool only_ok) const;
     // Appends {"time", "session", ...entry} to the audit trail.

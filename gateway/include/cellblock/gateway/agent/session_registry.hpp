@@ -32,8 +32,10 @@ class AgentSessionRegistry {
     // Empty `name` = generated. Responds once the session's kernel is ready. The session is `tenant`'s; names
     // are unique within a tenant (two tenants may each have a session "main").
     // `network` has been checked against the ceiling (AgentOperations).
+    // `token_id`: the tenant token that asked, for the audit trail (empty for the operator).
     void create(std::string name, const std::string& tenant, AgentLimits limits,
-                const NetworkRequest& network, const std::string& client_address, CreateHandler done);
+                const NetworkRequest& network, const std::string& client_address, const std::string& token_id,
+                CreateHandler done);
     // By id, then by name (in the principal's tenant), among the sessions held here (never reads the store);
     // nullptr also for a session `principal` does not see.
     std::shared_ptr<AgentSession> find(const Principal& principal, const std::string& id_or_name);
@@ -45,7 +47,7 @@ class AgentSessionRegistry {
     void resolve(const std::string& tenant, const std::string& id_or_name, std::function<void()> then);
     std::vector<std::shared_ptr<AgentSession>> list() const;
     void remove(const std::shared_ptr<AgentSession>& session, const std::string& reason,
-                const std::string& client);
+                const std::string& client, const std::string& token_id = {});
 
   private:
     // Drops a session that another gateway deleted (and recorded, with its audit entry) from this gateway,
@@ -74,7 +76,8 @@ class AgentSessionRegistry {
     static constexpr std::chrono::milliseconds held_check_limit{250};
     static HttpError name_taken(const std::string& name);
     void create_named(std::string id, std::string name, const std::string& tenant, AgentLimits limits,
-                      const NetworkRequest& network, const std::string& client_address, CreateHandler done);
+                      const NetworkRequest& network, const std::string& client_address,
+                      const std::string& token_id, CreateHandler done);
     void expire_idle();
     // The store forgets the sessions deleted longer ago than --agent-deleted-retention, with their notebooks
     // and audit trails.
