@@ -738,7 +738,7 @@ def start_jupyter_server(workdir: Path, nodelay: bool, extra_env: Optional[dict]
 
 
 def start_kernel_gateway(workdir: Path, timeout: float = 90.0, port: Optional[int] = None,
-                         token: Optional[str] = None) -> KernelServer:
+                         token: Optional[str] = None, extra_args: Optional[list[str]] = None) -> KernelServer:
     """The Jupyter Kernel Gateway (PyPI, the peers' venv) on a free port (or `port`), its default kernel the venv's
     ipykernel; the token (random unless given) travels in KG_AUTH_TOKEN, as its documentation says."""
     import secrets
@@ -747,7 +747,8 @@ def start_kernel_gateway(workdir: Path, timeout: float = 90.0, port: Optional[in
     port, token = port or free_port(), token or secrets.token_hex(16)
     env = dict(_pypi_peer_env(workdir), KG_AUTH_TOKEN=token)
     argv = [str(peers_venv() / "bin" / "jupyter-kernelgateway"), "--KernelGatewayApp.ip=127.0.0.1",
-            f"--KernelGatewayApp.port={port}", "--KernelGatewayApp.port_retries=0", "--log-level=WARN"]
+            f"--KernelGatewayApp.port={port}", "--KernelGatewayApp.port_retries=0", "--log-level=WARN",
+            *(extra_args or [])]
     server = ServerProcess(f"kernel gateway {peer_version('jupyter_kernel_gateway')}", argv, env,
                            workdir / f"kernel-gateway-{port}.log")
     try:

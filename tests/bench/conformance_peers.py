@@ -2,7 +2,9 @@
 """The project's gateway client conformance suites against cellblock-gateway and the Jupyter Kernel Gateway 3.0
 (issue 40): the same tests, unchanged, against each server, each suite on a fresh server in a temporary directory.
 
-    /usr/bin/python3 tests/bench/conformance_peers.py [--suites lab-services,gateway-api] [--json PATH] [--keep]
+    /usr/bin/python3 tests/bench/conformance_peers.py [--suites lab-services,gateway-api] [--targets 0,1,2]
+                                                      [--json PATH] [--keep]
+    /usr/bin/python3 tests/bench/conformance_peers.py --report PATH   # the tables of a saved --json again
 
 Suites (tests/gateway/clients/README.md and tests/gateway/README.md say what each test checks):
   lab-services            tests/gateway/clients/lab-services.test.js: @jupyterlab/services 7.6, node --test
@@ -15,11 +17,12 @@ Suites (tests/gateway/clients/README.md and tests/gateway/README.md say what eac
   kernel-conformance      jupyter_kernel_test's 12 checks through the server's WebSocket (conformance_kernel_ws.py)
 Not run: jupyterlab.test.js and live-page.test.js test the agent API (/agent/v1), which is cellblock's own.
 
-The Kernel Gateway is the peers' venv's (tests/requirements-peers.txt) with its default kernelspec, the venv's
-ipykernel; cellblock-gateway is $CELLBLOCK_PREFIX's with its default, cellblock-python. Both run with their
-defaults and the token the tests/gateway harness uses. Prints the scores as a table and as JSON (stdout), and for
-every test whose outcome differs between the servers the first line of its failure; EXPLAINED says why, for those
-read so far. Every process started is stopped, every temporary directory removed (unless --keep).
+Targets: 0 cellblock-gateway ($CELLBLOCK_PREFIX's, its default kernelspec cellblock-python); 1 the Jupyter Kernel
+Gateway of the peers' venv (tests/requirements-peers.txt) as shipped, its default kernelspec the venv's ipykernel;
+2 the same with list_kernels on. All with their defaults otherwise and the token the tests/gateway harness uses;
+readiness is each server's HTTP API answering (polled). Prints the scores as a table and as JSON (stdout, every
+test's outcome with --json), and every test whose outcome differs between the servers with the first line of its
+failure and EXPLAINED's why. Every process started is stopped, every temporary directory removed (unless --keep).
 """
 from __future__ import annotations
 
@@ -57,22 +60,121 @@ SUITES = ["lab-services", "lab-services-reconnect", "classic-notebook", "gateway
 # "extension": what the test checks is cellblock's own, not the Kernel Gateway API; KG failing it is no
 # conformance failure of KG. "kg": a Kernel Gateway 3.0 behaviour that a client of the API can notice.
 # "kernel": the kernel behind the gateway (ipykernel 7.4 / cellblock-python), not the gateway.
-EXPLAINED: dict[str, tuple[str, str]] = {}
+# "setting": KG as shipped refuses GET /api/kernels (list_kernels); the test passes with that setting on.
+BEARER = ("extension", "`Authorization: Bearer <token>` (Jupyter Server 2's form) is refused with 401: KG takes "
+          "`?token=` and `Authorization: token <token>` only, as its API documents")
+HEAD_401 = ("extension", "cellblock answers a request without the token from its head; KG reads the announced "
+            "8 MB body first (no answer within 5 s): hardening, not KG's API")
+EXPLAINED: dict[str, tuple[str, str]] = {
+    "lab-services::a wrong token is refused with 401 and the server keeps serving":
+        ("setting", "the wrong token does get 401; the same listing with the right token is 403"),
+    "lab-services::shutdown removes the kernel from the server":
+        ("setting", "the kernel is gone (404); the listing that checks it is 403"),
+    "lab-services-reconnect::the kernel connection survives a gateway kill -9 and restart with its state":
+        ("extension", "re-adopting kernels after the gateway was killed is cellblock's; a new KG knows none of "
+                      "the old one's kernels, so the client never reconnects"),
+    "kernel-conformance::GatewayKernelConformance::test_history":
+        ("kernel", "ipykernel answers a history `range` request for the current session with session number 0 "
+                   "(IPython's in-memory history); ipykernel 7.4 and Debian's 6.17 do the same over ZeroMQ without "
+                   "a gateway"),
+    "gateway-api::test_rest::test_api_root_and_status":
+        ("extension", "`/api/status` is Jupyter Server's; KG's API has no such endpoint (404)"),
+    "gateway-api::test_rest::test_token_is_required_and_accepted_in_every_form": BEARER,
+    "gateway-api::test_websocket::test_websocket_upgrade_requires_token": BEARER,
+    "gateway-api::test_rest::test_kernelspecs_models":
+        ("extension", "`/api/kernelspecs/python` as an alias of `python3` is cellblock's; KG answers 404"),
+    "gateway-api::test_rest::test_kernel_lifecycle":
+        ("extension", "as shipped the listing is 403 (setting); with it on, KG answers the restart at once with "
+                      "`execution_state: starting`, where cellblock answers once the new kernel does (`idle`); "
+                      "KG's API promises no state. Later steps not reached"),
+    "gateway-api::test_rest::test_post_errors":
+        ("kg", "an unknown kernelspec, a non-string env value, invalid UTF-8 and a JSON array all get 500 "
+               "`Unknown server error` with a Python traceback in the body (cellblock: 500 naming NoSuchKernel, "
+               "400 for the rest)"),
+    "gateway-api::test_rest::test_unknown_and_malformed_ids":
+        ("extension", "400 `bad_path` for a percent-encoded NUL or `/` in a kernel id is cellblock's; KG answers "
+                      "404, as for an unknown id"),
+    "gateway-api::test_rest::test_oversized_body_is_413_and_gateway_keeps_serving":
+        ("extension", "cellblock's request body cap (413); KG (Tornado's 100 MB default) accepts the 9 MiB body "
+                      "and starts a kernel"),
+    "gateway-api::test_rest::test_a_body_without_a_token_is_refused_before_it_is_read": HEAD_401,
+    "gateway-api::test_security::test_requests_without_the_token_are_answered_from_their_head_without_reading_the_"
+    "body": HEAD_401,
+    "gateway-api::test_rest::test_sessions_crud_in_jupyter_server_shape":
+        ("kg", "KG 3.0 answers sessions as `{id, notebook: {path}, kernel}`, not the `{id, path, name, type, "
+               "kernel}` its own swagger.yaml documents (and Jupyter Server serves)"),
+    "gateway-api::test_rest::test_no_cors_headers_by_default":
+        ("kg", "KG sends an empty `Access-Control-Allow-Origin:` on every response; harmless (it allows no "
+               "origin)"),
+    "gateway-api::test_websocket::test_client_quirks_are_accepted[no_msg_id]":
+        ("extension", "a client message without `header.msg_id` gets no reply from KG (KeyError in its channel "
+                      "handler); cellblock fills one in. Tolerance of a malformed message"),
+    "gateway-api::test_websocket::test_outputs_arrive_before_the_reply_even_when_large":
+        ("extension", "KG relays shell and IOPub independently, so `execute_reply` overtakes outputs of 100-450 KB; "
+                      "the protocol does not order the two channels, cellblock does. A client that stops at the "
+                      "reply (OpenHands) misses output on KG"),
+    "gateway-api::test_websocket::test_bad_frames_get_clear_errors_and_do_not_disturb_others":
+        ("extension", "cellblock answers a malformed frame with a `rejected` note and keeps the connection; KG "
+                      "closes the WebSocket (JSONDecodeError in its handler)"),
+    "gateway-api::test_websocket::test_the_kernels_own_cellblock_requests_are_refused_from_clients":
+        ("extension", "the `cellblock_*` control messages are cellblock's; KG forwards them to the kernel, which "
+                      "ignores them"),
+    "gateway-api::test_websocket::test_kernel_death_is_reported_and_kernel_restarted":
+        ("extension", "after an automatic restart cellblock publishes `idle` once the new kernel is up; KG sends "
+                      "`restarting` and then nothing until asked, though its new kernel answers the same "
+                      "WebSocket 3 s after the kill, state fresh (checked by hand)"),
+    "gateway-api::test_websocket::test_rest_restart_keeps_websocket_attached":
+        ("kg", "intermittent: KG answers the restart before its new kernel is connected (`starting`), and the "
+               "execute sent at once on the open WebSocket got no reply within 60 s in 3 of 7 full runs against "
+               "KG (either configuration; 0 of 9 when run alone)"),
+    "gateway-api::test_websocket::test_kernel_environment":
+        ("extension", "`KERNEL_ID` and `CELLBLOCK_WORKSPACE` in the kernel's environment are cellblock's; KG passes "
+                      "KERNEL_* and sets KERNEL_GATEWAY=1 (and keeps its token and other variables out)"),
+    "gateway-api::test_jupyter_server::test_jupyter_server_gateway_mode_creates_and_executes":
+        ("setting", "the test checks the kernel through GET /api/kernels (403)"),
+}
 
 
 @dataclass
 class Target:
     label: str
+    kernel: str
     start: Callable[[Path, Optional[int]], benchlib.KernelServer]
 
 
+# KG's default refuses GET /api/kernels and /api/sessions with 403 (JupyterWebsocketPersonality.list_kernels,
+# KG_LIST_KERNELS: "Jupyter Notebook allows this by default but kernel gateway does not"); Jupyter Server and
+# JupyterLab as its clients list kernels, so KG is measured as shipped and with that one setting on.
+KG_LIST_KERNELS = "--JupyterWebsocketPersonality.list_kernels=True"
+
+
+def start_kg_listing(workdir: Path, port: Optional[int]) -> benchlib.KernelServer:
+    server = benchlib.start_kernel_gateway(workdir, port=port, token=TOKEN, extra_args=[KG_LIST_KERNELS])
+    listing = server.http.get(f"{server.base_url}/api/kernels", timeout=30)
+    if listing.status_code != 200:  # KG only warns about a setting it does not know: make sure this one took
+        stop_server(server)
+        raise RuntimeError(f"{KG_LIST_KERNELS} did not enable GET /api/kernels: {listing.status_code}")
+    return server
+
+
 def targets() -> list[Target]:
+    kg = f"kernel gateway {benchlib.peer_version('jupyter_kernel_gateway')}"
+    ipykernel = f"ipykernel {benchlib.peer_version('ipykernel')} (the peers' venv; KG's default kernelspec)"
     return [
-        Target("cellblock-gateway",
+        Target("cellblock-gateway", "cellblock-python (the gateway's default kernelspec)",
                lambda workdir, port: benchlib.start_gateway(workdir, port=port, token=TOKEN)),
-        Target(f"kernel gateway {benchlib.peer_version('jupyter_kernel_gateway')}",
-               lambda workdir, port: benchlib.start_kernel_gateway(workdir, port=port, token=TOKEN)),
+        Target(kg, ipykernel, lambda workdir, port: benchlib.start_kernel_gateway(workdir, port=port, token=TOKEN)),
+        Target(f"{kg}, list_kernels on", ipykernel, start_kg_listing),
     ]
+
+
+def installed_gateway() -> str:
+    """Which cellblock-gateway ran: its path and modification time (the staged install may be newer than HEAD)."""
+    binary = benchlib.gateway_binary()
+    stamp = datetime.datetime.fromtimestamp(binary.stat().st_mtime, datetime.timezone.utc)
+    head = subprocess.run(["git", "-C", str(benchlib.REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    return f"{binary}, installed {stamp:%Y-%m-%d %H:%M} UTC, repository at {head or 'unknown'}"
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -341,7 +443,7 @@ def differences(results: dict, labels: list[str]) -> list[dict]:
 
 def score(result: dict, exclude: set[str] = frozenset()) -> str:
     if "error" in result:
-        return f"error: {result['error']}"
+        return f"error: {result['error'].splitlines()[0][:200]}"
     tests = {n: t for n, t in result["tests"].items() if n not in exclude}
     passed = sum(1 for t in tests.values() if t["outcome"] == "passed")
     failed = sum(1 for t in tests.values() if t["outcome"] == "failed")
@@ -356,7 +458,7 @@ def markdown(results: dict, labels: list[str], found: list[dict]) -> str:
                   for suite in results}
     for suite, by_target in results.items():
         lines.append(f"| {suite} | " + " | ".join(score(by_target[label]) for label in labels) + " |")
-        if extensions[suite]:
+        if extensions[suite] and any(set(by_target[label]["tests"]) - extensions[suite] for label in labels):
             lines.append(f"| {suite} without cellblock's extensions | " +
                          " | ".join(score(by_target[label], extensions[suite]) for label in labels) + " |")
     lines += ["", "| suite | test | " + " | ".join(labels) + " | why |", "|---|---|" + "---|" * len(labels) + "---|"]
@@ -372,9 +474,18 @@ def markdown(results: dict, labels: list[str], found: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, of {', '.join(SUITES)}")
+    parser.add_argument("--targets", default="0,1,2", help="comma-separated indices: 0 cellblock-gateway, 1 the "
+                        "Kernel Gateway as shipped, 2 the Kernel Gateway with list_kernels on (default: all)")
     parser.add_argument("--json", type=Path, help="also write the JSON to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, JUnit files)")
+    parser.add_argument("--report", type=Path, help="run nothing: print the tables of a saved --json file with "
+                        "this file's EXPLAINED (after reading new failures)")
     args = parser.parse_args()
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        labels = list(saved["targets"])
+        print(markdown(saved["suites"], labels, differences(saved["suites"], labels)))
+        return 0
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     if unknown := set(suites) - set(SUITES):
         parser.error(f"unknown suites: {', '.join(sorted(unknown))}")
@@ -383,20 +494,26 @@ def main() -> int:
     if any(s in ("lab-services", "lab-services-reconnect", "classic-notebook") for s in suites):
         from bench_live_page import node_clients_ready
         node = node_clients_ready()
-    all_targets = targets()
-    labels = [t.label for t in all_targets]
+    every_target = targets()
+    chosen = [t for index, t in enumerate(every_target) if str(index) in args.targets.split(",")]
+    labels = [t.label for t in chosen]
     scratch = Path(tempfile.mkdtemp(prefix="conformance-peers-"))
     # IPython's history database and profile of the KG's ipykernel go here, not to the user's ~/.ipython.
     os.environ["IPYTHONDIR"] = str(scratch / "ipython")
     began = datetime.datetime.now(datetime.timezone.utc)
+    # Others may reinstall the staged tree while this runs: a change is reported, since cellblock's suites would
+    # then have met two builds.
+    gateway_before = installed_gateway()
     results: dict[str, dict] = {}
     try:
         for suite in suites:
             results[suite] = {}
-            for target in all_targets:
+            for target in chosen:
                 progress(f"conformance: {suite} against {target.label}")
+                # Short names: cellblock's ipc socket paths under its runtime dir must fit in 107 bytes.
+                workdir = scratch / f"{SUITES.index(suite)}{every_target.index(target)}"
                 try:
-                    results[suite][target.label] = run_suite(suite, target, scratch / suite / target.label, node)
+                    results[suite][target.label] = run_suite(suite, target, workdir, node)
                 except Exception as failure:  # noqa: BLE001 - a server that would not start is that suite's result
                     results[suite][target.label] = {"error": f"{type(failure).__name__}: {failure}", "tests": {}}
                 progress(f"conformance: {suite} against {target.label}: {score(results[suite][target.label])}")
@@ -407,10 +524,11 @@ def main() -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     found = differences(results, labels)
     report = {"started_utc": began.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([sys.executable] + sys.argv),
-              "targets": labels, "kernels": {labels[0]: "cellblock-python (the gateway's default kernelspec)",
-                                              labels[1]: f"ipykernel {benchlib.peer_version('ipykernel')} (the "
-                                                         "peers' venv, the Kernel Gateway's default kernelspec)"},
+              "targets": {t.label: t.kernel for t in chosen}, "cellblock_gateway": gateway_before,
               "suites": results, "differences": found}
+    if (gateway_after := installed_gateway()) != gateway_before:
+        report["cellblock_gateway_at_the_end"] = gateway_after
+        progress(f"conformance: cellblock-gateway changed during the run: {gateway_before} -> {gateway_after}")
     print(markdown(results, labels, found))
     # The counts on stdout; every test's outcome and failure line in --json.
     print(json.dumps({suite: {label: {k: r.get(k) for k in ("passed", "failed", "skipped", "total", "error")
