@@ -718,6 +718,11 @@ void KernelServer::send_outbound(Outbound& outbound) {
             send_xmessage(control, outbound.message, &outbound.message.identities(), {});
             return;
         case Outbound::Kind::stdin_channel: {
+            // An answer still unread from before this prompt (a late one, to a prompt an interrupt released)
+            // would answer it, as ipykernel's flush before input_request prevents: what is waiting is read
+            // now, while no prompt is out, and deliver_input_reply drops it.
+            while (!receive_all(stdin_channel)) {
+            }
             {
                 std::lock_guard lock(input_mutex_);
                 if (input_.generation == 0 || input_.answer) {
