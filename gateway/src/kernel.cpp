@@ -673,6 +673,7 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
     replayed_.insert(replayed_.end(), live_during_adoption_.begin(), live_during_adoption_.end());
     backlog_.assign(recorded.begin() + static_cast<std::ptrdiff_t>(std::min(first_missed, recorded.size())),
                     recorded.end());
+    backlog_.insert(backlog_.end(), live_during_adoption_.begin(), live_during_adoption_.end());
     backlog_until_ = std::chrono::steady_clock::now() +
                      std::chrono::milliseconds(static_cast<long long>(config_.offline_session_ttl * 1000));
     replay_phase_ = ReplayPhase::done;
@@ -687,9 +688,15 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
     }
     logger_.info("kernel_adopted", {{"kernel_id", id()},
                                     {"recorded", recorded.size()},
-                                    {"missed", backlog_.size()},
+                                    {"missed", backlog_.size() - live_during_adoption_.size()},
                                     {"lossy", backlog_lossy_},
                                     {"dropped_by_kernel", content.value("dropped", 0)}});
+    // The previous gateway's clients still waiting for a reply get their sockets now, before they reconnect:
+    // the kernel addresses a reply by session_id, and one sent while no socket has that identity is lost.
+    // Their slots keep the record and then everything live, in order, as for a client that disconnected.
+    for (const std::string& session_id : sessions_awaiting_replies(replayed_))
+        if (!session_id.starts_with(KernelClientLink::anonymous_prefix))
+            slot_for(session_id);
     // Sessions that attached while the record was on its way get it now (with the live output held
     // meanwhile), then what the kernel addressed to them meanwhile: a reply never before its output.
     for (auto& [session_id, session] : sessions_)
@@ -702,6 +709,28 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
         hand_addressed(std::move(session_id), std::move(message));
     if (ready)
         finish_readiness(std::nullopt);
+}
+
+std::set<std::string> Kernel::sessions_awaiting_replies(const std::vector<JupyterMessage>& record) {
+    // A request is under way from its busy status until its idle one; the session that sent it awaits a
+    // reply.
+    std::map<std::string, std::string> running;  // request msg_id -> its session
+    for (const JupyterMessage& message : record) {
+        if (message.channel != Channel::iopub || message.msg_type != "status")
+            continue;
+        const std::string request = parent_field(message, "msg_id");
+        const json status = json::parse(message.content, nullptr, false);
+        const std::string state = status.is_object() ? status.value("execution_state", "") : "";
+        if (state == "busy")
+            running[request] = parent_field(message, "session");
+        else if (state == "idle")
+            running.erase(request);
+    }
+    std::set<std::string> sessions;
+    for (const auto& [request, session] : running)
+        if (!session.empty() && !session.starts_with(probe_session_prefix))
+            sessions.insert(session);
+    return sessions;
 }
 
 void Kernel::hand_backlog(KernelClientLink& session) {
@@ -724,8 +753,6 @@ void Kernel::hand_backlog(KernelClientLink& session) {
         session.deliver_or_buffer(message);
     };
     for (const JupyterMessage& message : backlog_)
-        hand(message);
-    for (const JupyterMessage& message : live_during_adoption_)
         hand(message);
 }
 
@@ -837,8 +864,20 @@ bool Kernel::handle_iopub(JupyterMessage&& message) {
     // While the record is on its way, live output is held: clients get the record first, then this, in order.
     if (adopting)
         return false;
+    keep_for_late_sessions(message);
     broadcast(message);
     return true;
+}
+
+void Kernel::keep_for_late_sessions(const JupyterMessage& message) {
+    // A client of the previous gateway may reconnect after the record arrived: what the kernel published
+    // since, broadcast to the sessions attached then, is its too, within the backlog's window.
+    if (replay_phase_ != ReplayPhase::done || std::chrono::steady_clock::now() > backlog_until_)
+        return;
+    if (backlog_.size() < max_live_during_adoption)
+        backlog_.push_back(message);
+    else
+        backlog_lossy_ = true;  // a late session is told of the gap, never handed a silent one
 }
 
 void Kernel::hand_addressed(std::string session_id, JupyterMessage&& message) {
@@ -1068,8 +1107,7 @@ std::shared_ptr<ZmqChannel> Kernel::connect_dealer(int port, const std::string& 
         socket_setup());
 }
 
-std::shared_ptr<KernelClientLink> Kernel::attach(const std::string& session_id,
-                                                 std::weak_ptr<KernelClient> client) {
+std::shared_ptr<KernelClientLink>& Kernel::slot_for(const std::string& session_id) {
     auto& slot = sessions_[session_id];
     if (!slot) {
         slot = std::make_shared<KernelClientLink>(session_id, *this);
@@ -1077,6 +1115,12 @@ std::shared_ptr<KernelClientLink> Kernel::attach(const std::string& session_id,
         slot->control_ = connect_dealer(KernelEndpoints::control, session_id, Channel::control, slot);
         slot->stdin_ = connect_dealer(KernelEndpoints::stdin_, session_id, Channel::stdin_, slot);
     }
+    return slot;
+}
+
+std::shared_ptr<KernelClientLink> Kernel::attach(const std::string& session_id,
+                                                 std::weak_ptr<KernelClient> client) {
+    auto& slot = slot_for(session_id);
     // Buffered before the client is attached, so it gets what it missed first, then the live stream.
     hand_backlog(*slot);
     std::shared_ptr<KernelClient> previous = slot->attached_client_ ? slot->client_.lock() : nullptr;

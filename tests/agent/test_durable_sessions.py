@@ -124,8 +124,11 @@ class Channels:
         """Messages answering `msg_id` until one of type `until_type` (or, if asked, until the connection drops)."""
         seen, deadline = [], time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self.socket.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 message = json.loads(self.socket.recv())
+            except websocket.WebSocketTimeoutException:
+                break
             except (websocket.WebSocketConnectionClosedException, ConnectionError, OSError):
                 if stop_on_connection_loss:
                     return seen
@@ -371,3 +374,33 @@ def test_corrupt_store_is_refused_and_left_untouched(tmp_path):
     assert "not an SQLite database" in refused.stderr, refused.stderr
     assert (state / "store.sqlite3").read_bytes() == garbage
     assert not (state / "store.sqlite3-wal").exists()
+
+
+def test_a_client_reconnecting_after_re_adoption_gets_what_the_kernel_printed_before_it_came_back(tmp_path):
+    """The race the test above can fall into on a loaded machine, made certain: the kernel prints only after the new
+    gateway has its record (kernel_adopted in its log) and before the client comes back; that output went to the
+    sessions attached then, and must also reach the one that reconnects."""
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
+    kernel = first.request("POST", "/api/kernels", json={}).json()
+    channels = Channels(first, kernel["id"], "late-watcher")
+    workspace = state / "workspaces" / kernel["id"]
+    msg_id = channels.execute("import os, time\nprint('before', flush=True)\n"
+                              "while not os.path.exists('gate'):\n    time.sleep(0.02)\n"
+                              "for i in range(10):\n    print(f'after {i}', flush=True)\n"
+                              "open('printed', 'w').close()")
+    assert stream_text(channels.collect(msg_id, until_type="stream")) == "before\n"
+    assert first.stop() == 0, first.log_tail()
+    channels.collect(msg_id, stop_on_connection_loss=True)
+    second = AgentGateway(state, tmp_path / "second.log", "--log-level", "info")
+    try:
+        wait_until(lambda: "kernel_adopted" in (tmp_path / "second.log").read_text(), 60,
+                   "the new gateway to adopt the kernel")
+        (workspace / "gate").write_text("")
+        wait_until(lambda: (workspace / "printed").exists(), 60, "the cell to print its ten lines")
+        channels = Channels(second, kernel["id"], "late-watcher")
+        after = channels.collect(msg_id)
+        assert stream_text(after) == "".join(f"after {i}\n" for i in range(10)), stream_text(after)
+        channels.close()
+    finally:
+        second.stop()

@@ -232,6 +232,12 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void handle_replay_reply(const nlohmann::json& content, bool ready);
     // The messages a session attaching now should get first (output sent while no gateway listened).
     void hand_backlog(KernelClientLink& session);
+    // The sessions whose request is still under way at the end of `record` (a busy status without its idle).
+    static std::set<std::string> sessions_awaiting_replies(const std::vector<JupyterMessage>& record);
+    // The session's slot with its shell, control and stdin sockets, made if there is none.
+    std::shared_ptr<KernelClientLink>& slot_for(const std::string& session_id);
+    // After re-adoption, keeps live IOPub in the backlog for sessions that reconnect later (hand_backlog).
+    void keep_for_late_sessions(const JupyterMessage& message);
     void watch_process();
     void broadcast(const JupyterMessage& message);
     // Delivers replies ReplyOrder released to their sessions, and keeps its timer armed while it holds some.
@@ -297,8 +303,10 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // Replies and input requests to clients received meanwhile: held too, they follow the output before them.
     std::vector<ReplyOrder::Reply> addressed_during_adoption_;
     std::vector<JupyterMessage> replayed_;  // everything the kernel recorded, plus the above
-    std::vector<JupyterMessage> backlog_;   // what clients missed: after last_iopub_id
-    bool backlog_lossy_ = false;            // the record no longer reaches back that far
+    // What clients missed (after last_iopub_id), then the live IOPub since, for sessions that come back
+    // later.
+    std::vector<JupyterMessage> backlog_;
+    bool backlog_lossy_ = false;  // the record no longer reaches back that far
     std::chrono::steady_clock::time_point backlog_until_;
     std::set<std::string> backlog_served_;  // session_ids that got the backlog
     std::string last_iopub_id_;
