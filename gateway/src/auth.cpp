@@ -4,10 +4,13 @@
 #include <cctype>
 #include <vector>
 
+#include "cellblock/contract/html_text.hpp"
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/tenants.hpp"
 
 namespace cellblock::gateway {
+
+using contract::html_escaped;
 
 namespace {
 bool starts_with_ignoring_case(std::string_view text, std::string_view prefix) {
@@ -52,32 +55,6 @@ bool one_segment_after(std::string_view rest, std::string_view prefix) {
 }
 bool is_static_file(std::string_view rest) {
     return one_segment_after(rest, "/static/");
-}
-
-std::string html_escaped(std::string_view text) {
-    std::string escaped;
-    for (const char c : text) {
-        switch (c) {
-            case '<':
-                escaped += "&lt;";
-                break;
-            case '>':
-                escaped += "&gt;";
-                break;
-            case '&':
-                escaped += "&amp;";
-                break;
-            case '"':
-                escaped += "&quot;";
-                break;
-            case '\'':
-                escaped += "&#39;";
-                break;
-            default:
-                escaped += c;
-        }
-    }
-    return escaped;
 }
 
 std::string_view path_of(const HttpRequest& request) {

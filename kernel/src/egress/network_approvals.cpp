@@ -2,37 +2,13 @@
 
 #include <cmath>
 
+#include "cellblock/contract/html_text.hpp"
 #include "common/logging.hpp"
 
 namespace cellblock::kernel {
 namespace {
 
-std::string html_escaped(const std::string& text) {
-    std::string escaped;
-    escaped.reserve(text.size());
-    for (const char c : text) {
-        switch (c) {
-            case '&':
-                escaped += "&amp;";
-                break;
-            case '<':
-                escaped += "&lt;";
-                break;
-            case '>':
-                escaped += "&gt;";
-                break;
-            case '"':
-                escaped += "&quot;";
-                break;
-            case '\'':
-                escaped += "&#39;";
-                break;
-            default:
-                escaped += c;
-        }
-    }
-    return escaped;
-}
+using contract::html_escaped;
 
 // "120" for whole seconds, "2.5" otherwise.
 std::string seconds_text(double seconds) {
