@@ -574,10 +574,13 @@ void KernelManager::adopt(const std::shared_ptr<Kernel>& kernel) {
 namespace {
 
 // The worker zygote's tenant of a store tenant's kernels: its own template, never the operator's nor another
-// tenant's (forks of one template share its hash secret and layout, sandbox/README.md). Store tenant names
-// have no '_', so no operator-chosen plain name of theirs can be one of these.
-std::string zygote_tenant_of(const std::string& tenant) {
-    return "t_" + tenant;
+// tenant's (forks of one template share its hash secret and layout, sandbox/README.md). Templates are the
+// host's, so the name also carries a digest of the store: a tenant "acme" of another store on this host (a
+// second deployment) is another tenant. Every gateway on one shared store names the same template.
+std::string zygote_tenant_of(const GatewayConfig& config, const std::string& tenant) {
+    const std::string store = config.store.empty() ? fs::absolute(config.state_dir).string() : config.store;
+    const std::array<std::string_view, 4> parts = {store, tenant, "", ""};
+    return "t" + HmacSigner("cellblock zygote tenant").sign(parts).substr(0, 8) + "_" + tenant;
 }
 
 }  // namespace
@@ -586,7 +589,7 @@ void KernelManager::start_kernel(const KernelStartRequest& original, const Start
     KernelStartRequest request = original;
     if (!request.tenant.empty())
         // Trusted, so a warm kernel (whose worker may be a fork of the operator's template) never serves it.
-        request.trusted_env["CELLBLOCK_ZYGOTE_TENANT"] = zygote_tenant_of(request.tenant);
+        request.trusted_env["CELLBLOCK_ZYGOTE_TENANT"] = zygote_tenant_of(config_, request.tenant);
     std::string name = !config_.force_kernel_name.empty() ? config_.force_kernel_name
                        : request.name.empty()             ? registry_.default_name()
                                                           : request.name;

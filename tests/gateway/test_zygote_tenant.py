@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -95,15 +96,19 @@ def test_each_store_tenant_forks_from_a_template_of_its_own(make_gateway, zygote
         created = gateway.post("/agent/v1/tenants", json={"name": name})
         assert created.status_code == 201, created.text
         tokens[name] = created.json()["token"]
-    hashes = {}
+    hashes, names = {}, {}
     for owner in (f"alice-{os.getpid()}", f"alice-{os.getpid()}", f"bob-{os.getpid()}", None):
         as_owner = SimpleNamespace(token=tokens[owner], ws_base=gateway.ws_base)
         started = gateway.post("/api/kernels", json={"name": ZYGOTE_KERNEL},
                                headers={"Authorization": f"token {tokens[owner]}"})
         assert started.status_code == 201, started.text
         kernel_id = started.json()["id"]
-        tenant = operator_tenant if owner is None else cellblock_zygote.named_tenant(f"t_{owner}")
-        assert kernel_environment(gateway, kernel_id)["CELLBLOCK_ZYGOTE_TENANT"] == tenant
+        tenant = kernel_environment(gateway, kernel_id)["CELLBLOCK_ZYGOTE_TENANT"]
+        if owner is None:
+            assert tenant == operator_tenant
+        else:  # t<digest of the store>_<tenant>: a tenant of another store on this host is another tenant
+            assert re.fullmatch(rf"t[0-9a-f]{{8}}_{owner}", tenant), tenant
+            names.setdefault(owner, set()).add(cellblock_zygote.named_tenant(tenant))
         socket = KernelSocket(as_owner, kernel_id)
         try:
             use_a_forked_worker(socket, kernel_id, policy, tenant)
@@ -111,6 +116,7 @@ def test_each_store_tenant_forks_from_a_template_of_its_own(make_gateway, zygote
         finally:
             socket.close()
     alice, bob = hashes[f"alice-{os.getpid()}"], hashes[f"bob-{os.getpid()}"]
+    assert len(names[f"alice-{os.getpid()}"]) == 1, names
     assert alice[0] == alice[1], hashes
     assert len({alice[0], bob[0], hashes[None][0]}) == 3, hashes
 
