@@ -871,13 +871,21 @@ bool Kernel::handle_iopub(JupyterMessage&& message) {
 
 void Kernel::keep_for_late_sessions(const JupyterMessage& message) {
     // A client of the previous gateway may reconnect after the record arrived: what the kernel published
-    // since, broadcast to the sessions attached then, is its too, within the backlog's window.
-    if (replay_phase_ != ReplayPhase::done || std::chrono::steady_clock::now() > backlog_until_)
+    // since, broadcast to the sessions attached then, is its too, within the backlog's window and as much of
+    // it as one offline session's buffer holds.
+    if (replay_phase_ != ReplayPhase::done)
         return;
-    if (backlog_.size() < max_live_during_adoption)
+    if (std::chrono::steady_clock::now() > backlog_until_) {
+        std::vector<JupyterMessage>().swap(backlog_);  // the window is over: no session gets it any more
+        return;
+    }
+    const std::size_t size = buffered_size(message);
+    if (backlog_.size() < max_live_during_adoption && backlog_bytes_ + size <= config_.offline_buffer_bytes) {
         backlog_.push_back(message);
-    else
+        backlog_bytes_ += size;
+    } else {
         backlog_lossy_ = true;  // a late session is told of the gap, never handed a silent one
+    }
 }
 
 void Kernel::hand_addressed(std::string session_id, JupyterMessage&& message) {

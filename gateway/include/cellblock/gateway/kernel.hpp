@@ -306,7 +306,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // What clients missed (after last_iopub_id), then the live IOPub since, for sessions that come back
     // later.
     std::vector<JupyterMessage> backlog_;
-    bool backlog_lossy_ = false;  // the record no longer reaches back that far
+    std::size_t backlog_bytes_ = 0;  // of the live messages added to it (bounded by offline_buffer_bytes)
+    bool backlog_lossy_ = false;     // the record no longer reaches back that far
     std::chrono::steady_clock::time_point backlog_until_;
     std::set<std::string> backlog_served_;  // session_ids that got the backlog
     std::string last_iopub_id_;
