@@ -308,15 +308,15 @@ void AgentSessionRegistry::create_named(std::string id, std::string name, const 
                     {"limits", limits.to_json()},
                     {"network", network.none() ? json(nullptr) : network.to_json()}});
     std::weak_ptr<AgentSession> weak = session;
-    session->ensure_kernel([this, weak, done = std::move(done),
-                            client_address](std::optional<std::string> failure) {
+    session->ensure_kernel([this, weak, done = std::move(done), client_address,
+                            token_id](std::optional<std::string> failure) {
         auto created = weak.lock();
         if (!created || created->closed())
             return done(nullptr,
                         HttpError(http::status::gone, "the session was deleted while its kernel was starting",
                                   "session_deleted"));
         if (failure) {
-            remove(created, "kernel failed to start", client_address);
+            remove(created, "kernel failed to start", client_address, token_id);
             return done(nullptr,
                         HttpError(http::status::service_unavailable,
                                   "the session's kernel did not start: " + *failure, "kernel_unavailable"));

@@ -720,9 +720,9 @@ void KernelServer::send_outbound(Outbound& outbound) {
         case Outbound::Kind::stdin_channel: {
             // An answer still unread from before this prompt (a late one, to a prompt an interrupt released)
             // would answer it, as ipykernel's flush before input_request prevents: what is waiting is read
-            // now, while no prompt is out, and deliver_input_reply drops it.
-            while (!receive_all(stdin_channel)) {
-            }
+            // now, while no prompt is out, and deliver_input_reply drops it. One batch: a client flooding
+            // stdin cannot hold this thread here.
+            receive_all(stdin_channel);
             {
                 std::lock_guard lock(input_mutex_);
                 if (input_.generation == 0 || input_.answer) {
