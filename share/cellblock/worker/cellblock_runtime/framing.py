@@ -12,6 +12,7 @@ import json
 import math
 import os
 import select
+import signal
 import struct
 import sys
 import termios
@@ -229,6 +230,9 @@ class FrameChannel:
             self._flusher.start()
 
     def _flush_after_delay(self):
+        # SIGINT is for the main thread (InterruptGate): a process-directed signal goes to a thread that does not
+        # block it, and taken here it would reach the main thread's handler only when this thread next runs.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         while True:
             with self._send_lock:
                 while not self._pending:
