@@ -155,13 +155,15 @@ function failOnProblems() {
   assert.deepEqual(problems, [], 'the page had no errors of its own');
 }
 
-// Resolves with Date.now() at the moment the page's DOM first has `marker` in a cell (a MutationObserver in
-// the page notes it).
+// Resolves with Date.now() at the moment the page's DOM first has `marker` in a cell's output (a
+// MutationObserver in the page notes it); the cell's code, shown when the cell starts, holds the marker too
+// and does not count.
 async function watchFor(marker) {
   await page.evaluate((text) => {
     window.seenAt = window.seenAt || {};
     const observer = new MutationObserver(() => {
-      if (document.getElementById('cells').textContent.includes(text)) {
+      const outputs = document.querySelectorAll('#cells section.cell .stream');
+      if ([...outputs].some((output) => output.textContent.includes(text))) {
         window.seenAt[text] = Date.now();
         observer.disconnect();
       }
