@@ -268,7 +268,7 @@ void AgentSessionRegistry::create(std::string name, const std::string& tenant, A
     if (id_by_name_.contains(name_key(tenant, name)))
         return done(nullptr, name_taken(name));
     if (!services_.writer.shared())
-        return create_named(std::move(id), std::move(name), tenant, limits, network, client_address, token_id,
+        return create_named(id, std::move(name), tenant, limits, network, client_address, token_id,
                             std::move(done));
     // A session of that name created through another gateway: asked off the io thread.
     services_.writer.read<bool>(
@@ -282,7 +282,7 @@ void AgentSessionRegistry::create(std::string name, const std::string& tenant, A
                                       "the store did not answer: " + taken.error, "store_unavailable"));
             if (*taken.value || id_by_name_.contains(name_key(tenant, name)))
                 return done(nullptr, name_taken(name));
-            create_named(std::move(id), std::move(name), tenant, limits, network, client_address, token_id,
+            create_named(id, std::move(name), tenant, limits, network, client_address, token_id,
                          std::move(done));
         });
 }
@@ -291,7 +291,7 @@ HttpError AgentSessionRegistry::name_taken(const std::string& name) {
     return HttpError(http::status::conflict, "a session named " + name + " already exists", "name_taken");
 }
 
-void AgentSessionRegistry::create_named(std::string id, std::string name, const std::string& tenant,
+void AgentSessionRegistry::create_named(const std::string& id, std::string name, const std::string& tenant,
                                         AgentLimits limits, const NetworkRequest& network,
                                         const std::string& client_address, const std::string& token_id,
                                         CreateHandler done) {

@@ -29,7 +29,7 @@ class NetworkApprovalsTest : public ::testing::Test {
 
     void SetUp() override {
         connection.emplace(approvals.connect([this](std::string msg_type, json content) {
-            published.push_back({msg_type, content});
+            published.push_back({std::move(msg_type), std::move(content)});
         }));
     }
     void hold() {

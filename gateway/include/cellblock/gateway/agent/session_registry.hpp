@@ -75,7 +75,7 @@ class AgentSessionRegistry {
     void check_still_stored(const std::shared_ptr<AgentSession>& found, std::function<void()> then);
     static constexpr std::chrono::milliseconds held_check_limit{250};
     static HttpError name_taken(const std::string& name);
-    void create_named(std::string id, std::string name, const std::string& tenant, AgentLimits limits,
+    void create_named(const std::string& id, std::string name, const std::string& tenant, AgentLimits limits,
                       const NetworkRequest& network, const std::string& client_address,
                       const std::string& token_id, CreateHandler done);
     void expire_idle();
