@@ -523,6 +523,8 @@ def test_audit_records_connections_and_decisions(gateway, asking, allowed):
     assert ("held.test", "requested") in by_state and by_state[("held.test", "decided")]["decision"] == "allow_once"
     assert by_state[("denied.test", "decided")]["decision"] == "deny"
     assert by_state[("denied.test", "decided")]["decided_by"] == "agent api"
+    # Who asked, whichever of the kernel's event and its answer to the decision came first.
+    assert by_state[("denied.test", "decided")]["client"] and by_state[("denied.test", "decided")]["token_id"] == ""
     assert by_state[("late.test", "decided")]["decision"] == "timeout"
     connections = gateway.request("GET", f"/agent/v1/sessions/{allowed}/audit",
                                   params={"event": "network_connection"}).json()["entries"]

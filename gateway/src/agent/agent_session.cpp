@@ -1150,6 +1150,8 @@ void AgentSession::on_egress(const JupyterMessage& message) {
                {"method", text("method")},
                {"decision", decision},
                {"decided_by", decided_by},
+               {"client", approval ? json(approval->asking_client) : json(nullptr)},
+               {"token_id", approval ? json(approval->asking_token_id) : json(nullptr)},
                {"kernel_id", kernel_id}});
         if (!approval)
             return;
@@ -1178,6 +1180,8 @@ void AgentSession::decide_approval(const std::string& approval_id, const std::st
                      approval->to_json()});
     if (!kernel_ || !link_ || kernel_->id() != approval->kernel_id)
         return done({Status::no_kernel, "the kernel that held this request is gone", nullptr});
+    approval->asking_client = client_address;
+    approval->asking_token_id = token_id;
     JupyterMessage request = make_message(
         Channel::control, "cellblock_approval_decision_request",
         {{"id", approval_id}, {"decision", decision}, {"decided_by", decided_by}}, link_session_id_);

@@ -69,6 +69,9 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
         std::string requested, decided;  // ISO 8601; `decided` empty while pending
         std::string decision;  // allow_once, allow_session, deny, timeout, lost; empty while pending
         std::string decided_by;
+        // Who sent the decision through this gateway (for the audit entry, which the kernel's own
+        // approval_decided event may write first).
+        std::string asking_client, asking_token_id;
         nlohmann::json to_json() const;
     };
     // The kernel's verdict on a decision sent to it.
