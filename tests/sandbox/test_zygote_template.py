@@ -54,6 +54,8 @@ def forked_kernel(zygote_dirs, tmp_path):
         kernel = LiveKernel(dirs, tmp_path / name / "workspace", CELLBLOCK_ZYGOTE_TENANT=tenant, **env)
         started.append(kernel)
         template = cellblock_zygote.template_serving(policy, tenant, timeout=TEMPLATE_START_TIMEOUT)
+        # A worker is there once a cell has run (the template can be serving before the kernel's own launch).
+        assert kernel.execute("1+1").value() == "2"
         for _ in range(5):
             if cellblock_zygote.is_forked(kernel.worker_pid(), policy, tenant):
                 break
