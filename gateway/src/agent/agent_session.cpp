@@ -159,7 +159,7 @@ void AgentSession::ensure_kernel(Done done) {
     // The store is asked off the io thread; the waiters wait as they would for a starting kernel.
     kernel_wait_ = KernelWait::attaching;
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    services_.kernels.find_or_attach(reattach, [weak](std::shared_ptr<Kernel> again) {
+    services_.kernels.find_or_attach(reattach, [weak](const std::shared_ptr<Kernel>& again) {
         auto self = weak.lock();
         if (!self || self->kernel_wait_ != KernelWait::attaching)
             return;  // closed meanwhile: its waiters were answered
