@@ -633,9 +633,13 @@ void Kernel::request_replay() {
 void Kernel::handle_replay_reply(const json& content, bool ready) {
     if (replay_phase_ != ReplayPhase::awaiting)
         return;
+    // What arrived live while the record was on its way is handed out from there, after the record: also the
+    // replies, or a reply in the record would reach its client before the output that arrived live with it.
     std::set<std::string> live_ids;
     for (const JupyterMessage& message : live_during_adoption_)
         live_ids.insert(message.msg_id);
+    for (const ReplyOrder::Reply& addressed : addressed_during_adoption_)
+        live_ids.insert(addressed.message.msg_id);
     std::vector<JupyterMessage> recorded;
     std::optional<std::size_t> resume_at;  // index in `recorded` of the first message clients missed
     if (replay_after_id_.empty())
