@@ -633,13 +633,7 @@ void Kernel::request_replay() {
 void Kernel::handle_replay_reply(const json& content, bool ready) {
     if (replay_phase_ != ReplayPhase::awaiting)
         return;
-    // What arrived live while the record was on its way is handed out from there, after the record: also the
-    // replies, or a reply in the record would reach its client before the output that arrived live with it.
-    std::set<std::string> live_ids;
-    for (const JupyterMessage& message : live_during_adoption_)
-        live_ids.insert(message.msg_id);
-    for (const ReplyOrder::Reply& addressed : addressed_during_adoption_)
-        live_ids.insert(addressed.message.msg_id);
+    std::set<std::string> recorded_ids;
     std::vector<JupyterMessage> recorded;
     std::optional<std::size_t> resume_at;  // index in `recorded` of the first message clients missed
     if (replay_after_id_.empty())
@@ -665,19 +659,26 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
                 if (buffer.is_string())
                     message.buffers.push_back(base64_decode(buffer.get<std::string>()).value_or(""));
         const bool seen_before = message.msg_id == replay_after_id_;
-        if (!parent_field(message, "session").starts_with(probe_session_prefix) &&
-            !live_ids.contains(message.msg_id))
+        if (!parent_field(message, "session").starts_with(probe_session_prefix)) {
+            recorded_ids.insert(message.msg_id);
             recorded.push_back(std::move(message));
+        }
         if (seen_before)
             resume_at = recorded.size();
     }
     backlog_lossy_ = backlog_lossy_ || !resume_at.has_value();
     const std::size_t first_missed = resume_at.value_or(0);
+    // What arrived live while the record was on its way and is in it keeps the record's place (the kernel's
+    // order: a recorded reply after the output before it); what the kernel sent after answering follows.
+    std::vector<JupyterMessage> live_only;
+    for (const JupyterMessage& message : live_during_adoption_)
+        if (!recorded_ids.contains(message.msg_id))
+            live_only.push_back(message);
     replayed_ = recorded;
-    replayed_.insert(replayed_.end(), live_during_adoption_.begin(), live_during_adoption_.end());
+    replayed_.insert(replayed_.end(), live_only.begin(), live_only.end());
     backlog_.assign(recorded.begin() + static_cast<std::ptrdiff_t>(std::min(first_missed, recorded.size())),
                     recorded.end());
-    backlog_.insert(backlog_.end(), live_during_adoption_.begin(), live_during_adoption_.end());
+    backlog_.insert(backlog_.end(), live_only.begin(), live_only.end());
     backlog_until_ = std::chrono::steady_clock::now() +
                      std::chrono::milliseconds(static_cast<long long>(config_.offline_session_ttl * 1000));
     replay_phase_ = ReplayPhase::done;
@@ -692,7 +693,7 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
     }
     logger_.info("kernel_adopted", {{"kernel_id", id()},
                                     {"recorded", recorded.size()},
-                                    {"missed", backlog_.size() - live_during_adoption_.size()},
+                                    {"missed", backlog_.size() - live_only.size()},
                                     {"lossy", backlog_lossy_},
                                     {"dropped_by_kernel", content.value("dropped", 0)}});
     // The previous gateway's clients still waiting for a reply get their sockets now, before they reconnect:
@@ -710,7 +711,8 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
     auto addressed = std::move(addressed_during_adoption_);
     addressed_during_adoption_.clear();
     for (auto& [session_id, message] : addressed)
-        hand_addressed(std::move(session_id), std::move(message));
+        if (!recorded_ids.contains(message.msg_id))  // else it went out with the record, in its place
+            hand_addressed(std::move(session_id), std::move(message));
     if (ready)
         finish_readiness(std::nullopt);
 }
