@@ -710,9 +710,10 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
         hand_out_replies(reply_order_.iopub_arrived(message.msg_id, std::chrono::steady_clock::now()));
     auto addressed = std::move(addressed_during_adoption_);
     addressed_during_adoption_.clear();
+    // Also a reply that is in the record: the record went to a session only if the session_id it attached
+    // with is the one in the reply's parent header, and a client that chose none attached under another.
     for (auto& [session_id, message] : addressed)
-        if (!recorded_ids.contains(message.msg_id))  // else it went out with the record, in its place
-            hand_addressed(std::move(session_id), std::move(message));
+        hand_addressed(std::move(session_id), std::move(message));
     if (ready)
         finish_readiness(std::nullopt);
 }
