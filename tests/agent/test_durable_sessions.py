@@ -16,6 +16,7 @@ import requests
 import websocket
 
 from conftest import GATEWAY_BINARY, KERNELSPEC, AgentGateway
+from test_live_view import EventReader
 
 # Prints 30 lines over 3 s; `progress` in the workspace says how far it got (a host-side view of a running cell).
 PRINT_30_LINES = ("import time\nfor i in range(30):\n    print(f'line {i}', flush=True)\n"
@@ -404,3 +405,35 @@ def test_a_client_reconnecting_after_re_adoption_gets_what_the_kernel_printed_be
         channels.close()
     finally:
         second.stop()
+
+
+def test_a_live_page_resuming_after_a_gateway_restart_starts_over_from_the_record(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)
+    try:
+        first.create_session("watched")
+        assert first.execute("watched", "print('before the restart')")["status"] == "ok"
+        page = EventReader(first, "watched")
+        seen = page.until(lambda event: event["type"] == "end")
+        page.close()
+    finally:
+        kill_9(first)
+    last_seen = seen[-1][0]
+
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        # The page's EventSource comes back with the last id it applied, an id of the gateway before.
+        page = EventReader(second, "watched", last_event_id=last_seen)
+        resync_id, resync = page.next()
+        assert resync["type"] == "resync" and resync_id > last_seen, "a page drops ids it has passed"
+        recorded = page.next()[1]
+        assert recorded["type"] == "recorded" and "before the restart" in "".join(recorded["source"])
+        assert second.execute("watched", "print('after the restart')")["status"] == "ok"
+        rest = page.until(lambda event: event["type"] == "end")
+        assert [event["type"] for _, event in rest] == ["cell", "stdout", "end"]
+        assert rest[1][1]["text"] == "after the restart\n"
+        ids = [resync_id] + [event_id for event_id, _ in rest]
+        assert ids == sorted(set(ids)), "ids grow and never repeat"
+        page.close()
+    finally:
+        assert second.stop() == 0, second.log_tail()

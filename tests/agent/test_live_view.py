@@ -144,8 +144,9 @@ def test_resume_shows_nothing_twice_and_misses_nothing(gateway, session, header)
     resumed.close()
 
 
-def test_large_output_is_capped_with_head_tail_and_saved_file(gateway, session):
-    watcher = EventReader(gateway, session, last_event_id=10**9)
+def test_large_output_is_capped_with_head_tail_and_saved_file(gateway):
+    session = gateway.create_session()["id"]
+    watcher = EventReader(gateway, session)
     answer = gateway.execute(session, "print('a' * 10_000_000)")
     events = [event for _, event in watcher.until(ended)]
     relayed = sum(len(event.get("text", "")) for event in events if event["type"] == "stdout")

@@ -1,10 +1,17 @@
 #include "cellblock/gateway/agent/live_events.hpp"
 
+#include <chrono>
+
 #include "cellblock/gateway/agent/output_shield.hpp"
 
 namespace cellblock::gateway::agent {
 
 using nlohmann::json;
+
+std::uint64_t LiveLog::clock_generation() {
+    const auto now = std::chrono::system_clock::now().time_since_epoch();
+    return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(now).count());
+}
 
 LiveLog::~LiveLog() {
     auto readers = std::move(readers_);
@@ -88,6 +95,11 @@ void LiveLog::add(json event) {
 }
 
 std::uint64_t LiveLog::subscribe(std::uint64_t after_id, Reader reader) {
+    if (after_id != 0 && (after_id < generation_ || after_id > last_id())) {
+        // Resumed from another log's id: nothing of this one has been seen.
+        reader.on_event(generation_, R"({"type":"resync","cell":-1})");
+        after_id = generation_;
+    }
     for (const Event& event : events_)
         if (event.id > after_id)
             reader.on_event(event.id, event.data);

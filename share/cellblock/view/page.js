@@ -312,6 +312,12 @@
           cellsNode.replaceChildren();
           addNotice(cellsNode, 'the session was reset: a new kernel, the cells before are gone', 'state-lost');
           break;
+        case 'resync':
+          // The gateway restarted since this page's last event: the whole session follows from its record.
+          cells.clear();
+          loose = null;
+          cellsNode.replaceChildren();
+          break;
         default: break;
       }
     }

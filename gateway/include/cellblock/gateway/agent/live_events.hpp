@@ -3,6 +3,13 @@
 // numbered list of events, each with an id that only grows. A cell appears when it starts, its output as the
 // kernel publishes it, its outcome when it ends. A reader that connects gets everything from an id on (all of
 // it, or after the Last-Event-ID it saw) and then each new event as it is added; all on the io thread.
+//
+// Ids outlive the process: a log's ids start past its `generation` (the wall clock in microseconds when it
+// was made, below 2^53 so a page's JavaScript holds it exactly), so a log made after a gateway restart hands
+// out ids above any its predecessor did (unless more than one event per microsecond of its life). A reader
+// that resumes with an id this log did not hand out (from before the restart) first gets a "resync" event,
+// whose id is the generation itself, and then the whole log: the page starts over from the session's record
+// instead of skipping or repeating events.
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -17,7 +24,10 @@ class LiveLog {
   public:
     // `text_cap`: stdout and stderr of one cell are relayed up to this many bytes each; the end event has
     // their head and tail and the saved file (like the agent API's answer).
-    explicit LiveLog(std::size_t text_cap) : text_cap_(text_cap) {}
+    explicit LiveLog(std::size_t text_cap, std::uint64_t generation = clock_generation())
+        : text_cap_(text_cap), generation_(generation), next_id_(generation + 1) {}
+    // Microseconds since the epoch now: the generation of a log made now.
+    static std::uint64_t clock_generation();
     // Cells of the history (reloaded from the store): one "recorded" event each.
     void seed(const std::vector<nlohmann::json>& cells);
     void cell_started(const std::string& code);
@@ -33,7 +43,8 @@ class LiveLog {
         std::function<void(std::uint64_t id, const std::string& data)> on_event;
         std::function<void()> closed;
     };
-    // Replays every event after `after_id` at once, then each new one; returns a key for `unsubscribe`.
+    // Replays every event after `after_id` at once, then each new one; returns a key for `unsubscribe`. An
+    // `after_id` of 0 is a new reader; one this log did not hand out is a reader from an earlier log (above).
     std::uint64_t subscribe(std::uint64_t after_id, Reader reader);
     void unsubscribe(std::uint64_t key) { readers_.erase(key); }
     std::uint64_t last_id() const { return next_id_ - 1; }
@@ -49,8 +60,9 @@ class LiveLog {
         std::string data;
     };
     std::size_t text_cap_;
+    std::uint64_t generation_;
     std::deque<Event> events_;
-    std::uint64_t next_id_ = 1;
+    std::uint64_t next_id_;
     std::int64_t cell_ = -1;  // the number of the newest cell (0-based), -1 before the first
     bool running_ = false;
     std::size_t stdout_sent_ = 0, stderr_sent_ = 0;
