@@ -382,7 +382,8 @@ def test_jupyterlab_4_in_chromium_watches_and_shares_an_agent_kernel(gateway, no
 def test_live_page_in_chromium_follows_an_agent_session(gateway, node_clients):
     """The gateway's own live page of an agent session (share/cellblock/view/) in headless Chromium: a print in the
     DOM within 1 s of its stdout event, a plot as an image (screenshot), a coloured traceback, hostile HTML that
-    reads and sends nothing, a reconnect that shows each missed cell once, 1,000 cells opening within 1 s."""
+    reads and sends nothing, a reconnect that shows each missed cell once, a 10 MB print that leaves the page
+    responsive and ends with its head, tail and saved file, 1,000 cells opening within 1 s."""
     screenshot = ARTIFACTS_DIR / "live-page.png"
     screenshot.unlink(missing_ok=True)
     try:

@@ -302,6 +302,66 @@ test('cells run while the page is cut off appear once each when it reconnects', 
   failOnProblems();
 });
 
+test('a cell printing 10 MB keeps the page responsive and ends with its head, tail and saved file', async () => {
+  const head = `ten-mb-head-${process.pid}`;
+  const tail = `ten-mb-tail-${process.pid}`;
+  await page.waitForFunction(() => document.getElementById('connection').textContent === 'live', null,
+    { timeout: WAIT_MS });
+  const tailSeen = await watchFor(tail);
+  // The gaps between the page's animation frames while the cell runs: a main thread busy with the output (a
+  // long task, a layout of megabytes) shows as a long gap, which is what a reader feels as a frozen page.
+  await page.evaluate(() => {
+    window.frameGaps = [];
+    window.probing = true;
+    let last = performance.now();
+    const tick = (now) => {
+      window.frameGaps.push(now - last);
+      last = now;
+      if (window.probing) requestAnimationFrame(tick);
+    };
+    requestAnimationFrame(tick);
+  });
+  const started = Date.now();
+  let endAt = null;
+  // 10,000 lines of 1,024 bytes between the two markers.
+  const answer = await executeStreaming(session,
+    `line = 'x' * 1017\nprint(${JSON.stringify(head)})\n` +
+    `for i in range(10_000):\n    print(f'{i:05d} {line}')\nprint(${JSON.stringify(tail)})`,
+    (event, at) => { endAt = at; });
+  assert.equal(answer.status, 'ok', JSON.stringify({ ...answer, stdout: answer.stdout.slice(0, 300) }));
+  const whole = Number((/ of (\d+) bytes omitted here/.exec(answer.stdout) || [])[1]);
+  assert.ok(whole >= 10_240_000, `the cell printed 10 MB: ${whole} bytes`);
+  assert.ok(answer.saved && answer.saved.stdout, `the answer names the saved file: ${JSON.stringify(answer.saved)}`);
+  // The page shows the tail only from the end event: the live relay stopped long before it.
+  const shownAt = await tailSeen();
+  // Two frames more: a frame's gap is noted in the frame after it, and the end's rendering is part of the run.
+  const gaps = await page.evaluate(() => new Promise((resolve) => requestAnimationFrame(() =>
+    requestAnimationFrame(() => { window.probing = false; resolve(window.frameGaps); }))));
+  gaps.sort((a, b) => a - b);
+  const median = Math.round(gaps[Math.floor(gaps.length / 2)]);
+  const max = Math.round(gaps[gaps.length - 1]);
+  console.log(`[live-page] 10 MB cell: frame gaps median ${median} ms, max ${max} ms over ${gaps.length} frames; ` +
+    `execute ${endAt - started} ms, end -> page DOM ${shownAt - endAt} ms`);
+  assert.ok(gaps.length >= (shownAt - started) / 500, `the page drew frames all along: ${gaps.length}`);
+  assert.ok(max <= 500, `no frame gap over 500 ms: max ${max} ms, median ${median} ms`);
+  // What a reader sees: the head and the tail, the gateway's note of what was left out and where the whole
+  // is, the live relay's notice, the saved file's name; not 10 MB in the page.
+  const cell = page.locator('section.cell', { has: page.locator('.code', { hasText: head }) });
+  await cell.locator('.outcome', { hasText: 'ok' }).waitFor({ timeout: WAIT_MS });
+  const shown = await cell.locator('.stream').allTextContents();
+  assert.equal(shown.length, 1, 'one stdout block: the live part gave way to the head and tail');
+  assert.ok(shown[0].startsWith(`${head}\n00000 `), `the head first: ${shown[0].slice(0, 80)}`);
+  assert.ok(shown[0].trimEnd().endsWith(`09999 ${'x'.repeat(1017)}\n${tail}`), `the tail last: ${shown[0].slice(-80)}`);
+  assert.match(shown[0], new RegExp(`\\[cellblock: \\d+ of \\d+ bytes omitted here; the full text is in the ` +
+    `workspace file ${answer.saved.stdout.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}\\]`));
+  assert.ok(shown[0].length <= 100_000, `the page holds the head and tail only: ${shown[0].length} characters`);
+  assert.match(await cell.locator('.notice').allInnerTexts().then((texts) => texts.join('\n')),
+    /further stdout is not relayed live .* the cell's end shows its head and tail/);
+  assert.equal(await cell.locator('.saved').textContent(),
+    `whole output saved in the workspace (stdout: ${answer.saved.stdout})`);
+  failOnProblems();
+});
+
 test(`a session of ${CELLS} cells opens within 1 s`, async () => {
   const big = (await api('POST', '/agent/v1/sessions', {})).id;
   let next = 0;
