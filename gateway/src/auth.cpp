@@ -123,7 +123,7 @@ HttpResponse TokenAuthenticator::refusal(const HttpRequest& request) const {
     response.set("Referrer-Policy", "no-referrer");
     response.body() =
         "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>cellblock: open with a "
-        "token</title></head>\n<body><h1>401: this page needs the gateway's token</h1>\n<p>Open this page "
+        "token</title></head>\n<body><h1>401: this page needs a token</h1>\n<p>Open this page "
         "once "
         "with <code>?token=</code> and the token added to its address (<code>" +
         html_escaped(path) +
@@ -162,9 +162,12 @@ std::optional<Principal> TokenAuthenticator::authenticate(
                 for (const std::string_view value : cookies) {
                     if (constant_time_equals(value, expected))
                         return Principal{};
-                    // A viewer's cookie is its token, good on its own session's page only.
-                    if (auto viewer = tenants_ ? tenants_->resolve_viewer(value) : std::nullopt;
-                        viewer && scope->ends_with("/agent/v1/sessions/" + viewer->session))
+                    // A viewer's cookie is its token, good on its own session's page only (a tenant's list
+                    // reader's on the list page only).
+                    auto viewer = tenants_ ? tenants_->resolve_viewer(value) : std::nullopt;
+                    if (viewer && (viewer->reads_list()
+                                       ? scope->ends_with(list_scope)
+                                       : scope->ends_with(std::string(sessions_prefix) + viewer->session)))
                         return viewer;
                 }
             }

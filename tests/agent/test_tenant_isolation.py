@@ -497,6 +497,61 @@ def test_a_viewer_opens_the_live_page_with_its_link_and_gets_a_cookie_for_that_p
     assert requests.get(f"{gateway.url}/agent/v1/sessions/{bob_id}/view", cookies=jar, timeout=60).status_code == 401
 
 
+def page_cookie(answer, path):
+    """The cellblock_view cookie of a 303 that opened a page: its value, after checking its attributes."""
+    assert answer.status_code == 303 and "token" not in answer.headers["Location"], (answer.status_code, answer.text)
+    cookie = answer.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and f"Path={path}" in cookie, cookie
+    return cookie.split(";")[0].split("=", 1)[1]
+
+
+def test_a_tenants_own_tokens_open_its_pages_and_its_list_shows_only_its_sessions(world):
+    gateway, alice, bob = world["gateway"], world["alice"], world["bob"]
+    alice_id, bob_id = world["sessions"]["alice"]["id"], world["sessions"]["bob"]["id"]
+    for owner in (alice, world["approver"]):  # the agent token and the approver's: both read the session
+        opened = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view?token={owner.token}",
+                              allow_redirects=False, timeout=60)
+        value = page_cookie(opened, f"/agent/v1/sessions/{alice_id}")
+        assert value.startswith("cbv_") and owner.token not in value, "a viewer token, never the tenant's token"
+        page = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view", cookies={"cellblock_view": value},
+                            timeout=60)
+        assert page.status_code == 200 and "text/html" in page.headers["Content-Type"]
+        # The cookie's token reads; it runs nothing.
+        ran = Tenant(gateway, value).request("POST", f"/agent/v1/sessions/{alice_id}/execute", json={"code": "1"})
+        assert ran.status_code == 403 and ran.json()["reason"] == "role_forbidden"
+    # Another tenant's session page answers like one that does not exist.
+    assert requests.get(f"{gateway.url}/agent/v1/sessions/{bob_id}/view?token={alice.token}", allow_redirects=False,
+                        timeout=60).status_code == 404
+
+    # The list page: alice's token gets a cookie for the list; its data holds alice's sessions only.
+    listed = page_cookie(requests.get(f"{gateway.url}/agent/v1/view?token={alice.token}", allow_redirects=False,
+                                      timeout=60), "/agent/v1/view")
+    jar = {"cellblock_view": listed}
+    data = requests.get(f"{gateway.url}/agent/v1/view/sessions", cookies=jar, timeout=60)
+    assert data.status_code == 200, data.text
+    ids = {s["id"] for s in data.json()["sessions"]}
+    assert alice_id in ids and bob_id not in ids
+    assert ids == {s["id"] for s in alice.request("GET", "/agent/v1/sessions").json()["sessions"]}
+    # Its links open alice's session pages (with that page's own cookie), not bob's.
+    opened = requests.get(f"{gateway.url}/agent/v1/view/open/{alice_id}", cookies=jar, allow_redirects=False,
+                          timeout=60)
+    session_cookie = page_cookie(opened, f"/agent/v1/sessions/{alice_id}")
+    assert requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view",
+                        cookies={"cellblock_view": session_cookie}, timeout=60).status_code == 200
+    assert requests.get(f"{gateway.url}/agent/v1/view/open/{bob_id}", cookies=jar, allow_redirects=False,
+                        timeout=60).status_code == 404
+    # The list's cookie opens no session page by itself and no API; bob's list is bob's.
+    assert requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view", cookies=jar, timeout=60).status_code == 401
+    assert requests.get(f"{gateway.url}/agent/v1/sessions", cookies=jar, timeout=60).status_code == 401
+    bobs = {s["id"] for s in bob.request("GET", "/agent/v1/view/sessions").json()["sessions"]}
+    assert bob_id in bobs and alice_id not in bobs
+    assert bobs == {s["id"] for s in bob.request("GET", "/agent/v1/sessions").json()["sessions"]}
+    # A viewer link of one session has no list.
+    shared = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={}).json()["token"]
+    refused = Tenant(gateway, shared).request("GET", "/agent/v1/view/sessions")
+    assert refused.status_code == 403 and refused.json()["reason"] == "role_forbidden"
+
+
 # ----------------------------------------------------------------------------------------------- audit and metrics
 
 def test_audit_entries_name_the_tenant_and_token_id_and_metrics_count_by_tenant(world):

@@ -167,10 +167,11 @@ std::string client_path(const RequestContext& context) {
     return base + context.path;
 }
 
-// The session of that id (or name) held here as `context`'s principal sees it (the operator any; a viewer its
-// own), or 404 unknown_session.
-void listed_session(AgentService& service, const RequestContext& context, const std::string& id_or_name) {
-    service.require_session(context.principal, id_or_name);
+// The session of that id (or name) held here as `context`'s principal sees it (the operator any; a tenant its
+// own; a viewer its one), or 404 unknown_session.
+std::shared_ptr<AgentSession> listed_session(AgentService& service, const RequestContext& context,
+                                             const std::string& id_or_name) {
+    return service.require_session(context.principal, id_or_name);
 }
 
 // The token the request presented (?token= or the Authorization header), empty when none.
@@ -182,31 +183,46 @@ std::string presented_token(const RequestContext& context) {
     return space == std::string_view::npos ? std::string() : std::string(header.substr(space + 1));
 }
 
-// A page (the session's or the list's), opened with the token once: ?token= answers 303 to the same path
-// without it and a cookie for the page's scope; a header token gets the page and the cookie; the cookie
-// alone the page.
+// How long a page's cookie opens it when a tenant's token opened the page (a viewer token, principal.hpp): a
+// working day; the operator's cookie derives from its token and lasts as long as it does.
+constexpr std::chrono::hours tenant_page_lifetime{12};
+
+// The cookie value that opens the page of `scope` for `principal`: the operator's derives from its token; a
+// viewer of that very page presented its token, which is the cookie; a tenant's agent or approver (or its
+// list reader opening one of the list's sessions) gets a viewer token of the session (of its list when
+// `session` is empty) that expires.
+std::string page_cookie_value(AgentService& service, const RequestContext& context, std::string_view scope,
+                              const std::string& session) {
+    const Principal& principal = context.principal;
+    const TokenAuthenticator& auth = service.gateway().auth;
+    if (principal.is_operator())
+        return auth.view_cookie(scope);
+    if (principal.role == Principal::Role::viewer && principal.session == session)
+        return presented_token(context);
+    const auto expires = std::chrono::system_clock::now() + tenant_page_lifetime;
+    return auth.issue_viewer(
+        session, principal.tenant,
+        std::chrono::duration_cast<std::chrono::seconds>(expires.time_since_epoch()).count());
+}
+
+std::string page_cookie(std::string_view value, std::string_view scope) {
+    return std::string(TokenAuthenticator::view_cookie_name) + "=" + std::string(value) +
+           "; HttpOnly; SameSite=Strict; Path=" + std::string(scope);
+}
+
+// A page (the session's, or the list's when `session` is empty), opened with a token once: ?token= answers
+// 303 to the same path without it and a cookie for the page's scope; a header token gets the page and the
+// cookie; the cookie alone the page.
 void answer_page(AgentService& service, const RequestContext& context, std::string_view file,
-                 const Responder& respond) {
+                 const std::string& session, const Responder& respond) {
     const TokenAuthenticator& auth = service.gateway().auth;
     const std::string path = client_path(context);
     const auto scope = TokenAuthenticator::view_cookie_scope(path);
     std::string cookie;
     const bool token_in_query = context.query.contains("token");
     if (auth.enabled() && scope &&
-        (token_in_query || context.request.find(http::field::authorization) != context.request.end())) {
-        // The operator's cookie derives from its token; a viewer's cookie is its own token (scoped to its one
-        // session, expiring); a tenant's agent token opens pages through a viewer link of its own
-        // (.../share).
-        const Principal& principal = context.principal;
-        if (!principal.is_operator() && principal.role != Principal::Role::viewer)
-            throw HttpError(http::status::forbidden,
-                            "the live page takes the gateway's token or a viewer link (POST .../share)",
-                            "operator_only");
-        const std::string value =
-            principal.is_operator() ? auth.view_cookie(*scope) : presented_token(context);
-        cookie = std::string(TokenAuthenticator::view_cookie_name) + "=" + value +
-                 "; HttpOnly; SameSite=Strict; Path=" + std::string(*scope);
-    }
+        (token_in_query || context.request.find(http::field::authorization) != context.request.end()))
+        cookie = page_cookie(page_cookie_value(service, context, *scope, session), *scope);
     if (token_in_query) {
         // Every other parameter stays; the token leaves the address (and so history and Referer).
         std::string location = path, separator = "?";
@@ -242,19 +258,29 @@ class SessionPageResource : public RestResource {
     explicit SessionPageResource(AgentService& service) : service_(service) {}
     bool serves_tenants() const override { return true; }  // listed_session: only a session it sees
     void get(RequestContext& context, Responder respond) override {
-        listed_session(service_, context, context.param("session"));
-        answer_page(service_, context, "session.html", respond);
+        const auto session = listed_session(service_, context, context.param("session"));
+        answer_page(service_, context, "session.html", session->id(), respond);
     }
 
   private:
     AgentService& service_;
 };
 
+// The list page and its data are for those who read a list: the operator (all sessions) and a tenant's
+// tokens and list reader (its own); a viewer of one session has no list.
+void require_list_reader(const Principal& principal) {
+    if (principal.role == Principal::Role::viewer && !principal.reads_list())
+        throw HttpError(http::status::forbidden, "a viewer link opens its one session's page, not the list",
+                        "role_forbidden");
+}
+
 class ListPageResource : public RestResource {
   public:
     explicit ListPageResource(AgentService& service) : service_(service) {}
+    bool serves_tenants() const override { return true; }  // require_list_reader; the data lists its own
     void get(RequestContext& context, Responder respond) override {
-        answer_page(service_, context, "list.html", respond);
+        require_list_reader(context.principal);
+        answer_page(service_, context, "list.html", "", respond);
     }
 
   private:
@@ -265,10 +291,13 @@ class ListPageResource : public RestResource {
 class ListDataResource : public RestResource {
   public:
     explicit ListDataResource(AgentService& service) : service_(service) {}
-    void get(RequestContext&, Responder respond) override {
+    bool serves_tenants() const override { return true; }  // only the sessions the principal sees
+    void get(RequestContext& context, Responder respond) override {
+        require_list_reader(context.principal);
         nlohmann::json sessions = nlohmann::json::array();
         for (const auto& session : service_.sessions().list())
-            sessions.push_back(session->model());
+            if (context.principal.sees_session(session->tenant(), session->id()))
+                sessions.push_back(session->model());
         HttpResponse response = json_response(http::status::ok, {{"sessions", sessions}});
         response.set(http::field::cache_control, "no-store");
         response.set("X-Content-Type-Options", "nosniff");
@@ -284,9 +313,11 @@ class ListDataResource : public RestResource {
 class OpenResource : public RestResource {
   public:
     explicit OpenResource(AgentService& service) : service_(service) {}
+    bool serves_tenants() const override { return true; }  // listed_session: only a session it sees
     void get(RequestContext& context, Responder respond) override {
+        require_list_reader(context.principal);
         const std::string& id = context.param("session");
-        listed_session(service_, context, id);
+        const auto session = listed_session(service_, context, id);
         std::string base = context.base_url;
         if (base.ends_with('/'))
             base.pop_back();
@@ -295,11 +326,9 @@ class OpenResource : public RestResource {
         response.set(http::field::location, scope + "/view");
         response.set(http::field::cache_control, "no-store");
         response.set("Referrer-Policy", "no-referrer");
-        const TokenAuthenticator& auth = service_.gateway().auth;
-        if (auth.enabled() && context.principal.is_operator())
-            response.set(http::field::set_cookie, std::string(TokenAuthenticator::view_cookie_name) + "=" +
-                                                      auth.view_cookie(scope) +
-                                                      "; HttpOnly; SameSite=Strict; Path=" + scope);
+        if (service_.gateway().auth.enabled())
+            response.set(http::field::set_cookie,
+                         page_cookie(page_cookie_value(service_, context, scope, session->id()), scope));
         response.prepare_payload();
         respond(std::move(response));
     }

@@ -47,7 +47,8 @@ class TokenAuthenticator {
     // session's "<base>/agent/v1/sessions/{id}" or the list's "<base>/agent/v1/view". It stands for the
     // operator, only on GET requests of the page's own paths inside its scope (the page, its static files,
     // its events; the list's data and its links to the sessions' pages), never for the API. Tenants' tokens
-    // are stored hashed, so no cookie derives from them (the page is the operator's for now).
+    // are stored hashed, so no cookie derives from them: a tenant's page cookie is a viewer token instead (of
+    // the session, or of the tenant's list; principal.hpp), accepted on that scope alone.
     static constexpr std::string_view view_cookie_name = "cellblock_view";
     std::string view_cookie(std::string_view scope) const;
     // The scope a view cookie must be derived for to be accepted on a GET of `path` (the raw path, without

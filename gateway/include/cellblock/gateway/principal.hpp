@@ -8,7 +8,9 @@
 // - `agent` reads and runs: sessions, kernels, executes, files. `approver` reads and decides approvals, and
 //   runs nothing. An agent decides approvals only for a tenant created with "self_approve": true.
 // - A `viewer` (a link from POST .../sessions/{id}/share) reads that one session until its token expires or
-//   the session ends, and sees nothing else.
+//   the session ends, and sees nothing else. A viewer of no one session is a tenant's list reader: the
+//   cookie its agent or approver token gets on the live list page (gateway/src/agent/live_view.cpp); it
+//   reads the tenant's sessions and nothing else.
 // - The operator sees and does everything; routes that are not isolated per tenant are the operator's alone
 //   (RestResource::serves_tenants, router.hpp).
 #include <string>
@@ -25,7 +27,7 @@ struct Principal {
     std::string tenant;         // empty for the operator
     std::string token_id;       // the tenant token's id (never the token); empty for the operator
     bool self_approve = false;  // the tenant's agents may decide its approvals
-    std::string session = {};   // a viewer's one session (its id)
+    std::string session = {};   // a viewer's one session (its id); empty for a tenant's list reader
 
     bool is_operator() const { return role == Role::operator_; }
     // Whether something owned by `owner` (a tenant's name; empty = the operator's) exists for this principal.
@@ -35,8 +37,10 @@ struct Principal {
     }
     // Whether the agent session `id` of `owner` exists for this principal.
     bool sees_session(std::string_view owner, std::string_view id) const {
-        return sees(owner) || (role == Role::viewer && id == session);
+        return sees(owner) || (role == Role::viewer && (id == session || (reads_list() && owner == tenant)));
     }
+    // A viewer of its tenant's sessions (the live list page's reader), not of one session.
+    bool reads_list() const { return role == Role::viewer && session.empty() && !tenant.empty(); }
     bool may(Action action) const {
         switch (role) {
             case Role::operator_:
