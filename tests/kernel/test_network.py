@@ -427,6 +427,14 @@ def test_the_proxy_runs_confined_in_its_own_process_without_the_kernels_key(allo
     assert key and key not in Path(f"/proc/{helper}/environ").read_bytes()
     assert key not in Path(f"/proc/{helper}/cmdline").read_bytes()
     assert not any(target.endswith(".json") or "kernel-" in target for target in fds.values()), fds
+    # Its filesystem is the resolver's files alone, read-only, in a mount namespace of its own: seen from the host.
+    assert os.stat(f"/proc/{helper}/ns/mnt").st_ino != os.stat(f"/proc/{k.pid}/ns/mnt").st_ino
+    root = Path(f"/proc/{helper}/root")
+    assert os.listdir(root) == ["etc"], os.listdir(root)
+    assert set(os.listdir(root / "etc")) <= {"hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf"}
+    assert (root / "etc/hosts").read_bytes() == Path("/etc/hosts").read_bytes()
+    mounts = Path(f"/proc/{helper}/mounts").read_text().splitlines()
+    assert all(" ro," in line or line.split()[3].startswith("ro") for line in mounts), mounts
 
 
 def test_a_killed_proxy_is_reported_and_restarted_and_allows_nothing_meanwhile(origin, hosts_file):

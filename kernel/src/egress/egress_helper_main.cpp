@@ -3,14 +3,19 @@
 // SOCK_SEQPACKET socketpair (egress/egress_wire.hpp). It reads the policy once, then gives up root for a
 // dedicated uid, NO_NEW_PRIVS, rlimits and a seccomp allowlist before touching anything a worker wrote:
 // hostile HTTP heads and ClientHellos are parsed by a process that can hurt nothing but its own sessions.
+// Its filesystem is the resolver's files alone (enter_resolver_root), and it signals no process but itself,
+// so the helpers of other kernels, which share its uid, are out of its reach.
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/close_range.h>
+#include <sched.h>
 #include <seccomp.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -174,7 +179,6 @@ void install_seccomp() {
                              SCMP_SYS(geteuid),
                              SCMP_SYS(getgid),
                              SCMP_SYS(getegid),
-                             SCMP_SYS(tgkill),
                              SCMP_SYS(rt_sigaction),
                              SCMP_SYS(rt_sigprocmask),
                              SCMP_SYS(rt_sigreturn),
@@ -204,6 +208,9 @@ void install_seccomp() {
         die("seccomp rule socket(AF_UNIX)");
     }
     // Asio's non-blocking mode and readiness counts.
+    // Signals only to itself (glibc's abort and thread cancellation): not to another kernel's helper of the
+    // same uid.
+    allow(SCMP_SYS(tgkill), {SCMP_A0(SCMP_CMP_EQ, static_cast<scmp_datum_t>(::getpid()))});
     allow(SCMP_SYS(ioctl), {SCMP_A1(SCMP_CMP_EQ, FIONBIO)});
     allow(SCMP_SYS(ioctl), {SCMP_A1(SCMP_CMP_EQ, FIONREAD)});
     // Threads only (Asio's resolver thread), never a process; clone3's flags sit behind a pointer the
@@ -222,11 +229,52 @@ void install_seccomp() {
     ::seccomp_release(ctx);
 }
 
+// The files glibc's resolver reads ("files" and "dns" are part of libc since 2.34; no module is loaded).
+constexpr const char* resolver_files[] = {"hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf"};
+
+// A root of the resolver's files alone: a private mount namespace whose root is a read-only tmpfs holding
+// each /etc file above bound read-only from the host (so an edit of /etc/hosts shows), and nothing else: no
+// /proc, no home, no kernel state or workspace of any session to read through a flaw in the proxy.
+void enter_resolver_root() {
+    check(::unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)");
+    check(::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr), "mount / private");
+    // Any existing directory serves as the mount point: the tmpfs covers it in this namespace only.
+    constexpr const char* new_root = "/tmp";
+    check(::mount("cellblock-egress", new_root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                  "size=64k,mode=0755"),
+          "mount tmpfs root");
+    check(::mkdir("/tmp/etc", 0755), "mkdir /etc");
+    for (const char* name : resolver_files) {
+        const std::string source = std::string("/etc/") + name;
+        const std::string target = std::string("/tmp/etc/") + name;
+        if (::access(source.c_str(), R_OK) != 0) {
+            continue;  // absent here: glibc takes its defaults
+        }
+        const int placeholder = ::open(target.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
+        if (placeholder < 0) {
+            die("create " + target + ": " + std::strerror(errno));
+        }
+        ::close(placeholder);
+        check(::mount(source.c_str(), target.c_str(), nullptr, MS_BIND, nullptr), "bind /etc file");
+        check(::mount(nullptr, target.c_str(), nullptr,
+                      MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr),
+              "remount /etc file read-only");
+    }
+    check(::chdir(new_root), "chdir new root");
+    // pivot_root(".", "."): the old root is stacked under the new one, then detached.
+    check(static_cast<int>(::syscall(SYS_pivot_root, ".", ".")), "pivot_root");
+    check(::umount2(".", MNT_DETACH), "detach old root");
+    check(::chdir("/"), "chdir /");
+    check(::mount(nullptr, "/", nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                  nullptr),
+          "remount root read-only");
+}
+
 void confine(uid_t uid, gid_t gid) {
     // Nothing of the kernel's but the channel and its stderr, where the proxy logs (the kernel already closed
     // the rest before exec; stdin and stdout are /dev/null).
     check(::close_range(channel_fd + 1, ~0U, 0), "close_range");
-    check(::chdir("/"), "chdir /");
+    enter_resolver_root();
     // Twice the connection cap (a client and a server socket each) + listeners, epoll and the resolver.
     set_limit(RLIMIT_NOFILE, 600, "RLIMIT_NOFILE");
     set_limit(RLIMIT_AS, rlim_t{1024} * 1024 * 1024, "RLIMIT_AS");
