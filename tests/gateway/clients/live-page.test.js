@@ -4,13 +4,21 @@
 // reaches the gateway through a TCP relay started here: it sees every request the browser sends (the proof
 // that a hostile output sent none) and can cut the page's connections (the reconnect check).
 //
-// Environment: GATEWAY_URL, GATEWAY_TOKEN, SCREENSHOT_PATH, optional CHROMIUM, optional LIVE_PAGE_UNSAFE=1 (takes
-// the sandbox and the frame's policy away in the browser, to show the hostile-output test fails without them).
+// The approval test starts a second gateway of its own (the installed one, $CELLBLOCK_PREFIX/bin, with a network
+// ceiling of `*.test`): the first one, started by the Python test, has no network for any session.
+//
+// Environment: GATEWAY_URL, GATEWAY_TOKEN, SCREENSHOT_PATH, CELLBLOCK_PREFIX (the approval test), optional
+// CHROMIUM, optional LIVE_PAGE_UNSAFE=1 (takes the sandbox and the frame's policy away in the browser, to show the
+// hostile-output test fails without them).
 // Run: node --test live-page.test.js
 const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
+const { spawn } = require('node:child_process');
+const fs = require('node:fs');
 const http = require('node:http');
 const net = require('node:net');
+const os = require('node:os');
+const path = require('node:path');
 const { openHeadlessChromium } = require('./headless-chromium');
 
 const GATEWAY_URL = requiredEnv('GATEWAY_URL');
@@ -65,10 +73,11 @@ function startRelay(target) {
 }
 
 // --------------------------------------------------------------------------------------- the agent API
-async function api(method, path, body) {
-  const response = await fetch(`${GATEWAY_URL}${path}`, {
+// `gateway` (optional, last): { url, token } of another gateway than GATEWAY_URL's.
+async function api(method, path, body, gateway = { url: GATEWAY_URL, token: GATEWAY_TOKEN }) {
+  const response = await fetch(`${gateway.url}${path}`, {
     method,
-    headers: { Authorization: `token ${GATEWAY_TOKEN}`, 'Content-Type': 'application/json' },
+    headers: { Authorization: `token ${gateway.token}`, 'Content-Type': 'application/json' },
     body: body === undefined ? undefined : JSON.stringify(body),
   });
   const text = await response.text();
@@ -77,12 +86,12 @@ async function api(method, path, body) {
 }
 
 // Runs `code` with the NDJSON stream; `onEvent(event, receivedAtMs)` sees each event as it arrives.
-function executeStreaming(session, code, onEvent) {
+function executeStreaming(session, code, onEvent, gateway = { url: GATEWAY_URL, token: GATEWAY_TOKEN }) {
   return new Promise((resolve, reject) => {
-    const url = new URL(`${GATEWAY_URL}/agent/v1/sessions/${session}/execute`);
+    const url = new URL(`${gateway.url}/agent/v1/sessions/${session}/execute`);
     const request = http.request(url, {
       method: 'POST',
-      headers: { Authorization: `token ${GATEWAY_TOKEN}`, 'Content-Type': 'application/json',
+      headers: { Authorization: `token ${gateway.token}`, 'Content-Type': 'application/json',
         Accept: 'application/x-ndjson' },
     }, (response) => {
       let buffer = '';
@@ -108,10 +117,51 @@ function executeStreaming(session, code, onEvent) {
   });
 }
 
+// ------------------------------------------------------------------------------------ a second gateway
+// The installed gateway with `extraArguments`, on a free port with a token of its own, until `stop()`.
+async function startGateway(extraArguments) {
+  const prefix = requiredEnv('CELLBLOCK_PREFIX');
+  const port = await new Promise((resolve) => {
+    const probe = net.createServer().listen(0, '127.0.0.1', () => {
+      const { port: free } = probe.address();
+      probe.close(() => resolve(free));
+    });
+  });
+  const token = require('node:crypto').randomBytes(16).toString('hex');
+  const stateDir = fs.mkdtempSync(path.join(os.tmpdir(), 'cellblock-live-page-gateway-'));
+  const child = spawn(path.join(prefix, 'bin', 'cellblock-gateway'),
+    ['--ip', '127.0.0.1', '--port', String(port), '--token', token, '--state-dir', path.join(stateDir, 'state'),
+      '--shutdown-kernels-on-exit', ...extraArguments],
+    { env: { JUPYTER_PATH: path.join(prefix, 'share', 'jupyter'), ...process.env }, stdio: ['ignore', 'pipe', 'pipe'] });
+  let log = '';
+  const exited = new Promise((resolve) => child.on('exit', resolve));
+  await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`the second gateway did not start:\n${log}`)), WAIT_MS);
+    const onOutput = (chunk) => {
+      log += chunk;
+      if (log.includes(`is available at http://127.0.0.1:${port}`)) { clearTimeout(timer); resolve(); }
+    };
+    child.stdout.on('data', onOutput);
+    child.stderr.on('data', onOutput);
+    child.on('exit', (code) => { clearTimeout(timer); reject(new Error(`the second gateway exited (${code}):\n${log}`)); });
+  });
+  return {
+    url: `http://127.0.0.1:${port}`,
+    token,
+    log: () => log,
+    async stop() {
+      if (child.exitCode === null) child.kill('SIGTERM');
+      await exited;
+      fs.rmSync(stateDir, { recursive: true, force: true });
+    },
+  };
+}
+
 let browser;
 let page;
 let relay;
 let session;
+const cleanups = [];  // what a test started beyond the above (a second gateway, a second browser)
 
 before(async () => {
   relay = await startRelay(GATEWAY_URL);
@@ -145,6 +195,7 @@ before(async () => {
 });
 
 after(async () => {
+  for (const cleanup of cleanups.reverse()) await cleanup().catch((error) => console.error(error));
   if (browser) await browser.close();
   if (relay) relay.close();
 });
@@ -399,4 +450,199 @@ test('the list page shows each session live and its link opens the session page'
   await page.locator('section.cell .stream', { hasText: 'list-page' }).waitFor({ timeout: WAIT_MS });
   assert.equal(await page.evaluate(() => document.cookie), '');
   failOnProblems();
+});
+
+// Resolves once the page's scroll position held still for five animation frames (a wheel may scroll smoothly).
+function scrollSettled() {
+  return page.evaluate(() => new Promise((resolve) => {
+    let last = window.scrollY;
+    let still = 0;
+    const tick = () => {
+      still = window.scrollY === last ? still + 1 : 0;
+      last = window.scrollY;
+      if (still >= 5) resolve(); else requestAnimationFrame(tick);
+    };
+    requestAnimationFrame(tick);
+  }));
+}
+
+// The session's page in `page`, live (a test run alone by name starts here too).
+async function openSessionPage() {
+  await page.goto(`${relay.url}/agent/v1/sessions/${session}/view?token=${GATEWAY_TOKEN}`);
+  await page.waitForFunction(() => document.getElementById('connection').textContent === 'live', null,
+    { timeout: WAIT_MS });
+}
+
+test('a cell that kills its Python worker shows the state-lost notice, and the next cell runs', async () => {
+  await openSessionPage();
+  const dying = `worker-exits-${process.pid}`;
+  const answer = await executeStreaming(session, `# ${dying}\nimport os\nkept = 1\nos._exit(3)`);
+  assert.equal(answer.status, 'error', JSON.stringify(answer));
+  assert.equal(answer.state_lost, true, JSON.stringify(answer));
+  const cell = page.locator('section.cell', { has: page.locator('.code', { hasText: dying }) });
+  await cell.locator('.outcome', { hasText: 'error' }).waitFor({ timeout: WAIT_MS });
+  const notice = cell.locator('.notice.state-lost');
+  await notice.waitFor({ timeout: WAIT_MS });
+  assert.equal(await notice.textContent(), answer.notice);
+  assert.match(await notice.textContent(), /variables and imports from earlier executes are gone/);
+  assert.match(await cell.locator('.traceback').textContent(), /WorkerDied: exited with status 3/);
+  // Shown in red, apart from the other notices.
+  assert.equal(await notice.evaluate((node) => getComputedStyle(node).color), 'rgb(207, 34, 46)');
+  // The next cell runs on a fresh worker: its output and outcome show, `kept` is gone.
+  const after = `after-the-worker-${process.pid}`;
+  const next = await executeStreaming(session, `print(${JSON.stringify(after)}, 'kept' in globals())`);
+  assert.equal(next.status, 'ok', JSON.stringify(next));
+  const nextCell = page.locator('section.cell', { has: page.locator('.code', { hasText: after }) });
+  await nextCell.locator('.outcome', { hasText: 'ok' }).waitFor({ timeout: WAIT_MS });
+  assert.equal(await nextCell.locator('.stream.stdout').textContent(), `${after} False\n`);
+  failOnProblems();
+});
+
+test('the page follows the newest cell until the reader scrolls up, and the follow button brings it back', async () => {
+  await openSessionPage();
+  const atBottom = () => window.scrollY + window.innerHeight >= document.documentElement.scrollHeight - 2;
+  const follow = page.locator('#follow');
+  // Cells taller than the window: each new one takes the page to the bottom.
+  for (let round = 0; round < 3; round++) {
+    const marker = `follow-${round}-${process.pid}`;
+    const seen = await watchFor(`${marker} line 119`);
+    await executeStreaming(session, `for i in range(120):\n    print(${JSON.stringify(marker)}, 'line', i)`);
+    await seen();
+    await page.waitForFunction(atBottom, null, { timeout: WAIT_MS });
+    assert.ok(await follow.isHidden(), 'no follow button while following');
+  }
+  assert.ok(await page.evaluate(() => document.documentElement.scrollHeight > 3 * window.innerHeight));
+  // The reader scrolls up with the wheel: the button shows.
+  const bottomY = await page.evaluate(() => window.scrollY);
+  await page.mouse.move(500, 500);
+  await page.mouse.wheel(0, -1500);
+  await page.waitForFunction((y) => window.scrollY <= y - 1000, bottomY, { timeout: WAIT_MS });
+  await follow.waitFor({ state: 'visible', timeout: WAIT_MS });
+  await scrollSettled();
+  assert.equal(await follow.textContent(), 'follow the newest cell');
+  const readingY = await page.evaluate(() => window.scrollY);
+  const reading = await page.evaluate(() => document.documentElement.scrollHeight);
+  // A new cell's output arrives; the reader stays where they are, the new output below the window.
+  const late = `follow-late-${process.pid}`;
+  const lateSeen = await watchFor(`${late} line 119`);
+  await executeStreaming(session, `for i in range(120):\n    print(${JSON.stringify(late)}, 'line', i)`);
+  await lateSeen();
+  await page.locator('section.cell', { has: page.locator('.code', { hasText: late }) })
+    .locator('.outcome', { hasText: 'ok' }).waitFor({ timeout: WAIT_MS });
+  // A frame more: the batch that brought the output has scrolled (or not) by then.
+  await page.evaluate(() => new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve))));
+  assert.ok(await page.evaluate(() => document.documentElement.scrollHeight) > reading, 'the page grew');
+  assert.equal(await page.evaluate(() => window.scrollY), readingY, 'the new output did not move the page');
+  const lateCell = page.locator('section.cell', { has: page.locator('.code', { hasText: late }) });
+  assert.ok(await lateCell.evaluate((node) => node.getBoundingClientRect().top > window.innerHeight),
+    'the new cell is below the window');
+  assert.ok(await follow.isVisible(), 'the follow button still shows');
+  console.log(`[live-page] follow: the reader ${bottomY - readingY} px above the bottom stayed at ${readingY} px ` +
+    `while the page grew by ${await page.evaluate(() => document.documentElement.scrollHeight) - reading} px`);
+  // The button: back to the bottom, the newest output in view, following again.
+  await follow.click();
+  await page.waitForFunction(atBottom, null, { timeout: WAIT_MS });
+  await follow.waitFor({ state: 'hidden', timeout: WAIT_MS });
+  assert.ok(await lateCell.locator('.stream').evaluate((node) => {
+    const box = node.getBoundingClientRect();
+    return box.bottom > 0 && box.bottom <= window.innerHeight;
+  }), 'the end of the newest output is in the window');
+  const again = `follow-again-${process.pid}`;
+  const againSeen = await watchFor(`${again} line 119`);
+  await executeStreaming(session, `for i in range(120):\n    print(${JSON.stringify(again)}, 'line', i)`);
+  await againSeen();
+  await page.waitForFunction(atBottom, null, { timeout: WAIT_MS });
+  failOnProblems();
+});
+
+// What the page's own script can do with the cookie it runs under: POST an execute (nothing else holds a token).
+async function executeFromThePage(onPage, sessionId, code) {
+  return onPage.evaluate(async ([id, source]) => {
+    const response = await fetch(`/agent/v1/sessions/${id}/execute`, {
+      method: 'POST', body: JSON.stringify({ code: source }), headers: { 'Content-Type': 'application/json' },
+      credentials: 'same-origin',
+    });
+    return { status: response.status, body: await response.text() };
+  }, [sessionId, code]);
+}
+
+test('a viewer link opens the page in another browser, which cannot execute', async () => {
+  await openSessionPage();
+  const share = await api('POST', `/agent/v1/sessions/${session}/share`, {});
+  assert.match(share.token, /^cbv_/);
+  const viewer = await openHeadlessChromium({ width: 1100, height: 900 });
+  cleanups.push(() => viewer.close());
+  await viewer.page.goto(`${relay.url}${share.view}?token=${share.token}`);
+  assert.equal(viewer.page.url(), `${relay.url}/agent/v1/sessions/${session}/view`);
+  await viewer.page.waitForFunction(() => document.getElementById('connection').textContent === 'live', null,
+    { timeout: WAIT_MS });
+  // The viewer sees the session: what comes next shows.
+  const watched = `watched-by-the-viewer-${process.pid}`;
+  await executeStreaming(session, `print(${JSON.stringify(watched)})`);
+  await viewer.page.locator('section.cell .stream', { hasText: watched }).waitFor({ timeout: WAIT_MS });
+  // From inside the page, with its cookie: refused; the operator's page cookie is refused the same.
+  const marker = `viewer-ran-${process.pid}`;
+  const code = `open(${JSON.stringify(`/workspace/${marker}`)}, 'w').write('x')\nprint(${JSON.stringify(marker)})`;
+  const refused = await executeFromThePage(viewer.page, session, code);
+  assert.ok([401, 403].includes(refused.status), `the viewer's execute: ${refused.status} ${refused.body}`);
+  const operatorPage = await executeFromThePage(page, session, code);
+  assert.ok([401, 403].includes(operatorPage.status), `the operator page's execute: ${operatorPage.status}`);
+  console.log(`[live-page] execute from the page: viewer ${refused.status} ` +
+    `${(JSON.parse(refused.body) || {}).reason}, operator's page ${operatorPage.status}`);
+  // Nothing ran: an execute after them (the queue is in order) is the newest cell; no marker in the notebook,
+  // no file in the workspace, nothing in either page.
+  const barrier = `after-the-refusals-${process.pid}`;
+  assert.equal((await executeStreaming(session, `print(${JSON.stringify(barrier)})`)).status, 'ok');
+  await viewer.page.locator('section.cell .stream', { hasText: barrier }).waitFor({ timeout: WAIT_MS });
+  const notebook = JSON.stringify(await api('GET', `/agent/v1/sessions/${session}/notebook`));
+  assert.ok(notebook.includes(barrier), 'the notebook holds the cells run');
+  assert.ok(!notebook.includes(marker), 'the refused code is in no cell');
+  const file = await fetch(`${GATEWAY_URL}/agent/v1/sessions/${session}/files/${marker}`,
+    { headers: { Authorization: `token ${GATEWAY_TOKEN}` } });
+  assert.equal(file.status, 404, 'no file was written');
+  for (const onPage of [viewer.page, page])
+    assert.ok(!(await onPage.evaluate(() => document.getElementById('cells').textContent)).includes(marker));
+  assert.deepEqual(viewer.problems.filter((problem) => !/Failed to load resource|net::ERR_/.test(problem)), []);
+});
+
+test('an approval shows pending in the page, then its decision', async () => {
+  const second = await startGateway(['--network-allow', '*.test']);
+  cleanups.push(() => second.stop());
+  const asking = (await api('POST', '/agent/v1/sessions', { network: { allow: [], ask: true } }, second)).id;
+  const watcher = await page.context().newPage();
+  cleanups.push(() => watcher.close());
+  await watcher.goto(`${second.url}/agent/v1/sessions/${asking}/view?token=${second.token}`);
+  await watcher.waitForFunction(() => document.getElementById('connection').textContent === 'live', null,
+    { timeout: WAIT_MS });
+  // A request the policy asks about: held by the kernel's proxy until someone decides.
+  let held = null;
+  let heldSeen;
+  const heldPromise = new Promise((resolve) => { heldSeen = resolve; });
+  const running = executeStreaming(asking,
+    "import urllib.request, urllib.error\ntry:\n    urllib.request.urlopen('http://held.test/x', timeout=60)\n" +
+    "except urllib.error.HTTPError as error:\n    print('failed', error.code, error.read().decode())",
+    (event) => {
+      if (event.type === 'approval' && event.state === 'pending' && !held) { held = event; heldSeen(); }
+    }, second);
+  await Promise.race([heldPromise, running.then((end) => {
+    if (!held) throw new Error(`the cell ended without an approval: ${JSON.stringify(end)}`);
+  })]);
+  const pending = watcher.locator('section.cell .approval.pending');
+  await pending.waitFor({ timeout: WAIT_MS });
+  assert.equal(await pending.textContent(),
+    `network request GET held.test:80 waits for approval (id ${held.id}, ${held.timeout_s} s)`);
+  assert.equal(await watcher.locator('section.cell .outcome').textContent(), 'running');
+  // Denied through the API: the same line shows the decision and who made it; the cell ends.
+  const decided = await api('POST', `/agent/v1/sessions/${asking}/approvals/${held.id}`, { decision: 'deny' }, second);
+  assert.equal(decided.decision, 'deny');
+  const denied = watcher.locator('section.cell .approval.decided.denied');
+  await denied.waitFor({ timeout: WAIT_MS });
+  assert.equal(await denied.textContent(), 'network request GET held.test:80: deny (by agent api)');
+  assert.equal(await watcher.locator('section.cell .approval').count(), 1, 'one line per approval');
+  assert.equal(await denied.evaluate((node) => getComputedStyle(node).borderLeftColor), 'rgb(207, 34, 46)', 'red');
+  const end = await running;
+  assert.equal(end.status, 'ok', JSON.stringify(end));
+  await watcher.locator('section.cell .outcome', { hasText: 'ok' }).waitFor({ timeout: WAIT_MS });
+  assert.match(await watcher.locator('section.cell .stream.stdout').textContent(),
+    /^failed 403 cellblock egress: the request to held\.test:80 was denied by agent api/);
 });
