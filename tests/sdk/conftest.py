@@ -1,12 +1,17 @@
 """Fixtures for the Python SDK tests: the SDK installed with pip into a temporary directory (proving the package
 installs, without touching the system python) and a real cellblock-gateway from $CELLBLOCK_PREFIX, started by the
 gateway tests' harness."""
+import http.server
 import importlib
+import json
+import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +136,128 @@ class DroppingProxy:
 @pytest.fixture
 def proxy(gateway_process):
     server = DroppingProxy(gateway_process.url)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class HostServer:
+    """An HTTP server on a loopback address of its own (127.x.y.7, any port) that answers every GET with
+    `hello from the host` and records its path in `hits`: the host-side proof of what a session's code reached."""
+
+    def __init__(self):
+        hits = self.hits = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *arguments):
+                pass
+
+            def do_GET(self):
+                hits.append(self.path)
+                body = b"hello from the host\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        for _ in range(50):
+            self.address = f"127.{rng.randint(20, 250)}.{rng.randint(1, 250)}.7"
+            try:
+                self.server = http.server.ThreadingHTTPServer((self.address, 0), Handler)
+                break
+            except OSError:
+                continue
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def asking_gateway(tmp_path_factory):
+    """A gateway whose ceiling allows *.test on the host server's port, with `approval.test` pinned to the host
+    server's address (--egress-hosts): a session with {"allow": [], "ask": True} has each of its connections to
+    approval.test held for a decision. Yields (gateway process, host server)."""
+    directory = tmp_path_factory.mktemp("asking")
+    host = HostServer()
+    hosts_file = directory / "egress-hosts"
+    hosts_file.write_text(f"{host.address}\tapproval.test\n")
+    config = directory / "gateway-config.json"
+    config.write_text(json.dumps({"network": {"ports": [host.port]}}))
+    process = GatewayProcess("--config", str(config), "--network-allow", "*.test", "--egress-hosts", str(hosts_file),
+                             "--network-approval-timeout", "60")
+    try:
+        yield process, host
+    finally:
+        process.stop()
+        host.close()
+
+
+class SilentServer:
+    """A gateway that accepts TCP connections and reads requests but never answers, except that an /execute
+    request gets, when `stream_head` is set, the head of an NDJSON stream and one stdout line, then silence.
+    `request_lines` lists the request lines read."""
+
+    STREAM_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    def __init__(self):
+        self.stream_head = False
+        self.request_lines = []
+        self.connections = []
+        self.lock = threading.Lock()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.connections.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client):
+        head = b""
+        try:
+            while True:
+                chunk = client.recv(65536)
+                if not chunk:
+                    return
+                head += chunk
+                while b"\r\n\r\n" in head:
+                    request, _, head = head.partition(b"\r\n\r\n")
+                    line = request.partition(b"\r\n")[0].decode("latin-1")
+                    with self.lock:
+                        self.request_lines.append(line)
+                    if self.stream_head and "/execute" in line:
+                        event = json.dumps({"type": "stdout", "text": "started\n"}).encode() + b"\n"
+                        client.sendall(self.STREAM_HEAD + b"%x\r\n%s\r\n" % (len(event), event))
+        except OSError:
+            return
+
+    def matching(self, fragment):
+        with self.lock:
+            return [line for line in self.request_lines if fragment in line]
+
+    def close(self):
+        self.listener.close()
+        with self.lock:
+            for connection in self.connections:
+                connection.close()
+
+
+@pytest.fixture
+def silent():
+    server = SilentServer()
     try:
         yield server
     finally:

@@ -1,10 +1,12 @@
 """The Python SDK (clients/python, package `cellblock`) against a real gateway: what a user of the SDK notices."""
 import asyncio
+import logging
 import os
 import struct
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -249,3 +251,205 @@ def test_the_readme_shows_the_quickstart():
     readme = (SOURCE / "clients" / "python" / "README.md").read_text()
     example = (SOURCE / "clients" / "python" / "examples" / "quickstart.py").read_text()
     assert example.strip() in readme
+
+
+# ------------------------------------------------------------------------------------------- network approvals
+
+def fetch(port, path):
+    """Code that fetches http://approval.test:<port><path> and prints the body, or what the failure was."""
+    return ("import urllib.request, urllib.error\n"
+            "try:\n"
+            f"    print(urllib.request.urlopen('http://approval.test:{port}{path}', timeout=60).read().decode(),"
+            " end='')\n"
+            "except urllib.error.HTTPError as error:\n"
+            "    print('failed', error.code, error.read().decode(), end='')\n"
+            "except Exception as error:\n"
+            "    print('failed', type(error).__name__, error)\n")
+
+
+def test_an_approval_allowed_from_on_approval_lets_the_request_through(cellblock, asking_gateway):
+    process, host = asking_gateway
+    with cellblock.Gateway(process.url, process.token, timeout=60) as gw, \
+            gw.session(network={"allow": [], "ask": True}) as session:
+        seen, listed = [], []
+
+        def on_approval(approval):
+            seen.append(approval)
+            if approval.state == "pending":
+                assert host.hits == []  # held: nothing reached the server yet
+                listed.extend(session.approvals.pending())
+                session.approvals.decide(approval.id, "allow_once")
+
+        execution = session.run(fetch(host.port, "/allowed"), on_approval=on_approval)
+        assert execution.status == "ok" and execution.stdout == "hello from the host\n", execution
+        assert host.hits == ["/allowed"]
+        assert [(a.state, a.host, a.port, a.method) for a in seen] == [
+            ("pending", "approval.test", host.port, "GET"), ("decided", "approval.test", host.port, "GET")]
+        assert seen[1].decision == "allow_once" and seen[1].decided_by == "agent api"
+        assert [a.id for a in listed] == [seen[0].id]
+        [kept] = session.approvals.list()
+        assert (kept.id, kept.state, kept.decision) == (seen[0].id, "decided", "allow_once")
+        assert session.approvals.get(kept.id).decision == "allow_once"
+        assert session.approvals.pending() == []
+        # Decided already: a second decision is refused by reason.
+        with pytest.raises(cellblock.errors.ApprovalDecided):
+            session.approvals.decide(kept.id, "deny")
+
+
+def test_an_approval_denied_from_another_thread_keeps_the_request_from_the_host(cellblock, asking_gateway):
+    process, host = asking_gateway
+    with cellblock.Gateway(process.url, process.token, timeout=60) as gw, \
+            gw.session(network={"allow": [], "ask": True}) as session:
+        decided = {}
+
+        def deny_when_held():
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and not decided:
+                for approval in session.approvals.pending():
+                    decided["approval"] = session.approvals.decide(approval.id, "deny")
+                time.sleep(0.05)
+
+        decider = threading.Thread(target=deny_when_held)
+        decider.start()
+        execution = session.run(fetch(host.port, "/denied"))
+        decider.join(120)
+        assert decided["approval"].decision == "deny" and decided["approval"].host == "approval.test"
+        assert execution.status == "ok", execution
+        assert execution.stdout.startswith("failed 403") and "denied by agent api" in execution.stdout, execution
+        assert "/denied" not in host.hits, host.hits
+        with pytest.raises(ValueError):
+            session.approvals.decide(decided["approval"].id, "maybe")  # refused before any request
+        with pytest.raises(cellblock.errors.ApprovalNotFound):
+            session.approvals.decide("no-such-approval", "deny")
+
+
+# ------------------------------------------------------------------------------------------------ tenants
+
+def add_tenant(gateway_process, **quota):
+    name = f"sdk-{uuid.uuid4().hex[:8]}"
+    answer = gateway_process.request("POST", "/agent/v1/tenants", json={"name": name, "quota": quota})
+    assert answer.status_code == 201, answer.text
+    return name, answer.json()["token"]
+
+
+def test_a_tenant_past_its_sessions_quota_gets_quota_exceeded(cellblock, gateway_process):
+    name, token = add_tenant(gateway_process, sessions=1)
+    with cellblock.Gateway(gateway_process.url, token) as tenant:
+        with tenant.session() as first:
+            with pytest.raises(cellblock.QuotaExceeded) as raised:
+                tenant.session()
+            assert type(raised.value) is cellblock.QuotaExceeded
+            assert raised.value.reason == "quota_exceeded" and raised.value.status == 429
+            assert raised.value.message == f"tenant {name} has 1 of 1 sessions", raised.value.body
+            assert first.run("1 + 1").result.text == "2"  # the refusal touched nothing running
+        # The deleted session gave its place back.
+        with tenant.session() as again:
+            assert again.run("'fits'").result.text == "'fits'"
+
+
+def test_forbidden_is_its_own_class_by_reason(cellblock, gateway_process):
+    _, token = add_tenant(gateway_process)
+    with cellblock.Gateway(gateway_process.url, token) as tenant, tenant.session() as session:
+        # A tenant without self_approve may not decide its own session's approvals.
+        with pytest.raises(cellblock.errors.RoleForbidden) as raised:
+            session.approvals.decide("no-such-approval", "deny")
+        assert isinstance(raised.value, cellblock.errors.Forbidden)
+        assert not isinstance(raised.value, cellblock.errors.Unauthorized)
+        assert raised.value.reason == "role_forbidden" and raised.value.status == 403
+    errors = cellblock.errors
+    refused = errors.error_from_response(403, {"reason": "operator_only", "message": "only the operator"})
+    assert type(refused) is errors.OperatorOnly and isinstance(refused, errors.Forbidden)
+    assert type(errors.error_from_response(403, {"reason": "newer_reason", "message": "m"})) is errors.Forbidden
+
+
+# -------------------------------------------------------------------------------------- timeouts, silence
+
+def silent_gateway(cellblock, silent, **options):
+    return cellblock.Gateway(silent.url, "token", timeout=1, connect_timeout=1, stream_idle_timeout=1,
+                             retries=2, retry_backoff=0.01, **options)
+
+
+def raises_timeout_in_time(cellblock, call, limit=1.0):
+    started = time.monotonic()
+    with pytest.raises(cellblock.GatewayUnavailable) as raised:
+        call()
+    elapsed = time.monotonic() - started
+    assert raised.value.reason == "timeout" and raised.value.status is None, raised.value
+    assert limit * 0.9 <= elapsed < limit + 5, elapsed
+    return raised.value
+
+
+def test_a_gateway_that_never_answers_raises_a_timeout_instead_of_hanging(cellblock, silent):
+    with silent_gateway(cellblock, silent) as gw:
+        session = cellblock.Session(gw, {"id": "s1"})
+        calls = {
+            "GET /agent/v1/sessions ": gw.sessions,
+            "POST /agent/v1/sessions ": gw.session,
+            "GET /agent/v1/sessions/s1 ": lambda: gw.attach("s1"),
+            "POST /agent/v1/sessions/s1/execute ": lambda: session.run("1"),
+            "GET /agent/v1/sessions/s1/files/a.txt ": lambda: session.files.read("a.txt"),
+            "PUT /agent/v1/sessions/s1/files/a.txt ": lambda: session.files.write("a.txt", b"x"),
+            "GET /agent/v1/sessions/s1/approvals ": session.approvals.list,
+            "POST /agent/v1/sessions/s1/reset ": session.reset,
+        }
+        for request_line, call in calls.items():
+            raises_timeout_in_time(cellblock, call)
+            # Sent once: an answer that does not come in time may still have been acted on.
+            assert len(silent.matching(request_line)) == 1, (request_line, silent.request_lines)
+
+    async def asynchronously():
+        async with cellblock.AsyncGateway(silent.url, "token", timeout=1, connect_timeout=1) as agw:
+            await agw.sessions()
+    raises_timeout_in_time(cellblock, lambda: asyncio.run(asynchronously()))
+
+
+def test_an_execute_stream_that_goes_silent_raises_a_timeout(cellblock, silent):
+    silent.stream_head = True
+    with silent_gateway(cellblock, silent) as gw:
+        pieces = []
+        raises_timeout_in_time(cellblock, lambda: cellblock.Session(gw, {"id": "s1"}).run(
+            "print('started')\nimport time\ntime.sleep(600)", on_stdout=pieces.append))
+        assert pieces == ["started\n"]
+        assert len(silent.matching("/execute")) == 1
+
+
+def test_a_whole_workflow_prints_and_logs_nothing(cellblock, gateway_process, proxy, silent, capfd, caplog):
+    caplog.set_level(logging.DEBUG)
+    with cellblock.Gateway(proxy.url, gateway_process.token, retries=3, retry_backoff=0.01) as gw:
+        with gw.session(name=f"quiet-{uuid.uuid4().hex[:8]}") as session:
+            streamed = []
+            execution = session.run("import sys\nprint('out')\nprint('err', file=sys.stderr)\n"
+                                    "from IPython.display import HTML, display\ndisplay(HTML('<p>x</p>'))\n1 / 0",
+                                    on_stdout=streamed.append, on_stderr=streamed.append,
+                                    on_display=lambda bundle: streamed.append(bundle.html))
+            assert execution.error.ename == "ZeroDivisionError" and streamed == ["out\n", "err\n", "<p>x</p>"]
+            session.files.write("q.txt", "quiet")
+            proxy.drop, proxy.drops_left = b"/files", 2  # two dropped connections, retried without a word
+            assert [f.path for f in session.files.list()] == ["q.txt"]
+            assert session.files.read_text("q.txt") == "quiet"
+            session.notebook()
+            session.audit()
+            session.approvals.list()
+            session.reset()
+            with pytest.raises(cellblock.errors.FileNotFound):
+                session.files.read("missing.txt")
+            with pytest.raises(cellblock.SessionNotFound):
+                gw.attach("no-such-session")
+    with silent_gateway(cellblock, silent) as unanswered:
+        with pytest.raises(cellblock.GatewayUnavailable):
+            unanswered.sessions()
+    with cellblock.Gateway("http://127.0.0.1:9", "token", retries=1, retry_backoff=0.01) as unreachable:
+        with pytest.raises(cellblock.GatewayUnavailable):
+            unreachable.sessions()
+
+    async def asynchronously():
+        async with cellblock.AsyncGateway(gateway_process.url, gateway_process.token) as agw:
+            async with agw.session() as quiet:
+                assert (await quiet.run("print('a')")).stdout == "a\n"
+    asyncio.run(asynchronously())
+
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    louder = [f"{record.levelname} {record.name}: {record.getMessage()}" for record in caplog.records
+              if record.levelno > logging.DEBUG]
+    assert louder == []

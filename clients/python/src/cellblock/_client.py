@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from types import TracebackType
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
@@ -283,12 +284,25 @@ def _events(response: requests.Response) -> Iterator[Dict[str, Any]]:
                 raise errors.ProtocolError("the execute stream carried a line that is not JSON") from None
             if isinstance(event, dict):
                 yield event
-    except requests.Timeout:
-        raise errors.GatewayUnavailable("the execute stream went silent (no keepalive in time)",
-                                        reason="timeout") from None
     except requests.RequestException as failure:
+        # requests reports a read that timed out while streaming as a ConnectionError wrapping urllib3's
+        # ReadTimeoutError, itself raised from the socket's timeout: silence is told apart by that cause.
+        if isinstance(failure, requests.Timeout) or _caused_by_timeout(failure):
+            raise errors.GatewayUnavailable("the execute stream went silent (no keepalive in time)",
+                                            reason="timeout") from None
         raise errors.GatewayUnavailable(f"the execute stream broke ({type(failure).__name__})",
                                         reason="connection_failed") from None
+
+
+def _caused_by_timeout(failure: BaseException) -> bool:
+    seen = 0
+    cause: Optional[BaseException] = failure
+    while cause is not None and seen < 16:
+        if isinstance(cause, (socket.timeout, TimeoutError)):
+            return True
+        cause = cause.__cause__ or cause.__context__
+        seen += 1
+    return False
 
 
 class Files:

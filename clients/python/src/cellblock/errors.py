@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional, Type
 
 __all__ = [
-    "CellblockError", "ProtocolError", "InvalidRequest", "Unauthorized", "NotFound", "Conflict", "Gone",
-    "PayloadTooLarge", "QuotaExceeded", "GatewayUnavailable", "GatewayError",
+    "CellblockError", "ProtocolError", "InvalidRequest", "Unauthorized", "Forbidden", "NotFound", "Conflict",
+    "Gone", "PayloadTooLarge", "QuotaExceeded", "GatewayUnavailable", "GatewayError",
     "BadJson", "MissingArgument", "BadType", "BadLimit", "BadName", "BadPath", "BadNetwork", "NetworkNotAllowed",
-    "BadDecision", "NotARegularFile", "SessionNotFound", "FileNotFound", "ApprovalNotFound", "NameTaken",
-    "NetworkFixed", "ApprovalDecided", "SessionDeleted", "FileTooLarge", "SessionBusy", "TooManySessions",
-    "KernelUnavailable", "WorkspaceError", "AuditUnreadable", "REASONS", "error_from_response",
+    "BadDecision", "NotARegularFile", "RoleForbidden", "OperatorOnly", "SessionNotFound", "FileNotFound",
+    "ApprovalNotFound", "NameTaken", "NetworkFixed", "ApprovalDecided", "SessionDeleted", "FileTooLarge",
+    "SessionBusy", "TooManySessions", "KernelUnavailable", "WorkspaceError", "AuditUnreadable", "REASONS",
+    "error_from_response",
 ]
 
 
@@ -47,6 +48,11 @@ class Unauthorized(CellblockError):
     """401: missing or wrong token."""
 
 
+class Forbidden(CellblockError):
+    """403: a valid token that may not do this (a tenant's token on the operator's routes, or outside its
+    role)."""
+
+
 class NotFound(CellblockError):
     """404."""
 
@@ -64,8 +70,9 @@ class PayloadTooLarge(CellblockError):
 
 
 class QuotaExceeded(CellblockError):
-    """429: too many sessions on the gateway (``too_many_sessions``), or too many executes queued in one
-    session (``session_busy``, raised as its subclass :class:`SessionBusy`)."""
+    """429: a tenant's quota is used up (``quota_exceeded``: its sessions, memory or executes, the gateway's
+    message says which), too many sessions on the gateway (``too_many_sessions``), or too many executes queued
+    in one session (``session_busy``, raised as its subclass :class:`SessionBusy`)."""
 
 
 class GatewayUnavailable(CellblockError):
@@ -115,6 +122,15 @@ class BadDecision(InvalidRequest):
 
 class NotARegularFile(InvalidRequest):
     """``not_a_regular_file``."""
+
+
+class RoleForbidden(Forbidden):
+    """``role_forbidden``: the token's role may not do this (an approver's token runs no code; an agent's token
+    decides approvals only if its tenant may approve its own)."""
+
+
+class OperatorOnly(Forbidden):
+    """``operator_only``: a route only the operator's token may use (tenants, metrics, ...)."""
 
 
 class SessionNotFound(NotFound):
@@ -181,6 +197,8 @@ REASONS: Dict[str, Type[CellblockError]] = {
     "network_not_allowed": NetworkNotAllowed,
     "bad_decision": BadDecision,
     "not_a_regular_file": NotARegularFile,
+    "role_forbidden": RoleForbidden,
+    "operator_only": OperatorOnly,
     "unknown_session": SessionNotFound,
     "file_not_found": FileNotFound,
     "unknown_approval": ApprovalNotFound,
@@ -189,6 +207,7 @@ REASONS: Dict[str, Type[CellblockError]] = {
     "approval_decided": ApprovalDecided,
     "session_deleted": SessionDeleted,
     "file_too_large": FileTooLarge,
+    "quota_exceeded": QuotaExceeded,
     "too_many_sessions": TooManySessions,
     "session_busy": SessionBusy,
     "kernel_unavailable": KernelUnavailable,
@@ -199,7 +218,7 @@ REASONS: Dict[str, Type[CellblockError]] = {
 }
 
 _BY_STATUS: Dict[int, Type[CellblockError]] = {
-    400: InvalidRequest, 401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 410: Gone,
+    400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 410: Gone,
     413: PayloadTooLarge, 429: QuotaExceeded, 502: GatewayUnavailable, 503: GatewayUnavailable,
     504: GatewayUnavailable,
 }
