@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import nbformat
@@ -54,6 +55,46 @@ def test_cli_errors_are_readable(gateway):
     assert "cannot connect" in unreachable.stderr and "CELLBLOCK_URL" in unreachable.stderr
     missing = cli(gateway, "notebook", "--session", "never-created")
     assert missing.returncode == 2 and "never-created" in missing.stderr
+
+
+TOKEN_ON_ARGV_WARNING = "warning: --token on the command line is readable by every local user"
+
+
+def test_cli_reads_its_token_from_a_file_and_warns_when_it_is_on_the_command_line(gateway, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("CELLBLOCK_TOKEN", "CELLBLOCK_URL")}
+    token_file = tmp_path / "token"
+    with os.fdopen(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write(gateway.token + "\n")
+    with_file = [str(CLI_BINARY), "--url", gateway.url, "--token-file", str(token_file)]
+    # A run long enough to read its command line from /proc, as any local user could: the token is not there.
+    running = subprocess.Popen([*with_file, "exec", "--session", "token-file", "import time; time.sleep(2); 6*7"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while not (cmdline := Path(f"/proc/{running.pid}/cmdline").read_bytes()).startswith(bytes(CLI_BINARY)):
+            assert time.monotonic() < deadline and running.poll() is None, cmdline
+            time.sleep(0.01)
+        stdout, stderr = running.communicate(timeout=120)
+    finally:
+        running.kill()
+    assert str(token_file).encode() in cmdline and gateway.token.encode() not in cmdline, cmdline
+    assert running.returncode == 0 and stdout == "42\n", stderr
+    assert "warning" not in stderr, stderr
+    listed = subprocess.run([*with_file, "sessions"], capture_output=True, text=True, env=env, timeout=60)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    assert any(line.split("\t")[0] == "token-file" for line in listed.stdout.splitlines()), listed.stdout
+    # The file is what authenticates: a wrong token in it is refused.
+    wrong_file = tmp_path / "wrong-token"
+    with os.fdopen(os.open(wrong_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write("wrong\n")
+    refused = subprocess.run([str(CLI_BINARY), "--url", gateway.url, "--token-file", str(wrong_file), "sessions"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 2 and "401" in refused.stderr, refused.stderr
+    # The same command with the token on argv works, and says on stderr that the token is exposed.
+    on_argv = subprocess.run([str(CLI_BINARY), "--url", gateway.url, "--token", gateway.token, "sessions"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert on_argv.returncode == 0 and on_argv.stdout == listed.stdout, on_argv.stderr
+    assert TOKEN_ON_ARGV_WARNING in on_argv.stderr and "--token-file" in on_argv.stderr, on_argv.stderr
 
 
 @pytest.fixture(scope="module")
