@@ -55,6 +55,19 @@ std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string
     return visible(services.kernels.find_or_attach(id), principal);
 }
 
+// The kernel `id` as a viewer may watch it: the kernel of an agent session the viewer reads (principal.hpp);
+// null for anyone else and any other kernel.
+std::shared_ptr<Kernel> watched_kernel(GatewayServices& services, const std::string& id,
+                                       const Principal& principal) {
+    if (principal.role != Principal::Role::viewer || !looks_like_kernel_id(id))
+        return nullptr;
+    auto kernel = services.kernels.find_or_attach(id);
+    return kernel && !kernel->agent_session().empty() &&
+                   principal.sees_session(kernel->tenant(), kernel->agent_session())
+               ? kernel
+               : nullptr;
+}
+
 // A resource of one kernel: before its handler runs, a kernel another gateway runs (shared store) is
 // attached with the store read off the io thread, so that the handler finds it with `held_kernel(context)`.
 class OneKernelResource : public RestResource {
@@ -330,11 +343,21 @@ class KernelChannelsResource : public RestResource {
     explicit KernelChannelsResource(GatewayServices& services) : services_(services) {}
     bool accepts_websocket() const override { return true; }
     bool serves_tenants() const override { return true; }
+    // Attaching reads; a principal that may not run attaches as a watcher (on_upgraded), which sends nothing.
+    Principal::Action action(http::verb) const override { return Principal::Action::read; }
     void get(RequestContext&, Responder respond) override {
         respond(json_error(http::status::bad_request, "This endpoint only accepts WebSocket upgrades"));
     }
+    // A viewer link attaches read-only to its session's kernel (KernelChannelsConnection::Watcher); any other
+    // principal to a kernel it sees.
+    std::shared_ptr<Kernel> kernel_for(const RequestContext& context) const {
+        const Principal& principal = context.principal;
+        return principal.role == Principal::Role::viewer
+                   ? watched_kernel(services_, context.param("kernel_id"), principal)
+                   : find_kernel(services_, context.param("kernel_id"), principal);
+    }
     std::optional<HttpResponse> check_upgrade(RequestContext& context) override {
-        if (!find_kernel(services_, context.param("kernel_id"), context.principal))
+        if (!kernel_for(context))
             return kernel_not_found(context.param("kernel_id"));
         return std::nullopt;
     }
@@ -360,7 +383,7 @@ class KernelChannelsResource : public RestResource {
         return {};
     }
     void on_upgraded(RequestContext& context, std::shared_ptr<WebSocketTransport> transport) override {
-        auto kernel = find_kernel(services_, context.param("kernel_id"), context.principal);
+        auto kernel = kernel_for(context);
         if (!kernel) {
             transport->close("kernel does not exist");
             return;
@@ -368,7 +391,14 @@ class KernelChannelsResource : public RestResource {
         auto connection = std::make_shared<KernelChannelsConnection>(
             kernel, std::move(transport), services_.logger, services_.config.max_pending_send_bytes);
         auto session_id = context.query.find("session_id");
-        connection->open(session_id == context.query.end() ? std::string() : session_id->second);
+        std::optional<KernelChannelsConnection::Watcher> watcher;
+        if (const Principal& principal = context.principal; !principal.may(Principal::Action::run)) {
+            watcher.emplace(KernelChannelsConnection::Watcher{services_.io, std::nullopt});
+            if (principal.expires != 0)
+                watcher->expires =
+                    std::chrono::system_clock::time_point(std::chrono::seconds(principal.expires));
+        }
+        connection->open(session_id == context.query.end() ? std::string() : session_id->second, watcher);
     }
 
   private:

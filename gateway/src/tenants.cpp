@@ -208,6 +208,7 @@ std::optional<Principal> TenantDirectory::resolve_viewer(std::string_view token)
     viewer.role = Principal::Role::viewer;
     viewer.tenant = tenant;
     viewer.session = body.substr(0, first);
+    viewer.expires = expires;
     return viewer;
 }
 

@@ -26,10 +26,20 @@ KernelChannelsConnection::KernelChannelsConnection(std::shared_ptr<Kernel> kerne
       max_pending_send_bytes_(max_pending_send_bytes),
       v1_(transport_->subprotocol() == v1_protocol) {}
 
-void KernelChannelsConnection::open(const std::string& requested_session_id) {
-    const std::string session_id = usable_session_id(requested_session_id)
+void KernelChannelsConnection::open(const std::string& requested_session_id,
+                                    const std::optional<Watcher>& watcher) {
+    read_only_ = watcher.has_value();
+    const std::string session_id = usable_session_id(requested_session_id) && !read_only_
                                        ? requested_session_id
                                        : std::string(KernelClientLink::anonymous_prefix) + random_hex(12);
+    if (watcher && watcher->expires) {
+        expiry_ = std::make_unique<boost::asio::steady_timer>(watcher->io);
+        expiry_->expires_after(*watcher->expires - std::chrono::system_clock::now());
+        expiry_->async_wait([weak = weak_from_this()](const boost::system::error_code& error) {
+            if (auto self = weak.lock(); self && !error)
+                self->disconnect("the viewer link expired");
+        });
+    }
     std::weak_ptr<KernelChannelsConnection> weak = weak_from_this();
     transport_->start({[weak](std::string&& payload, bool binary) {
                            if (auto self = weak.lock())
@@ -37,7 +47,9 @@ void KernelChannelsConnection::open(const std::string& requested_session_id) {
                        },
                        [self = shared_from_this()](const std::string& reason) { self->on_closed(reason); }});
     session_ = kernel_->attach(session_id, weak_from_this());
-    logger_.info("websocket_open", {{"kernel_id", kernel_->id()}, {"session_id", session_id}, {"v1", v1_}});
+    logger_.info(
+        "websocket_open",
+        {{"kernel_id", kernel_->id()}, {"session_id", session_id}, {"v1", v1_}, {"read_only", read_only_}});
 }
 
 void KernelChannelsConnection::deliver(const JupyterMessage& message) {
@@ -85,6 +97,12 @@ void KernelChannelsConnection::on_client_message(std::string&& payload, bool bin
             logger_.debug("client_message", {{"kernel_id", kernel_->id()},
                                              {"msg_type", message.msg_type},
                                              {"channel", channel_name(message.channel)}});
+        if (read_only_ && message.msg_type != "kernel_info_request") {
+            const json header = json::parse(message.header, nullptr, false);
+            return reject(
+                "this token watches the kernel and sends it nothing ('" + message.msg_type + "' refused)",
+                header.is_object() ? header.value("msg_id", std::string()) : std::string());
+        }
         if (message.msg_type.starts_with("cellblock_")) {
             // The kernel's own requests (replay, lease, approval decisions) are the gateway's: an approval is
             // decided through the agent API or `cellblock approve`, which audit who decided it.
@@ -106,6 +124,8 @@ void KernelChannelsConnection::on_closed(const std::string& reason) {
     if (closed_)
         return;
     closed_ = true;
+    if (expiry_)
+        expiry_->cancel();
     logger_.info("websocket_closed", {{"kernel_id", kernel_->id()}, {"reason", reason}});
     kernel_->detach(session_, this);
     session_.reset();

@@ -206,9 +206,10 @@ def test_an_approver_reads_and_decides_but_runs_nothing(world):
                                ("POST", "/api/kernels", {})):
         answer = approver.request(method, path, json=body)
         assert answer.status_code == 403 and answer.json()["reason"] == "role_forbidden", (method, path, answer.text)
-    with pytest.raises(websocket.WebSocketBadStatusException) as refused:
-        approver.channels(world["sessions"]["alice"]["kernel_id"])
-    assert refused.value.status_code == 403
+    # On the kernel's WebSocket it watches: what it sends is refused (test_a_viewer_link_watches_...).
+    watching = approver.channels(world["sessions"]["alice"]["kernel_id"])
+    assert "sends it nothing" in refusal_of(watching, watching.execute("secret = 1"))
+    watching.close()
     # An approval that does not exist is the approver's to ask about (404 unknown_approval, not 403).
     decided = approver.request("POST", f"/agent/v1/sessions/{alice_id}/approvals/nope", json={"decision": "deny"})
     assert decided.status_code == 404 and decided.json()["reason"] == "unknown_approval", decided.text
@@ -449,9 +450,10 @@ def test_a_viewer_link_reads_its_one_session_and_nothing_else(world):
     assert viewer.request("GET", f"/agent/v1/sessions/{other['id']}").status_code == 404
     assert viewer.request("GET", "/api/kernels").json() == []
     assert viewer.request("GET", f"/api/kernels/{world['sessions']['alice']['kernel_id']}").status_code == 404
+    # Its session's kernel it may watch (below); no other kernel.
     with pytest.raises(websocket.WebSocketBadStatusException) as refused:
-        viewer.channels(world["sessions"]["alice"]["kernel_id"])
-    assert refused.value.status_code in (403, 404)
+        viewer.channels(world["sessions"]["bob"]["kernel_id"])
+    assert refused.value.status_code == 404
     # Tampered (another session or a later expiry under the same signature) or malformed: no token at all.
     prefix, rest = link["token"][:4], link["token"][40:]
     for forged in (prefix + other["id"] + rest, link["token"][:-1] + ("0" if link["token"][-1] != "0" else "1"),
@@ -463,6 +465,59 @@ def test_a_viewer_link_reads_its_one_session_and_nothing_else(world):
     other_link = alice.request("POST", f"/agent/v1/sessions/{other['id']}/share", json={}).json()["token"]
     assert alice.request("DELETE", f"/agent/v1/sessions/{other['id']}").status_code == 204
     assert Tenant(gateway, other_link).request("GET", f"/agent/v1/sessions/{other['id']}").status_code == 404
+
+
+def refusal_of(channels, msg_id):
+    """The gateway's refusal of the message `msg_id` a watcher sent: the stderr stream answering it."""
+    stream = channels.collect(msg_id, timeout_s=15, until_type="stream")[-1]
+    assert stream["content"]["name"] == "stderr", stream
+    return stream["content"]["text"]
+
+
+def published_text(channels, marker, timeout_s=60):
+    """Reads what the kernel publishes until a stream message holds `marker`; its text."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        channels.socket.settimeout(max(0.1, deadline - time.monotonic()))
+        message = json.loads(channels.socket.recv())
+        if message["msg_type"] == "stream" and marker in message["content"]["text"]:
+            return message["content"]["text"]
+    raise AssertionError(f"{marker!r} was not published within {timeout_s} s")
+
+
+def test_a_viewer_link_watches_its_sessions_kernel_read_only(world):
+    alice, gateway = world["alice"], world["gateway"]
+    alice_id, kernel_id = world["sessions"]["alice"]["id"], world["sessions"]["alice"]["kernel_id"]
+    link = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={"ttl_s": 600}).json()["token"]
+    viewer = Tenant(gateway, link).channels(kernel_id)
+    # It sees the agent's cells as the kernel publishes them, and may ask kernel_info (what a client does first).
+    assert alice.request("POST", f"/agent/v1/sessions/{alice_id}/execute",
+                         json={"code": "print('watched-output')"}).json()["status"] == "ok"
+    assert published_text(viewer, "watched-output") == "watched-output\n"
+    info = viewer.collect(viewer.send("kernel_info_request", {}), until_type="kernel_info_reply")[-1]
+    assert info["content"]["status"] == "ok"
+    # An execute, a stdin reply and a comm message are refused, and the execute ran nowhere.
+    assert "'execute_request' refused" in refusal_of(viewer, viewer.execute("stolen = 'by the viewer'"))
+    assert "'input_reply' refused" in refusal_of(viewer, viewer.send("input_reply", {"value": "x"}, "stdin"))
+    assert "'comm_open' refused" in refusal_of(viewer, viewer.send("comm_open", {"comm_id": "c", "target_name": "t",
+                                                                                "data": {}}))
+    answer = alice.request("POST", f"/agent/v1/sessions/{alice_id}/execute", json={"code": "'stolen' in dir()"})
+    assert answer.json()["result"]["text/plain"] == "False", answer.text
+    viewer.close()
+
+
+def test_a_viewer_links_kernel_watch_closes_when_the_link_expires(world):
+    alice, gateway = world["alice"], world["gateway"]
+    alice_id, kernel_id = world["sessions"]["alice"]["id"], world["sessions"]["alice"]["kernel_id"]
+    link = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={"ttl_s": 2}).json()["token"]
+    viewer = Tenant(gateway, link).channels(kernel_id)
+    started = time.monotonic()
+    viewer.socket.settimeout(30)
+    with pytest.raises((websocket.WebSocketConnectionClosedException, ConnectionError)):
+        while True:  # whatever the kernel publishes meanwhile, until the gateway closes the watch
+            if viewer.socket.recv() in ("", b""):
+                raise websocket.WebSocketConnectionClosedException("closed")
+    assert time.monotonic() - started < 10
 
 
 def test_a_viewer_link_expires(world):

@@ -317,6 +317,7 @@ void AgentSession::settle_kernel_waiters(const std::optional<std::string>& error
 
 void AgentSession::attach_kernel(std::shared_ptr<Kernel> kernel) {
     kernel_ = std::move(kernel);
+    kernel_->set_agent_session(record_.id);
     // A request held by another kernel's proxy ended with that kernel.
     for (Approval& approval : approvals_)
         if (approval.decision.empty() && approval.kernel_id != kernel_->id()) {

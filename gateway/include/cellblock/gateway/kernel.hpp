@@ -181,6 +181,10 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // requester (a warm-pool kernel belongs to nobody until then) or re-adopted from its record.
     const std::string& tenant() const { return tenant_; }
     void set_tenant(std::string tenant) { tenant_ = std::move(tenant); }
+    // The agent session this kernel runs for (empty: none, a Kernel Gateway client's kernel): a viewer link
+    // of that session may watch the kernel's IOPub (KernelChannelsConnection, read-only).
+    const std::string& agent_session() const { return agent_session_; }
+    void set_agent_session(std::string id) { agent_session_ = std::move(id); }
     const std::string& spec_name() const { return launch_.spec.name; }
     const std::filesystem::path& workspace_dir() const { return launch_.workspace_dir; }
     KernelState state() const { return lifecycle_.client_state(busy_); }
@@ -256,6 +260,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     const GatewayConfig& config_;
     KernelLaunch launch_;
     std::string tenant_;
+    std::string agent_session_;
     KernelEndpoints endpoints_;
     HmacSigner signer_;
     std::filesystem::path connection_file_;

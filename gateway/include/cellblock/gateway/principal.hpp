@@ -8,11 +8,12 @@
 // - `agent` reads and runs: sessions, kernels, executes, files. `approver` reads and decides approvals, and
 //   runs nothing. An agent decides approvals only for a tenant created with "self_approve": true.
 // - A `viewer` (a link from POST .../sessions/{id}/share) reads that one session until its token expires or
-//   the session ends, and sees nothing else. A viewer of no one session is a tenant's list reader: the
-//   cookie its agent or approver token gets on the live list page (gateway/src/agent/live_view.cpp); it
-//   reads the tenant's sessions and nothing else.
+//   the session ends (and watches its kernel's channels, sending nothing), and sees nothing else. A viewer of
+//   no one session is a tenant's list reader: the cookie its agent or approver token gets on the live list
+//   page (gateway/src/agent/live_view.cpp); it reads the tenant's sessions and nothing else.
 // - The operator sees and does everything; routes that are not isolated per tenant are the operator's alone
 //   (RestResource::serves_tenants, router.hpp).
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -28,6 +29,7 @@ struct Principal {
     std::string token_id;       // the tenant token's id (never the token); empty for the operator
     bool self_approve = false;  // the tenant's agents may decide its approvals
     std::string session = {};   // a viewer's one session (its id); empty for a tenant's list reader
+    std::int64_t expires = 0;   // a viewer's end (seconds since the epoch); 0 = its token does not expire
 
     bool is_operator() const { return role == Role::operator_; }
     // Whether something owned by `owner` (a tenant's name; empty = the operator's) exists for this principal.

@@ -1,7 +1,11 @@
 #pragma once
 // One /api/kernels/{id}/channels WebSocket: translates between the client's format (legacy JSON or
 // v1.kernel.websocket.jupyter.org) and the kernel session's ZMQ sockets.
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "cellblock/gateway/kernel.hpp"
@@ -14,9 +18,17 @@ class KernelChannelsConnection : public KernelClient,
   public:
     KernelChannelsConnection(std::shared_ptr<Kernel> kernel, std::shared_ptr<WebSocketTransport> transport,
                              const Logger& logger, std::size_t max_pending_send_bytes);
-    // Attaches to the kernel under `session_id` (empty = an anonymous, non-resumable session) and starts
-    // reading.
-    void open(const std::string& session_id);
+    // A watcher is a principal that may read but not run (a viewer link of the kernel's agent session, an
+    // approver; principal.hpp): it receives what the kernel publishes and may ask kernel_info; anything else
+    // it sends is refused, it never takes another client's session_id, and a viewer's connection closes
+    // when its link expires.
+    struct Watcher {
+        boost::asio::io_context& io;
+        std::optional<std::chrono::system_clock::time_point> expires;
+    };
+    // Attaches to the kernel under `session_id` (empty = an anonymous, non-resumable session; a watcher's is
+    // always anonymous) and starts reading.
+    void open(const std::string& session_id, const std::optional<Watcher>& watcher = std::nullopt);
 
     void deliver(const JupyterMessage& message) override;
     void disconnect(const std::string& reason) override;
@@ -33,6 +45,8 @@ class KernelChannelsConnection : public KernelClient,
     std::size_t max_pending_send_bytes_;
     bool v1_ = false;
     bool closed_ = false;
+    bool read_only_ = false;
+    std::unique_ptr<boost::asio::steady_timer> expiry_;
 };
 
 }  // namespace cellblock::gateway
