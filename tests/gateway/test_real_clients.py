@@ -386,8 +386,8 @@ def test_live_page_in_chromium_follows_an_agent_session(gateway, node_clients):
     responsive and ends with its head, tail and saved file, 1,000 cells opening within 1 s, a state-lost notice
     when a cell kills its Python worker (and the next cell runs), following the newest cell until the reader
     scrolls up (the follow button takes the page back), a viewer link's page that cannot execute (nothing runs),
-    and an approval shown pending and then decided (on a second gateway the node test starts with a network
-    ceiling)."""
+    an approval shown pending and then decided (on a second gateway the node test starts with a network
+    ceiling), and pages in hidden tabs letting their streams go so a seventh tab of the gateway loads."""
     screenshot = ARTIFACTS_DIR / "live-page.png"
     screenshot.unlink(missing_ok=True)
     try:

@@ -359,8 +359,26 @@
     // a new one resumes with ?last_event_id=. An id seen before is never applied twice.
     let lastId = 0;
     let retryMs = 1000;
+    // A browser keeps at most six HTTP/1.1 connections to one gateway, and each open page's stream holds one:
+    // a page in a hidden tab lets its stream go and resumes from its last id when shown again, so a reader
+    // with many sessions open in tabs is not left with pages that never load.
+    let source = null;
+    let retryTimer = null;
+    document.addEventListener('visibilitychange', () => {
+      if (document.visibilityState === 'hidden') {
+        clearTimeout(retryTimer);
+        if (source) source.close();
+        source = null;
+        setConnection('paused while hidden', 'down');
+      } else if (!source) {
+        clearTimeout(retryTimer);
+        connect();
+      }
+    });
     function connect() {
-      const source = new EventSource(lastId ? `events?last_event_id=${lastId}` : 'events');
+      if (document.visibilityState === 'hidden' || source) return;
+      source = new EventSource(lastId ? `events?last_event_id=${lastId}` : 'events');
+      const current = source;
       source.onopen = () => { retryMs = 1000; setConnection('live', 'live'); };
       source.onmessage = (message) => {
         const id = Number(message.lastEventId);
@@ -372,9 +390,11 @@
         schedule();
       };
       source.onerror = () => {
+        if (current !== source) return;  // closed while hidden
         setConnection('reconnecting…', 'down');
-        if (source.readyState === EventSource.CLOSED) {
-          setTimeout(connect, retryMs);
+        if (current.readyState === EventSource.CLOSED) {
+          source = null;
+          retryTimer = setTimeout(connect, retryMs);
           retryMs = Math.min(retryMs * 2, 15000);
         }
       };

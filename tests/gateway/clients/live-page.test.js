@@ -646,3 +646,43 @@ test('an approval shows pending in the page, then its decision', async () => {
   assert.match(await watcher.locator('section.cell .stream.stdout').textContent(),
     /^failed 403 cellblock egress: the request to held\.test:80 was denied by agent api/);
 });
+
+test('pages in hidden tabs let their streams go, so a reader can open more than six pages of one gateway', async () => {
+  // Chromium keeps at most six HTTP/1.1 connections to one host and each live page's stream holds one: without
+  // letting hidden pages' streams go, a seventh tab of the gateway would never load.
+  const reader = await openHeadlessChromium({ width: 800, height: 600 });
+  cleanups.push(reader.close);
+  const context = reader.page.context();
+  const viewUrl = `${relay.url}/agent/v1/sessions/${session}/view`;
+  const connection = (tab, text) => tab.waitForFunction((expected) =>
+    document.getElementById('connection').textContent === expected, text, { timeout: WAIT_MS });
+  // What the browser does when a tab goes to the background or comes back (headless tabs are all visible).
+  const setVisibility = (tab, state) => tab.evaluate((value) => {
+    Object.defineProperty(document, 'visibilityState', { value, configurable: true });
+    document.dispatchEvent(new Event('visibilitychange'));
+  }, state);
+  await reader.page.goto(`${viewUrl}?token=${GATEWAY_TOKEN}`);
+  const tabs = [reader.page];
+  for (let opened = 1; opened < 6; opened++) tabs.push(await context.newPage());
+  for (const tab of tabs) {
+    if (tab !== reader.page) await tab.goto(viewUrl);
+    await connection(tab, 'live');
+    await setVisibility(tab, 'hidden');
+    await connection(tab, 'paused while hidden');
+  }
+  for (let more = 0; more < 2; more++) {
+    const tab = await context.newPage();
+    await tab.goto(viewUrl, { timeout: 10_000 });
+    await connection(tab, 'live');
+    tabs.push(tab);
+  }
+  // A tab shown again resumes from its last event: what ran while it was hidden shows, once.
+  const marker = `while-hidden-${process.pid}`;
+  const answer = await executeStreaming(session, `print(${JSON.stringify(marker)})`);
+  assert.equal(answer.status, 'ok', JSON.stringify(answer));
+  await setVisibility(tabs[0], 'visible');
+  await connection(tabs[0], 'live');
+  const shown = tabs[0].locator('section.cell .stream', { hasText: marker });
+  await shown.waitFor({ timeout: WAIT_MS });
+  assert.equal(await shown.count(), 1);
+});
