@@ -15,6 +15,7 @@ build_packages=(
 )
 runtime_packages=(
   python3 python3-ipython python3-matplotlib python3-matplotlib-inline python3-pandas python3-numpy
+  libjs-marked  # the live page renders Markdown outputs with it (gateway/src/agent/live_view.cpp)
 )
 test_packages=(
   python3-pytest python3-jupyter-client python3-jupyter-kernel-test python3-ipykernel xpython

@@ -106,7 +106,7 @@ def test_static_files_are_a_fixed_list_with_their_types(gateway, session):
     cookie = page_cookie(gateway, f"/agent/v1/sessions/{session}/view")
     base = f"/agent/v1/sessions/{session}/view/static"
     expected = {"page.js": "text/javascript; charset=utf-8", "page.css": "text/css; charset=utf-8",
-                "frame.html": "text/html; charset=utf-8"}
+                "frame.html": "text/html; charset=utf-8", "marked.js": "text/javascript; charset=utf-8"}
     for name, content_type in expected.items():
         response = get(gateway, f"{base}/{name}", cookie=cookie)
         assert response.status_code == 200, name

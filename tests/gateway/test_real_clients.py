@@ -381,8 +381,9 @@ def test_jupyterlab_4_in_chromium_watches_and_shares_an_agent_kernel(gateway, no
 
 def test_live_page_in_chromium_follows_an_agent_session(gateway, node_clients):
     """The gateway's own live page of an agent session (share/cellblock/view/) in headless Chromium: a print in the
-    DOM within 1 s of its stdout event, a plot as an image (screenshot), a coloured traceback, hostile HTML that
-    reads and sends nothing, a reconnect that shows each missed cell once, a 10 MB print that leaves the page
+    DOM within 1 s of its stdout event, a plot as an image (screenshot), a coloured traceback, hostile HTML, SVG
+    (onload, script) and JavaScript outputs that read and send nothing, a DataFrame as a table whose rows show inside
+    its frame, a reconnect that shows each missed cell once, a 10 MB print that leaves the page
     responsive and ends with its head, tail and saved file, 1,000 cells opening within 1 s, a state-lost notice
     when a cell kills its Python worker (and the next cell runs), following the newest cell until the reader
     scrolls up (the follow button takes the page back), a viewer link's page that cannot execute (nothing runs),

@@ -126,17 +126,23 @@ constexpr const char* frame_policy =
 
 struct StaticFile {
     std::string_view name, content_type, policy;
+    std::string_view path = {};  // where it is read from; empty: share/cellblock/view/<name>
 };
 // The only files served: the rest of share/cellblock/view/ (the two pages) is served by its own route.
+// marked.js is Debian's Markdown renderer (libjs-marked, share/scripts/install-deps.sh).
 constexpr StaticFile static_files[] = {
     {"page.js", "text/javascript; charset=utf-8", page_policy},
     {"page.css", "text/css; charset=utf-8", page_policy},
     {"frame.html", "text/html; charset=utf-8", frame_policy},
+    {"marked.js", "text/javascript; charset=utf-8", page_policy,
+     "/usr/share/javascript/marked/marked.min.js"},
 };
 
-// A file of share/cellblock/view/, read per request (they are small; a reinstall shows at once).
-std::string view_file(std::string_view name) {
-    const std::string path = installed_data_dir() + "/cellblock/view/" + std::string(name);
+// A file of share/cellblock/view/ (or at `path`), read per request (they are small; a reinstall shows at
+// once).
+std::string view_file(std::string_view name, std::string_view at = {}) {
+    const std::string path =
+        at.empty() ? installed_data_dir() + "/cellblock/view/" + std::string(name) : std::string(at);
     std::ifstream in(path, std::ios::binary);
     if (!in)
         throw HttpError(http::status::internal_server_error, "the live page's file " + path + " is missing",
@@ -362,7 +368,8 @@ class StaticResource : public RestResource {
         const std::string& name = context.param("file");
         for (const StaticFile& file : static_files)
             if (file.name == name)
-                return respond(view_response(context, view_file(file.name), file.content_type, file.policy));
+                return respond(
+                    view_response(context, view_file(file.name, file.path), file.content_type, file.policy));
         respond(json_error(http::status::not_found, "no such file of the live page: " + name, "not_found"));
     }
 

@@ -175,7 +175,13 @@
       holder.append(img);
       return holder;
     }
-    if ((value = get('text/markdown')) !== null) return framedOutput(`<pre style="white-space:pre-wrap">${escapeHtml(value)}</pre>`);
+    if ((value = get('text/markdown')) !== null) {
+      // Rendered by Debian's marked (view/static/marked.js) into the same sandboxed frame as HTML: whatever
+      // HTML the Markdown carries is as contained as an HTML output. Without marked, the text as it is.
+      const markdown = window.marked && typeof window.marked.parse === 'function'
+        ? window.marked.parse(value) : `<pre style="white-space:pre-wrap">${escapeHtml(value)}</pre>`;
+      return framedOutput(markdown);
+    }
     if ((value = get('application/json')) !== null) return element('pre', 'output-json', value);
     const pre = element('pre', 'output-text');
     appendAnsi(pre, get('text/plain') ?? '');

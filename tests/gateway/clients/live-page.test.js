@@ -200,10 +200,14 @@ after(async () => {
   if (relay) relay.close();
 });
 
-function failOnProblems() {
-  const problems = browser.problems.filter((problem) =>
+// A page's errors of its own: not what the policy blocked of the hostile outputs, nor a cut connection.
+function ownProblems(problems) {
+  return problems.filter((problem) =>
     !/Content Security Policy|net::ERR_|Failed to load resource|ERR_CONNECTION|EventSource/.test(problem));
-  assert.deepEqual(problems, [], 'the page had no errors of its own');
+}
+
+function failOnProblems() {
+  assert.deepEqual(ownProblems(browser.problems), [], 'the page had no errors of its own');
 }
 
 // Resolves with Date.now() at the moment the page's DOM first has `marker` in a cell's output (a
@@ -325,6 +329,115 @@ test('hostile HTML and img onerror in an output read nothing and send nothing', 
   // The frame did render the output (it is contained, not just broken).
   const inner = page.frameLocator('section.cell .frame-holder iframe').last();
   assert.equal(await inner.locator('#hostile').textContent(), 'hostile output');
+});
+
+// JavaScript that tries, from inside an output, to read the gateway (a fetch of the session list, the session's
+// events with the page's cookie, an image), the page's DOM and the cookie; each attempt but the image posts one
+// report `${prefix}-what` or `${prefix}-what-failed` to the page. No `<` and no `&`: it also runs in an SVG <script>.
+function hostileProbe(prefix) {
+  return [
+    `const report = (what, value) => parent.postMessage({hostile: '${prefix}-' + what, value: String(value).slice(0, 300)}, '*');`,
+    `fetch('/agent/v1/sessions?hostile=${prefix}-fetch').then(r => r.text()).then(t => report('fetch', t), e => report('fetch-failed', e));`,
+    `fetch('/agent/v1/sessions/${session}/events?hostile=${prefix}-events', {headers: {Accept: 'text/event-stream'}})`,
+    "  .then(r => report('events', r.status), e => report('events-failed', e));",
+    "try { report('parent-dom', parent.document.body.textContent) } catch (e) { report('parent-dom-failed', e) }",
+    "try { report('cookie', document.cookie) } catch (e) { report('cookie-failed', e) }",
+    `new Image().src = '/agent/v1/sessions?hostile=${prefix}-image';`,
+  ].join('\n');
+}
+
+test('hostile SVG (onload, script) and JavaScript outputs read nothing and send nothing; a DataFrame shows as a table', async () => {
+  const marker = `hostile-svg-js-${process.pid}`;
+  const svg = [
+    '<svg xmlns="http://www.w3.org/2000/svg" width="240" height="40" onload="' +
+      "fetch('/agent/v1/sessions?hostile=svg-onload').then(r => r.text()).then(t => parent.postMessage(" +
+      "{hostile: 'svg-onload', value: t.slice(0, 300)}, '*'), e => parent.postMessage(" +
+      "{hostile: 'svg-onload-failed', value: String(e)}, '*'))\">",
+    '<text id="hostile-svg" x="4" y="24">hostile svg</text>',
+    `<script>${hostileProbe('svg')}</script>`,
+    '</svg>',
+  ].join('\n');
+  const javascript = hostileProbe('js');
+  const answer = await executeStreaming(session, [
+    `# ${marker}`,
+    'from IPython.display import display',
+    'import pandas as pd',
+    `display({'image/svg+xml': ${JSON.stringify(svg)}}, raw=True)`,
+    `display({'application/javascript': ${JSON.stringify(javascript)}}, raw=True)`,
+    "display(pd.DataFrame({'city': ['Oslo', 'Lima', 'Pune'], 'rain_mm': [763, 13, 722]}))",
+  ].join('\n'));
+  assert.equal(answer.status, 'ok', JSON.stringify(answer));
+  const cell = page.locator('section.cell', { hasText: marker });
+  const frames = cell.locator('.frame-holder iframe');
+  await frames.nth(2).waitFor({ state: 'attached', timeout: WAIT_MS });
+  assert.equal(await frames.count(), 3, 'the SVG, the JavaScript and the table, each in a frame of its own');
+  if (!UNSAFE) {
+    for (let index = 0; index < 3; index++) assert.equal(await frames.nth(index).getAttribute('sandbox'), 'allow-scripts');
+  }
+  // Each attempt reports once, as a success or a failure: wait for all nine.
+  const expected = ['svg-onload', ...['svg', 'js'].flatMap((prefix) =>
+    ['fetch', 'events', 'parent-dom', 'cookie'].map((what) => `${prefix}-${what}`))];
+  await page.waitForFunction((names) => {
+    const seen = new Set(window.hostileReports.map((r) => r.hostile.replace(/-failed$/, '')));
+    return names.every((name) => seen.has(name));
+  }, expected, { timeout: WAIT_MS });
+  const reports = await page.evaluate(() => window.hostileReports.filter((r) => /^(svg|js)-/.test(r.hostile)));
+  const succeeded = reports.filter((report) => !report.hostile.endsWith('-failed'));
+  assert.deepEqual(succeeded, [], `the output read something: ${JSON.stringify(succeeded)}`);
+  const sent = relay.requests.filter((line) => /hostile=(svg|js)-/.test(line));
+  assert.deepEqual(sent, [], 'no request of the output reached the gateway');
+  // The SVG did render (it is contained, not just broken).
+  assert.equal(await frames.nth(0).contentFrame().locator('#hostile-svg').textContent(), 'hostile svg');
+
+  // The DataFrame: a table whose rows a reader sees, inside a frame grown to hold them.
+  const tableFrame = frames.nth(2);
+  await tableFrame.scrollIntoViewIfNeeded();
+  const table = tableFrame.contentFrame().locator('table.dataframe');
+  await table.waitFor({ timeout: WAIT_MS });
+  const rows = table.locator('tbody tr');
+  assert.equal(await rows.count(), 3);
+  assert.deepEqual(await rows.evaluateAll((trs) => trs.map((tr) => [...tr.children].map((td) => td.textContent.trim()))),
+    [['0', 'Oslo', '763'], ['1', 'Lima', '13'], ['2', 'Pune', '722']]);
+  const deadline = Date.now() + WAIT_MS;
+  for (;;) {
+    const outer = await tableFrame.boundingBox();
+    const boxes = await Promise.all([...Array(3).keys()].map((index) => rows.nth(index).boundingBox()));
+    const inside = outer && boxes.every((box) => box && box.height > 0 && box.y >= outer.y &&
+      box.y + box.height <= outer.y + outer.height + 0.5 && box.x + box.width <= outer.x + outer.width + 0.5);
+    if (inside) break;
+    assert.ok(Date.now() < deadline, `the table's rows lie inside its frame: ${JSON.stringify({ outer, boxes })}`);
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+  for (let index = 0; index < 3; index++) assert.ok(await rows.nth(index).isVisible(), `row ${index} is visible`);
+  failOnProblems();
+});
+
+test('a Markdown output renders as Markdown, and HTML inside it is as contained as an HTML output', async () => {
+  const marker = `markdown-${process.pid}`;
+  const markdown = `# Rainfall ${marker}\n\nThe **wettest** city is *Oslo*.\n\n- one\n- two\n\n` +
+    `<script>${hostileProbe('md')}</script>\n`;
+  const answer = await executeStreaming(session,
+    `from IPython.display import display\ndisplay({'text/markdown': ${JSON.stringify(markdown)}}, raw=True)`);
+  assert.equal(answer.status, 'ok', JSON.stringify(answer));
+  const frame = page.locator('section.cell .frame-holder iframe').last();
+  await frame.waitFor({ state: 'attached', timeout: WAIT_MS });
+  await frame.scrollIntoViewIfNeeded();
+  const inside = frame.contentFrame();
+  await inside.locator('h1', { hasText: marker }).waitFor({ timeout: WAIT_MS });
+  assert.equal(await inside.locator('strong').textContent(), 'wettest');
+  assert.equal(await inside.locator('em').textContent(), 'Oslo');
+  assert.equal(await inside.locator('li').count(), 2);
+  if (!UNSAFE) assert.equal(await frame.getAttribute('sandbox'), 'allow-scripts');
+  const expected = ['fetch', 'events', 'parent-dom', 'cookie'].map((what) => `md-${what}`);
+  await page.waitForFunction((names) => {
+    const seen = new Set(window.hostileReports.map((r) => r.hostile.replace(/-failed$/, '')));
+    return names.every((name) => seen.has(name));
+  }, expected, { timeout: WAIT_MS });
+  const succeeded = await page.evaluate(() =>
+    window.hostileReports.filter((r) => r.hostile.startsWith('md-') && !r.hostile.endsWith('-failed')));
+  assert.deepEqual(succeeded, [], `the Markdown's script read something: ${JSON.stringify(succeeded)}`);
+  assert.deepEqual(relay.requests.filter((line) => /hostile=md-/.test(line)), [], 'no request reached the gateway');
+  failOnProblems();
 });
 
 test('cells run while the page is cut off appear once each when it reconnects', async () => {
@@ -602,7 +715,8 @@ test('a viewer link opens the page in another browser, which cannot execute', as
   assert.equal(file.status, 404, 'no file was written');
   for (const onPage of [viewer.page, page])
     assert.ok(!(await onPage.evaluate(() => document.getElementById('cells').textContent)).includes(marker));
-  assert.deepEqual(viewer.problems.filter((problem) => !/Failed to load resource|net::ERR_/.test(problem)), []);
+  // The viewer's page shows the session's earlier cells too, hostile outputs included.
+  assert.deepEqual(ownProblems(viewer.problems), []);
 });
 
 test('an approval shows pending in the page, then its decision', async () => {
