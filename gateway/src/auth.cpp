@@ -177,13 +177,14 @@ std::optional<Principal> TokenAuthenticator::authenticate(
 }
 
 std::string TokenAuthenticator::issue_viewer(const std::string& session, const std::string& tenant,
-                                             std::int64_t expires) const {
-    return tenants_ ? tenants_->issue_viewer(session, tenant, expires) : std::string();
+                                             std::int64_t expires, const std::string& issuer) const {
+    return tenants_ ? tenants_->issue_viewer(session, tenant, expires, issuer) : std::string();
 }
 
 void TokenAuthenticator::close_on_revocation(const Principal& principal, std::weak_ptr<void> target,
                                              std::function<void()> close) const {
-    if (tenants_ && !principal.is_operator())
+    // A viewer link of no issuer (POST .../share) has no token to revoke: it ends when it expires.
+    if (tenants_ && !principal.is_operator() && !principal.token_id.empty())
         tenants_->watch_revocation(principal.token_id, std::move(target), std::move(close));
 }
 

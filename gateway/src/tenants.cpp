@@ -178,8 +178,10 @@ constexpr std::string_view viewer_prefix = "cbv_";
 }
 
 std::string TenantDirectory::issue_viewer(const std::string& session, const std::string& tenant,
-                                          std::int64_t expires) const {
-    const std::string body = session + "." + tenant + "." + std::to_string(expires);
+                                          std::int64_t expires, const std::string& issuer) const {
+    std::string body = session + "." + tenant + "." + std::to_string(expires);
+    if (!issuer.empty())
+        body += "." + issuer;
     return std::string(viewer_prefix) + body + "." + secret_.token_digest("viewer:" + body);
 }
 
@@ -193,12 +195,19 @@ std::optional<Principal> TenantDirectory::resolve_viewer(std::string_view token)
     const std::string body(token.substr(0, signature_at));
     if (!constant_time_equals(token.substr(signature_at + 1), secret_.token_digest("viewer:" + body)))
         return std::nullopt;
-    // Signed by a gateway: the three fields are as it wrote them.
-    const auto first = body.find('.'), last = body.rfind('.');
-    if (first == std::string::npos || last == first)
+    // Signed by a gateway: the fields (none holds a dot) are as it wrote them.
+    std::vector<std::string> fields;
+    for (std::size_t at = 0;;) {
+        const auto dot = body.find('.', at);
+        fields.push_back(body.substr(at, dot == std::string::npos ? std::string::npos : dot - at));
+        if (dot == std::string::npos)
+            break;
+        at = dot + 1;
+    }
+    if (fields.size() != 3 && fields.size() != 4)
         return std::nullopt;
-    const std::string tenant = body.substr(first + 1, last - first - 1);
-    const std::int64_t expires = std::stoll(body.substr(last + 1));
+    const std::string& tenant = fields[1];
+    const std::int64_t expires = std::stoll(fields[2]);
     const auto now =
         std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
             .count();
@@ -207,8 +216,15 @@ std::optional<Principal> TenantDirectory::resolve_viewer(std::string_view token)
     Principal viewer;
     viewer.role = Principal::Role::viewer;
     viewer.tenant = tenant;
-    viewer.session = body.substr(0, first);
+    viewer.session = fields[0];
     viewer.expires = expires;
+    if (fields.size() == 4) {
+        const bool issuer_live = std::any_of(tokens_by_digest_.begin(), tokens_by_digest_.end(),
+                                             [&](const auto& entry) { return entry.second.id == fields[3]; });
+        if (!issuer_live)
+            return std::nullopt;
+        viewer.token_id = fields[3];
+    }
     return viewer;
 }
 

@@ -409,6 +409,48 @@ def test_revoking_a_token_closes_its_open_websocket_and_streams_within_a_second(
     assert nina.request("GET", "/agent/v1/sessions").status_code == 401
 
 
+def test_a_page_opened_with_a_tenants_token_ends_with_that_token_and_a_viewer_link_does_not(world):
+    gateway, alice = world["gateway"], world["alice"]
+    alice_id = world["sessions"]["alice"]["id"]
+    issued = gateway.request("POST", "/agent/v1/tenants/alice/tokens", json={"role": "agent"}).json()
+    opened = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view?token={issued['token']}",
+                          allow_redirects=False, timeout=60)
+    jar = {"cellblock_view": page_cookie(opened, f"/agent/v1/sessions/{alice_id}")}
+    link = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={}).json()["token"]
+    page_events = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/events", cookies=jar, stream=True,
+                               headers={"Accept": "text/event-stream"}, timeout=60)
+    link_events = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/events", stream=True, timeout=60,
+                               headers={"Accept": "text/event-stream", "Authorization": f"token {link}"})
+    assert page_events.status_code == 200 and link_events.status_code == 200
+    closed = threading.Event()
+
+    def read_until_closed():
+        try:
+            for _ in page_events.iter_lines():
+                pass
+        except requests.exceptions.RequestException:
+            pass
+        closed.set()
+
+    threading.Thread(target=read_until_closed, daemon=True).start()
+    assert gateway.request("DELETE", f"/agent/v1/tenants/alice/tokens/{issued['id']}").status_code == 204
+    # The page's stream closes and its cookie opens nothing any more.
+    assert closed.wait(5), "the page's stream stayed open after its token was revoked"
+    assert requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view", cookies=jar,
+                        timeout=60).status_code == 401
+    # The viewer link (no token behind it) keeps streaming: the next cell's end reaches it.
+    marker = f"after-revocation-{os.getpid()}"
+    assert alice.request("POST", f"/agent/v1/sessions/{alice_id}/execute",
+                         json={"code": f"print('{marker}')"}).json()["status"] == "ok"
+    seen = ""
+    for line in link_events.iter_lines(decode_unicode=True):
+        seen += line
+        if marker in line and '"type":"end"' in line:
+            break
+    assert marker in seen
+    link_events.close()
+
+
 def test_removing_a_tenant_ends_its_sessions_and_kernels_and_a_new_one_of_its_name_starts_empty(world):
     gateway = world["gateway"]
     oscar = Tenant(gateway, gateway.request("POST", "/agent/v1/tenants", json={"name": "oscar"}).json()["token"])

@@ -1,5 +1,6 @@
 #include "cellblock/gateway/agent/live_view.hpp"
 
+#include <algorithm>
 #include <boost/asio/steady_timer.hpp>
 #include <cctype>
 #include <charconv>
@@ -196,7 +197,7 @@ constexpr std::chrono::hours tenant_page_lifetime{12};
 // The cookie value that opens the page of `scope` for `principal`: the operator's derives from its token; a
 // viewer of that very page presented its token, which is the cookie; a tenant's agent or approver (or its
 // list reader opening one of the list's sessions) gets a viewer token of the session (of its list when
-// `session` is empty) that expires.
+// `session` is empty) that expires, and dies with the token that opened the page (its issuer).
 std::string page_cookie_value(AgentService& service, const RequestContext& context, std::string_view scope,
                               const std::string& session) {
     const Principal& principal = context.principal;
@@ -205,10 +206,12 @@ std::string page_cookie_value(AgentService& service, const RequestContext& conte
         return auth.view_cookie(scope);
     if (principal.role == Principal::Role::viewer && principal.session == session)
         return presented_token(context);
-    const auto expires = std::chrono::system_clock::now() + tenant_page_lifetime;
-    return auth.issue_viewer(
-        session, principal.tenant,
-        std::chrono::duration_cast<std::chrono::seconds>(expires.time_since_epoch()).count());
+    const auto lifetime = std::chrono::system_clock::now() + tenant_page_lifetime;
+    std::int64_t expires =
+        std::chrono::duration_cast<std::chrono::seconds>(lifetime.time_since_epoch()).count();
+    if (principal.expires != 0)  // a list reader's pages end with it
+        expires = std::min(expires, principal.expires);
+    return auth.issue_viewer(session, principal.tenant, expires, principal.token_id);
 }
 
 std::string page_cookie(std::string_view value, std::string_view scope) {

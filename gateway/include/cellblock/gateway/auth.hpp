@@ -36,8 +36,8 @@ class TokenAuthenticator {
                              std::function<void()> close) const;
     // A viewer token of one agent session (TenantDirectory::issue_viewer); empty when the gateway has no
     // tenants directory (nothing could resolve it).
-    std::string issue_viewer(const std::string& session, const std::string& tenant,
-                             std::int64_t expires) const;
+    std::string issue_viewer(const std::string& session, const std::string& tenant, std::int64_t expires,
+                             const std::string& issuer = {}) const;
     // The answer to a request without a valid token: 401 JSON, or for a GET of a live page (.../view) a
     // short HTML page that says to open it once with ?token=.
     HttpResponse refusal(const HttpRequest& request) const;

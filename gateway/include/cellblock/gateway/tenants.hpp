@@ -72,10 +72,13 @@ class TenantDirectory {
     // Viewer tokens (POST /agent/v1/sessions/{id}/share): "cbv_<session>.<tenant>.<expires>.<signature>", the
     // signature a keyed digest of the rest under the store secret, so nothing is stored, every gateway on the
     // store accepts them and none outlives its expiry (Unix seconds). A viewer of a session whose tenant was
-    // removed is refused.
-    std::string issue_viewer(const std::string& session, const std::string& tenant,
-                             std::int64_t expires) const;
-    // The viewer principal of a live `token` (nullopt: not a viewer token, forged, expired, tenant gone).
+    // removed is refused. One issued for a live page a tenant's token opened names that token's id (`issuer`:
+    // "cbv_<session>.<tenant>.<expires>.<issuer>.<signature>") and dies with it: it is the principal's
+    // token_id, so its open streams close on revocation too.
+    std::string issue_viewer(const std::string& session, const std::string& tenant, std::int64_t expires,
+                             const std::string& issuer = {}) const;
+    // The viewer principal of a live `token` (nullopt: not a viewer token, forged, expired, tenant gone, its
+    // issuer revoked).
     std::optional<Principal> resolve_viewer(std::string_view token) const;
 
     // A token as handed out: shown once, never stored.
