@@ -97,7 +97,9 @@ void KernelChannelsConnection::on_client_message(std::string&& payload, bool bin
             logger_.debug("client_message", {{"kernel_id", kernel_->id()},
                                              {"msg_type", message.msg_type},
                                              {"channel", channel_name(message.channel)}});
-        if (read_only_ && message.msg_type != "kernel_info_request") {
+        // A watcher asks kernel_info on shell and nothing else: a kernel may take any message on stdin as the
+        // answer to a prompt.
+        if (read_only_ && (message.msg_type != "kernel_info_request" || message.channel != Channel::shell)) {
             const json header = json::parse(message.header, nullptr, false);
             return reject(
                 "this token watches the kernel and sends it nothing ('" + message.msg_type + "' refused)",

@@ -541,6 +541,8 @@ def test_a_viewer_link_watches_its_sessions_kernel_read_only(world):
     # An execute, a stdin reply and a comm message are refused, and the execute ran nowhere.
     assert "'execute_request' refused" in refusal_of(viewer, viewer.execute("stolen = 'by the viewer'"))
     assert "'input_reply' refused" in refusal_of(viewer, viewer.send("input_reply", {"value": "x"}, "stdin"))
+    # Not even a kernel_info_request on stdin, which a kernel could take as the answer to a prompt.
+    assert "refused" in refusal_of(viewer, viewer.send("kernel_info_request", {"value": "x"}, "stdin"))
     assert "'comm_open' refused" in refusal_of(viewer, viewer.send("comm_open", {"comm_id": "c", "target_name": "t",
                                                                                 "data": {}}))
     answer = alice.request("POST", f"/agent/v1/sessions/{alice_id}/execute", json={"code": "'stolen' in dir()"})
@@ -548,11 +550,25 @@ def test_a_viewer_link_watches_its_sessions_kernel_read_only(world):
     viewer.close()
 
 
-def test_a_viewer_links_kernel_watch_closes_when_the_link_expires(world):
+def test_a_viewer_links_kernel_watch_and_event_stream_close_when_the_link_expires(world):
     alice, gateway = world["alice"], world["gateway"]
     alice_id, kernel_id = world["sessions"]["alice"]["id"], world["sessions"]["alice"]["kernel_id"]
     link = alice.request("POST", f"/agent/v1/sessions/{alice_id}/share", json={"ttl_s": 2}).json()["token"]
     viewer = Tenant(gateway, link).channels(kernel_id)
+    events = Tenant(gateway, link).request("GET", f"/agent/v1/sessions/{alice_id}/events", stream=True,
+                                           headers={"Accept": "text/event-stream"})
+    assert events.status_code == 200
+    stream_ended = threading.Event()
+
+    def read_until_closed():
+        try:
+            for _ in events.iter_lines():
+                pass
+        except requests.exceptions.RequestException:
+            pass
+        stream_ended.set()
+
+    threading.Thread(target=read_until_closed, daemon=True).start()
     started = time.monotonic()
     viewer.socket.settimeout(30)
     with pytest.raises((websocket.WebSocketConnectionClosedException, ConnectionError)):
@@ -560,6 +576,8 @@ def test_a_viewer_links_kernel_watch_closes_when_the_link_expires(world):
             if viewer.socket.recv() in ("", b""):
                 raise websocket.WebSocketConnectionClosedException("closed")
     assert time.monotonic() - started < 10
+    assert stream_ended.wait(10), "the viewer's event stream outlived its link"
+    events.close()
 
 
 def test_a_viewer_link_expires(world):
@@ -592,6 +610,10 @@ def test_a_viewer_opens_the_live_page_with_its_link_and_gets_a_cookie_for_that_p
     assert requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/notebook", cookies=jar, timeout=60).status_code == 401
     bob_id = world["sessions"]["bob"]["id"]
     assert requests.get(f"{gateway.url}/agent/v1/sessions/{bob_id}/view", cookies=jar, timeout=60).status_code == 401
+    # A stale token in the address beside the valid cookie does not replace the cookie.
+    stale = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/view?token=cbv_stale", cookies=jar,
+                         allow_redirects=False, timeout=60)
+    assert stale.status_code == 303 and "Set-Cookie" not in stale.headers, stale.headers
 
 
 def page_cookie(answer, path):
@@ -616,6 +638,11 @@ def test_a_tenants_own_tokens_open_its_pages_and_its_list_shows_only_its_session
         # The cookie's token reads; it runs nothing.
         ran = Tenant(gateway, value).request("POST", f"/agent/v1/sessions/{alice_id}/execute", json={"code": "1"})
         assert ran.status_code == 403 and ran.json()["reason"] == "role_forbidden"
+    # Opened by the session's name, the page moves to its id's path first (where the cookie's scope is the id's).
+    by_name = requests.get(f"{gateway.url}/agent/v1/sessions/main/view?token={alice.token}", allow_redirects=False,
+                           timeout=60)
+    assert by_name.status_code == 303, by_name.text
+    assert by_name.headers["Location"] == f"/agent/v1/sessions/{alice_id}/view?token={alice.token}"
     # Another tenant's session page answers like one that does not exist.
     assert requests.get(f"{gateway.url}/agent/v1/sessions/{bob_id}/view?token={alice.token}", allow_redirects=False,
                         timeout=60).status_code == 404

@@ -39,9 +39,10 @@ std::uint64_t resume_after(const RequestContext& context) {
 class EventStream : public std::enable_shared_from_this<EventStream> {
   public:
     EventStream(std::shared_ptr<ResponseStream> stream, boost::asio::io_context& io, double keepalive_s)
-        : stream_(std::move(stream)), keepalive_(io), keepalive_s_(keepalive_s) {}
+        : stream_(std::move(stream)), keepalive_(io), expiry_(io), keepalive_s_(keepalive_s) {}
 
-    void start(const std::shared_ptr<AgentSession>& session, std::uint64_t after_id) {
+    // `expires`: a viewer's end (seconds since the epoch; 0 = none): the stream finishes then.
+    void start(const std::shared_ptr<AgentSession>& session, std::uint64_t after_id, std::int64_t expires) {
         std::weak_ptr<EventStream> weak = weak_from_this();
         LiveLog::Reader reader;
         reader.on_event = [weak](std::uint64_t id, const std::string& data) {
@@ -51,6 +52,7 @@ class EventStream : public std::enable_shared_from_this<EventStream> {
         // The reader holds the stream alive as long as the log has it.
         reader.closed = [self = shared_from_this()] {
             self->keepalive_.cancel();
+            self->expiry_.cancel();
             self->stream_->finish();
         };
         // A dropped page's EventSource reconnects after a second (with Last-Event-ID), not the default three.
@@ -58,12 +60,27 @@ class EventStream : public std::enable_shared_from_this<EventStream> {
         key_ = session->live().subscribe(after_id, std::move(reader));
         std::weak_ptr<AgentSession> weak_session = session;
         stream_->on_disconnect([weak_session, weak, key = key_] {
-            if (auto self = weak.lock())
+            if (auto self = weak.lock()) {
                 self->keepalive_.cancel();
+                self->expiry_.cancel();
+            }
             if (auto target = weak_session.lock())
                 target->live().unsubscribe(key);
         });
         schedule_keepalive();
+        if (expires != 0) {
+            expiry_.expires_after(std::chrono::system_clock::time_point(std::chrono::seconds(expires)) -
+                                  std::chrono::system_clock::now());
+            expiry_.async_wait([weak, weak_session, key = key_](const boost::system::error_code& error) {
+                auto self = weak.lock();
+                if (error || !self)
+                    return;
+                self->keepalive_.cancel();
+                if (auto target = weak_session.lock())
+                    target->live().unsubscribe(key);
+                self->stream_->finish();
+            });
+        }
     }
 
   private:
@@ -80,6 +97,7 @@ class EventStream : public std::enable_shared_from_this<EventStream> {
 
     std::shared_ptr<ResponseStream> stream_;
     boost::asio::steady_timer keepalive_;
+    boost::asio::steady_timer expiry_;
     double keepalive_s_;
     std::uint64_t key_ = 0;
 };
@@ -104,7 +122,7 @@ class EventsResource : public RestResource {
         head.set("X-Accel-Buffering", "no");
         auto events = std::make_shared<EventStream>(context.start_stream(std::move(head)),
                                                     service_.gateway().io, service_.config().keepalive_s);
-        events->start(session, after_id);
+        events->start(session, after_id, context.principal.expires);
     }
 
   private:
@@ -204,8 +222,15 @@ std::string page_cookie_value(AgentService& service, const RequestContext& conte
     const TokenAuthenticator& auth = service.gateway().auth;
     if (principal.is_operator())
         return auth.view_cookie(scope);
-    if (principal.role == Principal::Role::viewer && principal.session == session)
-        return presented_token(context);
+    if (principal.role == Principal::Role::viewer && principal.session == session) {
+        // Only a presented token that is this viewer becomes the cookie (not a stale ?token= or a proxy's
+        // Basic credential beside a valid cookie).
+        const std::string token = presented_token(context);
+        const auto presented = auth.authenticate(HttpRequest{}, {{"token", token}});
+        return presented && presented->role == Principal::Role::viewer && presented->session == session
+                   ? token
+                   : std::string();
+    }
     const auto lifetime = std::chrono::system_clock::now() + tenant_page_lifetime;
     std::int64_t expires =
         std::chrono::duration_cast<std::chrono::seconds>(lifetime.time_since_epoch()).count();
@@ -231,7 +256,8 @@ void answer_page(AgentService& service, const RequestContext& context, std::stri
     const bool token_in_query = context.query.contains("token");
     if (auth.enabled() && scope &&
         (token_in_query || context.request.find(http::field::authorization) != context.request.end()))
-        cookie = page_cookie(page_cookie_value(service, context, *scope, session), *scope);
+        if (const std::string value = page_cookie_value(service, context, *scope, session); !value.empty())
+            cookie = page_cookie(value, *scope);
     if (token_in_query) {
         // Every other parameter stays; the token leaves the address (and so history and Referer).
         std::string location = path, separator = "?";
@@ -268,10 +294,31 @@ class SessionPageResource : public RestResource {
     bool serves_tenants() const override { return true; }  // listed_session: only a session it sees
     void get(RequestContext& context, Responder respond) override {
         const auto session = listed_session(service_, context, context.param("session"));
+        if (context.param("session") != session->id())
+            return respond(page_by_id(context, session->id()));
         answer_page(service_, context, "session.html", session->id(), respond);
     }
 
   private:
+    // A page opened by the session's name moves to its id's path (query kept), where its cookie's scope and a
+    // viewer token's session agree.
+    static HttpResponse page_by_id(const RequestContext& context, const std::string& id) {
+        std::string base = context.base_url;
+        if (base.ends_with('/'))
+            base.pop_back();
+        const std::string_view target = context.request.target();
+        const auto query = target.find('?');
+        HttpResponse response{http::status::see_other, context.request.version()};
+        response.set(
+            http::field::location,
+            base + "/agent/v1/sessions/" + id + "/view" +
+                (query == std::string_view::npos ? std::string() : std::string(target.substr(query))));
+        response.set(http::field::cache_control, "no-store");
+        response.set("Referrer-Policy", "no-referrer");
+        response.prepare_payload();
+        return response;
+    }
+
     AgentService& service_;
 };
 

@@ -219,8 +219,9 @@ void install_seccomp() {
     if (::seccomp_rule_add(ctx, SCMP_ACT_ERRNO(ENOSYS), SCMP_SYS(clone3), 0) != 0) {
         die("seccomp rule clone3");
     }
-    // Name resolution reads /etc/resolv.conf, /etc/hosts, nsswitch.conf, gai.conf and libnss: read-only
-    // opens; no write, no create, anywhere.
+    // Name resolution reads /etc/resolv.conf, /etc/hosts, nsswitch.conf and gai.conf (glibc's "files" and
+    // "dns"; no NSS module can be loaded from the helper's root): read-only opens; no write, no create,
+    // anywhere.
     constexpr scmp_datum_t write_flags = O_ACCMODE | O_CREAT | O_TRUNC | O_APPEND;
     allow(SCMP_SYS(openat), {SCMP_A2(SCMP_CMP_MASKED_EQ, write_flags, O_RDONLY)});
     if (::seccomp_load(ctx) != 0) {
@@ -233,7 +234,8 @@ void install_seccomp() {
 constexpr const char* resolver_files[] = {"hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf"};
 
 // A root of the resolver's files alone: a private mount namespace whose root is a read-only tmpfs holding
-// each /etc file above bound read-only from the host (so an edit of /etc/hosts shows), and nothing else: no
+// each /etc file above bound read-only from the host (an edit in place shows; a file replaced by rename, as
+// resolvconf and most editors do, shows to the next helper: the kernel's next start), and nothing else: no
 // /proc, no home, no kernel state or workspace of any session to read through a flaw in the proxy.
 void enter_resolver_root() {
     check(::unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)");

@@ -388,10 +388,12 @@
       source.onopen = () => { retryMs = 1000; setConnection('live', 'live'); };
       source.onmessage = (message) => {
         const id = Number(message.lastEventId);
-        if (id && id <= lastId) return;
-        if (id) lastId = id;
         let event;
         try { event = JSON.parse(message.data); } catch { return; }
+        // A resync starts the page over whatever its id (another gateway's clock may lag this one's).
+        if (event.type === 'resync') pending = [];
+        else if (id && id <= lastId) return;
+        if (id) lastId = id;
         pending.push(event);
         schedule();
       };
