@@ -409,6 +409,22 @@ def test_revoking_a_token_closes_its_open_websocket_and_streams_within_a_second(
     assert nina.request("GET", "/agent/v1/sessions").status_code == 401
 
 
+def watch_until_closed(response):
+    """An event set once the streamed `response` ends (the server closed it), read on a thread."""
+    closed = threading.Event()
+
+    def read():
+        try:
+            for _ in response.iter_lines():
+                pass
+        except requests.exceptions.RequestException:
+            pass
+        closed.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return closed
+
+
 def test_a_page_opened_with_a_tenants_token_ends_with_that_token_and_a_viewer_link_does_not(world):
     gateway, alice = world["gateway"], world["alice"]
     alice_id = world["sessions"]["alice"]["id"]
@@ -422,17 +438,7 @@ def test_a_page_opened_with_a_tenants_token_ends_with_that_token_and_a_viewer_li
     link_events = requests.get(f"{gateway.url}/agent/v1/sessions/{alice_id}/events", stream=True, timeout=60,
                                headers={"Accept": "text/event-stream", "Authorization": f"token {link}"})
     assert page_events.status_code == 200 and link_events.status_code == 200
-    closed = threading.Event()
-
-    def read_until_closed():
-        try:
-            for _ in page_events.iter_lines():
-                pass
-        except requests.exceptions.RequestException:
-            pass
-        closed.set()
-
-    threading.Thread(target=read_until_closed, daemon=True).start()
+    closed = watch_until_closed(page_events)
     assert gateway.request("DELETE", f"/agent/v1/tenants/alice/tokens/{issued['id']}").status_code == 204
     # The page's stream closes and its cookie opens nothing any more.
     assert closed.wait(5), "the page's stream stayed open after its token was revoked"
@@ -558,17 +564,7 @@ def test_a_viewer_links_kernel_watch_and_event_stream_close_when_the_link_expire
     events = Tenant(gateway, link).request("GET", f"/agent/v1/sessions/{alice_id}/events", stream=True,
                                            headers={"Accept": "text/event-stream"})
     assert events.status_code == 200
-    stream_ended = threading.Event()
-
-    def read_until_closed():
-        try:
-            for _ in events.iter_lines():
-                pass
-        except requests.exceptions.RequestException:
-            pass
-        stream_ended.set()
-
-    threading.Thread(target=read_until_closed, daemon=True).start()
+    stream_ended = watch_until_closed(events)
     started = time.monotonic()
     viewer.socket.settimeout(30)
     with pytest.raises((websocket.WebSocketConnectionClosedException, ConnectionError)):

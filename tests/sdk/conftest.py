@@ -60,17 +60,11 @@ def gw(cellblock, gateway_process):
         yield client
 
 
-class DroppingProxy:
-    """A TCP proxy in front of the gateway that closes, unanswered, every connection whose request line contains
-    `drop` while `drops_left` > 0 (after reading the request headers), and forwards the others with
-    `Connection: close`, so each request arrives on its own connection and is seen here. `request_lines` lists
-    every request line received, dropped or not."""
+class LocalTcpServer:
+    """A listener on 127.0.0.1 serving each accepted connection on a thread of its own (`_serve`), noting every
+    request line it reads in `request_lines`."""
 
-    def __init__(self, upstream_url):
-        host, port = upstream_url.split("//", 1)[1].split(":")
-        self.upstream = (host, int(port))
-        self.drop = b"\x00never"
-        self.drops_left = 0
+    def __init__(self):
         self.request_lines = []
         self.lock = threading.Lock()
         self.listener = socket.socket()
@@ -85,7 +79,35 @@ class DroppingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            self._accepted(client)
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _accepted(self, client):
+        """Called with each connection before it is served."""
+
+    def _serve(self, client):
+        raise NotImplementedError
+
+    def matching(self, fragment):
+        with self.lock:
+            return [line for line in self.request_lines if fragment in line]
+
+    def close(self):
+        self.listener.close()
+
+
+class DroppingProxy(LocalTcpServer):
+    """A TCP proxy in front of the gateway that closes, unanswered, every connection whose request line contains
+    `drop` while `drops_left` > 0 (after reading the request headers), and forwards the others with
+    `Connection: close`, so each request arrives on its own connection and is seen here. `request_lines` lists
+    every request line received, dropped or not."""
+
+    def __init__(self, upstream_url):
+        host, port = upstream_url.split("//", 1)[1].split(":")
+        self.upstream = (host, int(port))
+        self.drop = b"\x00never"
+        self.drops_left = 0
+        super().__init__()
 
     def _serve(self, client):
         with client:
@@ -124,13 +146,6 @@ class DroppingProxy:
             destination.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-
-    def matching(self, fragment):
-        with self.lock:
-            return [line for line in self.request_lines if fragment in line]
-
-    def close(self):
-        self.listener.close()
 
 
 @pytest.fixture
@@ -197,7 +212,7 @@ def asking_gateway(tmp_path_factory):
         host.close()
 
 
-class SilentServer:
+class SilentServer(LocalTcpServer):
     """A gateway that accepts TCP connections and reads requests but never answers, except that an /execute
     request gets, when `stream_head` is set, the head of an NDJSON stream and one stdout line, then silence.
     `request_lines` lists the request lines read."""
@@ -206,24 +221,12 @@ class SilentServer:
 
     def __init__(self):
         self.stream_head = False
-        self.request_lines = []
         self.connections = []
-        self.lock = threading.Lock()
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.connections.append(client)
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+    def _accepted(self, client):
+        with self.lock:
+            self.connections.append(client)
 
     def _serve(self, client):
         head = b""
@@ -244,12 +247,8 @@ class SilentServer:
         except OSError:
             return
 
-    def matching(self, fragment):
-        with self.lock:
-            return [line for line in self.request_lines if fragment in line]
-
     def close(self):
-        self.listener.close()
+        super().close()
         with self.lock:
             for connection in self.connections:
                 connection.close()
