@@ -1,21 +1,27 @@
 """The Kernel Gateway API when things go wrong: kernels that cannot start or die during start, the restart limit,
 max_kernels through /api/sessions, the bounded replay for reconnecting WebSocket clients, gateway exit with running
-kernels and confined workers, and TLS client certificates. Host-side checks read /proc."""
+kernels and confined workers (also as `share/scripts/start.sh` runs it, Ctrl-C included), and TLS client
+certificates. Host-side checks read /proc."""
 import json
 import os
+import queue
+import re
 import signal
 import ssl
 import subprocess
+import threading
 import time
 import uuid
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
 import websocket
 
 import broken_kernels
-from gateway_harness import TOKEN, Gateway, gateway_binary, outputs
-from host_processes import descendants, kernel_tree, wait_for, wait_until_gone
+from gateway_harness import PREFIX, TOKEN, Gateway, KernelSocket, _die_with_parent, gateway_binary, outputs
+from host_processes import descendants, kernel_tree, wait_for, wait_until_gone, with_cmdline
 
 GONE_TIMEOUT_S = 60
 
@@ -268,6 +274,80 @@ def test_sigterm_stop_with_shutdown_kernels_leaves_no_kernel_and_no_confined_wor
     # Issue 9: SIGTERM detaches kernels for re-adoption unless --shutdown-kernels-on-exit is given.
     arguments = ["--shutdown-kernels-on-exit"] if gateway_accepts("--shutdown-kernels-on-exit") else []
     assert_stop_leaves_no_kernel_and_no_worker(launch, signal.SIGTERM, *arguments)
+
+
+START_SH = Path(__file__).resolve().parents[2] / "share" / "scripts" / "start.sh"
+
+
+def test_start_sh_prints_url_and_token_serves_and_ctrl_c_stops_the_gateway_and_every_kernel(tmp_path):
+    """The README's first command as a user runs it, against the staged prefix (CELLBLOCK_SKIP_BUILD=1 leaves out
+    the dependency install and the build, nothing else): it prints the URL and a generated token, the token is
+    needed and enough, an execute answers, and Ctrl-C (SIGINT to the terminal's foreground process group) stops
+    the gateway with status 0 and every kernel and confined worker it started, the warm pool's included."""
+    gateway_binary()  # a missing install is a failure here, not a build started by start.sh
+    state = tmp_path / "state"
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("KG_", "CELLBLOCK_GATEWAY_"))}
+    environment.update(CELLBLOCK_PREFIX=str(PREFIX), CELLBLOCK_SKIP_BUILD="1", CELLBLOCK_STATE_DIR=str(state))
+    process = subprocess.Popen(["bash", str(START_SH), "--port", "0"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=environment, start_new_session=True,
+                               preexec_fn=_die_with_parent)
+    printed, lines = [], queue.Queue()
+
+    def pump():
+        for line in process.stdout:
+            printed.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        url = token = None
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while token is None:
+            assert time.monotonic() < deadline, "start.sh printed no URL and token:\n" + "".join(printed)
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            assert line is not None, "start.sh ended:\n" + "".join(printed)
+            if match := re.search(r"is available at (http://127\.0\.0\.1:\d+)", line):
+                url = match.group(1)
+            if match := re.search(r"\btoken: ([0-9a-f]{16,})$", line.strip()):
+                token = match.group(1)
+        assert url, "".join(printed)
+        assert printed[0].startswith("[start] cellblock-gateway, state in " + str(state)), printed[0]
+        assert f"{url}/api?token={token}" in "".join(printed)
+        assert requests.get(url + "/api/kernels", timeout=30).status_code == 401
+        created = requests.post(url + "/api/kernels", json={}, headers={"Authorization": f"token {token}"},
+                                timeout=120)
+        assert created.status_code == 201, created.text
+        kernel_id = created.json()["id"]
+        client = KernelSocket(SimpleNamespace(ws_base=url.replace("http", "ws", 1), token=token), kernel_id)
+        assert outputs(client.execute("6 * 7")) == "42"
+        client.close()
+
+        gateway = process.pid  # start.sh execs the gateway: the process the terminal's Ctrl-C reaches
+        assert "cellblock-gateway" in Path(f"/proc/{gateway}/cmdline").read_text(), "start.sh did not exec it"
+        # Its kernel's worker (it ran code) and the warm pool's kernel with its worker.
+        wait_for(lambda: len([p for p in descendants(gateway) if p.is_worker]) >= 2, what="two confined workers")
+        kernels = [p for p in with_cmdline(f"{state}/") if "cellblock-kernel" in p.cmdline]
+        assert len(kernels) >= 2, [str(p) for p in kernels]
+        everything = descendants(gateway) + kernels
+
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
+        assert process.wait(timeout=GONE_TIMEOUT_S) == 0, "".join(printed)
+        left = wait_until_gone(everything, GONE_TIMEOUT_S)
+        assert not left, f"still running after Ctrl-C: {[str(p) for p in left]}"
+        assert not with_cmdline(f"{state}/"), "a process of the gateway's state directory still runs"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for leftover in with_cmdline(f"{state}/"):
+            try:
+                os.kill(leftover.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 # ------------------------------------------------------------------------------------------ TLS client certificates
