@@ -1,8 +1,8 @@
 """Many gateways, one store (issue 10): two gateways, each with its own state directory, share a PostgreSQL store
 started by this module (initdb/pg_ctl in a temporary directory, stopped at the end). Any gateway serves any session
 (no sticky sessions), a gateway killed with SIGKILL leaves its sessions working through the other one with their
-state, executes of one agent session are serialized across gateways, and a deletion through one gateway is seen by
-the other. Real gateways, real kernels, real signals; a missing PostgreSQL is a failure, never a skip."""
+state, executes of one agent session are serialized across gateways, a deletion through one gateway is seen by
+the other, and the cull leader's lease passes to the other gateway when the leader is killed. Real gateways, real kernels, real signals; a missing PostgreSQL is a failure, never a skip."""
 import json
 import os
 import secrets
@@ -372,18 +372,23 @@ def test_a_restart_through_one_gateway_is_not_repeated_by_the_other(start_pair):
         assert len(pids) == 1 and pids != before[kernel], f"{kernel}: {before[kernel]} before, {pids} after"
 
 
-def test_culling_happens_once_from_the_activity_of_every_gateway(start_pair):
-    """Culling after 4 idle seconds on both gateways: only the cull leader culls. A kernel the leader never held,
-    started and kept in use through the other gateway, is not culled while in use (the leader learns of the use
-    from the store); once nobody uses it, it is culled exactly once."""
-    a, b = start_pair("--cull-idle-timeout", "4", "--cull-interval", "0.5", "--log-level", "info")
+def cull_leader(a, b):
+    """(the gateway that logged it took the cull-leader lease, the other one) once one of them did."""
     deadline = time.monotonic() + 30
     leaders = []
     while time.monotonic() < deadline and not leaders:
         leaders = [gateway for gateway in (a, b) if '"cull_leader"' in gateway.log_path.read_text()]
         time.sleep(0.2)
     assert len(leaders) == 1, "no single cull leader"
-    other = b if leaders[0] is a else a
+    return leaders[0], b if leaders[0] is a else a
+
+
+def test_culling_happens_once_from_the_activity_of_every_gateway(start_pair):
+    """Culling after 4 idle seconds on both gateways: only the cull leader culls. A kernel the leader never held,
+    started and kept in use through the other gateway, is not culled while in use (the leader learns of the use
+    from the store); once nobody uses it, it is culled exactly once."""
+    a, b = start_pair("--cull-idle-timeout", "4", "--cull-interval", "0.5", "--log-level", "info")
+    _, other = cull_leader(a, b)
     created = other.request("POST", "/api/kernels", json={"name": "cellblock-python"})
     assert created.status_code == 201, created.text
     kernel_id = created.json()["id"]
@@ -402,6 +407,38 @@ def test_culling_happens_once_from_the_activity_of_every_gateway(start_pair):
     assert len(logs) == 1, logs
     assert a.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
     assert b.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+
+
+def test_a_killed_cull_leader_is_replaced_by_the_other_gateway_which_culls_its_kernel(start_pair):
+    """The cull-leader lease is held by the leader's store connection: kill -9 of the leader ends it, and the other
+    gateway takes the lease at one of its next sweeps (within 20 s here, sweeps every 0.5 s) and culls, also a
+    kernel only the dead leader ever held (it outlived its gateway, idle since the leader's WebSocket to it went)."""
+    a, b = start_pair("--cull-idle-timeout", "4", "--cull-interval", "0.5", "--log-level", "info")
+    leader, other = cull_leader(a, b)
+    created = leader.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert created.status_code == 201, created.text
+    kernel_id = created.json()["id"]
+    channels = Channels(leader, kernel_id)  # connected: not culled while the leader lives, however long that takes
+    assert any(m["msg_type"] == "execute_result" for m in channels.execute("1 + 1"))
+    assert '"cull_leader"' not in other.log_path.read_text()
+
+    leader.process.send_signal(signal.SIGKILL)
+    leader.process.wait(timeout=30)
+    killed = time.monotonic()
+    channels.close()
+    assert kernel_processes(kernel_id), "the kernel did not outlive its gateway's kill -9"
+    while time.monotonic() - killed < 20 and '"cull_leader"' not in other.log_path.read_text():
+        time.sleep(0.1)
+    assert '"cull_leader"' in other.log_path.read_text(), "the cull lease was not taken over:\n" + other.log_tail()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and kernel_processes(kernel_id):
+        time.sleep(0.5)
+    assert not kernel_processes(kernel_id), "the dead leader's idle kernel was not culled"
+    culled = [line for line in other.log_path.read_text().splitlines()
+              if '"kernel_culled"' in line and kernel_id in line]
+    assert len(culled) == 1, other.log_tail()
+    assert other.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+    other.assert_alive()
 
 
 def test_kernel_and_session_lists_are_the_same_through_every_gateway(pair):
