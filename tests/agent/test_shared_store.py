@@ -2,7 +2,8 @@
 started by this module (initdb/pg_ctl in a temporary directory, stopped at the end). Any gateway serves any session
 (no sticky sessions), a gateway killed with SIGKILL leaves its sessions working through the other one with their
 state, executes of one agent session are serialized across gateways, a deletion through one gateway is seen by
-the other, and the cull leader's lease passes to the other gateway when the leader is killed. Real gateways, real kernels, real signals; a missing PostgreSQL is a failure, never a skip."""
+the other, and the cull leader's lease passes to the other gateway when the leader is killed. Real gateways, real
+kernels, real signals; a missing PostgreSQL is a failure, never a skip."""
 import json
 import os
 import secrets
