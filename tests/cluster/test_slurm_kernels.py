@@ -4,6 +4,7 @@ Every kernel is one batch job named cellblock-<kernel_id>; the kernel binds ephe
 reports them to the gateway's launch registry over CurveZMQ with a one-time token (gateway/README.md)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -285,6 +286,66 @@ def test_a_slurm_kernel_is_readopted_by_the_next_gateway_with_its_state(slurm_cl
             socket.close()
         assert second.delete(f"/api/kernels/{kernel_id}").status_code == 204
         wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the re-adopted job to end")
+    finally:
+        second.stop()
+
+
+def test_after_a_gateway_kill_9_a_running_job_is_readopted_and_one_that_ended_meanwhile_is_reported(slurm_cluster,
+                                                                                                    tmp_path):
+    """kill -9 of a Slurm gateway leaves its jobs running. An agent session's job is cancelled while no gateway runs;
+    the next gateway on the same state directory re-adopts the other kernel's job with its variables, lets the
+    cancelled one go without submitting it again, and the session's next execute says its state was lost and why."""
+    state_dir = tmp_path / "state"
+    first = Gateway("--provisioner", "slurm", warm_pool=0, env=slurm_cluster.environment, state_dir=state_dir,
+                    keep_kernels=True)
+    try:
+        kept_id = first.start_kernel(name="python3")["id"]
+        socket = first.connect(kept_id)
+        try:
+            socket.execute("kept = 'across a kill -9'")
+        finally:
+            socket.close()
+        created = first.post("/agent/v1/sessions", json={"name": "ended"})
+        assert created.status_code == 201, created.text
+        assert first.post("/agent/v1/sessions/ended/execute", json={"code": "x = 1"}).json()["status"] == "ok"
+        ended_id = first.get("/agent/v1/sessions/ended").json()["kernel_id"]
+        (kept_job,) = live_jobs(slurm_cluster, kept_id)
+        (ended_job,) = live_jobs(slurm_cluster, ended_id)
+    finally:
+        first.stop(signal.SIGKILL)
+    assert first.process.returncode == -signal.SIGKILL
+    assert live_jobs(slurm_cluster, kept_id) == {kept_job: "RUNNING"}, "kill -9 of the gateway ended a job"
+    assert live_jobs(slurm_cluster, ended_id) == {ended_job: "RUNNING"}, "kill -9 of the gateway ended a job"
+    subprocess.run(["scancel", ended_job], env=slurm_cluster.environment, check=True, timeout=20)
+    wait_for(lambda: not live_jobs(slurm_cluster, ended_id), 30, "the cancelled job to end")
+
+    second = Gateway("--provisioner", "slurm", warm_pool=0, env=slurm_cluster.environment, state_dir=state_dir)
+    try:
+        model = wait_for(lambda: (lambda r: r.status_code == 200 and r.json())(
+            second.get(f"/api/kernels/{kept_id}")), 30, "the running kernel to be re-adopted")
+        assert model["provisioner"]["job_id"] == kept_job
+        socket = second.connect(kept_id)
+        try:
+            assert outputs(socket.execute("print(kept)")) == "across a kill -9\n"
+        finally:
+            socket.close()
+        # The gateway's one decision on the cancelled job: logged once the re-adoption failed, the kernel forgotten.
+        failed = wait_for(lambda: [json.loads(line) for line in list(second.output)
+                                   if '"kernel_readoption_failed"' in line and ended_id in line], 30,
+                          "the cancelled job's re-adoption to fail")
+        assert failed[0]["error"] == f"Slurm job {ended_job} ended: CANCELLED", failed
+        assert second.get(f"/api/kernels/{ended_id}").status_code == 404
+        assert jobs_named(slurm_cluster, ended_id) == {ended_job: "CANCELLED"}, "the cancelled kernel was resubmitted"
+        answer = second.post("/agent/v1/sessions/ended/execute", json={"code": "'x' in dir()"}).json()
+        assert answer["status"] == "ok" and answer["state_lost"] is True, answer
+        assert answer["result"]["text/plain"] == "False"
+        assert f"Slurm job {ended_job} ended: CANCELLED" in answer["notice"], answer["notice"]
+        new_id = second.get("/agent/v1/sessions/ended").json()["kernel_id"]
+        assert new_id != ended_id and live_jobs(slurm_cluster, new_id)
+        assert second.delete(f"/api/kernels/{kept_id}").status_code == 204
+        assert second.delete("/agent/v1/sessions/ended").status_code in (200, 204)
+        wait_for(lambda: not live_jobs(slurm_cluster, kept_id), 30, "the re-adopted job to end")
+        wait_for(lambda: not live_jobs(slurm_cluster, new_id), 30, "the session's new job to end")
     finally:
         second.stop()
 
