@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/template_services.hpp"
 #include "cellblock/gateway/time_format.hpp"
 
 extern char** environ;
@@ -25,6 +26,9 @@ namespace {
 // ms of CPU, which on a small machine competes with the new session's WebSocket connect and first requests
 // (tests/bench/README.md, "A warm create without the pool's refill beside it").
 constexpr auto pool_refill_pause = std::chrono::milliseconds(100);
+// A tenant's worker zygote template stays this long after its last kernel here ends, for a restart or the
+// next session (a template's start costs about a second of CPU).
+constexpr auto template_service_grace = std::chrono::seconds(10);
 
 fs::path make_private_directory(const fs::path& path) {
     if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST)
@@ -50,6 +54,28 @@ std::optional<std::string> process_env(const std::string& name) {
         return std::nullopt;
     return std::string(value);
 }
+
+// The worker zygote's tenant of a store tenant's kernels: its own template, never the operator's nor another
+// tenant's (forks of one template share its hash secret and layout, sandbox/README.md). Templates are the
+// host's, so the name also carries a digest of the store and of this gateway's state directory: a tenant
+// "acme" of another store on this host is another tenant, and each gateway supervises templates of its own
+// (template_services.hpp), so two gateways on one host never start or retire each other's.
+std::string store_digest(const GatewayConfig& config, const std::string& tenant) {
+    const std::string state_dir = fs::absolute(config.state_dir).string();
+    const std::array<std::string_view, 4> parts = {config.store, state_dir, tenant, ""};
+    return HmacSigner("cellblock zygote tenant").sign(parts).substr(0, 8);
+}
+
+std::string zygote_tenant_of(const GatewayConfig& config, const std::string& tenant) {
+    return "t" + store_digest(config, tenant) + "_" + tenant;
+}
+
+// The operator's kernels (and the warm pool's): `--zygote-tenant`, else one of this store's own, which no
+// store tenant's name can make ("o" where theirs begin with "t").
+std::string operator_zygote_tenant(const GatewayConfig& config) {
+    return config.zygote_tenant.empty() ? "o" + store_digest(config, "") + "_operator" : config.zygote_tenant;
+}
+
 }  // namespace
 
 KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, const GatewayConfig& config,
@@ -65,7 +91,8 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       pool_retry_timer_(io),
       pool_refill_timer_(io),
       housekeeping_sweep_(io) {
-    provisioners_["local"] = make_local_provisioner(io);
+    templates_ = std::make_shared<TemplateServices>(io, logger, template_service_grace);
+    provisioners_["local"] = make_local_provisioner(io, templates_);
     provisioners_["slurm"] = make_slurm_provisioner(io, zmq_context_, logger, config);
     std::array<char, 256> host{};
     if (::gethostname(host.data(), host.size() - 1) != 0)
@@ -415,9 +442,7 @@ std::map<std::string, std::string> KernelManager::kernel_environment(
     }
     environment.erase("KG_AUTH_TOKEN");
     // The tenant names who may share a template's hash secret and layout: the operator's word only.
-    environment.erase("CELLBLOCK_ZYGOTE_TENANT");
-    if (!config_.zygote_tenant.empty())
-        environment["CELLBLOCK_ZYGOTE_TENANT"] = config_.zygote_tenant;
+    environment["CELLBLOCK_ZYGOTE_TENANT"] = operator_zygote_tenant(config_);
     // The network policy is the operator's and the agent API's word only (never a client's env or spec env).
     environment.erase("CELLBLOCK_NETWORK_POLICY");
     environment.erase("CELLBLOCK_EGRESS_HOSTS");
@@ -570,20 +595,6 @@ void KernelManager::adopt(const std::shared_ptr<Kernel>& kernel) {
         kernels_.erase(id);
     });
 }
-
-namespace {
-
-// The worker zygote's tenant of a store tenant's kernels: its own template, never the operator's nor another
-// tenant's (forks of one template share its hash secret and layout, sandbox/README.md). Templates are the
-// host's, so the name also carries a digest of the store: a tenant "acme" of another store on this host (a
-// second deployment) is another tenant. Every gateway on one shared store names the same template.
-std::string zygote_tenant_of(const GatewayConfig& config, const std::string& tenant) {
-    const std::string store = config.store.empty() ? fs::absolute(config.state_dir).string() : config.store;
-    const std::array<std::string_view, 4> parts = {store, tenant, "", ""};
-    return "t" + HmacSigner("cellblock zygote tenant").sign(parts).substr(0, 8) + "_" + tenant;
-}
-
-}  // namespace
 
 void KernelManager::start_kernel(const KernelStartRequest& original, const StartHandler& on_started) {
     KernelStartRequest request = original;
@@ -821,6 +832,8 @@ void KernelManager::shutdown_all() {
         kernel->finish_termination(std::max(left, std::chrono::milliseconds(0)));
         kernel->close_sockets();
     }
+    // After the kernels: a template ends once its last worker has (their kernels closed its connections).
+    templates_->stop_all(std::chrono::milliseconds(6000));
     writer_.drain();
 }
 

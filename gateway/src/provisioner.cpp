@@ -16,6 +16,7 @@
 #include "cellblock/contract/environment.hpp"
 #include "cellblock/gateway/crypto.hpp"
 #include "cellblock/gateway/kernel_process.hpp"
+#include "cellblock/gateway/template_services.hpp"
 #include "cellblock/gateway/zmq_channel.hpp"
 
 extern char** environ;
@@ -35,8 +36,10 @@ namespace {
 
 class LocalInstance final : public KernelInstance {
   public:
-    LocalInstance(boost::asio::io_context& io, const InstanceLaunch& launch)
-        : process_(io, launch.argv, launch.environment, launch.working_directory.string(),
+    LocalInstance(boost::asio::io_context& io, const InstanceLaunch& launch,
+                  std::unique_ptr<TemplateServices::Hold> template_hold)
+        : template_hold_(std::move(template_hold)),
+          process_(io, launch.argv, launch.environment, launch.working_directory.string(),
                    launch.output_file.string()),
           identity_(ProcessIdentity::of(process_.pid())) {}
     LocalInstance(boost::asio::io_context& io, pid_t pid) : process_(io, ChildProcess::Adopt{}, pid) {}
@@ -53,21 +56,26 @@ class LocalInstance final : public KernelInstance {
     json describe() const override { return {{"name", "local"}, {"pid", process_.pid()}}; }
 
   private:
+    std::unique_ptr<TemplateServices::Hold> template_hold_;  // its worker zygote template runs meanwhile
     ChildProcess process_;
     std::optional<ProcessIdentity> identity_;
 };
 
 class LocalProvisioner final : public Provisioner {
   public:
-    explicit LocalProvisioner(boost::asio::io_context& io) : io_(io) {}
+    LocalProvisioner(boost::asio::io_context& io, std::shared_ptr<TemplateServices> templates)
+        : io_(io), templates_(std::move(templates)) {}
     std::string_view name() const override { return "local"; }
     bool reports_connection() const override { return false; }
     std::unique_ptr<KernelInstance> launch(const InstanceLaunch& launch, Connected) override {
-        return std::make_unique<LocalInstance>(io_, launch);
+        InstanceLaunch supervised = launch;
+        auto hold = templates_->hold(supervised);
+        return std::make_unique<LocalInstance>(io_, supervised, std::move(hold));
     }
 
   private:
     boost::asio::io_context& io_;
+    std::shared_ptr<TemplateServices> templates_;
 };
 
 // ------------------------------------------------------------------------------------------------ slurm
@@ -664,8 +672,9 @@ std::unique_ptr<KernelInstance> adopt_local_process(boost::asio::io_context& io,
     return std::make_unique<LocalInstance>(io, pid);
 }
 
-std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io) {
-    return std::make_shared<LocalProvisioner>(io);
+std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io,
+                                                    std::shared_ptr<TemplateServices> templates) {
+    return std::make_shared<LocalProvisioner>(io, std::move(templates));
 }
 
 std::shared_ptr<Provisioner> make_slurm_provisioner(boost::asio::io_context& io, zmq::context_t& zmq_context,

@@ -409,7 +409,27 @@ bool is_plain_name(const std::string& name) {
 
 }  // namespace
 
-pid_t Launcher::launch_template(const TemplateRequest& request) {
+struct Template::Impl {
+    pid_t pid = 0;
+    detail::CgroupSession cgroups;  // empty without TemplateRequest::limits
+};
+
+Template::Template(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Template::Template(Template&&) noexcept = default;
+Template& Template::operator=(Template&&) noexcept = default;
+Template::~Template() = default;
+
+pid_t Template::pid() const noexcept {
+    return impl_ ? impl_->pid : 0;
+}
+
+void Template::kill_all() const noexcept {
+    if (impl_) {
+        impl_->cgroups.kill_all();
+    }
+}
+
+Template Launcher::launch_template(const TemplateRequest& request) {
     Policy policy = state_->policy;
     if (!is_plain_name(request.name)) {
         throw SandboxError("launch_template: '" + request.name + "' is not a plain name ([A-Za-z0-9._-])");
@@ -464,6 +484,17 @@ pid_t Launcher::launch_template(const TemplateRequest& request) {
     plan.cwd = policy.workspace_target;
     plan.step_chdir = steps.add("chdir " + plan.cwd);
     auto skeleton = detail::RootSkeleton::prepare(policy, request.name, workspace, steps, plan);
+    auto impl = std::make_unique<Template::Impl>();
+    if (request.limits) {
+        // Its own memory and pids limits, accounted apart from every kernel's (the pages its forks share stay
+        // charged here).
+        impl->cgroups =
+            detail::CgroupSession::create(state_->cgroups, "template-" + request.name, *request.limits);
+        for (const auto& tasks_file : impl->cgroups.self_join_files()) {
+            plan.cgroup_joins.push_back(
+                {tasks_file.string(), steps.add("join cgroup " + tasks_file.parent_path().string())});
+        }
+    }
 
     auto [sync_read, sync_write] = detail::make_pipe("launch_template: pipe");
     auto [error_read, error_write] = detail::make_pipe("launch_template: pipe");
@@ -534,6 +565,8 @@ pid_t Launcher::launch_template(const TemplateRequest& request) {
     if (template_pid <= 0) {
         throw_errno("launch_template: clone the template", -template_pid);
     }
+    impl->pid = template_pid;
+    impl->cgroups.add_process(template_pid);
     const char go = 1;
     if (::write(sync_write.get(), &go, 1) != 1) {
         throw_errno("launch_template: release the template");
@@ -548,7 +581,7 @@ pid_t Launcher::launch_template(const TemplateRequest& request) {
         throw_errno("launch_template: read the template's status");
     }
     if (got == 0) {
-        return template_pid;  // execve happened
+        return Template(std::move(impl));  // execve happened
     }
     if (got != sizeof failure) {
         throw SandboxError("launch_template: the template reported a truncated error");

@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
+import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -129,9 +132,125 @@ def test_a_client_cannot_choose_the_tenant(make_gateway, gateway_tenant):
     model = gateway.start_kernel(env={"CELLBLOCK_ZYGOTE_TENANT": "someone-else", "LANG": "C.UTF-8"})
     environment = kernel_environment(gateway, model["id"])
     assert environment.get("LANG") == "C.UTF-8"  # the whitelist does pass client variables
-    assert environment.get("CELLBLOCK_ZYGOTE_TENANT") == gateway_tenant
+    if gateway_tenant is None:  # the operator's own template of this gateway (o<digest>_operator)
+        assert re.fullmatch(r"o[0-9a-f]{8}_operator", environment.get("CELLBLOCK_ZYGOTE_TENANT", "")), environment
+    else:
+        assert environment.get("CELLBLOCK_ZYGOTE_TENANT") == gateway_tenant
 
 
 def test_a_tenant_that_is_not_a_plain_name_stops_the_start(make_gateway):
     with pytest.raises(RuntimeError, match="zygote_tenant"):
         make_gateway("--zygote-tenant", "../elsewhere")
+
+
+# -- the template service: defaults, ownership, lifetime -------------------------------------------------------------
+
+TEMPLATE_GRACE_S = 10  # gateway/src/kernel_manager.cpp: template_service_grace
+
+
+def stock_policy() -> Path:
+    """The sandbox policy of the installed cellblock-python kernelspec (its config as shipped: zygote on)."""
+    argv = json.loads((PREFIX / "share" / "jupyter" / "kernels" / "cellblock-python" / "kernel.json").read_text())["argv"]
+    return Path(cellblock_zygote.resolved_config(Path(argv[argv.index("--config") + 1]))["sandbox_policy"])
+
+
+def wait_ended(pids, timeout) -> list:
+    """Waits on pidfds (no polling) until every process ended or `timeout` s passed; returns those still alive."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    try:
+        while fds and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(fds), [], [], max(0.0, deadline - time.monotonic()))
+            for fd in ready:
+                os.close(fd)
+                del fds[fd]
+        return sorted(fds.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def forked_kernel(gateway, policy, token=None, name=None):
+    """A kernel started as the token's owner whose worker is a fork of its tenant's template: (id, tenant)."""
+    token = token or gateway.token
+    body = {"name": name} if name else {}
+    started = gateway.post("/api/kernels", json=body, headers={"Authorization": f"token {token}"})
+    assert started.status_code == 201, started.text
+    kernel_id = started.json()["id"]
+    tenant = cellblock_zygote.named_tenant(kernel_environment(gateway, kernel_id)["CELLBLOCK_ZYGOTE_TENANT"])
+    socket = KernelSocket(SimpleNamespace(token=token, ws_base=gateway.ws_base), kernel_id)
+    try:
+        use_a_forked_worker(socket, kernel_id, policy, tenant)
+        return kernel_id, tenant, result_of(socket, "hash('abc')")
+    finally:
+        socket.close()
+
+
+def test_by_default_the_operators_kernels_fork_from_a_template_the_gateway_supervises(make_gateway):
+    # start.sh's gateway: no --zygote-tenant, the kernel config as installed. The operator's kernels share one
+    # template (hash("abc") agrees), which runs under a template service the gateway started, in a cgroup of its
+    # own; the kernels do not start templates themselves (CELLBLOCK_ZYGOTE_SUPERVISED).
+    policy = stock_policy()
+    gateway = make_gateway(warm_pool=0)
+    first, tenant, first_hash = forked_kernel(gateway, policy)
+    second, same_tenant, second_hash = forked_kernel(gateway, policy)
+    assert re.fullmatch(r"o[0-9a-f]{8}_operator", tenant) and same_tenant == tenant
+    assert first_hash == second_hash
+    assert kernel_environment(gateway, first).get("CELLBLOCK_ZYGOTE_SUPERVISED") == "1"
+    template = cellblock_zygote.template_pid(policy, tenant)
+    services = cellblock_zygote.template_services(tenant)
+    assert len(services) == 1 and cellblock_zygote._ppid(template) == services[0], (template, services)
+    assert cellblock_zygote._ppid(services[0]) == gateway.process.pid
+    assert f"/template-zygote-{tenant}\n" in Path(f"/proc/{template}/cgroup").read_text() + "\n"
+    kernel_cgroups = Path(f"/proc/{kernel_pids(first)[0]}/cgroup").read_text()
+    assert f"template-zygote-{tenant}" not in kernel_cgroups
+
+
+def test_a_tenants_template_stops_after_its_last_kernel_and_none_outlives_ctrl_c(make_gateway):
+    policy = stock_policy()
+    gateway = make_gateway(warm_pool=0)
+    created = gateway.post("/agent/v1/tenants", json={"name": f"carol-{os.getpid()}"})
+    assert created.status_code == 201, created.text
+    kernel_id, tenant, _ = forked_kernel(gateway, policy, token=created.json()["token"])
+    tenant_processes = [cellblock_zygote.template_pid(policy, tenant), *cellblock_zygote.template_services(tenant)]
+    assert len(tenant_processes) == 2, tenant_processes
+    _, operator_tenant, _ = forked_kernel(gateway, policy)
+    operator_processes = [cellblock_zygote.template_pid(policy, operator_tenant),
+                          *cellblock_zygote.template_services(operator_tenant)]
+    assert len(operator_processes) == 2, operator_processes
+
+    deleted = gateway.delete(f"/api/kernels/{kernel_id}")
+    assert deleted.status_code == 204, deleted.text
+    # Not before the grace (a restart or the tenant's next session finds it), and soon after it.
+    assert wait_ended(tenant_processes, TEMPLATE_GRACE_S / 2) == sorted(tenant_processes)
+    assert wait_ended(tenant_processes, TEMPLATE_GRACE_S + 30) == []
+    assert wait_ended(operator_processes, 0) == sorted(operator_processes)  # the operator's kernel still runs
+
+    gateway.stop(signal.SIGINT)
+    assert wait_ended(operator_processes, 10) == []
+
+
+def test_a_gateway_killed_with_sigkill_leaves_no_template_behind(make_gateway):
+    policy = stock_policy()
+    gateway = make_gateway(warm_pool=0)
+    kernel_id, tenant, _ = forked_kernel(gateway, policy)
+    service_processes = [cellblock_zygote.template_pid(policy, tenant), *cellblock_zygote.template_services(tenant)]
+    kernel_pid = kernel_pids(kernel_id)[0]
+    kernel_tree = cellblock_zygote.kernel_tree(kernel_pid)
+    try:
+        gateway.process.kill()
+        gateway.process.wait()
+        # The service sees its parent end (a pidfd), retires the template and kills it after a short wait.
+        assert wait_ended(service_processes, 20) == []
+    finally:
+        for pid in kernel_tree:  # a killed gateway leaves its kernels for the next one (gateway/README.md)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_ended(kernel_tree, 10)

@@ -1,5 +1,5 @@
-"""The kernel's zygote switch (sandbox/README.md "Worker zygote"): off by default; on, any failure of the template
-path falls back to the exec path with one `zygote_fallback` log line, never to no worker or weaker confinement.
+"""The kernel's zygote switch (sandbox/README.md "Worker zygote"): on by default where a tenant is named (the
+gateway names one for every kernel); any failure of the template path falls back to the exec path with one `zygote_fallback` log line, never to no worker or weaker confinement.
 
 The kernels run the installed binary and worker with a copy of the installed config that changes only the
 `worker.zygote*` keys (and the worker script made absolute, since the copy lives elsewhere).
@@ -117,8 +117,23 @@ def test_a_template_that_keeps_failing_is_not_restarted_by_every_launch(tmp_path
     assert "not starting another yet" in second_fallback["template"], second_fallback
 
 
-def test_zygote_is_off_by_default(tmp_path, tenant):
-    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-default", env={"CELLBLOCK_ZYGOTE_TENANT": tenant})
+def test_zygote_is_on_by_default_and_a_supervised_kernel_leaves_the_template_to_its_service(tmp_path, tenant):
+    # The config as installed, a tenant named, no template yet: the launch asks the tenant's template first, then
+    # goes by exec; supervised (the gateway's template service owns the template), the kernel starts none itself.
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-default",
+                                   env={"CELLBLOCK_ZYGOTE_TENANT": tenant, "CELLBLOCK_ZYGOTE_SUPERVISED": "1"})
+    assert result == "2"
+    fallbacks = [line for line in log if line.get("event") == "zygote_fallback"]
+    assert len(fallbacks) == 1 and fallbacks[0]["tenant"] == tenant, log
+    assert fallbacks[0]["template"] == "its template service starts it", fallbacks[0]
+    assert not [line for line in log if line.get("event") == "zygote_template_started"], log
+    assert not (STATE_DIR / f"zygote-{tenant}.sock").exists()
+
+
+@pytest.mark.parametrize("how", ["no tenant", "zygote false"])
+def test_without_a_tenant_or_switched_off_every_worker_is_execd(tmp_path, tenant, how):
+    env, worker = ({}, {}) if how == "no tenant" else ({"CELLBLOCK_ZYGOTE_TENANT": tenant}, {"zygote": False})
+    result, log = run_one_plus_one(tmp_path, "cellblock-zygote-off", env=env, **worker)
     assert result == "2"
     assert not [line for line in log if str(line.get("event", "")).startswith("zygote")], log
 

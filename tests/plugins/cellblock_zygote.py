@@ -107,12 +107,29 @@ def _listening_unix_inodes() -> set:
     return inodes
 
 
+def template_services(tenant: str) -> list:
+    """Pids of the tenant's template services (`cellblock-kernel --template-service`, a gateway's child that
+    starts and supervises the tenant's template: kernel/src/launch/template_service.hpp)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and b"--template-service" in Path(f"/proc/{entry}/cmdline").read_bytes() and \
+                    f"CELLBLOCK_ZYGOTE_TENANT={tenant}".encode() in \
+                    Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
 def template_pids(policy_path, tenant: str = TENANT) -> list:
     """Live templates of the tenant that still accept: a worker process (by its command line) whose stdout is
-    the tenant's log (the kernel starts it so) and that holds a listening unix socket. (The socket is bound under
-    a temporary name and renamed, so /proc/net/unix does not show its path.)"""
+    the tenant's log (a kernel without a supervisor starts it so) or that is a child of the tenant's template
+    service, and that holds a listening unix socket. (The socket is bound under a temporary name and renamed, so
+    /proc/net/unix does not show its path.)"""
     log = str(state_dir(policy_path) / f"zygote-{tenant}.log")
     listening = _listening_unix_inodes()
+    services = set(template_services(tenant))
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -120,7 +137,7 @@ def template_pids(policy_path, tenant: str = TENANT) -> list:
         try:
             if b"cellblock_worker" not in Path(f"/proc/{entry}/cmdline").read_bytes():
                 continue
-            if os.readlink(f"/proc/{entry}/fd/1") != log:
+            if os.readlink(f"/proc/{entry}/fd/1") != log and _ppid(int(entry)) not in services:
                 continue
             if any(os.readlink(f"/proc/{entry}/fd/{fd}") in listening for fd in os.listdir(f"/proc/{entry}/fd")):
                 found.append(int(entry))

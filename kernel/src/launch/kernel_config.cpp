@@ -167,7 +167,7 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         config.worker_script = resolve(base, worker.at("script").get<std::string>());
         config.worker_start_timeout_s =
             file_seconds(worker, "start_timeout_s", config.worker_start_timeout_s, "worker");
-        config.zygote.enabled = worker.value("zygote", false);
+        config.zygote.enabled = worker.value("zygote", true);
         config.zygote.tenant = worker.value("zygote_tenant", std::string());
         config.zygote.library =
             resolve(base, worker.value("zygote_library", std::string(CELLBLOCK_DEFAULT_ZYGOTE_LIBRARY)));
@@ -213,6 +213,7 @@ KernelConfig KernelConfig::load(const std::filesystem::path& file, const Environ
         check_tenant("CELLBLOCK_ZYGOTE_TENANT", *value);
         config.zygote.tenant = *value;
     }
+    config.zygote.supervised = environment("CELLBLOCK_ZYGOTE_SUPERVISED") == std::optional<std::string>("1");
 
     if (auto value = environment("CELLBLOCK_WORKSPACE")) {
         config.workspace = std::filesystem::path(*value);

@@ -33,15 +33,18 @@ struct ExecutionLimits {
 };
 
 // The worker zygote (sandbox/README.md "Worker zygote"): workers forked from a preloaded template shared by
-// the sessions of one tenant. Off unless enabled and a tenant is named; every failure falls back to exec.
+// the sessions of one tenant. On unless worker.zygote is false, where a tenant is named (the gateway names
+// one for every kernel it starts); every failure falls back to exec.
 struct ZygoteConfig {
-    bool enabled = false;           // worker.zygote
+    bool enabled = true;            // worker.zygote
+    bool supervised = false;        // CELLBLOCK_ZYGOTE_SUPERVISED=1: a template service starts the template
     std::string tenant;             // worker.zygote_tenant, overridden by CELLBLOCK_ZYGOTE_TENANT
     std::filesystem::path library;  // worker.zygote_library: host path of libcellblock_zygote.so
     // What a template this kernel starts imports before forking (worker.zygote_preload, module names), and
     // after how many forks or seconds it retires (worker.zygote_generation_forks / _seconds). Unset: the
-    // template's defaults (cellblock_runtime/zygote.py). A tenant's template is started by whichever of its
-    // kernels finds none, so the kernels of one tenant should agree on these.
+    // template's defaults (cellblock_runtime/zygote.py). The template service reads them from the same
+    // config; without a service, whichever of the tenant's kernels finds no template starts it, so those
+    // should agree.
     std::optional<std::vector<std::string>> preload;
     std::optional<unsigned> generation_forks;
     std::optional<double> generation_seconds;

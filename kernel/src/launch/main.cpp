@@ -47,6 +47,7 @@
 #include "launch/runtime_dir.hpp"
 #include "launch/scheduling.hpp"
 #include "launch/signal_router.hpp"
+#include "launch/template_service.hpp"
 #include "server/connection_info.hpp"
 #include "server/history_manager.hpp"
 #include "server/kernel_server.hpp"
@@ -277,8 +278,9 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
     spec.memory_bytes = config.limits.memory_mb * 1024 * 1024;
     spec.ready_timeout = worker_start_timeout;
     if (config.zygote.active()) {
-        spec.zygote = WorkerLaunchSpec::Zygote{config.zygote.tenant, config.zygote.library,
-                                               config.zygote.template_environment()};
+        spec.zygote = WorkerLaunchSpec::Zygote{
+            TemplateSpec{config.zygote.tenant, config.zygote.library, config.zygote.template_environment()},
+            config.zygote.supervised};
     }
     WorkerSupervisor supervisor(spec);
     ExitPath exit_path(supervisor, own_workspace, runtime);
@@ -456,6 +458,13 @@ int main(int argc, char** argv) {
     app.add_option("--report-server-key", report.server_public_key,
                    "the launch registry's Curve public key (Z85); default: CELLBLOCK_REPORT_SERVER_KEY")
         ->needs(report_option);
+    bool template_service = false;
+    app.add_flag(
+           "--template-service", template_service,
+           "run the worker zygote template of the tenant CELLBLOCK_ZYGOTE_TENANT names, supervised, until "
+           "SIGTERM or the end of the process that started this one (launch/template_service.hpp)")
+        ->excludes(file_option)
+        ->excludes(report_option);
     bool environment_stdin = false;
     app.add_flag("--environment-stdin", environment_stdin,
                  "read the launch environment document (JSON, contract/include/cellblock/contract/"
@@ -464,6 +473,15 @@ int main(int argc, char** argv) {
     if (environment_stdin) {
         std::cerr << cellblock::kernel::exec_with_launch_environment(argc, argv) << "\n";
         return 1;
+    }
+    if (template_service) {
+        try {
+            return cellblock::kernel::run_template_service(config_file);
+        } catch (const std::exception& error) {
+            cellblock::kernel::log_event(cellblock::kernel::LogLevel::error, "zygote_service_failed",
+                                         {{"error", error.what()}});
+            return 1;
+        }
     }
     if (!*file_option && !*report_option) {
         std::cerr << "one of --connection-file or --report-to is required\n";

@@ -3,16 +3,12 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <stdexcept>
 #include <string>
 
@@ -21,8 +17,6 @@
 namespace cellblock::kernel {
 namespace {
 
-// Where the worker runtime directory appears inside the sandbox.
-constexpr const char* worker_dir_inside = "/opt/cellblock/worker";
 constexpr std::size_t startup_tail_bytes = 4096;
 
 std::runtime_error system_error(const std::string& what) {
@@ -40,151 +34,6 @@ void keep_tail(std::string& tail, const char* data, std::size_t size) {
     tail.append(data, size);
     if (tail.size() > startup_tail_bytes) {
         tail.erase(0, tail.size() - startup_tail_bytes);
-    }
-}
-
-// A template that is not listening is started again at most this often (per tenant and host).
-constexpr std::chrono::seconds template_restart_interval{30};
-
-// Whether the last template started for the tenant ended its generation (forks or age): its log (the file its
-// stdout and stderr go to, truncated at each start) has its "retired" line, written before it stops
-// listening. Only such an end lets the next template start within the restart interval; a template that died
-// (while preparing or later) has none.
-bool last_template_retired(const std::filesystem::path& log_path) {
-    constexpr std::size_t read_limit = 1 << 20;  // a template logs a line per event of its life
-    std::ifstream log(log_path);
-    std::size_t read = 0;
-    for (std::string line; read < read_limit && std::getline(log, line); read += line.size() + 1) {
-        if (line.find("\"retired\"") == std::string::npos) {
-            continue;
-        }
-        const auto event = nlohmann::json::parse(line, nullptr, false);
-        if (event.is_object() && event.contains("component") && event["component"] == "cellblock-zygote" &&
-            event.contains("event") && event["event"] == "retired") {
-            // Used up or aged out; a template that retired because it could not fork ("threads") would do the
-            // same again.
-            return event.contains("reason") && (event["reason"] == "forks" || event["reason"] == "age");
-        }
-    }
-    return false;
-}
-
-// Whether something listens on the template socket (a refused or missing socket is a dead template).
-bool template_listens(const std::filesystem::path& socket_path) {
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    const std::string path = socket_path.string();
-    if (path.size() >= sizeof address.sun_path) {
-        return false;
-    }
-    std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
-    UniqueFd probe(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (!probe) {
-        throw system_error("socket (probe the zygote template)");
-    }
-    if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0) {
-        return true;  // closed at once: the template drops a connection that sends no request
-    }
-    return errno != ECONNREFUSED && errno != ENOENT;  // EAGAIN: a full backlog is a busy, live template
-}
-
-// A listening SOCK_SEQPACKET socket at `socket_path`, mode 0600 from its first moment: bound under a
-// temporary name in the same directory, then renamed over whatever (dead) socket was there.
-UniqueFd listen_at(const std::filesystem::path& socket_path) {
-    const auto temporary = socket_path.parent_path() / ("." + socket_path.filename().string() + "." +
-                                                        std::to_string(::getpid()) + ".new");
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    const std::string path = temporary.string();
-    if (path.size() >= sizeof address.sun_path) {
-        throw std::runtime_error("the template socket path " + path + " is too long");
-    }
-    std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
-    UniqueFd listening(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-    if (!listening) {
-        throw system_error("socket (zygote template)");
-    }
-    ::unlink(path.c_str());  // a leftover of a kernel that died here (ENOENT otherwise)
-    if (::bind(listening.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
-        throw system_error("bind " + path);
-    }
-    if (::chmod(path.c_str(), 0600) != 0 || ::listen(listening.get(), 128) != 0 ||
-        ::rename(path.c_str(), socket_path.c_str()) != 0) {
-        const auto error = system_error("listen on " + socket_path.string());
-        ::unlink(path.c_str());
-        throw error;
-    }
-    return listening;
-}
-
-// Starts the tenant's template unless one listens or another kernel is starting it. Returns what happened,
-// for the fallback's log line.
-std::string start_template_if_dead(sandbox::Launcher& launcher, const WorkerLaunchSpec::Zygote& zygote,
-                                   const sandbox::LaunchRequest& worker) {
-    const auto& state_dir = launcher.policy().state_dir;
-    const std::string name = "zygote-" + zygote.tenant;
-    const auto socket_path = state_dir / (name + ".sock");
-    try {
-        const auto lock_path = state_dir / (name + ".lock");
-        UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
-        if (!lock) {
-            throw system_error("open " + lock_path.string());
-        }
-        if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
-            if (errno == EWOULDBLOCK) {
-                return "another kernel is starting the template";
-            }
-            throw system_error("flock " + lock_path.string());
-        }
-        if (template_listens(socket_path)) {
-            return "the template listens (it answered nothing usable for this launch)";
-        }
-        // A template that dies while it prepares (a preload that fails) would otherwise be started again by
-        // every launch: the lock file's time is when the last one was started.
-        struct stat lock_info {};
-        if (::fstat(lock.get(), &lock_info) != 0) {
-            throw system_error("fstat " + lock_path.string());
-        }
-        const auto since_last = std::chrono::system_clock::now() -
-                                std::chrono::system_clock::from_time_t(lock_info.st_mtim.tv_sec);
-        const auto log_path = state_dir / (name + ".log");
-        // A generation used up within the interval (200 forks at a few launches a second) is no failure.
-        if (lock_info.st_size > 0 && since_last < template_restart_interval &&
-            !last_template_retired(log_path)) {
-            return "a template was started less than " + std::to_string(template_restart_interval.count()) +
-                   " s ago and is not listening; not starting another yet";
-        }
-        UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
-        if (!log) {
-            throw system_error("open " + log_path.string());
-        }
-        UniqueFd listening = listen_at(socket_path);
-        sandbox::TemplateRequest request;
-        request.name = name;
-        request.argv = worker.argv;
-        request.environment = worker.environment;
-        request.environment.insert(request.environment.end(), zygote.template_environment.begin(),
-                                   zygote.template_environment.end());
-        request.listening_socket = listening.get();
-        request.stdout_fd = log.get();
-        request.stderr_fd = log.get();
-        request.zygote_library = zygote.library;
-        // Marks the start (size > 0, and its time) before it happens, so a failing start is not retried at
-        // once.
-        if (::ftruncate(lock.get(), 1) != 0 || ::futimens(lock.get(), nullptr) != 0) {
-            throw system_error("mark " + lock_path.string());
-        }
-        try {
-            const pid_t pid = launcher.launch_template(request);
-            log_event(LogLevel::warning, "zygote_template_started",
-                      {{"tenant", zygote.tenant}, {"pid", pid}, {"socket", socket_path.string()}});
-            return "started the template (pid " + std::to_string(pid) + ") for the next launches";
-        } catch (...) {
-            ::unlink(socket_path.c_str());
-            throw;
-        }
-    } catch (const std::exception& error) {
-        return std::string("could not start the template: ") + error.what();
     }
 }
 
@@ -266,13 +115,7 @@ void WorkerSupervisor::launcher_loop() {
         const auto started = std::chrono::steady_clock::now();
         try {
             if (!launcher) {
-                auto policy = sandbox::Policy::load(spec_.policy_file);
-                sandbox::MountSpec runtime;
-                runtime.kind = sandbox::MountSpec::Kind::bind;
-                runtime.source = spec_.worker_script.parent_path().string();
-                runtime.target = worker_dir_inside;
-                policy.mounts.push_back(runtime);
-                launcher.emplace(std::move(policy));
+                launcher.emplace(worker_policy(spec_.policy_file, spec_.worker_script));
                 for (const auto& weakened : launcher->weakened()) {
                     log_event(LogLevel::warning, "sandbox_weakened", {{"mechanism", weakened}});
                 }
@@ -331,11 +174,10 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
     UniqueFd err_read(err[0]), err_write(err[1]);
 
     sandbox::LaunchRequest request;
-    request.argv = {spec_.python.string(),
-                    std::string(worker_dir_inside) + "/" + spec_.worker_script.filename().string()};
+    request.argv = worker_argv(spec_.python, spec_.worker_script);
     // Explicit and minimal: the policy's base environment (nothing is inherited from the kernel, which
     // holds the connection key) plus what the worker's pipes need.
-    request.environment = {"PYTHONIOENCODING=utf-8", "PYTHONUNBUFFERED=1"};
+    request.environment = worker_base_environment();
     request.environment.insert(request.environment.end(), spec_.environment.begin(), spec_.environment.end());
     request.workspace = spec_.workspace;
     request.stdout_fd = out_write.get();
@@ -440,19 +282,23 @@ sandbox::Process WorkerSupervisor::launch_process(sandbox::Launcher& launcher,
     if (!spec_.zygote) {
         return launcher.launch(request);
     }
-    nlohmann::json fallback = {{"tenant", spec_.zygote->tenant}};
+    const TemplateSpec& zygote = spec_.zygote->template_spec;
+    nlohmann::json fallback = {{"tenant", zygote.tenant}};
     if (spec_.loopback_service || !spec_.environment.empty()) {
         // A fork has the template's environment, which is one for every session of the tenant.
         fallback["reason"] = "this session's worker environment differs from the template's (network policy)";
     } else {
-        request.zygote_socket = launcher.policy().state_dir / ("zygote-" + spec_.zygote->tenant + ".sock");
+        request.zygote_socket = template_socket(launcher, zygote.tenant);
         try {
             return launcher.launch(request);
         } catch (const sandbox::ZygoteUnavailable& error) {
             fallback["reason"] = error.what();
         }
         request.zygote_socket.clear();
-        fallback["template"] = start_template_if_dead(launcher, *spec_.zygote, request);
+        fallback["template"] =
+            spec_.zygote->supervised
+                ? "its template service starts it"
+                : start_template_if_dead(launcher, zygote, request.argv, request.environment);
     }
     log_event(LogLevel::warning, "zygote_fallback", fallback);
     return launcher.launch(request);

@@ -26,6 +26,7 @@
 #include "common/unique_fd.hpp"
 #include "common/utf8_decoder.hpp"
 #include "worker/worker_channel.hpp"
+#include "worker/zygote_template.hpp"
 
 namespace cellblock::kernel {
 
@@ -49,14 +50,15 @@ struct WorkerLaunchSpec {
     };
     std::optional<LoopbackService> loopback_service;
 
-    // Workers forked from a preloaded template shared by the sessions of `tenant` (sandbox/README.md "Worker
-    // zygote"), listening on <state_dir>/zygote-<tenant>.sock. A launch the template cannot serve goes by
-    // exec, with one `zygote_fallback` log line; a dead template is started again (flock election on
-    // <state_dir>/zygote-<tenant>.lock) for the launches after that one. Unset: every launch is by exec.
+    // Workers forked from a preloaded template shared by the sessions of one tenant (sandbox/README.md
+    // "Worker zygote"), listening on <state_dir>/zygote-<tenant>.sock. A launch the template cannot serve
+    // goes by exec, with one `zygote_fallback` log line. A supervised kernel leaves the template to its
+    // template service (the gateway runs one per tenant, launch/template_service.cpp); one without a
+    // supervisor starts a dead template again itself (worker/zygote_template.hpp). Unset: every launch is by
+    // exec.
     struct Zygote {
-        std::string tenant;                             // a plain name (KernelConfig checks it)
-        std::filesystem::path library;                  // host path of libcellblock_zygote.so
-        std::vector<std::string> template_environment;  // CELLBLOCK_ZYGOTE_* for a template started here
+        TemplateSpec template_spec;
+        bool supervised = false;
     };
     std::optional<Zygote> zygote;
 };

@@ -159,14 +159,19 @@ TEST_F(KernelConfigFile, ANetworkPolicyThatIsNotAJsonObjectStopsTheStart) {
     }
 }
 
-TEST_F(KernelConfigFile, TheZygoteIsOffUnlessSwitchedOnWithATenant) {
+TEST_F(KernelConfigFile, TheZygoteIsOnByDefaultWhereATenantIsNamed) {
     auto config = KernelConfig::load(file, environment());
-    EXPECT_FALSE(config.zygote.enabled);
-    EXPECT_FALSE(config.zygote.active());
-    variables = {{"CELLBLOCK_ZYGOTE_TENANT", "alice"}};
+    EXPECT_TRUE(config.zygote.enabled);
+    EXPECT_FALSE(config.zygote.active()) << "no tenant: every launch by exec";
+    EXPECT_FALSE(config.zygote.supervised);
+    variables = {{"CELLBLOCK_ZYGOTE_TENANT", "alice"}, {"CELLBLOCK_ZYGOTE_SUPERVISED", "1"}};
     config = KernelConfig::load(file, environment());
     EXPECT_EQ(config.zygote.tenant, "alice");
-    EXPECT_FALSE(config.zygote.active()) << "a tenant alone does not switch it on";
+    EXPECT_TRUE(config.zygote.active());
+    EXPECT_TRUE(config.zygote.supervised);
+
+    std::ofstream(file) << R"({"worker": {"script": "w.py", "zygote": false}, "sandbox_policy": "p.json"})";
+    EXPECT_FALSE(KernelConfig::load(file, environment()).zygote.active()) << "switched off, a tenant or not";
 
     std::ofstream(file) << R"({"worker": {"script": "w.py", "zygote": true, "zygote_tenant": "from-file",
                                           "zygote_library": "lib/z.so"}, "sandbox_policy": "p.json"})";

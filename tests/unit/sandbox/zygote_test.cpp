@@ -569,7 +569,7 @@ TEST_F(ZygoteLaunchTest, ALaunchedTemplateForksConfinedWorkers) {
                     "--from-fds"};
     request.listening_socket = listening;
     request.zygote_library = CELLBLOCK_ZYGOTE_LIBRARY;
-    const pid_t template_pid = launcher.launch_template(request);
+    const pid_t template_pid = launcher.launch_template(request).pid();
     ::close(listening);
     ASSERT_GT(template_pid, 0);
     const int template_pidfd = static_cast<int>(::syscall(SYS_pidfd_open, template_pid, 0));

@@ -46,6 +46,8 @@ struct KernelStartError {
     std::string message;
 };
 
+class TemplateServices;
+
 class KernelManager {
   public:
     using StartHandler = std::function<void(std::variant<std::shared_ptr<Kernel>, KernelStartError>)>;
@@ -159,6 +161,7 @@ class KernelManager {
     GatewayMetrics& metrics_;
     zmq::context_t zmq_context_;
     // By name ("local", "slurm"); after the ZMQ context, so they go first (the launch registry's socket).
+    std::shared_ptr<TemplateServices> templates_;  // before the provisioners, which hold it
     std::map<std::string, std::shared_ptr<Provisioner>> provisioners_;
     std::filesystem::path runtime_dir_;
     std::filesystem::path workspace_root_;

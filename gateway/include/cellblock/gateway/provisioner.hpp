@@ -96,7 +96,10 @@ class Provisioner {
     }
 };
 
-std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io);
+class TemplateServices;
+// Local kernels hold their zygote tenant's template service (template_services.hpp) while they run.
+std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io,
+                                                    std::shared_ptr<TemplateServices> templates);
 // A local kernel process started by an earlier gateway (re-adoption). Throws std::system_error when it is
 // gone.
 std::unique_ptr<KernelInstance> adopt_local_process(boost::asio::io_context& io, pid_t pid);

@@ -146,6 +146,31 @@ struct TemplateRequest {
     // Host path of libcellblock_zygote.so: its directory is bound read-only at /opt/cellblock/zygote in the
     // template's root only, and CELLBLOCK_ZYGOTE_LIBRARY names it there.
     std::filesystem::path zygote_library;
+    // Set: the template runs in a cgroup of its own ("template-<name>") with these limits, which the returned
+    // Template owns. Unset: it stays in the caller's cgroups and the Template owns nothing.
+    std::optional<ResourceLimits> limits;
+};
+
+// A started zygote template. It is not the caller's child (a double fork; a PR_SET_CHILD_SUBREAPER caller
+// becomes its parent). With TemplateRequest::limits this object owns the template's cgroup: the destructor
+// kills whatever is still in it and removes it, so end the template (or wait for its end) first.
+class Template {
+  public:
+    Template(Template&&) noexcept;
+    Template& operator=(Template&&) noexcept;
+    Template(const Template&) = delete;
+    Template& operator=(const Template&) = delete;
+    ~Template();
+
+    pid_t pid() const noexcept;
+    void kill_all() const noexcept;  // SIGKILL everything in its cgroup (no-op without one)
+
+    struct Impl;
+
+  private:
+    friend class Launcher;
+    explicit Template(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
 };
 
 class Process {
@@ -194,10 +219,10 @@ class Launcher {
     // Starts request.argv confined. Throws SandboxError with context on any failure; nothing is left behind.
     Process launch(const LaunchRequest& request);
 
-    // Starts a zygote template and returns its pid; fd 4 in it is the launcher's mount namespace
-    // (/proc/self/ns/mnt). It is not the caller's child (a double fork): nobody here waits for it.
-    // Throws SandboxError with context on any failure.
-    pid_t launch_template(const TemplateRequest& request);
+    // Starts a zygote template; fd 4 in it is the launcher's mount namespace (/proc/self/ns/mnt). It is not
+    // the caller's child (a double fork): nobody here waits for it. Throws SandboxError with context on any
+    // failure.
+    Template launch_template(const TemplateRequest& request);
 
     // Mechanisms this host lacks that the policy allowed to skip (empty on a fully confined host).
     const std::vector<std::string>& weakened() const noexcept;

@@ -359,6 +359,7 @@ SETTINGS_FD = 5          # the settings across the template's re-exec (shed_sett
 SETTINGS_PREFIX = "CELLBLOCK_ZYGOTE_"
 SETTINGS_MEMFD_NAME = "cellblock-zygote-settings"
 MAGIC = b"CBZ1"
+RETIRE_MAGIC = b"CBZR"  # a request of these 4 bytes alone, no fds: retire (TemplateService._serve_request)
 MAX_FDS = 16
 MAX_REQUEST_BYTES = 1 << 20
 FIRST_MESSAGE_SECONDS = 10.0
@@ -575,6 +576,13 @@ class TemplateService:
         fds = list(received)
         del self.pending[fd]
         self.poller.unregister(fd)
+        if size == len(RETIRE_MAGIC) and not fds and bytes(self.request_buffer[:size]) == RETIRE_MAGIC:
+            # The template service's typed stop (kernel/src/launch/template_service.cpp): no more forks; the
+            # live workers go on, and the template exits after the last one.
+            self.retire("requested")
+            view[:size] = bytes(size)
+            self._answer_and_close(connection, {"retired": True, "workers": len(self.pidfds)})
+            return None
         refusal, outcome = self._refusal(size, flags, fds), None
         if refusal is None:
             try:
