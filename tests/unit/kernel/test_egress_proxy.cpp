@@ -1,9 +1,13 @@
 // The egress proxy on loopback, end to end at the socket level: a real listening socket handed to serve(),
 // real TCP clients speaking CONNECT and absolute-form HTTP, real upstream servers on 127.0.0.1 (reached
 // through names pinned like `--egress-hosts` does, which is what exempts 127.0.0.1), a fake approval broker
-// and an observer that checks what the audit would record.
+// and an observer that checks what the audit would record. Names the host's resolver would answer with both a
+// public and a private address come from a getaddrinfo of this binary's own (below), which asio's resolver
+// calls.
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <gtest/gtest.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -18,6 +22,39 @@
 #include <thread>
 
 #include "egress/egress_proxy.hpp"
+
+// The host's resolver as a hostile or split-horizon zone would make it answer: private-first.test resolves to
+// 127.0.0.1 (where the test's upstream servers listen) and then a public address, public-first.test the other
+// way round. Every other name goes to glibc's getaddrinfo. Defined in the executable, this one is what asio
+// calls.
+std::atomic<int> mixed_name_lookups{0};
+
+extern "C" int getaddrinfo(const char* node, const char* service, const addrinfo* hints, addrinfo** result) {
+    using Real = int (*)(const char*, const char*, const addrinfo*, addrinfo**);
+    static const auto real = reinterpret_cast<Real>(::dlsym(RTLD_NEXT, "getaddrinfo"));
+    const std::string name = node ? node : "";
+    if (name != "private-first.test" && name != "public-first.test")
+        return real(node, service, hints, result);
+    ++mixed_name_lookups;
+    // 100.128.0.1: public (EgressAddress's cases), and no server of this test listens there.
+    const char* first = name == "private-first.test" ? "127.0.0.1" : "100.128.0.1";
+    const char* second = name == "private-first.test" ? "100.128.0.1" : "127.0.0.1";
+    addrinfo numeric{};
+    numeric.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+    numeric.ai_family = AF_INET;
+    numeric.ai_socktype = SOCK_STREAM;
+    addrinfo* head = nullptr;
+    addrinfo* tail = nullptr;
+    if (const int error = real(first, service, &numeric, &head); error != 0)
+        return error;
+    if (const int error = real(second, service, &numeric, &tail); error != 0) {
+        ::freeaddrinfo(head);
+        return error;
+    }
+    head->ai_next = tail;  // glibc's freeaddrinfo frees node by node
+    *result = head;
+    return 0;
+}
 
 namespace cellblock::kernel::egress {
 namespace {
@@ -469,6 +506,34 @@ TEST_F(EgressProxyTest, LoopbackAndMetadataAddressesAreRefusedUnlessPinned) {
     EXPECT_NE(literal.find("127.0.0.1 resolves to 127.0.0.1, a loopback address"), std::string::npos)
         << literal;
     EXPECT_EQ(echo_server.connections() + http_server.connections(), 0);
+}
+
+// DNS rebinding within one answer: a name the host's resolver answers with a public and a private address.
+// The private one is never dialled, whether it comes first or is what async_connect would fall back to once
+// the public one fails; the public one is (the answer is no 403). The control: a pinned name to the same
+// 127.0.0.1 server is dialled through this proxy and counted there.
+TEST_F(EgressProxyTest, ANameResolvingToAPublicAndAPrivateAddressNeverDialsThePrivateOne) {
+    ProxyLimits limits;
+    limits.connect = 1s;  // the public address answers nothing here
+    start({{"allow", {"private-first.test", "public-first.test", "pypi.test"}}}, limits);
+    for (const std::string host : {"private-first.test", "public-first.test"}) {
+        for (const auto& request :
+             {connect_line(host, echo_server.port()), get_request(host, echo_server.port())}) {
+            const auto response = exchange(request);
+            EXPECT_FALSE(response.starts_with("HTTP/1.1 403 ")) << host << ": " << response;
+            EXPECT_EQ(response.find("127.0.0.1"), std::string::npos) << response;
+        }
+    }
+    EXPECT_EQ(mixed_name_lookups.load(), 4);
+
+    // The server echoes the control's hello only after it accepted the control's connection, and it accepts
+    // in order: a dial to 127.0.0.1 by any request above would be counted by then.
+    const auto hello = fixture("tls13_pypi_test.bin");
+    auto control = connect_to(proxy_port);
+    send_all(control.get(), connect_line("pypi.test", echo_server.port()) + hello);
+    EXPECT_EQ(receive_head(control.get()), "HTTP/1.1 200 Connection established\r\n\r\n");
+    EXPECT_EQ(receive(control.get(), hello.size()), hello);
+    EXPECT_EQ(echo_server.connections(), 1);
 }
 
 // The operator's deny list wins over a pinned name: the hosts file exempts from the private ranges only.
