@@ -24,6 +24,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _wait_gone(pids, timeout: float) -> set:
     deadline = time.monotonic() + timeout
     left = {p for p in pids if _alive(p)}
@@ -221,7 +229,10 @@ def test_worker_dying_while_idle_does_not_fail_the_next_cell(fresh_kernel):
     run = k.execute("import os, threading, time\n"
                     "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(7)), daemon=True).start()")
     assert run.content["status"] == "ok"
-    time.sleep(2)
+    workers = {pid for pid in _descendants(k.pid) if "cellblock_worker" in _cmdline(pid)}
+    assert workers, _descendants(k.pid)
+    # The next cell once the worker has exited (reaped), not after a guess at how long that takes.
+    assert not _wait_gone(workers, 30), "the worker did not exit"
     after = k.execute("1 + 1")
     assert after.content["status"] == "ok", after.content
     assert _result(after) == "2"
