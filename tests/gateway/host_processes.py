@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import cellblock_zygote
+
 
 @dataclass(frozen=True)
 class HostProcess:
@@ -18,8 +20,12 @@ class HostProcess:
 
     @property
     def is_worker(self) -> bool:
-        """The confined Python worker (cellblock_worker.py, run by python inside the sandbox)."""
-        return "cellblock_worker" in self.cmdline
+        """The confined Python worker (cellblock_worker.py, run by python inside the sandbox), not a zygote template
+        (the same program, a child of its template service: kernel/README.md "Worker zygote")."""
+        if "cellblock_worker" not in self.cmdline:
+            return False
+        parent = _read(self.ppid)
+        return not (parent and "--template-service" in parent[1].cmdline)
 
     def __str__(self):
         return f"{self.pid} ({self.cmdline[:120]})"
@@ -71,13 +77,26 @@ def with_cmdline(fragment: str) -> list:
     return [p for p in process_table().values() if fragment in p.cmdline]
 
 
+def below_kernel(kernel_pid: int) -> list:
+    """Everything a kernel runs: the processes below it and, when its worker is a fork of a zygote template (the
+    template's child, not the kernel's), that worker, which the kernel holds by a pidfd, with what is below it."""
+    found = descendants(kernel_pid)
+    for pid in cellblock_zygote.pidfd_targets(kernel_pid):
+        read = _read(pid)
+        if read and read[0] != "Z" and all(p.pid != pid for p in found):
+            found.append(read[1])
+            found.extend(descendants(pid))
+    return found
+
+
 def kernel_tree(runtime_dir, kernel_id: str = "") -> list:
     """A gateway's kernel processes (their command line names a connection file in its runtime directory; all of
-    them when `kernel_id` is empty) with everything below them: the confined worker and the sandbox's processes."""
+    them when `kernel_id` is empty) with everything they run (below_kernel): the confined worker and the sandbox's
+    processes."""
     found = []
     for kernel in with_cmdline(f"{runtime_dir}/kernel-{kernel_id}"):
         found.append(kernel)
-        found.extend(descendants(kernel.pid))
+        found.extend(below_kernel(kernel.pid))
     return found
 
 

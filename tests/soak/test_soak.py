@@ -39,7 +39,7 @@ import websocket
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "gateway"))
 from gateway_harness import KernelSocket  # noqa: E402
-from host_processes import descendants, kernel_tree, wait_for, wait_until_gone, with_cmdline  # noqa: E402
+from host_processes import below_kernel, kernel_tree, wait_for, wait_until_gone, with_cmdline  # noqa: E402
 
 # The agent suite's gateway harness (tests/agent/conftest.py), under a name that cannot clash with other conftests.
 _spec = importlib.util.spec_from_file_location("agent_conftest", HERE.parent / "agent" / "conftest.py")
@@ -601,7 +601,7 @@ def settled(soak: Soak) -> dict:
 
     def pool_ready():
         roots = kernel_roots(soak)
-        return len(roots) == WARM_POOL and all(any(p.is_worker for p in descendants(root.pid)) for root in roots)
+        return len(roots) == WARM_POOL and all(any(p.is_worker for p in below_kernel(root.pid)) for root in roots)
 
     wait_for(pool_ready, timeout=GONE_TIMEOUT_S,
              what=f"exactly the {WARM_POOL} warm-pool kernels to be running, each with its worker")

@@ -145,7 +145,7 @@ sandbox::Template start_template(sandbox::Launcher& launcher, const TemplateSpec
     request.stdout_fd = log_fd;
     request.stderr_fd = log_fd;
     request.zygote_library = spec.library;
-    request.limits = std::move(limits);
+    request.limits = limits;
     try {
         auto started = launcher.launch_template(request);
         log_event(LogLevel::warning, "zygote_template_started",
