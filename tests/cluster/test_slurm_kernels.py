@@ -67,9 +67,9 @@ def test_a_kernel_is_a_job_that_executes_keeps_state_interrupts_restarts_and_is_
         assert outputs(socket.execute("x + 1")) == "42"
 
         # Interrupt: a sleeping cell ends with KeyboardInterrupt.
-        msg_id = socket.send("execute_request", {"code": "import time\ntime.sleep(120)", "silent": False})
-        socket.replies_to(msg_id, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "busy")
-        time.sleep(0.5)
+        msg_id = socket.send("execute_request", {"code": "import time\nprint('sleeping', flush=True)\ntime.sleep(120)",
+                                                 "silent": False})
+        socket.replies_to(msg_id, lambda m: m["msg_type"] == "stream" and "sleeping" in m["content"]["text"])
         started = time.monotonic()
         assert slurm_gateway.post(f"/api/kernels/{kernel_id}/interrupt").status_code == 204
         reply = socket.replies_to(msg_id, lambda m: m["msg_type"] == "execute_reply", timeout=30)[-1]
@@ -114,7 +114,9 @@ def test_scancel_is_reported_to_clients_as_a_dead_kernel_with_the_cause(slurm_cl
         socket.close()
     model = slurm_gateway.get(f"/api/kernels/{kernel_id}").json()
     assert model["execution_state"] == "dead"
-    time.sleep(2)
+    # Dead is final (gateway/include/cellblock/gateway/kernel_lifecycle.hpp: an exit in it is ignored, only a
+    # client's restart leaves it), and an automatic restart would have said "restarting", not "dead": the gateway's
+    # decision is made, and a job it submitted is listed by squeue from sbatch's answer on.
     assert not live_jobs(slurm_cluster, kernel_id), "a cancelled kernel must not be resubmitted"
 
 
@@ -173,13 +175,15 @@ def test_a_pending_job_fails_after_the_launch_timeout_with_slurms_reason(slurm_c
 
 
 def test_the_warm_pool_holds_slurm_jobs(slurm_cluster):
-    gateway = Gateway("--provisioner", "slurm", warm_pool=1, env=slurm_cluster.environment)
+    gateway = Gateway("--provisioner", "slurm", "--log-level", "info", warm_pool=1, env=slurm_cluster.environment)
     try:
         def pool_jobs():
             return [line.split()[0] for line in slurm_cluster.squeue("-t", "RUNNING", "-o", "%j").splitlines()
                     if line.startswith("cellblock-")]
         (pooled_name,) = wait_for(pool_jobs, 60, "a warm-pool job")
-        time.sleep(3)  # let it finish starting
+        pooled_id = pooled_name.removeprefix("cellblock-")
+        wait_for(lambda: any('"kernel_ready"' in line and pooled_id in line for line in list(gateway.output)), 60,
+                 "the pooled kernel to be ready")
         started = time.monotonic()
         model = gateway.start_kernel(name="python3")
         took = time.monotonic() - started
@@ -225,21 +229,34 @@ def test_a_plain_zmq_client_on_the_kernels_ports_reads_nothing(slurm_cluster, sl
     """The kernel's TCP ports serve CurveZMQ only: a client without the kernel's public key, subscribed to every
     port while the kernel prints, receives nothing (host-side check of what a wire listener could get)."""
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     kernel_id = slurm_gateway.start_kernel(name="python3")["id"]
     pid = wait_for(lambda: kernel_process_of(kernel_id), 10, "the kernel process")
     ports = listening_ports(pid)
     assert len(ports) == 5, ports
     context = zmq.Context()
-    subscribers = []
+    subscribers, monitors = [], []
     try:
         for port in ports:
             subscriber = context.socket(zmq.SUB)
             subscriber.setsockopt(zmq.LINGER, 0)
             subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+            monitors.append(subscriber.get_monitor_socket())
             subscriber.connect(f"tcp://127.0.0.1:{port}")
             subscribers.append(subscriber)
-        time.sleep(1)
+        # Each subscriber connected to its port and the kernel's ZMTP layer answered it, refusing the handshake
+        # (a mechanism mismatch): they are there while the kernel prints, not after a guess at how long
+        # connecting takes, and the kernel has seen and turned them away.
+        refusals = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+        for port, monitor in zip(ports, monitors):
+            seen = []
+            deadline = time.monotonic() + 30
+            while not (zmq.EVENT_CONNECTED in seen and refusals & set(seen)):
+                assert time.monotonic() < deadline, f"port {port}: monitor events {seen}"
+                if monitor.poll(500):
+                    seen.append(recv_monitor_message(monitor)["event"])
         socket = slurm_gateway.connect(kernel_id)
         try:
             text = outputs(socket.execute("for i in range(20):\n    print('secret-output', i)"))
@@ -252,7 +269,10 @@ def test_a_plain_zmq_client_on_the_kernels_ports_reads_nothing(slurm_cluster, sl
         assert dict(poller.poll(2000)) == {}, "a client without the kernel's Curve key received messages"
     finally:
         for subscriber in subscribers:
+            subscriber.disable_monitor()
             subscriber.close()
+        for monitor in monitors:
+            monitor.close()
         context.term()
 
 
@@ -386,15 +406,22 @@ def test_an_agent_session_on_slurm_gets_its_limits_as_job_resources_and_kernel_d
     # The session's memory limit (the worker's) plus the kernel process's own overhead (256 MiB).
     assert slurm_cluster.scontrol_job(job_id)["MinMemoryNode"] == "556M"
 
-    answers = {}
-    worker = threading.Thread(target=lambda: answers.update(slow=slurm_gateway.post(
-        f"/agent/v1/sessions/{session_id}/execute", json={"code": "import time\ntime.sleep(120)"}).json()))
-    worker.start()
-    time.sleep(2)
+    # The job is cancelled while the cell runs: once its first line arrived on the execute's NDJSON stream.
+    response = slurm_gateway.post(f"/agent/v1/sessions/{session_id}/execute",
+                                  json={"code": "import time\nprint('sleeping', flush=True)\ntime.sleep(120)"},
+                                  headers={"Accept": "application/x-ndjson"}, stream=True, timeout=60)
+    assert response.status_code == 200, response.text
+    events = (json.loads(line) for line in response.iter_lines() if line)
+    seen = []
+    for event in events:
+        seen.append(event)
+        if event["type"] == "stdout" and "sleeping" in event.get("text", ""):
+            break
+    assert seen[-1]["type"] == "stdout", seen
     subprocess.run(["scancel", job_id], env=slurm_cluster.environment, check=True, timeout=20)
-    worker.join(60)
-    slow = answers["slow"]
-    assert slow["status"] == "error" and slow["error"]["ename"] == "KernelDied", slow
+    seen += list(events)
+    slow = seen[-1]
+    assert slow["type"] == "end" and slow["status"] == "error" and slow["error"]["ename"] == "KernelDied", seen
     assert slow["state_lost"] is True
 
 
