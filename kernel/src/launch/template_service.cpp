@@ -71,6 +71,7 @@ UniqueFd parent_pidfd() {
 // One generation of the tenant's template: its process (and cgroup) and the pipe its log lines come through.
 struct Generation {
     sandbox::Template process;
+    std::filesystem::path pending_socket;  // until it serves (its "serving" line): then renamed into place
     UniqueFd log_pipe;
     std::string partial_line;
     bool retired = false;
@@ -86,6 +87,8 @@ class Service {
     void start_generation();
     void pump_log(Generation& generation);
     void on_log_line(Generation& generation, const std::string& line);
+    void publish(Generation& generation);
+    void unpublished(Generation& generation) noexcept;
     void reap_children();
     void begin_stop(const std::string& why);
     int poll_timeout_ms() const;
@@ -132,10 +135,10 @@ void Service::start_generation() {
         throw system_error("fcntl O_NONBLOCK (template log)");
     }
     try {
-        auto process =
-            start_template(launcher_, spec_, argv_, environment_, write_end.get(), launcher_.policy().limits);
-        generations_.push_back(
-            std::make_unique<Generation>(Generation{std::move(process), std::move(read_end)}));
+        auto started = start_template(launcher_, spec_, argv_, environment_, write_end.get(),
+                                      launcher_.policy().limits, false);
+        generations_.push_back(std::make_unique<Generation>(
+            Generation{std::move(started.process), std::move(started.pending_socket), std::move(read_end)}));
     } catch (const std::exception& error) {
         log_event(LogLevel::error, "zygote_template_failed",
                   {{"tenant", spec_.tenant}, {"error", error.what()}});
@@ -147,8 +150,14 @@ void Service::on_log_line(Generation& generation, const std::string& line) {
     const std::string copy = line + "\n";
     [[maybe_unused]] const auto written = ::write(log_file_.get(), copy.data(), copy.size());
     const auto event = nlohmann::json::parse(line, nullptr, false);
-    if (!event.is_object() || event.value("component", "") != "cellblock-zygote" ||
-        event.value("event", "") != "retired") {
+    if (!event.is_object() || event.value("component", "") != "cellblock-zygote") {
+        return;
+    }
+    if (event.value("event", "") == "serving") {
+        publish(generation);
+        return;
+    }
+    if (event.value("event", "") != "retired") {
         return;
     }
     generation.retired = true;
@@ -157,6 +166,29 @@ void Service::on_log_line(Generation& generation, const std::string& line) {
         // A used-up generation is followed at once; one that could not fork would do the same again soon.
         next_start_ =
             reason == "forks" || reason == "age" ? Clock::now() : Clock::now() + restart_after_death;
+    }
+}
+
+// A template is found by launches only once it serves: before, a launch finds no socket and goes by exec at
+// once.
+void Service::publish(Generation& generation) {
+    if (generation.pending_socket.empty() || phase_ != Phase::serving) {
+        return;
+    }
+    try {
+        publish_template(generation.pending_socket, template_socket(launcher_, spec_.tenant));
+        generation.pending_socket.clear();
+    } catch (const std::exception& error) {
+        log_event(LogLevel::error, "zygote_template_failed",
+                  {{"tenant", spec_.tenant}, {"error", error.what()}});
+        generation.process.kill_all();
+    }
+}
+
+void Service::unpublished(Generation& generation) noexcept {
+    if (!generation.pending_socket.empty()) {
+        ::unlink(generation.pending_socket.c_str());
+        generation.pending_socket.clear();
     }
 }
 
@@ -193,6 +225,7 @@ void Service::reap_children() {
             if (newest && !(*it)->retired && phase_ == Phase::serving) {
                 next_start_ = Clock::now() + restart_after_death;
             }
+            unpublished(**it);
             generations_.erase(it);
             break;
         }
@@ -207,7 +240,14 @@ void Service::begin_stop(const std::string& why) {
     next_start_.reset();
     stop_deadline_ = Clock::now() + stop_grace;
     log_event(LogLevel::info, "zygote_service_stopping", {{"tenant", spec_.tenant}, {"why", why}});
-    if (!generations_.empty() && !generations_.back()->retired) {
+    if (generations_.empty()) {
+        return;
+    }
+    Generation& newest = *generations_.back();
+    if (!newest.pending_socket.empty()) {
+        unpublished(newest);  // still preparing: it has no worker to wait for
+        newest.process.kill_all();
+    } else if (!newest.retired) {
         request_retire(template_socket(launcher_, spec_.tenant), retire_answer_limit);
     }
 }

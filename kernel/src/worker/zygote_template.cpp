@@ -13,6 +13,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <utility>
 
 #include "common/logging.hpp"
 #include "common/unique_fd.hpp"
@@ -61,9 +62,10 @@ bool last_template_retired(const std::filesystem::path& log_path) {
     return false;
 }
 
-// A listening SOCK_SEQPACKET socket at `socket_path`, mode 0600 from its first moment: bound under a
-// temporary name in the same directory, then renamed over whatever (dead) socket was there.
-UniqueFd listen_at(const std::filesystem::path& socket_path) {
+// A listening SOCK_SEQPACKET socket, mode 0600 from its first moment: bound under a temporary name in the
+// socket's directory (returned), which is renamed over whatever (dead) socket was there when the template is
+// published.
+std::pair<UniqueFd, std::filesystem::path> listen_beside(const std::filesystem::path& socket_path) {
     const auto temporary = socket_path.parent_path() / ("." + socket_path.filename().string() + "." +
                                                         std::to_string(::getpid()) + ".new");
     const std::string path = temporary.string();
@@ -72,17 +74,16 @@ UniqueFd listen_at(const std::filesystem::path& socket_path) {
     if (!listening) {
         throw system_error("socket (zygote template)");
     }
-    ::unlink(path.c_str());  // a leftover of a kernel that died here (ENOENT otherwise)
+    ::unlink(path.c_str());  // a leftover of a process that died here (ENOENT otherwise)
     if (::bind(listening.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
         throw system_error("bind " + path);
     }
-    if (::chmod(path.c_str(), 0600) != 0 || ::listen(listening.get(), 128) != 0 ||
-        ::rename(path.c_str(), socket_path.c_str()) != 0) {
-        const auto error = system_error("listen on " + socket_path.string());
+    if (::chmod(path.c_str(), 0600) != 0 || ::listen(listening.get(), 128) != 0) {
+        const auto error = system_error("listen on " + path);
         ::unlink(path.c_str());
         throw error;
     }
-    return listening;
+    return {std::move(listening), temporary};
 }
 
 }  // namespace
@@ -129,12 +130,18 @@ bool template_listens(const std::filesystem::path& socket_path) {
     return errno != ECONNREFUSED && errno != ENOENT;  // EAGAIN: a full backlog is a busy, live template
 }
 
-sandbox::Template start_template(sandbox::Launcher& launcher, const TemplateSpec& spec,
-                                 const std::vector<std::string>& argv,
-                                 const std::vector<std::string>& environment, int log_fd,
-                                 std::optional<sandbox::ResourceLimits> limits) {
+void publish_template(const std::filesystem::path& pending_socket, const std::filesystem::path& socket_path) {
+    if (::rename(pending_socket.c_str(), socket_path.c_str()) != 0) {
+        throw system_error("rename " + pending_socket.string() + " to " + socket_path.string());
+    }
+}
+
+StartedTemplate start_template(sandbox::Launcher& launcher, const TemplateSpec& spec,
+                               const std::vector<std::string>& argv,
+                               const std::vector<std::string>& environment, int log_fd,
+                               std::optional<sandbox::ResourceLimits> limits, bool publish) {
     const auto socket_path = template_socket(launcher, spec.tenant);
-    UniqueFd listening = listen_at(socket_path);
+    auto [listening, pending_socket] = listen_beside(socket_path);
     sandbox::TemplateRequest request;
     request.name = "zygote-" + spec.tenant;
     request.argv = argv;
@@ -148,11 +155,14 @@ sandbox::Template start_template(sandbox::Launcher& launcher, const TemplateSpec
     request.limits = limits;
     try {
         auto started = launcher.launch_template(request);
+        if (publish) {
+            publish_template(pending_socket, socket_path);
+        }
         log_event(LogLevel::warning, "zygote_template_started",
                   {{"tenant", spec.tenant}, {"pid", started.pid()}, {"socket", socket_path.string()}});
-        return started;
+        return {std::move(started), publish ? std::filesystem::path() : pending_socket};
     } catch (...) {
-        ::unlink(socket_path.c_str());
+        ::unlink(pending_socket.c_str());
         throw;
     }
 }
@@ -232,8 +242,9 @@ std::string start_template_if_dead(sandbox::Launcher& launcher, const TemplateSp
             throw system_error("mark " + lock_path.string());
         }
         // In the kernel's cgroups, and it outlives the kernel: nobody here owns it.
-        const auto started = start_template(launcher, spec, argv, environment, log.get(), std::nullopt);
-        return "started the template (pid " + std::to_string(started.pid()) + ") for the next launches";
+        const auto started = start_template(launcher, spec, argv, environment, log.get(), std::nullopt, true);
+        return "started the template (pid " + std::to_string(started.process.pid()) +
+               ") for the next launches";
     } catch (const std::exception& error) {
         return std::string("could not start the template: ") + error.what();
     }

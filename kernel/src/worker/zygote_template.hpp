@@ -38,13 +38,20 @@ std::vector<std::string> worker_base_environment();
 // Whether something listens on the template socket (a refused or missing socket is a dead template).
 bool template_listens(const std::filesystem::path& socket_path);
 
-// Starts the tenant's template now: a fresh socket renamed over the old one, its output to `log_fd`, in a
-// cgroup of its own when `limits` is set. Throws std::runtime_error (or sandbox::SandboxError) naming the
-// step.
-sandbox::Template start_template(sandbox::Launcher& launcher, const TemplateSpec& spec,
-                                 const std::vector<std::string>& argv,
-                                 const std::vector<std::string>& environment, int log_fd,
-                                 std::optional<sandbox::ResourceLimits> limits);
+// Starts the tenant's template now on a fresh socket, its output to `log_fd`, in a cgroup of its own when
+// `limits` is set. `publish`: the socket is renamed over the tenant's at once; otherwise it stays under
+// `pending_socket` until publish_template, which the template service calls when the template says it serves,
+// so that no launch waits on a template still preparing (or one that never will serve). Throws
+// std::runtime_error (or sandbox::SandboxError) naming the step.
+struct StartedTemplate {
+    sandbox::Template process;
+    std::filesystem::path pending_socket;  // empty once published
+};
+StartedTemplate start_template(sandbox::Launcher& launcher, const TemplateSpec& spec,
+                               const std::vector<std::string>& argv,
+                               const std::vector<std::string>& environment, int log_fd,
+                               std::optional<sandbox::ResourceLimits> limits, bool publish);
+void publish_template(const std::filesystem::path& pending_socket, const std::filesystem::path& socket_path);
 
 // The typed retire request (cellblock_runtime/zygote.py): the template stops listening, its live workers go
 // on, and it exits after the last one. False when nothing listens or it did not confirm within `timeout`.
