@@ -411,7 +411,17 @@ bool is_plain_name(const std::string& name) {
 
 struct Template::Impl {
     pid_t pid = 0;
-    detail::CgroupSession cgroups;  // empty without TemplateRequest::limits
+    detail::CgroupSession cgroups;        // empty without TemplateRequest::limits
+    std::filesystem::path own_workspace;  // removed with this object when it owns the template (limits set)
+    Impl() = default;
+    Impl(const Impl&) = delete;
+    Impl& operator=(const Impl&) = delete;
+    ~Impl() {
+        if (!own_workspace.empty()) {
+            cgroups.kill_all();
+            remove_tree(own_workspace);
+        }
+    }
 };
 
 Template::Template(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -567,6 +577,9 @@ Template Launcher::launch_template(const TemplateRequest& request) {
     }
     impl->pid = template_pid;
     impl->cgroups.add_process(template_pid);
+    if (request.limits) {
+        impl->own_workspace = workspace;
+    }
     const char go = 1;
     if (::write(sync_write.get(), &go, 1) != 1) {
         throw_errno("launch_template: release the template");

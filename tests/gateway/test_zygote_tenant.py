@@ -229,6 +229,9 @@ def test_a_tenants_template_stops_after_its_last_kernel_and_none_outlives_ctrl_c
     # Not before the grace (a restart or the tenant's next session finds it), and soon after it.
     assert wait_ended(tenant_processes, TEMPLATE_GRACE_S / 2) == sorted(tenant_processes)
     assert wait_ended(tenant_processes, TEMPLATE_GRACE_S + 30) == []
+    # Nothing of it is left in the sandbox's state directory: its socket and its empty workspace.
+    state = cellblock_zygote.state_dir(policy)
+    assert not (state / f"zygote-{tenant}.sock").exists() and not (state / "templates" / f"zygote-{tenant}").exists()
     assert wait_ended(operator_processes, 0) == sorted(operator_processes)  # the operator's kernel still runs
 
     gateway.stop(signal.SIGINT)

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -89,6 +90,7 @@ class Service {
     void on_log_line(Generation& generation, const std::string& line);
     void publish(Generation& generation);
     void unpublished(Generation& generation) noexcept;
+    void remove_published_socket() const noexcept;
     void reap_children();
     void begin_stop(const std::string& why);
     int poll_timeout_ms() const;
@@ -105,6 +107,7 @@ class Service {
         generations_;  // the newest last; older ones serve their last workers
     std::optional<Clock::time_point> next_start_ = Clock::now();
     Phase phase_ = Phase::serving;
+    ino_t published_inode_ = 0;  // the socket our newest published template listens on
     Clock::time_point stop_deadline_{};
 };
 
@@ -176,12 +179,25 @@ void Service::publish(Generation& generation) {
         return;
     }
     try {
-        publish_template(generation.pending_socket, template_socket(launcher_, spec_.tenant));
+        const auto socket_path = template_socket(launcher_, spec_.tenant);
+        publish_template(generation.pending_socket, socket_path);
         generation.pending_socket.clear();
+        struct stat published {};
+        published_inode_ = ::stat(socket_path.c_str(), &published) == 0 ? published.st_ino : 0;
     } catch (const std::exception& error) {
         log_event(LogLevel::error, "zygote_template_failed",
                   {{"tenant", spec_.tenant}, {"error", error.what()}});
         generation.process.kill_all();
+    }
+}
+
+// The dead socket of our last template, unless a newer service (the next gateway's) has published its own
+// there.
+void Service::remove_published_socket() const noexcept {
+    const auto socket_path = template_socket(launcher_, spec_.tenant);
+    struct stat now {};
+    if (published_inode_ != 0 && ::stat(socket_path.c_str(), &now) == 0 && now.st_ino == published_inode_) {
+        ::unlink(socket_path.c_str());
     }
 }
 
@@ -304,6 +320,7 @@ int Service::run() {
         }
         drain_signals();
     }
+    remove_published_socket();
     log_event(LogLevel::info, "zygote_service_stopped", {{"tenant", spec_.tenant}});
     return 0;
 }
