@@ -399,7 +399,7 @@ int main(int argc, char** argv) {
         tenants.follow_shared_store(io);
         const TokenAuthenticator auth(*config.token, &tenants);
         const CorsPolicy cors(config);
-        TenantQuotas quotas(tenants, kernels,
+        TenantQuotas quotas(tenants, kernels, writer,
                             static_cast<std::int64_t>(agent_config.default_limits.memory_mb));
         GatewayServices services{io,     logger, config, kernelspecs, kernels, sessions,
                                  writer, auth,   cors,   metrics,     quotas};

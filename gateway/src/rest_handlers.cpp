@@ -91,13 +91,23 @@ class OneKernelResource : public RestResource {
     GatewayServices& services_;
 };
 
-// A new kernel counts against the requesting tenant's quota (tenant_quotas.hpp): past it, 429 quota_exceeded.
-void admit_kernel(const GatewayServices& services, const Principal& principal) {
-    try {
-        services.quotas.admit(principal, {1, services.quotas.kernel_memory_mb(), 0});
-    } catch (const QuotaExceeded& exceeded) {
-        throw HttpError(http::status::too_many_requests, exceeded.what(), "quota_exceeded");
-    }
+// A new kernel counts against the requesting tenant's quota (tenant_quotas.hpp, counted through every gateway
+// of a shared store): `start` runs once it fits; past it, 429 quota_exceeded.
+void start_admitted(const GatewayServices& services, const Principal& principal, const Responder& respond,
+                    std::function<void()> start) {
+    services.quotas.admit_session(
+        principal, services.quotas.kernel_memory_mb(),
+        [respond, start = std::move(start)](const std::optional<HttpError>& refused) {
+            if (refused)
+                return respond(json_error(refused->status(), refused->what(), refused->reason()));
+            try {
+                start();
+            } catch (const HttpError& error) {  // possibly after the handler returned: answered here
+                respond(json_error(error.status(), error.what(), error.reason()));
+            } catch (const std::exception& error) {
+                respond(json_error(http::status::internal_server_error, error.what()));
+            }
+        });
 }
 
 HttpResponse created(const json& model, const std::string& location) {
@@ -270,16 +280,17 @@ class KernelsResource : public RestResource {
         const json body = context.json_body();
         KernelStartRequest request{optional_string(body, "name"), request_env(body)};
         request.tenant = context.principal.tenant;
-        admit_kernel(services_, context.principal);
-        const std::string base_url = context.base_url;
-        services_.kernels.start_kernel(request, [respond, base_url](auto result) {
-            if (auto* error = std::get_if<KernelStartError>(&result)) {
-                respond(start_error_response(*error));
-                return;
-            }
-            const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
-            respond(created(kernel->model(), base_url + "api/kernels/" + kernel->id()));
-        });
+        start_admitted(services_, context.principal, respond,
+                       [this, request, respond, base_url = context.base_url] {
+                           services_.kernels.start_kernel(request, [respond, base_url](auto result) {
+                               if (auto* error = std::get_if<KernelStartError>(&result)) {
+                                   respond(start_error_response(*error));
+                                   return;
+                               }
+                               const auto& kernel = std::get<std::shared_ptr<Kernel>>(result);
+                               respond(created(kernel->model(), base_url + "api/kernels/" + kernel->id()));
+                           });
+                       });
     }
 
   private:
@@ -495,9 +506,20 @@ class SessionsResource : public RestResource {
         }
         KernelStartRequest request{optional_string(kernel_request, "name"), request_env(kernel_request)};
         request.tenant = tenant;
-        admit_kernel(services_, context.principal);
+        start_admitted(services_, context.principal, respond,
+                       [this, request, respond, path, name, type, location_base] {
+                           start_with_kernel(request, respond, path, name, type, location_base);
+                       });
+    }
+
+  private:
+    // A new session on a new kernel, once the kernel is admitted within its tenant's quota.
+    void start_with_kernel(const KernelStartRequest& request, const Responder& respond,
+                           const std::string& path, const std::string& name, const std::string& type,
+                           const std::string& location_base) {
         GatewayServices& services = services_;
-        services_.kernels.start_kernel(request, [&services, respond, path, name, type, location_base, tenant,
+        services_.kernels.start_kernel(request, [&services, respond, path, name, type, location_base,
+                                                 tenant = request.tenant,
                                                  kernel_name = request.name](auto result) {
             if (auto* error = std::get_if<KernelStartError>(&result)) {
                 if (error->kind == KernelStartError::Kind::no_such_kernel) {
@@ -516,7 +538,6 @@ class SessionsResource : public RestResource {
         });
     }
 
-  private:
     GatewayServices& services_;
 };
 

@@ -464,3 +464,48 @@ def test_kernel_and_session_lists_are_the_same_through_every_gateway(pair):
     assert a.request("DELETE", f"/api/sessions/{session_id}").status_code == 204
     assert session_id not in {session["id"] for session in b.request("GET", "/api/sessions").json()}
     assert b.request("GET", f"/api/sessions/{session_id}").status_code == 404
+
+
+# ---------------------------------------------------------------------------------------------- tenants
+
+def shared_tenant(a, b, name: str, quota: dict = None):
+    """Adds tenant `name` through A; answers clients of its agent token on A and on B, once B accepts it (B reads
+    the tenants table every second)."""
+    from test_tenant_isolation import Tenant
+    from test_tenants import status_becomes
+    added = a.request("POST", "/agent/v1/tenants", json={"name": name, "quota": quota or {}})
+    assert added.status_code == 201, added.text
+    token = added.json()["token"]
+    assert status_becomes(b, token, 200) == 200, "the other gateway never accepted the new tenant's token"
+    return Tenant(a, token), Tenant(b, token)
+
+
+def test_a_tenants_quota_counts_its_sessions_and_memory_through_every_gateway(pair):
+    """A tenant fills its sessions quota through A (an agent session and a Kernel Gateway kernel); B, which holds
+    none of them, refuses a third with 429 quota_exceeded naming the counts, until one is deleted through A. Its
+    memory quota counts so too. Counting only what each gateway holds, B would admit 2 more of each."""
+    a, b = pair
+    through_a, through_b = shared_tenant(a, b, "quota-everywhere", {"sessions": 2})
+    first = through_a.request("POST", "/agent/v1/sessions", json={"name": "first"})
+    assert first.status_code == 201, first.text
+    assert through_a.request("POST", "/api/kernels", json={"name": "cellblock-python"}).status_code == 201
+    for path, body in (("/agent/v1/sessions", {"name": "third"}), ("/api/kernels", {"name": "cellblock-python"}),
+                       ("/api/sessions", {"path": "third.ipynb", "type": "notebook", "kernel": {}})):
+        refused = through_b.request("POST", path, json=body)
+        assert refused.status_code == 429, (path, refused.text)
+        assert refused.json()["reason"] == "quota_exceeded", refused.text
+        assert "tenant quota-everywhere has 2 of 2 sessions" in refused.json()["message"], refused.text
+    assert through_a.request("DELETE", f"/agent/v1/sessions/{first.json()['id']}").status_code == 204
+    third = through_b.request("POST", "/agent/v1/sessions", json={"name": "third"})
+    assert third.status_code == 201, third.text
+    assert through_a.request("POST", "/agent/v1/sessions", json={"name": "fourth"}).status_code == 429
+
+    through_a, through_b = shared_tenant(a, b, "memory-everywhere", {"memory_mb": 768})
+    assert through_a.request("POST", "/agent/v1/sessions",
+                             json={"name": "big", "limits": {"memory_mb": 512}}).status_code == 201
+    refused = through_b.request("POST", "/agent/v1/sessions", json={"name": "bigger", "limits": {"memory_mb": 512}})
+    assert refused.status_code == 429 and refused.json()["reason"] == "quota_exceeded", refused.text
+    assert "tenant memory-everywhere has 512 of 768 MB of memory" in refused.json()["message"], refused.text
+    assert through_b.request("POST", "/agent/v1/sessions",
+                             json={"name": "small", "limits": {"memory_mb": 256}}).status_code == 201
+

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <sstream>
 
 #include "cellblock/gateway/agent/live_view.hpp"
@@ -518,7 +517,7 @@ AgentService::AgentService(GatewayServices& gateway, const AgentConfig& config)
                         gateway.writer, gateway.metrics, gateway.quotas},
       registry_(session_services_),
       operations_(session_services_, registry_) {
-    gateway.quotas.count_usage_with([this](const std::string& tenant) { return tenant_usage(tenant); });
+    gateway.quotas.count_holdings_with([this](const std::string& tenant) { return tenant_holdings(tenant); });
 }
 
 void AgentService::end_sessions_of(const std::string& tenant) {
@@ -527,29 +526,24 @@ void AgentService::end_sessions_of(const std::string& tenant) {
             operations_.delete_session(session, Caller{"", "tenants"}, "its tenant was removed", [] {});
 }
 
-TenantUsage AgentService::tenant_usage(const std::string& tenant) const {
-    // An agent session counts once, with its kernel; a Kernel Gateway kernel of the tenant counts on its own.
-    TenantUsage usage;
-    std::set<std::string> session_kernels;
+TenantHoldings AgentService::tenant_holdings(const std::string& tenant) const {
+    TenantHoldings held;
     for (const auto& session : registry_.list()) {
         if (session->tenant() != tenant)
             continue;
-        ++usage.sessions;
-        usage.memory_mb += static_cast<std::int64_t>(session->record().limits.memory_mb);
-        usage.executes += static_cast<std::int64_t>(session->executes_in_flight());
+        held.sessions[session->id()] = static_cast<std::int64_t>(session->record().limits.memory_mb);
+        held.executes += static_cast<std::int64_t>(session->executes_in_flight());
         if (auto kernel = session->kernel())
-            session_kernels.insert(kernel->id());
+            held.session_kernels.insert(kernel->id());
     }
     for (const auto& kernel : gateway_.kernels.list())
-        if (kernel->tenant() == tenant && !session_kernels.contains(kernel->id())) {
-            ++usage.sessions;
-            usage.memory_mb += gateway_.quotas.kernel_memory_mb();
-        }
-    return usage;
+        if (kernel->tenant() == tenant)
+            held.kernels.insert(kernel->id());
+    return held;
 }
 
 AgentService::~AgentService() {
-    gateway_.quotas.count_usage_with({});  // the count above refers to this service
+    gateway_.quotas.count_holdings_with({});  // the count above refers to this service
 }
 
 void AgentService::start() {

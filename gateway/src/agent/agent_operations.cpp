@@ -147,14 +147,20 @@ void AgentOperations::create_session(const json& arguments, const Caller& caller
     }
     const NetworkRequest network =
         checked_network(arguments.contains("network") ? arguments["network"] : json(nullptr));
-    admit(caller.principal, {1, static_cast<std::int64_t>(limits.memory_mb), 0});
-    registry_.create(name, caller.principal.tenant, limits, network, caller.address,
-                     caller.principal.token_id,
-                     [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
-                         if (error)
-                             return then(from_registry(*error));
-                         then(std::move(session));
-                     });
+    services_.quotas.admit_session(
+        caller.principal, static_cast<std::int64_t>(limits.memory_mb),
+        [this, name, limits, network, caller,
+         then = std::move(then)](std::optional<HttpError> refused) mutable {
+            if (refused)
+                return then(from_registry(*refused));
+            registry_.create(name, caller.principal.tenant, limits, network, caller.address,
+                             caller.principal.token_id,
+                             [then = std::move(then)](SessionPtr session, std::optional<HttpError> error) {
+                                 if (error)
+                                     return then(from_registry(*error));
+                                 then(std::move(session));
+                             });
+        });
 }
 
 AgentOperations::SessionPtr AgentOperations::session(const Principal& principal,
@@ -220,19 +226,26 @@ void AgentOperations::found_or_created(const std::string& id_or_name, const Call
     if (looks_like_kernel_id(id_or_name) || !caller.principal.may(Principal::Action::run))
         return then(OperationError(Kind::not_found, "unknown_session",
                                    "no agent session with id or name '" + id_or_name + "'"));
-    try {
-        admit(caller.principal, {1, static_cast<std::int64_t>(services_.config.default_limits.memory_mb), 0});
-    } catch (const OperationError& refused) {
-        return then(refused);
-    }
+    services_.quotas.admit_session(caller.principal,
+                                   static_cast<std::int64_t>(services_.config.default_limits.memory_mb),
+                                   [this, id_or_name, caller, then = std::move(then),
+                                    network](std::optional<HttpError> refused) mutable {
+                                       if (refused)
+                                           return then(from_registry(*refused));
+                                       create_named(id_or_name, caller, std::move(then), network);
+                                   });
+}
+
+void AgentOperations::create_named(const std::string& name, const Caller& caller, Then<SessionPtr> then,
+                                   const std::optional<NetworkRequest>& network) {
     registry_.create(
-        id_or_name, caller.principal.tenant, services_.config.default_limits,
-        network.value_or(NetworkRequest{}), caller.address, caller.principal.token_id,
-        [this, id_or_name, principal = caller.principal, then = std::move(then)](
-            SessionPtr created, std::optional<HttpError> error) {
+        name, caller.principal.tenant, services_.config.default_limits, network.value_or(NetworkRequest{}),
+        caller.address, caller.principal.token_id,
+        [this, name, principal = caller.principal, then = std::move(then)](SessionPtr created,
+                                                                           std::optional<HttpError> error) {
             // Two calls for a new name at once: the second finds the session the first is creating.
             if (error && error->status() == http::status::conflict)
-                created = registry_.find(principal, id_or_name);
+                created = registry_.find(principal, name);
             if (!created)
                 return then(error ? from_registry(*error)
                                   : OperationError(Kind::gone, "session_deleted",

@@ -33,8 +33,8 @@ class AgentService {
 
     // Deletes every session of `tenant` held here (its tenant was removed), each audited as deleted.
     void end_sessions_of(const std::string& tenant);
-    // What `tenant` uses now (its quotas count it; tenant_quotas.hpp).
-    TenantUsage tenant_usage(const std::string& tenant) const;
+    // What `tenant` holds here (its quotas count it; tenant_quotas.hpp).
+    TenantHoldings tenant_holdings(const std::string& tenant) const;
 
   private:
     GatewayServices& gateway_;

@@ -169,14 +169,17 @@ class AgentOperations {
                          const std::string& decision, const Caller& caller, Then<nlohmann::json> then);
 
   private:
-    // `adding` within the caller's tenant's quotas (tenant_quotas.hpp), or OperationError busy
-    // "quota_exceeded".
+    // `adding` within the caller's tenant's quotas as this gateway counts them (an execute:
+    // tenant_quotas.hpp), or OperationError busy "quota_exceeded".
     void admit(const Principal& principal, const TenantUsage& adding) const;
     // The "network" argument of a creation, checked against the ceiling; throws OperationError.
     NetworkRequest checked_network(const nlohmann::json& requested) const;
     // session_or_create once the registry is resolved.
     void found_or_created(const std::string& id_or_name, const Caller& caller, Then<SessionPtr> then,
                           const std::optional<NetworkRequest>& network);
+    // found_or_created's new session `name`, once admitted within its tenant's quotas.
+    void create_named(const std::string& name, const Caller& caller, Then<SessionPtr> then,
+                      const std::optional<NetworkRequest>& network);
 
     AgentSessionServices& services_;
     AgentSessionRegistry& registry_;
