@@ -632,6 +632,18 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection<Stream
         RestResource* resource = match->resource;
         if (auto refusal = principal_refusal(*resource, request_context, http::verb::connect))
             return write(std::move(*refusal), false);
+        // What the endpoint must read first (a kernel another gateway runs) is read off the io thread.
+        try {
+            resource->prepare(request_context,
+                              [self = this->shared_from_this(), resource](RequestContext& ready) {
+                                  self->upgrade(ready, resource);
+                              });
+        } catch (const HttpError& error) {
+            write(json_error(error.status(), error.what(), error.reason()), false);
+        }
+    }
+
+    void upgrade(RequestContext& request_context, RestResource* resource) {
         if (auto refusal = resource->check_upgrade(request_context))
             return write(std::move(*refusal), false);
         const std::string subprotocol = resource->select_subprotocol(request_context);

@@ -55,17 +55,28 @@ std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string
     return visible(services.kernels.find_or_attach(id), principal);
 }
 
-// The kernel `id` as a viewer may watch it: the kernel of an agent session the viewer reads (principal.hpp);
-// null for anyone else and any other kernel.
-std::shared_ptr<Kernel> watched_kernel(GatewayServices& services, const std::string& id,
-                                       const Principal& principal) {
-    if (principal.role != Principal::Role::viewer || !looks_like_kernel_id(id))
-        return nullptr;
-    auto kernel = services.kernels.find_or_attach(id);
-    return kernel && !kernel->agent_session().empty() &&
+// `kernel` as a viewer may watch it: the kernel of an agent session the viewer reads (principal.hpp); null
+// for anyone else and any other kernel.
+std::shared_ptr<Kernel> watched(std::shared_ptr<Kernel> kernel, const Principal& principal) {
+    return kernel && principal.role == Principal::Role::viewer && !kernel->agent_session().empty() &&
                    principal.sees_session(kernel->tenant(), kernel->agent_session())
-               ? kernel
+               ? std::move(kernel)
                : nullptr;
+}
+
+// The live agent session whose kernel is `kernel_id`, as the store records it; empty when none (reader
+// thread).
+std::string stored_session_of(SessionStore& store, const std::string& kernel_id) {
+    for (const json& record : store.agent_sessions()) {
+        if (!record.is_object() || record.value("deleted", false))
+            continue;
+        auto kernel = record.find("kernel_id");
+        auto id = record.find("id");
+        if (kernel != record.end() && kernel->is_string() && *kernel == kernel_id && id != record.end() &&
+            id->is_string())
+            return id->get<std::string>();
+    }
+    return {};
 }
 
 // A resource of one kernel: before its handler runs, a kernel another gateway runs (shared store) is
@@ -359,13 +370,30 @@ class KernelChannelsResource : public RestResource {
     void get(RequestContext&, Responder respond) override {
         respond(json_error(http::status::bad_request, "This endpoint only accepts WebSocket upgrades"));
     }
+    // Before the upgrade, off the io thread: a kernel another gateway runs (shared store) is attached, and
+    // for a viewer the agent session of a kernel attached so is read from the store, so that kernel_for
+    // decides from what is held here on every gateway.
+    void prepare(RequestContext& context, const std::function<void(RequestContext&)>& proceed) override {
+        const std::string& id = context.param("kernel_id");
+        if (!looks_like_kernel_id(id))
+            return proceed(context);
+        services_.kernels.find_or_attach(id, [this, kept = std::make_shared<RequestContext>(context),
+                                              proceed = std::function<void(RequestContext&)>(proceed)](
+                                                 const std::shared_ptr<Kernel>& kernel) {
+            if (kernel && kernel->agent_session().empty() &&
+                kept->principal.role == Principal::Role::viewer && services_.writer.shared())
+                return with_stored_session(kernel, [kept, proceed] { proceed(*kept); });
+            proceed(*kept);
+        });
+    }
     // A viewer link attaches read-only to its session's kernel (KernelChannelsConnection::Watcher); any other
-    // principal to a kernel it sees.
+    // principal to a kernel it sees. Only what is held here (prepare attached the rest).
     std::shared_ptr<Kernel> kernel_for(const RequestContext& context) const {
+        const std::string& id = context.param("kernel_id");
+        auto kernel = looks_like_kernel_id(id) ? services_.kernels.find(id) : nullptr;
         const Principal& principal = context.principal;
-        return principal.role == Principal::Role::viewer
-                   ? watched_kernel(services_, context.param("kernel_id"), principal)
-                   : find_kernel(services_, context.param("kernel_id"), principal);
+        return principal.role == Principal::Role::viewer ? watched(std::move(kernel), principal)
+                                                         : visible(std::move(kernel), principal);
     }
     std::optional<HttpResponse> check_upgrade(RequestContext& context) override {
         if (!kernel_for(context))
@@ -413,6 +441,18 @@ class KernelChannelsResource : public RestResource {
     }
 
   private:
+    // A kernel attached from the store serves the agent session the store records for it, which this gateway
+    // may not hold: marked with it, the kernel is watched through any gateway as through its own.
+    void with_stored_session(const std::shared_ptr<Kernel>& kernel, std::function<void()> then) {
+        services_.writer.read<std::string>(
+            [id = kernel->id()](SessionStore& store) { return stored_session_of(store, id); },
+            StoreWriter::default_read_limit,
+            [kernel, then = std::move(then)](const StoreAnswer<std::string>& session) {
+                if (session.ok() && !session.value->empty() && kernel->agent_session().empty())
+                    kernel->set_agent_session(*session.value);
+                then();
+            });
+    }
     GatewayServices& services_;
 };
 

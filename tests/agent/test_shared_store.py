@@ -509,3 +509,37 @@ def test_a_tenants_quota_counts_its_sessions_and_memory_through_every_gateway(pa
     assert through_b.request("POST", "/agent/v1/sessions",
                              json={"name": "small", "limits": {"memory_mb": 256}}).status_code == 201
 
+
+def test_a_viewer_link_watches_its_sessions_kernel_through_another_gateway(pair):
+    """A viewer link of a session created through A opens its kernel's channels through B, which never held the
+    session: B attaches the kernel from the store and reads there whose kernel it is. It sees A's cells and runs
+    nothing; another session's kernel of the same tenant stays 404 for it on both gateways."""
+    from test_tenant_isolation import Tenant, published_text, refusal_of
+    a, b = pair
+    through_a, _ = shared_tenant(a, b, "watched-elsewhere")
+    session = through_a.request("POST", "/agent/v1/sessions", json={"name": "watched"})
+    other = through_a.request("POST", "/agent/v1/sessions", json={"name": "not-watched"})
+    assert session.status_code == 201 and other.status_code == 201, (session.text, other.text)
+    # A first cell before B attaches the kernel: a session's first execute through its own gateway does not
+    # answer once another gateway attached its kernel before it (a separate fault, not this test's).
+    first = through_a.request("POST", f"/agent/v1/sessions/{session.json()['id']}/execute", json={"code": "1"})
+    assert first.status_code == 200 and first.json()["status"] == "ok", first.text
+    link = through_a.request("POST", f"/agent/v1/sessions/{session.json()['id']}/share", json={"ttl_s": 600})
+    assert link.status_code == 201, link.text
+    viewer = Tenant(b, link.json()["token"])
+    for gateway in (a, b):
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+            Tenant(gateway, link.json()["token"]).channels(other.json()["kernel_id"])
+        assert refused.value.status_code == 404
+    watcher = viewer.channels(session.json()["kernel_id"])
+    try:
+        ran = through_a.request("POST", f"/agent/v1/sessions/{session.json()['id']}/execute",
+                                json={"code": "print('seen-through-b')"})
+        assert ran.status_code == 200 and ran.json()["status"] == "ok", ran.text
+        assert published_text(watcher, "seen-through-b") == "seen-through-b\n"
+        assert "'execute_request' refused" in refusal_of(watcher, watcher.execute("stolen = 1"))
+    finally:
+        watcher.close()
+    answer = through_a.request("POST", f"/agent/v1/sessions/{session.json()['id']}/execute",
+                               json={"code": "'stolen' in dir()"})
+    assert answer.json()["result"]["text/plain"] == "False", answer.text
