@@ -136,7 +136,8 @@ def test_max_kernels_is_enforced_through_api_sessions(launch):
 # ------------------------------------------------------------------------------------------ replay on reconnect
 
 LINES = 30
-NOISY_CODE = (f"import time\ntime.sleep(1)\nfor i in range({LINES}):\n"
+# The cell prints once the test opens its gate ('gate' in the kernel's working directory, its workspace).
+NOISY_CODE = (f"import os, time\nwhile not os.path.exists('gate'):\n    time.sleep(0.02)\nfor i in range({LINES}):\n"
               "    print(f'line {i:02d} ' + 'x' * 400, flush=True)\n    time.sleep(0.02)\n")
 DROPPED_NOTE = "dropped (offline buffer full)"
 
@@ -150,6 +151,10 @@ def run_while_away(gateway, kernel_id):
     msg_id = client.send("execute_request", {"code": NOISY_CODE, "silent": False})
     client.replies_to(msg_id, lambda m: m["msg_type"] == "execute_input")
     client.close()
+    # Every line is printed while the client is away: once the gateway counts no connection to the kernel.
+    wait_for(lambda: gateway.get(f"/api/kernels/{kernel_id}").json()["connections"] == 0,
+             what="the gateway to see the client leave")
+    (workspace_of(gateway, kernel_id) / "gate").write_text("")
     wait_for(lambda: gateway.get(f"/api/kernels/{kernel_id}").json()["execution_state"] == "idle",
              what="the code to finish while the client is away")
     time.sleep(1)
