@@ -262,6 +262,13 @@ def test_a_session_is_answered_created_once_the_other_gateway_can_find_it(postgr
                      "DROP FUNCTION cellblock_test_slow_write();")
 
 
+def let_go(gateway, session_id: str) -> list:
+    """The reasons `gateway` logged for letting an agent session go from its memory (info level)."""
+    lines = [line for line in gateway.log_path.read_text(errors="replace").splitlines()
+             if '"agent_session_let_go"' in line and session_id in line]
+    return [json.loads(line[line.index("{"):])["reason"] for line in lines]
+
+
 def ended_elsewhere(gateway, kernel_id: str) -> list:
     """The reasons `gateway` logged for letting a kernel's ended process go instead of restarting it (info level)."""
     lines = [line for line in gateway.log_path.read_text(errors="replace").splitlines()
@@ -306,7 +313,7 @@ def test_a_session_deleted_and_purged_through_one_gateway_is_gone_from_the_other
     """B holds a session (it ran code there); A deletes it, and the retention (1 s here) purges its rows from the
     shared store before anybody asks B about it again. B must not find the session in its memory and serve it:
     a missing record is a deleted one."""
-    a, b = start_pair("--agent-deleted-retention", "1")
+    a, b = start_pair("--agent-deleted-retention", "1", "--log-level", "info")
     session = a.create_session("purged")
     assert result_text(b.execute("purged", "21 * 2")) == "42"
     assert a.request("DELETE", "/agent/v1/sessions/purged").status_code in (200, 204)
@@ -318,13 +325,21 @@ def test_a_session_deleted_and_purged_through_one_gateway_is_gone_from_the_other
     assert postgres.sql(f"SELECT count(*) FROM audit WHERE session = '{session['id']}'") == "0"
     assert postgres.sql(f"SELECT count(*) FROM cells WHERE session = '{session['id']}'") == "0"
     assert b.request("GET", "/agent/v1/sessions/purged").status_code == 404
-    # B lets it go without writing: no deleted record or audit entry of it comes back (A's sweep would remove such
-    # a tombstone again a second later, so look right away).
-    rows = f"SELECT (SELECT count(*) FROM agent_sessions WHERE id = '{session['id']}') + " \
-           f"(SELECT count(*) FROM audit WHERE session = '{session['id']}')"
-    for _ in range(10):
-        assert postgres.sql(rows) == "0", "a gateway wrote a purged session back into the store"
+    # B lets it go (it logs so where it decides) without writing: no deleted record or audit entry of it comes back.
+    # A session B creates afterwards is written by the same store writer, behind anything the let-go wrote: once it
+    # is answered created, its record is in the store, and so would be such a tombstone (which A's sweep would
+    # remove again a second later, so look right away).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not let_go(b, session["id"]):
         time.sleep(0.1)
+    assert let_go(b, session["id"]) == ["deleted through another gateway"], b.log_tail()
+    written_after = b.create_session("afterwards")["id"]
+
+    def rows(session_id):
+        return postgres.sql(f"SELECT (SELECT count(*) FROM agent_sessions WHERE id = '{session_id}') + "
+                            f"(SELECT count(*) FROM audit WHERE session = '{session_id}')")
+    assert rows(session["id"]) == "0", "a gateway wrote a purged session back into the store"
+    assert rows(written_after) != "0", "the session created after the let-go is not in the store"
     response = b.request("POST", "/agent/v1/sessions/purged/execute", json={"code": "1"})
     assert response.status_code == 404, response.text
     assert "purged" not in [s["name"] for s in b.request("GET", "/agent/v1/sessions").json()["sessions"]]
