@@ -119,7 +119,7 @@ void TenantQuotas::admit_session(const Principal& principal, std::int64_t memory
             return then(HttpError(http::status::too_many_requests, exceeded.what(), "quota_exceeded"));
         } catch (const TenantRequestError& removed) {
             // Removed while the store answered: its token is refused from now on, and so is this.
-            return then(HttpError(http::status::gone, removed.what(), "tenant_removed"));
+            return then(HttpError(http::status::not_found, removed.what(), removed.reason()));
         }
         then(std::nullopt);
     });

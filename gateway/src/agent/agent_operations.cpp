@@ -42,7 +42,8 @@ std::string workspace_path(const std::string& path) {
 
 namespace {
 
-// The registry answers in HTTP terms (it predates this layer); one place turns them into kinds.
+// The registry and the quotas answer in HTTP terms (they predate this layer); one place turns them into
+// kinds.
 OperationError from_registry(const HttpError& error) {
     switch (error.status()) {
         case http::status::too_many_requests:
@@ -55,6 +56,8 @@ OperationError from_registry(const HttpError& error) {
             return {Kind::unavailable, error.reason(), error.what()};
         case http::status::bad_request:
             return {Kind::refused, error.reason(), error.what()};
+        case http::status::not_found:
+            return {Kind::not_found, error.reason(), error.what()};
         default:
             return {Kind::internal, error.reason().empty() ? "internal_error" : error.reason(), error.what()};
     }
