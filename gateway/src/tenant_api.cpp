@@ -39,8 +39,7 @@ class TenantResource : public RestResource {
     template <class Body>
     void answer(RequestContext& context, Responder respond, Body&& body) {
         if (!context.principal.is_operator())
-            return respond(
-                json_error(http::status::forbidden, "only the operator manages tenants", "operator_only"));
+            return respond(operator_only());
         std::optional<HttpResponse> response;
         try {
             response = body();
@@ -59,12 +58,37 @@ class TenantResource : public RestResource {
             throw TenantRequestError(TenantRequestError::Kind::malformed, "bad_json", error.what());
         }
     }
-    json with_usage(const Tenant& tenant) const {
+    // answer() for one tenant's model (the tenant `body` finds or changes), with its tokens and its `usage`
+    // counted through every gateway of a shared store (tenant_quotas.hpp; null when the store did not
+    // answer).
+    template <class Body>
+    void answer_tenant(RequestContext& context, Responder respond, Body&& body) {
+        if (!context.principal.is_operator())
+            return respond(operator_only());
+        json model;
+        try {
+            model = with_tokens(body());
+        } catch (const TenantRequestError& error) {
+            return respond(refusal(error));
+        }
+        services_.writer.after_pending(
+            [this, model = std::move(model), respond = std::move(respond)]() mutable {
+                const std::string name = model["name"].get<std::string>();
+                services_.quotas.usage_everywhere(
+                    name, [model = std::move(model), respond](const StoreAnswer<TenantUsage>& usage) mutable {
+                        model["usage"] = usage.ok() ? usage.value->to_json() : json(nullptr);
+                        respond(json_response(http::status::ok, model));
+                    });
+            });
+    }
+    static HttpResponse operator_only() {
+        return json_error(http::status::forbidden, "only the operator manages tenants", "operator_only");
+    }
+    json with_tokens(const Tenant& tenant) const {
         json model = tenant.to_json();
         model["tokens"] = json::array();
         for (const auto& token : tenants_.tokens_of(tenant.name))
             model["tokens"].push_back(token_json(token));
-        model["usage"] = services_.quotas.usage(tenant.name).to_json();
         return model;
     }
     GatewayServices& services_;
@@ -102,14 +126,12 @@ class TenantItemResource : public TenantResource {
         : TenantResource(services, tenants), end_sessions_(std::move(end_sessions)) {}
     std::string allowed_methods() const override { return "GET, PATCH, DELETE, OPTIONS"; }
     void get(RequestContext& context, Responder respond) override {
-        answer(context, std::move(respond), [&] {
-            return json_response(http::status::ok, with_usage(tenants_.get(context.param("tenant"))));
-        });
+        answer_tenant(context, std::move(respond),
+                      [&]() -> const Tenant& { return tenants_.get(context.param("tenant")); });
     }
     void patch(RequestContext& context, Responder respond) override {
-        answer(context, std::move(respond), [&] {
-            const Tenant& tenant = tenants_.set_quota(context.param("tenant"), body_of(context));
-            return json_response(http::status::ok, with_usage(tenant));
+        answer_tenant(context, std::move(respond), [&]() -> const Tenant& {
+            return tenants_.set_quota(context.param("tenant"), body_of(context));
         });
     }
     void delete_(RequestContext& context, Responder respond) override {

@@ -497,13 +497,16 @@ def shared_tenant(a, b, name: str, quota: dict = None):
 
 def test_a_tenants_quota_counts_its_sessions_and_memory_through_every_gateway(pair):
     """A tenant fills its sessions quota through A (an agent session and a Kernel Gateway kernel); B, which holds
-    none of them, refuses a third with 429 quota_exceeded naming the counts, until one is deleted through A. Its
-    memory quota counts so too. Counting only what each gateway holds, B would admit 2 more of each."""
+    none of them, shows them in the tenant's usage and refuses a third with 429 quota_exceeded naming the counts,
+    until one is deleted through A. Its memory quota counts so too. Counting only what each gateway holds, B would
+    admit 2 more of each."""
     a, b = pair
     through_a, through_b = shared_tenant(a, b, "quota-everywhere", {"sessions": 2})
     first = through_a.request("POST", "/agent/v1/sessions", json={"name": "first"})
     assert first.status_code == 201, first.text
     assert through_a.request("POST", "/api/kernels", json={"name": "cellblock-python"}).status_code == 201
+    for gateway in (a, b):  # the operator's view of the tenant agrees on both
+        assert gateway.request("GET", "/agent/v1/tenants/quota-everywhere").json()["usage"]["sessions"] == 2
     for path, body in (("/agent/v1/sessions", {"name": "third"}), ("/api/kernels", {"name": "cellblock-python"}),
                        ("/api/sessions", {"path": "third.ipynb", "type": "notebook", "kernel": {}})):
         refused = through_b.request("POST", path, json=body)
