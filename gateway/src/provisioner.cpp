@@ -483,8 +483,8 @@ std::unique_ptr<KernelInstance> SlurmProvisioner::launch(const InstanceLaunch& l
     // The node makes its own workspace; no path of the gateway's means anything there.
     environment.erase("CELLBLOCK_WORKSPACE");
     environment.erase("CELLBLOCK_LEASE_CLEANUP_DIR");
-    // No template service runs on a node (the gateway supervises only its own host's templates), and a template
-    // a kernel started there itself would outlive the job: a Slurm kernel's workers go by exec.
+    // No template service runs on a node (the gateway supervises only its own host's templates), and a
+    // template a kernel started there itself would outlive the job: a Slurm kernel's workers go by exec.
     environment.erase("CELLBLOCK_ZYGOTE_TENANT");
     environment["CELLBLOCK_REPORT_TOKEN"] = job->token;
     environment["CELLBLOCK_REPORT_SERVER_KEY"] = registry_->public_key();
