@@ -699,9 +699,11 @@ void Kernel::handle_replay_reply(const json& content, bool ready) {
     // The previous gateway's clients still waiting for a reply get their sockets now, before they reconnect:
     // the kernel addresses a reply by session_id, and one sent while no socket has that identity is lost.
     // Their slots keep the record and then everything live, in order, as for a client that disconnected.
-    for (const std::string& session_id : sessions_awaiting_replies(replayed_))
-        if (!session_id.starts_with(KernelClientLink::anonymous_prefix))
-            slot_for(session_id);
+    // Not those of a kernel another gateway started: that gateway may still be waiting on them.
+    if (!launch_.owned_elsewhere)
+        for (const std::string& session_id : sessions_awaiting_replies(replayed_))
+            if (!session_id.starts_with(KernelClientLink::anonymous_prefix))
+                slot_for(session_id);
     // Sessions that attached while the record was on its way get it now (with the live output held
     // meanwhile), then what the kernel addressed to them meanwhile: a reply never before its output.
     for (auto& [session_id, session] : sessions_)

@@ -197,6 +197,7 @@ std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& recor
     launch.endpoint_base = record.endpoint_base;
     launch.created = record.created;
     launch.last_iopub_id = record.last_iopub_id;
+    launch.owned_elsewhere = !record.owner.empty() && record.owner != owner_;
     auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
     kernel->set_tenant(record.tenant);
     std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });

@@ -538,8 +538,8 @@ def test_a_viewer_link_watches_its_sessions_kernel_through_another_gateway(pair)
     session = through_a.request("POST", "/agent/v1/sessions", json={"name": "watched"})
     other = through_a.request("POST", "/agent/v1/sessions", json={"name": "not-watched"})
     assert session.status_code == 201 and other.status_code == 201, (session.text, other.text)
-    # A first cell before B attaches the kernel: a session's first execute through its own gateway does not
-    # answer once another gateway attached its kernel before it (a separate fault, not this test's).
+    # A first cell before B attaches the kernel (a first execute after such an attach has its own test:
+    # test_a_sessions_first_execute_answers_after_another_gateway_attached_its_kernel).
     first = through_a.request("POST", f"/agent/v1/sessions/{session.json()['id']}/execute", json={"code": "1"})
     assert first.status_code == 200 and first.json()["status"] == "ok", first.text
     link = through_a.request("POST", f"/agent/v1/sessions/{session.json()['id']}/share", json={"ttl_s": 600})
@@ -561,3 +561,18 @@ def test_a_viewer_link_watches_its_sessions_kernel_through_another_gateway(pair)
     answer = through_a.request("POST", f"/agent/v1/sessions/{session.json()['id']}/execute",
                                json={"code": "'stolen' in dir()"})
     assert answer.json()["result"]["text/plain"] == "False", answer.text
+
+
+def test_a_sessions_first_execute_answers_after_another_gateway_attached_its_kernel(pair):
+    """B attaches an agent session's kernel (a GET of the kernel with the operator's token) before the session's
+    first execute, which then goes through A, the gateway that created the session: A gets its reply. A binds the
+    kernel with a kernel_info_request on the session's own sockets; B's attach, while that request still ran,
+    found it awaiting a reply in the kernel's record and connected sockets with A's identity, so the kernel's
+    ROUTER (router_handover) sent A's replies to B: A's execute timed out (B got its output) and A restarted the
+    kernel."""
+    a, b = pair
+    session = a.create_session("attached-first")
+    assert b.request("GET", f"/api/kernels/{session['kernel_id']}").status_code == 200
+    answer = a.execute(session["id"], "x = 6 * 7\nx", timeout_s=20)
+    assert result_text(answer) == "42", a.log_tail()
+    assert result_text(b.execute(session["id"], "x + 1")) == "43"

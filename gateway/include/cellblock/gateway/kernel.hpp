@@ -107,6 +107,10 @@ struct KernelLaunch {
     // Set when re-adopting a kernel started by an earlier gateway: its key, socket path prefix and creation
     // time (empty = new ones), and where the earlier gateway stopped reading IOPub.
     std::string key, endpoint_base, created, last_iopub_id;
+    // Set when attaching a kernel another gateway started (a shared store), which may still serve it: the
+    // re-adoption takes no client's identity awaiting a reply. The kernel's ROUTER hands an identity over to
+    // its newest connection, so the reply would come here instead of to the gateway that sent the request.
+    bool owned_elsewhere = false;
 };
 
 class Kernel : public std::enable_shared_from_this<Kernel> {
