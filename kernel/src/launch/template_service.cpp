@@ -312,6 +312,8 @@ int Service::run() {
         }
         if (fds[1].revents != 0) {
             begin_stop("the process that started the service ended");
+            parent_
+                .reset();  // readable for good: polled again, it would spin the loop until the templates end
         }
         for (const auto& generation : generations_) {
             if (generation->log_pipe) {
