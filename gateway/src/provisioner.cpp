@@ -70,6 +70,10 @@ class LocalProvisioner final : public Provisioner {
     std::unique_ptr<KernelInstance> launch(const InstanceLaunch& launch, Connected) override {
         InstanceLaunch supervised = launch;
         auto hold = templates_->hold(supervised);
+        if (!hold)
+            // Not a kernel a template service here serves (another program, or its service could not start):
+            // a kernel left to start its tenant's template itself would leave one running after every kernel.
+            supervised.environment.erase("CELLBLOCK_ZYGOTE_TENANT");
         return std::make_unique<LocalInstance>(io_, supervised, std::move(hold));
     }
 
