@@ -12,22 +12,22 @@
 #include <fstream>
 #include <iostream>
 
+#include "cellblock/gateway/access/auth.hpp"
+#include "cellblock/gateway/access/tenant_api.hpp"
+#include "cellblock/gateway/access/tenants.hpp"
 #include "cellblock/gateway/agent/agent_api.hpp"
-#include "cellblock/gateway/auth.hpp"
-#include "cellblock/gateway/config.hpp"
-#include "cellblock/gateway/crypto.hpp"
-#include "cellblock/gateway/http_server.hpp"
-#include "cellblock/gateway/kernel_manager.hpp"
-#include "cellblock/gateway/log.hpp"
-#include "cellblock/gateway/metrics.hpp"
-#include "cellblock/gateway/rest_handlers.hpp"
-#include "cellblock/gateway/router.hpp"
-#include "cellblock/gateway/state_directory.hpp"
-#include "cellblock/gateway/store.hpp"
-#include "cellblock/gateway/store_sealing.hpp"
-#include "cellblock/gateway/store_writer.hpp"
-#include "cellblock/gateway/tenant_api.hpp"
-#include "cellblock/gateway/tenants.hpp"
+#include "cellblock/gateway/common/config.hpp"
+#include "cellblock/gateway/common/crypto.hpp"
+#include "cellblock/gateway/http/http_server.hpp"
+#include "cellblock/gateway/http/rest_handlers.hpp"
+#include "cellblock/gateway/http/router.hpp"
+#include "cellblock/gateway/kernels/kernel_manager.hpp"
+#include "cellblock/gateway/kernels/state_directory.hpp"
+#include "cellblock/gateway/observability/log.hpp"
+#include "cellblock/gateway/observability/metrics.hpp"
+#include "cellblock/gateway/store/store.hpp"
+#include "cellblock/gateway/store/store_sealing.hpp"
+#include "cellblock/gateway/store/store_writer.hpp"
 
 using namespace cellblock::gateway;
 

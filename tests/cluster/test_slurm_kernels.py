@@ -114,7 +114,7 @@ def test_scancel_is_reported_to_clients_as_a_dead_kernel_with_the_cause(slurm_cl
         socket.close()
     model = slurm_gateway.get(f"/api/kernels/{kernel_id}").json()
     assert model["execution_state"] == "dead"
-    # Dead is final (gateway/include/cellblock/gateway/kernel_lifecycle.hpp: an exit in it is ignored, only a
+    # Dead is final (gateway/include/cellblock/gateway/kernels/kernel_lifecycle.hpp: an exit in it is ignored, only a
     # client's restart leaves it), and an automatic restart would have said "restarting", not "dead": the gateway's
     # decision is made, and a job it submitted is listed by squeue from sbatch's answer on.
     assert not live_jobs(slurm_cluster, kernel_id), "a cancelled kernel must not be resubmitted"

@@ -1,4 +1,4 @@
-// The gateway's configuration as an operator writes it (gateway/src/config.cpp): a JSON config file
+// The gateway's configuration as an operator writes it (gateway/src/common/config.cpp): a JSON config file
 // (GatewayConfig::merge_json) or KG_* / CELLBLOCK_GATEWAY_* environment variables (merge_environment).
 //
 // Input: a mode byte (even: a config file; odd: environment lines NAME=VALUE), then the file or the lines.
@@ -13,7 +13,7 @@
 #include <string>
 #include <string_view>
 
-#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/common/config.hpp"
 #include "fuzz_support.hpp"
 
 using cellblock::fuzz::require;

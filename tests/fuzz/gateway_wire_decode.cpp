@@ -1,4 +1,4 @@
-// The gateway's decoding of every multipart message a kernel sends (gateway/src/jupyter_message.cpp,
+// The gateway's decoding of every multipart message a kernel sends (gateway/src/jupyter/jupyter_message.cpp,
 // decode_wire): delimiter search, HMAC check, header JSON, buffers.
 //
 // Input: one mode byte, then the frames separated by 0x1e. Mode bit 0 re-signs the four signed parts with the
@@ -11,8 +11,8 @@
 #include <string_view>
 #include <vector>
 
-#include "cellblock/gateway/crypto.hpp"
-#include "cellblock/gateway/jupyter_message.hpp"
+#include "cellblock/gateway/common/crypto.hpp"
+#include "cellblock/gateway/jupyter/jupyter_message.hpp"
 #include "fuzz_support.hpp"
 
 using namespace cellblock::gateway;

@@ -1,12 +1,13 @@
-// Request targets as the gateway's HTTP server takes them apart (gateway/src/http_server.cpp handle_request,
-// gateway/src/router.cpp): query split and parse_query, then Router::match over the gateway's route table,
-// which percent-decodes every captured segment exactly once and refuses encoded '/' and NUL bytes.
+// Request targets as the gateway's HTTP server takes them apart (gateway/src/http/http_server.cpp
+// handle_request, gateway/src/http/router.cpp): query split and parse_query, then Router::match over the
+// gateway's route table, which percent-decodes every captured segment exactly once and refuses encoded '/'
+// and NUL bytes.
 //
 // Input: the request target (path and query) as a client sends it.
 // Invariants: nothing throws; a match without refusal captures {name} parameters that are one decoded segment
 // (no '/', no NUL) and {name...} parameters made of such segments joined by '/'; every captured parameter
 // decodes from the raw segment it came from; url_decode inverts percent-encoding; query keys are never empty.
-#include "cellblock/gateway/router.hpp"
+#include "cellblock/gateway/http/router.hpp"
 
 #include <memory>
 #include <string>

@@ -1,6 +1,6 @@
-// What a WebSocket client sends on /api/kernels/{id}/channels (gateway/src/websocket_channel.cpp hands the
-// payload to these decoders in gateway/src/jupyter_message.cpp): legacy JSON text, the legacy binary envelope
-// (big-endian offsets) and v1.kernel.websocket.jupyter.org (little-endian offsets).
+// What a WebSocket client sends on /api/kernels/{id}/channels (gateway/src/http/websocket_channel.cpp hands
+// the payload to these decoders in gateway/src/jupyter/jupyter_message.cpp): legacy JSON text, the legacy
+// binary envelope (big-endian offsets) and v1.kernel.websocket.jupyter.org (little-endian offsets).
 //
 // Input: one byte picks the decoder (0 text, 1 legacy binary, 2 v1), the rest is the WebSocket payload.
 // Invariants: only MessageError escapes (anything else becomes "internal error" for the client); a decoded
@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include "cellblock/gateway/jupyter_message.hpp"
+#include "cellblock/gateway/jupyter/jupyter_message.hpp"
 #include "fuzz_support.hpp"
 
 using namespace cellblock::gateway;

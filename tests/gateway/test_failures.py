@@ -111,7 +111,7 @@ def test_restart_limit_exhausted_reports_dead_and_leaves_no_process(launch):
     assert not wait_until_gone(second, GONE_TIMEOUT_S), "the dead kernel's processes are still running"
     assert gateway.get(f"/api/kernels/{kernel_id}").json()["execution_state"] == "dead"
     # The model said "dead" once the exit was handled, and dead is final (an exit in it is ignored; only a
-    # client's restart leaves it: gateway/include/cellblock/gateway/kernel_lifecycle.hpp), so no later
+    # client's restart leaves it: gateway/include/cellblock/gateway/kernels/kernel_lifecycle.hpp), so no later
     # automatic restart can come: what runs now is all that will.
     assert not kernel_processes(gateway, kernel_id), "a kernel past its restart limit was started again"
     assert gateway.delete(f"/api/kernels/{kernel_id}").status_code == 204

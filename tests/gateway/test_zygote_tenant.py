@@ -145,7 +145,7 @@ def test_a_tenant_that_is_not_a_plain_name_stops_the_start(make_gateway):
 
 # -- the template service: defaults, ownership, lifetime -------------------------------------------------------------
 
-TEMPLATE_GRACE_S = 10  # gateway/src/kernel_manager.cpp: template_service_grace
+TEMPLATE_GRACE_S = 10  # gateway/src/kernels/kernel_manager.cpp: template_service_grace
 
 
 def stock_policy() -> Path:

@@ -9,8 +9,8 @@
 
 #include "cellblock/gateway/agent/live_view.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
-#include "cellblock/gateway/config.hpp"
-#include "cellblock/gateway/time_format.hpp"
+#include "cellblock/gateway/common/config.hpp"
+#include "cellblock/gateway/common/time_format.hpp"
 
 namespace cellblock::gateway::agent {
 

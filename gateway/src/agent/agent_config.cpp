@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <fstream>
 
-#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/common/config.hpp"
 
 namespace cellblock::gateway::agent {
 

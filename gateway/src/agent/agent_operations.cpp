@@ -4,7 +4,7 @@
 #include <boost/asio/thread_pool.hpp>
 
 #include "cellblock/gateway/agent/output_shield.hpp"
-#include "cellblock/gateway/rest_handlers.hpp"
+#include "cellblock/gateway/http/rest_handlers.hpp"
 #include "cellblock/sandbox/sandbox.hpp"
 
 namespace cellblock::gateway::agent {

@@ -3,8 +3,8 @@
 #include <boost/asio/post.hpp>
 
 #include "cellblock/gateway/agent/output_shield.hpp"
-#include "cellblock/gateway/crypto.hpp"
-#include "cellblock/gateway/time_format.hpp"
+#include "cellblock/gateway/common/crypto.hpp"
+#include "cellblock/gateway/common/time_format.hpp"
 #include "cellblock/sandbox/sandbox.hpp"
 
 namespace cellblock::gateway::agent {

@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "cellblock/gateway/metrics.hpp"
+#include "cellblock/gateway/observability/metrics.hpp"
 
 namespace cellblock::gateway::agent {
 

@@ -7,10 +7,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "cellblock/gateway/access/auth.hpp"
 #include "cellblock/gateway/agent/agent_operations.hpp"
 #include "cellblock/gateway/agent/agent_session.hpp"
-#include "cellblock/gateway/auth.hpp"
-#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/common/config.hpp"
 
 namespace cellblock::gateway::agent {
 

@@ -8,7 +8,7 @@
 #include "cellblock/gateway/agent/agent_api.hpp"
 #include "cellblock/gateway/agent/mcp_protocol.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
-#include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/common/crypto.hpp"
 #include "cellblock/sandbox/sandbox.hpp"
 
 namespace cellblock::gateway::agent {

@@ -9,9 +9,9 @@
 #include <cstring>
 #include <fstream>
 
-#include "cellblock/gateway/crypto.hpp"
-#include "cellblock/gateway/rest_handlers.hpp"
-#include "cellblock/gateway/time_format.hpp"
+#include "cellblock/gateway/common/crypto.hpp"
+#include "cellblock/gateway/common/time_format.hpp"
+#include "cellblock/gateway/http/rest_handlers.hpp"
 
 namespace cellblock::gateway::agent {
 

@@ -379,9 +379,9 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
 }  // namespace
 
 // A kernel started as a batch job on another machine gets its environment as a document on stdin (from a
-// quoted here-document: slurm_job_script in gateway/src/provisioner.cpp), never as shell `export`s. It then
-// executes itself again with that environment (and stdin on /dev/null, as for any daemon), so that the
-// process's environment is what /proc/PID/environ and ps show. Returns only on failure.
+// quoted here-document: slurm_job_script in gateway/src/kernels/provisioner.cpp), never as shell `export`s.
+// It then executes itself again with that environment (and stdin on /dev/null, as for any daemon), so that
+// the process's environment is what /proc/PID/environ and ps show. Returns only on failure.
 std::string exec_with_launch_environment(int argc, char** argv) {
     constexpr std::size_t most = 1 << 20;
     std::string document;

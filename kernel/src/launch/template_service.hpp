@@ -1,6 +1,6 @@
 // `cellblock-kernel --template-service --config FILE`: one tenant's worker zygote template (the tenant named
 // by CELLBLOCK_ZYGOTE_TENANT, as for a kernel), supervised. The gateway runs one per tenant that has kernels
-// on this host (gateway/src/template_services.cpp) and stops it after the tenant's last kernel;
+// on this host (gateway/src/kernels/template_services.cpp) and stops it after the tenant's last kernel;
 // kernels started with CELLBLOCK_ZYGOTE_SUPERVISED=1 then never start a template themselves.
 //
 // The service starts the template in a cgroup of its own (the sandbox policy's limits), becomes its parent

@@ -1,4 +1,4 @@
-#include "cellblock/gateway/auth.hpp"
+#include "cellblock/gateway/access/auth.hpp"
 
 #include <gtest/gtest.h>
 

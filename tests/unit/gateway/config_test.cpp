@@ -1,7 +1,7 @@
 // The gateway's configuration file and environment: a number lands in its field exactly or is refused with
 // the key's name. Before, a port of 70000 became 4464, a byte cap of -1 became no cap at all, and a count of
 // 1e10 converted out of int's range (undefined behaviour).
-#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/common/config.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "cellblock/gateway/crypto.hpp"
+#include "cellblock/gateway/common/crypto.hpp"
 
 #include <gtest/gtest.h>
 

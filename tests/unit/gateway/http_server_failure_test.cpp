@@ -10,9 +10,9 @@
 #include <stdexcept>
 #include <thread>
 
-#include "cellblock/gateway/auth.hpp"
-#include "cellblock/gateway/http_server.hpp"
-#include "cellblock/gateway/router.hpp"
+#include "cellblock/gateway/access/auth.hpp"
+#include "cellblock/gateway/http/http_server.hpp"
+#include "cellblock/gateway/http/router.hpp"
 
 using namespace cellblock::gateway;
 namespace net = boost::asio;

@@ -1,4 +1,4 @@
-#include "cellblock/gateway/jupyter_message.hpp"
+#include "cellblock/gateway/jupyter/jupyter_message.hpp"
 
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 #include <chrono>
 #include <cstdint>
 
-#include "cellblock/gateway/time_format.hpp"
+#include "cellblock/gateway/common/time_format.hpp"
 
 using namespace cellblock::gateway;
 using nlohmann::json;

@@ -1,6 +1,6 @@
-// A gateway kernel's lifecycle (gateway/include/cellblock/gateway/kernel_lifecycle.hpp): every transition of
-// the table there, and what clients are shown in each phase.
-#include "cellblock/gateway/kernel_lifecycle.hpp"
+// A gateway kernel's lifecycle (gateway/include/cellblock/gateway/kernels/kernel_lifecycle.hpp): every
+// transition of the table there, and what clients are shown in each phase.
+#include "cellblock/gateway/kernels/kernel_lifecycle.hpp"
 
 #include <gtest/gtest.h>
 

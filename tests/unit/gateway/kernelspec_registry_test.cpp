@@ -1,4 +1,4 @@
-#include "cellblock/gateway/kernelspec_registry.hpp"
+#include "cellblock/gateway/jupyter/kernelspec_registry.hpp"
 
 #include <gtest/gtest.h>
 

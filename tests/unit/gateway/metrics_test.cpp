@@ -1,5 +1,5 @@
 // The metrics registry and its Prometheus text exposition (format 0.0.4), as a scraper reads it.
-#include "cellblock/gateway/metrics.hpp"
+#include "cellblock/gateway/observability/metrics.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,10 +1,10 @@
 // The gateway's side of a session's network policy (kernel/README.md "Network policy"): host patterns, the
 // ceiling a policy must stay within, and what reaches the kernel as CELLBLOCK_NETWORK_POLICY.
-#include "cellblock/gateway/network_policy.hpp"
+#include "cellblock/gateway/access/network_policy.hpp"
 
 #include <gtest/gtest.h>
 
-#include "cellblock/gateway/config.hpp"
+#include "cellblock/gateway/common/config.hpp"
 
 using namespace cellblock::gateway;
 using nlohmann::json;

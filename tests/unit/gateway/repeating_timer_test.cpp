@@ -1,4 +1,4 @@
-#include "cellblock/gateway/repeating_timer.hpp"
+#include "cellblock/gateway/common/repeating_timer.hpp"
 
 #include <gtest/gtest.h>
 

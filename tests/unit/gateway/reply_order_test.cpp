@@ -1,4 +1,4 @@
-#include "cellblock/gateway/reply_order.hpp"
+#include "cellblock/gateway/jupyter/reply_order.hpp"
 
 #include <gtest/gtest.h>
 

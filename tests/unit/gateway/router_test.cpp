@@ -1,4 +1,4 @@
-#include "cellblock/gateway/router.hpp"
+#include "cellblock/gateway/http/router.hpp"
 
 #include <gtest/gtest.h>
 

@@ -12,7 +12,7 @@
 #include <fstream>
 
 #include "cellblock/contract/environment.hpp"
-#include "cellblock/gateway/provisioner.hpp"
+#include "cellblock/gateway/kernels/provisioner.hpp"
 
 namespace cellblock::gateway {
 namespace {

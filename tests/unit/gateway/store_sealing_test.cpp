@@ -1,6 +1,6 @@
 // Kernels' HMAC keys at rest: the store's bytes never hold one (host-side: the SQLite file and its WAL are
 // read back and searched), the gateway that holds the store secret reads them back, and nobody else does.
-#include "cellblock/gateway/store_sealing.hpp"
+#include "cellblock/gateway/store/store_sealing.hpp"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

@@ -2,7 +2,7 @@
 // the state directory lock: what a restarted gateway (or another gateway on a shared store) relies on to find
 // kernels and sessions again, and what must refuse to start rather than lose or corrupt them. The contract
 // tests (StoreContract.*) run against both implementations.
-#include "cellblock/gateway/store.hpp"
+#include "cellblock/gateway/store/store.hpp"
 
 #include <gtest/gtest.h>
 #include <sqlite3.h>
@@ -18,9 +18,9 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "cellblock/gateway/log.hpp"
-#include "cellblock/gateway/state_directory.hpp"
-#include "cellblock/gateway/store_writer.hpp"
+#include "cellblock/gateway/kernels/state_directory.hpp"
+#include "cellblock/gateway/observability/log.hpp"
+#include "cellblock/gateway/store/store_writer.hpp"
 #include "postgres_server.hpp"
 
 using namespace cellblock::gateway;

@@ -11,9 +11,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "cellblock/gateway/log.hpp"
-#include "cellblock/gateway/store_writer.hpp"
-#include "cellblock/gateway/tenants.hpp"
+#include "cellblock/gateway/access/tenants.hpp"
+#include "cellblock/gateway/observability/log.hpp"
+#include "cellblock/gateway/store/store_writer.hpp"
 #include "postgres_server.hpp"
 
 using namespace cellblock::gateway;

@@ -1,4 +1,4 @@
-#include "cellblock/gateway/time_format.hpp"
+#include "cellblock/gateway/common/time_format.hpp"
 
 #include <gtest/gtest.h>
 

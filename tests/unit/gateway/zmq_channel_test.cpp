@@ -1,4 +1,4 @@
-#include "cellblock/gateway/zmq_channel.hpp"
+#include "cellblock/gateway/jupyter/zmq_channel.hpp"
 
 #include <gtest/gtest.h>
 

@@ -7,7 +7,7 @@
 #include "cellblock/gateway/agent/agent_config.hpp"
 #include "cellblock/gateway/agent/agent_operations.hpp"
 #include "cellblock/gateway/agent/session_registry.hpp"
-#include "cellblock/gateway/rest_handlers.hpp"
+#include "cellblock/gateway/http/rest_handlers.hpp"
 
 namespace cellblock::gateway::agent {
 

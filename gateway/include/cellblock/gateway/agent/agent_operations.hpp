@@ -17,9 +17,9 @@
 #include <variant>
 #include <vector>
 
+#include "cellblock/gateway/access/principal.hpp"
 #include "cellblock/gateway/agent/session_registry.hpp"
-#include "cellblock/gateway/principal.hpp"
-#include "cellblock/gateway/store.hpp"
+#include "cellblock/gateway/store/store.hpp"
 
 namespace cellblock::gateway::agent {
 

@@ -14,16 +14,16 @@
 #include <string>
 #include <vector>
 
+#include "cellblock/gateway/access/network_policy.hpp"
+#include "cellblock/gateway/access/tenant_quotas.hpp"
 #include "cellblock/gateway/agent/agent_config.hpp"
 #include "cellblock/gateway/agent/execution.hpp"
 #include "cellblock/gateway/agent/live_events.hpp"
-#include "cellblock/gateway/kernel.hpp"
-#include "cellblock/gateway/kernel_manager.hpp"
-#include "cellblock/gateway/log.hpp"
-#include "cellblock/gateway/metrics.hpp"
-#include "cellblock/gateway/network_policy.hpp"
-#include "cellblock/gateway/store_writer.hpp"
-#include "cellblock/gateway/tenant_quotas.hpp"
+#include "cellblock/gateway/kernels/kernel.hpp"
+#include "cellblock/gateway/kernels/kernel_manager.hpp"
+#include "cellblock/gateway/observability/log.hpp"
+#include "cellblock/gateway/observability/metrics.hpp"
+#include "cellblock/gateway/store/store_writer.hpp"
 
 namespace cellblock::gateway::agent {
 

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cellblock/gateway/jupyter_message.hpp"
+#include "cellblock/gateway/jupyter/jupyter_message.hpp"
 
 namespace cellblock::gateway::agent {
 

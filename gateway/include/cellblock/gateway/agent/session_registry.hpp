@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "cellblock/gateway/agent/agent_session.hpp"
-#include "cellblock/gateway/repeating_timer.hpp"
-#include "cellblock/gateway/router.hpp"
+#include "cellblock/gateway/common/repeating_timer.hpp"
+#include "cellblock/gateway/http/router.hpp"
 
 namespace cellblock::gateway::agent {
 

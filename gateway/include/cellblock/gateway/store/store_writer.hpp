@@ -1,0 +1,133 @@
+#pragma once
+// Every store call off the io_context thread (docs/decisions/0012-store-calls-off-the-io-thread.md): the io
+// thread never waits on a database or a disk.
+// - Writes: one writer thread applies them to the SessionStore in the order they were queued; what is queued
+//   together is committed (fsync'd) together, each write in its own savepoint. A batch the store could not
+//   reach (StoreUnavailable: the server restarted or stalls) is retried with backoff, not dropped.
+// - Reads and leases (`read`): one reader thread runs them in the order they were asked, and posts each
+//   answer back to the io_context; an answer that does not come within its limit is given up as unanswered
+//   (the request that waited answers 503 store_unavailable, or goes on without it).
+// `after_pending` lets a reader wait for what was queued before it.
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cellblock/gateway/store/store.hpp"
+
+namespace cellblock::gateway {
+class Logger;
+
+// What a store read answered: its value, or why there is none (the store failed, or did not answer in time).
+template <class T>
+struct StoreAnswer {
+    std::optional<T> value;
+    std::string error;  // empty when `value` is set
+    bool ok() const { return value.has_value(); }
+};
+
+class StoreWriter {
+  public:
+    using Write = std::function<void(SessionStore&)>;
+    // How long a request waits for a store read by default before it goes on without it.
+    static constexpr std::chrono::milliseconds default_read_limit{2000};
+
+    StoreWriter(boost::asio::io_context& io, const Logger& logger, SessionStore& store);
+    ~StoreWriter();  // applies everything still queued, then stops the thread
+    StoreWriter(const StoreWriter&) = delete;
+    StoreWriter& operator=(const StoreWriter&) = delete;
+
+    // Queues `write`; a failure is logged (event store_write_failed) and the next write goes on.
+    void submit(Write write);
+    // Posts `handler` to the io_context once every write queued before this call is committed (or failed).
+    void after_pending(std::function<void()> handler);
+    // Blocks until the queue is empty (gateway exit, tests).
+    void drain();
+    // Runs `call` on the reader thread and hands its answer to `then` on the io_context thread. No answer
+    // within `limit`: `then` gets an unanswered StoreAnswer at the limit, and the value `call` answers later
+    // goes to `late` (io_context thread; e.g. a lease taken too late is released there).
+    template <class T>
+    void read(std::function<T(SessionStore&)> call, std::chrono::milliseconds limit,
+              std::function<void(StoreAnswer<T>)> then, std::function<void(T)> late = nullptr);
+    // For reads where blocking is the point: start-up (before the io_context serves) and tests. Calls made
+    // while serving go through `read`.
+    SessionStore& store() { return store_; }
+    // The store's kind, fixed at start: safe to ask on any thread without touching the store.
+    bool shared() const { return shared_; }
+
+  private:
+    struct Task {
+        Write write;
+        std::function<void()> notify;
+    };
+    void enqueue(Task task);
+    void run();
+    static constexpr std::size_t max_batch = 512;
+
+    // Applies `batch`; a batch the store could not reach is retried with backoff for up to retry_limit.
+    void apply(const std::vector<Write>& batch);
+    static constexpr std::chrono::seconds retry_limit{60};
+
+    boost::asio::io_context& io_;
+    const Logger& logger_;
+    SessionStore& store_;
+    const bool shared_;
+    std::mutex mutex_;
+    std::condition_variable wake_, idle_;
+    std::deque<Task> queue_;
+    bool busy_ = false;
+    bool stopping_ = false;
+    std::thread thread_;                  // started after everything it uses exists
+    boost::asio::thread_pool reader_{1};  // one thread: reads (and lease calls) run in the order asked
+};
+
+template <class T>
+void StoreWriter::read(std::function<T(SessionStore&)> call, std::chrono::milliseconds limit,
+                       std::function<void(StoreAnswer<T>)> then, std::function<void(T)> late) {
+    // Settled once, on the io_context thread: by the answer or by the timer, whichever comes first.
+    struct Pending {
+        explicit Pending(boost::asio::io_context& io) : timer(io) {}
+        boost::asio::steady_timer timer;
+        std::function<void(StoreAnswer<T>)> then;
+        std::function<void(T)> late;
+        bool settled = false;
+    };
+    auto pending = std::make_shared<Pending>(io_);
+    pending->then = std::move(then);
+    pending->late = std::move(late);
+    pending->timer.expires_after(limit);
+    pending->timer.async_wait([pending](const boost::system::error_code& error) {
+        if (error || std::exchange(pending->settled, true))
+            return;
+        pending->then(StoreAnswer<T>{std::nullopt, "the store did not answer in time"});
+    });
+    boost::asio::post(reader_, [this, pending, call = std::move(call)] {
+        StoreAnswer<T> answer;
+        try {
+            answer.value = call(store_);
+        } catch (const std::exception& error) {
+            answer.error = error.what();
+        }
+        boost::asio::post(io_, [pending, answer = std::move(answer)]() mutable {
+            if (std::exchange(pending->settled, true)) {
+                if (answer.value && pending->late)
+                    pending->late(std::move(*answer.value));
+                return;
+            }
+            pending->timer.cancel();
+            pending->then(std::move(answer));
+        });
+    });
+}
+
+}  // namespace cellblock::gateway

@@ -1,0 +1,112 @@
+#include "cellblock/gateway/store/store_writer.hpp"
+
+#include <boost/asio/post.hpp>
+
+#include "cellblock/gateway/observability/log.hpp"
+
+namespace cellblock::gateway {
+
+StoreWriter::StoreWriter(boost::asio::io_context& io, const Logger& logger, SessionStore& store)
+    : io_(io), logger_(logger), store_(store), shared_(store.shared()), thread_([this] { run(); }) {}
+
+StoreWriter::~StoreWriter() {
+    {
+        std::lock_guard lock(mutex_);
+        stopping_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable())
+        thread_.join();
+}
+
+void StoreWriter::submit(Write write) {
+    enqueue({std::move(write), nullptr});
+}
+
+void StoreWriter::after_pending(std::function<void()> handler) {
+    enqueue({nullptr, std::move(handler)});
+}
+
+void StoreWriter::drain() {
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+}
+
+void StoreWriter::enqueue(Task task) {
+    {
+        std::lock_guard lock(mutex_);
+        queue_.push_back(std::move(task));
+    }
+    wake_.notify_one();
+}
+
+void StoreWriter::run() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+        wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) {
+            if (stopping_)
+                return;
+            continue;
+        }
+        // Everything queued up to the next notification goes into one transaction: one fsync for a burst of
+        // executes instead of one per write.
+        std::vector<Write> batch;
+        std::function<void()> notify;
+        while (!queue_.empty() && batch.size() < max_batch) {
+            Task task = std::move(queue_.front());
+            queue_.pop_front();
+            if (task.notify) {
+                notify = std::move(task.notify);
+                break;
+            }
+            batch.push_back(std::move(task.write));
+        }
+        busy_ = true;
+        lock.unlock();
+        if (!batch.empty())
+            apply(batch);
+        if (notify)
+            boost::asio::post(io_, std::move(notify));
+        lock.lock();
+        busy_ = false;
+        if (queue_.empty())
+            idle_.notify_all();
+    }
+}
+
+void StoreWriter::apply(const std::vector<Write>& batch) {
+    const auto give_up = std::chrono::steady_clock::now() + retry_limit;
+    auto backoff = std::chrono::milliseconds(100);
+    while (true) {
+        try {
+            store_.write_batch(batch, [this](const std::exception& error) {
+                // The logger writes one line to stderr; safe from this thread.
+                logger_.error("store_write_failed", {{"error", error.what()}});
+            });
+            return;
+        } catch (const StoreUnavailable& error) {
+            // Rolled back whole: the same batch again once the store is back (a restarted server, a dropped
+            // connection). Only this thread waits; the io_context goes on serving.
+            bool stopping = false;
+            {
+                std::lock_guard lock(mutex_);
+                stopping = stopping_;
+            }
+            // At exit a store that stays away costs a few seconds, not the whole retry limit.
+            if (std::chrono::steady_clock::now() + backoff > give_up ||
+                (stopping && backoff > std::chrono::milliseconds(1000))) {
+                logger_.error("store_write_failed", {{"error", error.what()}, {"writes", batch.size()}});
+                return;
+            }
+            logger_.warn("store_write_retried", {{"error", error.what()}, {"retry_ms", backoff.count()}});
+            std::this_thread::sleep_for(backoff);  // the writer's own thread: nothing else waits on it
+            backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));
+        } catch (const std::exception& error) {
+            logger_.error("store_write_failed", {{"error", error.what()}, {"writes", batch.size()}});
+            return;
+        }
+    }
+}
+
+}  // namespace cellblock::gateway
