@@ -1,4 +1,4 @@
-"""A local "internet" for the network tests (issue 12): a test CA and one server certificate made with the openssl
+"""A local "internet" for the network tests: a test CA and one server certificate made with the openssl
 CLI, HTTPS (443) and HTTP (80) servers on 127.x.y.z addresses for pypi.test, files.test, evil.test, ..., each
 logging every request and every TLS server name it was asked for (the host-side proof of what reached it), a PEP 503
 index with a tiny wheel on pypi.test, and the hosts(5) file that pins those names for the gateway's

@@ -1,4 +1,4 @@
-"""The agent API end to end through HTTP (issue 5): the data-analysis flow an agent runs (upload a CSV, group by,
+"""The agent API end to end through HTTP: the data-analysis flow an agent runs (upload a CSV, group by,
 plot, fix an error), timeouts as circuit breakers, context shielding of large output, hostile file names, notebook
 export re-executed by nbclient, NDJSON streaming and disconnects, clear 4xx errors, and a notebook watching the
 session's kernel through the Kernel Gateway WebSocket."""

@@ -1,4 +1,4 @@
-"""Sessions outlive the gateway (issue 9): kernels re-adopted after kill -9 or SIGTERM, output produced while no
+"""Sessions outlive the gateway: kernels re-adopted after kill -9 or SIGTERM, output produced while no
 gateway ran delivered afterwards, orphaned kernels stopping themselves, lost kernels reported, and a state directory
 that refuses a second gateway or a corrupt store. Real gateways, real signals, real kernels; every check is made from
 the host (/proc, the filesystem), not only from what the gateway says."""

@@ -134,7 +134,7 @@ def test_session_policy_reaches_the_kernel_with_the_ceiling(gateway, internet):
     assert policy == {"allow": ["pypi.test", "*.files.test"], "ask": True, "ceiling": CEILING, "ports": [443, 80],
                       "approval_timeout_s": APPROVAL_TIMEOUT_S}
     assert env["CELLBLOCK_EGRESS_HOSTS"] == str(internet.hosts_file)
-    # Without a policy: no network at all, as before issue 12.
+    # Without a policy: no network at all, as before network policies existed.
     plain = gateway.create_session()
     assert plain["network"] is None
     assert "CELLBLOCK_NETWORK_POLICY" not in kernel_environment(plain["kernel_id"])

@@ -1,4 +1,4 @@
-"""Many gateways, one store (issue 10): two gateways, each with its own state directory, share a PostgreSQL store
+"""Many gateways, one store: two gateways, each with its own state directory, share a PostgreSQL store
 started by this module (initdb/pg_ctl in a temporary directory, stopped at the end). Any gateway serves any session
 (no sticky sessions), a gateway killed with SIGKILL leaves its sessions working through the other one with their
 state, executes of one agent session are serialized across gateways, a deletion through one gateway is seen by

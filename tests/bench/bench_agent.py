@@ -12,7 +12,7 @@ kernel started through POST /api/kernels, both confined cellblock kernels:
   frameworks speak it), sent -> IOPub status idle for it; the client parses every message, as real clients do;
 - first output: code that prints, then works for 300 ms: when the client first sees the printed line, streamed
   (NDJSON stdout event) vs one-call (the answer).
-Target (issue 5): one-call `1+1` <= 2 ms median.
+Target: one-call `1+1` <= 2 ms median.
 """
 from __future__ import annotations
 

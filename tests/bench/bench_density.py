@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How many idle sessions one machine holds (issue 11: 2,000 idle sessions, each answering `1+1`).
+"""How many idle sessions one machine holds (2,000 idle sessions, each answering `1+1`).
 
     /usr/bin/python3 tests/bench/bench_density.py [--quick] [--sessions N] [--reserve-gib G] [--parallel P] [--exec]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Network by allowlist (issue 12): what the egress proxy costs.
+"""Network by allowlist: what the egress proxy costs.
 
 - throughput: a 100 MB download from a local server (127.x, pinned with --egress-hosts, test CA) by code in an agent
   session, through the kernel's proxy (HTTPS = CONNECT tunnel, HTTP = absolute-form request the proxy forwards),

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The floors under issue 11's missed targets: the least a libzmq kernel with an IPython worker costs on this machine.
+"""The floors under the kernel's missed targets: the least a libzmq kernel with an IPython worker costs on this machine.
 
     /usr/bin/python3 tests/bench/bench_floors.py [--quick] [--floor-kernel PATH] [--executes N] [--rounds N]
                                                  [--starts N] [--seconds S] [--no-zygote]
 
-Four of issue 11's targets are missed on this machine: kernel CPU ≤ 0.25 ms per `1+1`, `1+1` ≤ 0.4 ms over ZMQ,
+Four of the kernel's targets are missed on this machine: kernel CPU ≤ 0.25 ms per `1+1`, `1+1` ≤ 0.4 ms over ZMQ,
 ≥ 2,000 exec/s with 16 sessions, and a cold start ≤ 50 ms. This benchmark measures, in one run and beside
 cellblock and ipykernel, what no kernel of this design (the brief's: libzmq sockets, an IPython worker in its own
 process) can go below here:
@@ -451,9 +451,9 @@ def main() -> int:
     floor, ours, peer = kernels[FLOOR[0]], kernels["cellblock"], kernels["ipykernel"]
     rows = [
         Row("execute `1+1` → idle (ZMQ)", ours["rt"], {FLOOR[0]: floor["rt"], "ipykernel": peer["rt"]},
-            target="≤ 0.4 ms (issue 11)", note="the floor kernel's worker spins for run_cell's CPU time"),
+            target="≤ 0.4 ms", note="the floor kernel's worker spins for run_cell's CPU time"),
         Row("kernel process CPU per `1+1`", ours["kernel"], {FLOOR[0]: floor["kernel"], "ipykernel": peer["kernel"]},
-            unit="ms CPU", target="≤ 0.25 ms (issue 11)",
+            unit="ms CPU", target="≤ 0.25 ms",
             note="every thread, libzmq's I/O thread included; ipykernel's runs the cell too"),
         Row("worker CPU per `1+1`", ours["worker"], {FLOOR[0]: floor["worker"]}, unit="ms CPU",
             note="cellblock: the confined IPython worker; floor: its worker, busy for run_cell's CPU time"),
@@ -464,7 +464,7 @@ def main() -> int:
         rows.append(Row(f"`1+1` exec/s, {level} session{'s' if level > 1 else ''}",
                         bench_throughput.level_stat(throughput["cellblock"], level, 0),
                         {FLOOR[0]: bench_throughput.level_stat(throughput[FLOOR[0]], level, 0)}, unit="exec/s",
-                        target="≥ 2,000 (issue 11)" if level == 16 else "",
+                        target="≥ 2,000" if level == 16 else "",
                         note="bench_throughput.py's driver"))
     print(f"{cores} cores, load average {os.getloadavg()[0]:.1f} at the end. Round trips: {rounds} interleaved rounds "
           f"of {executes} executes per kernel, all kernels running; CPU per execute from /proc schedstat (kernel, "
@@ -503,8 +503,8 @@ def main() -> int:
                    f"{starts_ms['cellblock'].median:.1f} ms" if "cellblock" in starts_ms else "–",
                    f"floor kernel → kernel_info_reply {starts_ms['floor_info'].median:.1f} + fork → first `1+1` "
                    f"{starts_ms['fork'].median:.1f} (`/bin/true` {starts_ms['true'].median:.1f})"))
-    print("### The floors of issue 11's missed targets on this machine\n")
-    print("| target | issue 11 | floor here | cellblock here | the floor is |")
+    print("### The floors of the kernel's missed targets on this machine\n")
+    print("| target | wanted | floor here | cellblock here | the floor is |")
     print("|---|---|---|---|---|")
     for row in floors:
         print("| " + " | ".join(row) + " |")

@@ -21,7 +21,7 @@ on IOPub, requests signed with hmac-sha256.
   the executes and a second of rest.
 Unless --no-zygote, cellblock is measured twice: with its worker exec'd (the default) and with `worker.zygote: true`
 (the worker forked from the tenant's running template, sandbox/README.md "Worker zygote"; the template is started
-before the timed starts, as a kernel host keeps it; its PSS is not in the idle figure). Issue 11's cold start
+before the timed starts, as a kernel host keeps it; its PSS is not in the idle figure). The cold-start target
 target is start -> kernel_info_reply *with a ready worker*, i.e. the first `1+1` reply of a zygote kernel.
 """
 from __future__ import annotations
@@ -298,14 +298,14 @@ def main() -> int:
     ]
     if args.zygote:
         rows.append(Row("cold start → first `1+1` execute_reply, zygote worker", first_result.get(ZYGOTE_LABEL),
-                        peers(first_result), target="≤ 50 ms, ≤ 30 ms p50 (issue 11)",
+                        peers(first_result), target="≤ 50 ms, ≤ 30 ms p50",
                         note="a ready worker forked from the running template"))
     rows += [
         Row("execute `1+1` → idle (ZMQ)", round_trip.get("cellblock"), peers(round_trip),
             target="≤ 1.5 ms"),
         Row("1 MiB print → idle (ZMQ), client parses", parsed_print("cellblock", True), peers(big_print, True),
             note="every IOPub message's signature checked and its JSON parsed (`json.loads`)"),
-        Row("1 MiB print → idle (ZMQ), kernel's delivery", parsed_print("cellblock", False), peers(big_print, False), target="≤ 8 ms (issue 11)",
+        Row("1 MiB print → idle (ZMQ), kernel's delivery", parsed_print("cellblock", False), peers(big_print, False), target="≤ 8 ms",
             note="every IOPub message's signature checked, the JSON parsed after the clock stops"),
         Row("idle PSS, kernel + worker", memory.get("cellblock"), peers(memory), unit="MB",
             note="sum over the kernel's process tree"),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The live page of an agent session (issue 39): IOPub -> the page's DOM, and the gateway's CPU per watcher.
+"""The live page of an agent session: IOPub -> the page's DOM, and the gateway's CPU per watcher.
 
     /usr/bin/python3 tests/bench/bench_live_page.py [--quick] [--prints N] [--bigs N] [--readers 0,1,50]
                                                     [--lines N] [--rounds N] [--json PATH]
@@ -390,7 +390,7 @@ def main() -> int:
     rows = [
         Row("one-line print: NDJSON stdout event → the line in the page's DOM", Stats(latency["print"]["page"]),
             {floor: Stats(latency["print"]["eventSource"]), plain: Stats(latency["print"]["plain"])},
-            target="≤ 1,000 ms (issue 39)", note="the page applies events once per animation frame"),
+            target="≤ 1,000 ms", note="the page applies events once per animation frame"),
         Row("1 MB print: NDJSON end event → the page shows the cell's end (tail, ok)", Stats(latency["big"]["page"]),
             {floor: Stats(latency["big"]["eventSource"]), plain: Stats(latency["big"]["plain"])},
             note="the live relay stops at 32 KiB; the end event brings the head and the tail"),

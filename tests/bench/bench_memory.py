@@ -338,7 +338,7 @@ def measure_all(args, zygote_dir) -> int:
                 Row("start → first `1+1` answered (worker ready)", sample(zygote_starts, "ready_ms"),
                     {"exec path": sample(exec_starts, "ready_ms")},
                     note="through jupyter_client's KernelManager and wait_for_ready, which cost most of it; "
-                         "the lean-client cold start (issue 11's ≤ 50 ms) is bench_kernel.py's"),
+                         "the lean-client cold start (≤ 50 ms) is bench_kernel.py's"),
                 Row("first `import pandas` in a session", sample(zygote_starts, "pandas_ms"),
                     {"exec path": sample(exec_starts, "pandas_ms")}, target="≤ 5 ms"),
                 Row("failed starts", Stats([zygote_starts.get("failures", 0)]),

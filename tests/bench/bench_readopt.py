@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Sessions outliving the gateway (issue 9): how long a restarted gateway takes to serve every live session again.
+"""Sessions outliving the gateway: how long a restarted gateway takes to serve every live session again.
 
 - re-adoption: N agent sessions with state; `kill -9` the gateway; time from starting a new gateway on the same state
   directory to every session answering `1+1` (and still holding its variable). Target ≤ 1 s for 100 sessions.

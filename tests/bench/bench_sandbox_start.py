@@ -105,7 +105,7 @@ def main() -> int:
             ours = measured.pop("cellblock")
             peers = measured
             rows.append(Row(title, ours, peers, target=target,
-                            note="full profile incl. cgroups + seccomp" if not target else "issue 3 target"))
+                            note="full profile incl. cgroups + seccomp" if not target else "target"))
     print(markdown_table("Confined start (cellblock-sandbox vs plain exec)", rows))
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What an idle agent session costs the machine (issue 38: ≤ 10 MiB of MemAvailable per session over 100 sessions,
+"""What an idle agent session costs the machine (target: ≤ 10 MiB of MemAvailable per session over 100 sessions,
 with the defaults), cellblock's default (workers forked from the tenant's zygote template) beside the exec path
 (`"worker": {"zygote": false}`) and ipykernel, through the same gateway's agent API.
 

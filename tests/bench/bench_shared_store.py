@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Many gateways, one store (issue 10): what sharing the store costs and what a second gateway brings.
+"""Many gateways, one store: what sharing the store costs and what a second gateway brings.
 
 - store cost per execute: `1+1` through one gateway, one session, one request at a time, with the embedded SQLite
   store vs a PostgreSQL store (a server this script starts: initdb/pg_ctl in a temporary directory, local TCP).

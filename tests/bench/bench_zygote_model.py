@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a worker zygote would buy, measured on the real worker runtime before the zygote exists (issue 11).
+"""What a worker zygote would buy, measured on the real worker runtime before the zygote exists.
 
     /usr/bin/python3 tests/bench/bench_zygote_model.py [--quick] [--sessions N] [--prefix PREFIX]
 

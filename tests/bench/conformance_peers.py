@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The project's gateway client conformance suites against cellblock-gateway and the Jupyter Kernel Gateway 3.0
-(issue 40): the same tests, unchanged, against each server, each suite on a fresh server in a temporary directory.
+"""The project's gateway client conformance suites against cellblock-gateway and the Jupyter Kernel Gateway 3.0:
+the same tests, unchanged, against each server, each suite on a fresh server in a temporary directory.
 
     /usr/bin/python3 tests/bench/conformance_peers.py [--suites lab-services,gateway-api] [--targets 0,1,2]
                                                       [--json PATH] [--keep]

@@ -1,5 +1,5 @@
 // cellblock-floor-kernel: the least a Jupyter kernel on libzmq with an out-of-process worker must do, and
-// nothing more, so that bench_floors.py can measure what this machine charges for it (issue 11's kernel CPU,
+// nothing more, so that bench_floors.py can measure what this machine charges for it (the kernel CPU target,
 // `1+1` and cold-start targets). It is a benchmark instrument, never a kernel to use: one thread (plus
 // libzmq's I/O thread), no confinement, no limits, no ordering guarantees beyond its own sequence, and a
 // "worker" that answers every request with `2` after keeping its CPU busy for as long as it is told (the time

@@ -276,7 +276,7 @@ def test_sigint_stop_leaves_no_kernel_and_no_confined_worker(launch):
 
 
 def test_sigterm_stop_with_shutdown_kernels_leaves_no_kernel_and_no_confined_worker(launch):
-    # Issue 9: SIGTERM detaches kernels for re-adoption unless --shutdown-kernels-on-exit is given.
+    # SIGTERM detaches kernels for re-adoption unless --shutdown-kernels-on-exit is given.
     arguments = ["--shutdown-kernels-on-exit"] if gateway_accepts("--shutdown-kernels-on-exit") else []
     assert_stop_leaves_no_kernel_and_no_worker(launch, signal.SIGTERM, *arguments)
 

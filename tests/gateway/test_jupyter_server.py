@@ -174,7 +174,7 @@ def test_jupyter_server_sessions_start_gateway_kernels(gateway, jupyter_server):
 
 
 def test_jupyter_server_with_a_tenants_token_sees_only_that_tenants_agent_kernel(gateway, tmp_path):
-    """`jupyter lab --gateway-url` holding a tenant's token (issue 39: "a tenant's token sees its own"): the tenant's
+    """`jupyter lab --gateway-url` holding a tenant's token ("a tenant's token sees its own"): the tenant's
     agent kernel attaches (as JupyterLab's "use kernel from other session" does: POST /api/sessions with its id), is
     listed at Jupyter Server's /api/kernels and runs with the agent's variables; the operator's agent kernel, asked
     for the same way, is not attached, not listed and not found. Jupyter Server lists only gateway kernels it

@@ -1,4 +1,4 @@
-"""GET /metrics (issue 13): the gateway's Prometheus metrics, read the way an operator reads them — scraped by a
+"""GET /metrics: the gateway's Prometheus metrics, read the way an operator reads them — scraped by a
 real Prometheus server (Debian's /usr/bin/prometheus) with the gateway's token and queried back through
 Prometheus's HTTP API — and checked by Prometheus's own linter (`promtool check metrics`). The figures asserted are
 the work each test did: executes by outcome, the latency histogram's count, WebSocket connections and bytes,

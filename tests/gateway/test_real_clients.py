@@ -1,10 +1,10 @@
-"""Real Jupyter clients against cellblock-gateway (issue 4, "Tests with real clients" 2 and 3).
+"""Real Jupyter clients against cellblock-gateway.
 
 Starts the installed `$CELLBLOCK_PREFIX/bin/cellblock-gateway` on a free port with a random token, then runs
   * tests/gateway/clients/lab-services.test.js: @jupyterlab/services (JupyterLab's client library) over the
     v1 WebSocket subprotocol: start, execute, streaming, interrupt, restart, legacy format, shutdown;
-  * tests/gateway/clients/lab-services-reconnect.test.js: the same library across a gateway kill -9 and restart
-    (issue 9): its reconnect gets the kernel it had, with its variables;
+  * tests/gateway/clients/lab-services-reconnect.test.js: the same library across a gateway kill -9 and restart:
+    its reconnect gets the kernel it had, with its variables;
   * tests/gateway/clients/classic-notebook.test.js: Debian's classic Notebook 6.4 with --gateway-url pointing at the
     gateway, in headless Chromium: open a notebook, type and run cells, see 42; screenshot in
     tests/artifacts/notebook.png;

@@ -1,4 +1,4 @@
-"""An idle kernel gives back the heap a large output used (kernel/src/launch/heap_policy.hpp, issue 11): a host keeps many
+"""An idle kernel gives back the heap a large output used (kernel/src/launch/heap_policy.hpp): a host keeps many
 idle sessions, and one that once printed a lot must not keep that memory for as long as it idles. Measured on the
 host as the kernel process's Private_Dirty (pages no other process shares, /proc/PID/smaps_rollup)."""
 import time

@@ -1,4 +1,4 @@
-"""Issue 12, kernel side: a kernel started with a network policy (CELLBLOCK_NETWORK_POLICY, names pinned with
+"""Kernel side: a kernel started with a network policy (CELLBLOCK_NETWORK_POLICY, names pinned with
 CELLBLOCK_EGRESS_HOSTS) gives its worker the egress proxy at 127.0.0.1:3128 inside the worker's network namespace
 (every worker, replacements too) and the usual proxy variables; what the proxy does is reported on IOPub
 (`cellblock_egress`), a held request is shown and decided over the control channel. The "internet" is a local HTTP

@@ -1,4 +1,4 @@
-"""Sessions outlive the gateway (issue 9), kernel side: the outbound record a re-attaching gateway fetches with
+"""Sessions outlive the gateway, kernel side: the outbound record a re-attaching gateway fetches with
 cellblock_replay_request, and the orphan lease (CELLBLOCK_LEASE_S) that stops a kernel nobody came back for.
 
 Real kernels, real jupyter_client clients, real processes; the "gateway" is a second client on the control

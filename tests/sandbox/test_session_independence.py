@@ -2,7 +2,7 @@
 
 Today every worker is a fresh execve of the interpreter, so each draws its own seeds and hash secret from the
 kernel's entropy and builds its environment from the policy alone. A worker made another way (a fork of a
-preloaded template: issue 11's zygote) would inherit all of it from its template unless it is redrawn; these
+preloaded template: the zygote) would inherit all of it from its template unless it is redrawn; these
 tests are the guard any such start path must pass (a fork also shows its template's command line and start
 environment in /proc, so those are compared too). Each check is made on fresh kernels whose workers ran nothing
 else before the probe, so two workers that inherited one state would report identical values.

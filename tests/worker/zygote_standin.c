@@ -1,4 +1,4 @@
-/* A test-only stand-in for libcellblock_zygote.so (ZYGOTE.md): the same C ABI, without any confinement.
+/* A test-only stand-in for libcellblock_zygote.so (sandbox/include/cellblock/sandbox/zygote_spawn.h): the same C ABI, without any confinement.
  * Its "plan" is 4 bytes, the index in `fds` of the fd that becomes 0, 1, 2 and 3 in the child, optionally
  * followed by a flags byte (1: the child is a child subreaper, as pid 1 of a namespace is) and a directory to
  * chdir to (as run_child's plan.cwd); the child then gets what run_child does to a fork apart from namespaces

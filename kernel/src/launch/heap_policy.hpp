@@ -1,6 +1,6 @@
 // How the kernel process keeps its heap (glibc malloc): large blocks stay on it while cells follow each
 // other, and what is free goes back to the system once the shell has been quiet for a while, because an idle
-// session is what a host holds many of (issue 11: a 1 MiB print otherwise left ≈ 6 MiB of free heap resident
+// session is what a host holds many of (a 1 MiB print otherwise left ≈ 6 MiB of free heap resident
 // per kernel).
 #pragma once
 

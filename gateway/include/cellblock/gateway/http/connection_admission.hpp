@@ -1,7 +1,7 @@
 #pragma once
 // Which TCP connections the gateway keeps before they have authenticated, and when it accepts at all: the one
 // owner of the rules that stop a crowd of idle, tokenless connections from starving authenticated clients and
-// kernel starts of file descriptors (issue 13, "Exhaustion before authentication").
+// kernel starts of file descriptors ("Exhaustion before authentication").
 //
 //   - At construction the soft RLIMIT_NOFILE is raised to the hard limit (as nginx and Envoy do).
 //   - A connection is "pending" from accept until its first request carries a valid token (or, with auth

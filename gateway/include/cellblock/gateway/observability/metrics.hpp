@@ -1,5 +1,5 @@
 #pragma once
-// Prometheus metrics of the gateway (issue 13): tiny counter, gauge and histogram types, a registry that
+// Prometheus metrics of the gateway: tiny counter, gauge and histogram types, a registry that
 // renders them in the text exposition format 0.0.4, and GatewayMetrics, the one place where the gateway's
 // series are named. Everything runs on the io_context thread (no atomics, no locks). Gauges that describe
 // current state (kernels and agent sessions by state, the warm pool) are not mirrored: their owners register
