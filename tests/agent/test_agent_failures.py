@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+import cellblock_zygote
 import pytest
 
 from conftest import AgentGateway
@@ -75,12 +76,30 @@ def listed_kernels(server):
     return [k["id"] for k in server.request("GET", "/api/kernels").json()]
 
 
+@pytest.fixture
+def slow_kernel_gateway(make_gateway, tmp_path):
+    """A gateway whose only kernelspec runs the real kernel through a shell (broken_kernels.slow_start), so no
+    template service serves its kernels (gateway/src/kernels/template_services.cpp starts one only for a
+    cellblock-kernel argv), under a zygote tenant of this test's own; after the test, no template of that tenant
+    may be left running. Such a kernel must get no tenant: with one it starts its tenant's template itself, which
+    outlives every kernel for its hour (kernel/README.md "Worker zygote")."""
+    policy = cellblock_zygote.resolved_config(broken_kernels.INSTALLED_KERNEL_CONFIG)["sandbox_policy"]
+    tenant = cellblock_zygote.named_tenant(f"{cellblock_zygote.TENANT}-slow")
+    specs = broken_kernels.slow_start(tmp_path / "kernels", "slow-python", delay_s=6)
+    try:
+        yield make_gateway("--warm-pool", "0", "--kernelspec-dir", str(specs), "--default-kernel-name",
+                           "slow-python", "--zygote-tenant", tenant)
+        left = cellblock_zygote.template_pids(policy, tenant)
+        assert not left, f"a zygote template of tenant {tenant} started by a kernel is left running: {left}"
+    finally:
+        cellblock_zygote.stop_templates(policy)
+
+
 # ------------------------------------------------------------------------------------------ deleting a session
 
 
-def test_deleting_a_session_while_its_kernel_starts_answers_the_create(make_gateway, tmp_path):
-    specs = broken_kernels.slow_start(tmp_path / "kernels", "slow-python", delay_s=6)
-    server = make_gateway("--warm-pool", "0", "--kernelspec-dir", str(specs), "--default-kernel-name", "slow-python")
+def test_deleting_a_session_while_its_kernel_starts_answers_the_create(slow_kernel_gateway):
+    server = slow_kernel_gateway
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         create = in_background(pool, server, "POST", "/agent/v1/sessions", json={"name": "doomed"})
         wait_for(lambda: server.request("GET", "/agent/v1/sessions/doomed").status_code == 200,
@@ -100,9 +119,8 @@ def test_deleting_a_session_while_its_kernel_starts_answers_the_create(make_gate
     server.assert_alive()
 
 
-def test_deleting_a_session_answers_an_execute_waiting_for_its_kernel_and_the_queue(make_gateway, tmp_path):
-    specs = broken_kernels.slow_start(tmp_path / "kernels", "slow-python", delay_s=6)
-    server = make_gateway("--warm-pool", "0", "--kernelspec-dir", str(specs), "--default-kernel-name", "slow-python")
+def test_deleting_a_session_answers_an_execute_waiting_for_its_kernel_and_the_queue(slow_kernel_gateway):
+    server = slow_kernel_gateway
     session = server.create_session("waiting")
     # Its kernel goes away (as through a notebook's shutdown): the next execute has to wait for a new one.
     assert server.request("DELETE", f"/api/kernels/{session['kernel_id']}").status_code == 204
