@@ -1,12 +1,11 @@
 #include "cellblock/gateway/access/network_policy.hpp"
 
-#include <arpa/inet.h>
-
 #include <algorithm>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/ip/network_v4.hpp>
 #include <boost/asio/ip/network_v6.hpp>
-#include <cctype>
+
+#include "cellblock/contract/host_pattern.hpp"
 
 namespace cellblock::gateway {
 
@@ -14,31 +13,6 @@ using nlohmann::json;
 using Kind = NetworkPolicyError::Kind;
 
 namespace {
-
-bool is_ipv6_literal(const std::string& text) {
-    in6_addr address{};
-    return ::inet_pton(AF_INET6, text.c_str(), &address) == 1;
-}
-
-// Labels of letters, digits, '-' and '_' (a few real service names carry '_'), 1-63 characters each.
-bool is_host_name(std::string_view name) {
-    if (name.empty() || name.size() > 253)
-        return false;
-    std::size_t label = 0;
-    for (char c : name) {
-        if (c == '.') {
-            if (label == 0)
-                return false;
-            label = 0;
-            continue;
-        }
-        if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_')
-            return false;
-        if (++label > 63)
-            return false;
-    }
-    return label > 0;
-}
 
 std::string joined(const std::vector<std::string>& patterns) {
     std::string text;
@@ -54,40 +28,19 @@ json NetworkRequest::to_json() const {
 }
 
 std::string normalize_host_pattern(std::string_view pattern) {
-    std::string normalized(pattern);
-    std::transform(normalized.begin(), normalized.end(), normalized.begin(),
-                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-    // "*." is not "*" (any host): only a name's trailing dot is ignored.
-    if (normalized.size() > 1 && normalized.back() == '.' && normalized != "*.")
-        normalized.pop_back();
-    if (normalized == "*")
-        return normalized;
-    if (is_ipv6_literal(normalized))
-        return normalized;
-    const std::string_view name =
-        normalized.starts_with("*.") ? std::string_view(normalized).substr(2) : std::string_view(normalized);
-    if (!is_host_name(name))
-        throw NetworkPolicyError(Kind::malformed,
-                                 "\"" + std::string(pattern) +
-                                     "\" is not a host pattern (a host name, an IP address, \"*.domain\" or "
-                                     "\"*\")");
-    return normalized;
-}
-
-bool pattern_covers(std::string_view ceiling, std::string_view pattern) {
-    if (ceiling == "*" || ceiling == pattern)
-        return true;
-    if (!ceiling.starts_with("*."))
-        return false;
-    const std::string_view suffix = ceiling.substr(1);  // ".S"
-    // At least one whole label before ".S": "a.S" or "*.a.S", never "S" or "xS".
-    return pattern.size() > suffix.size() && pattern.ends_with(suffix) &&
-           pattern.substr(0, pattern.size() - suffix.size()) != "*";
+    try {
+        return contract::validated_host_pattern(pattern);
+    } catch (const contract::HostPatternError& error) {
+        throw NetworkPolicyError(Kind::malformed, "\"" + std::string(pattern) +
+                                                      "\" is not a host pattern: " + error.what() +
+                                                      " (a host name, an IP address, \"*.domain\" or \"*\")");
+    }
 }
 
 bool within_ceiling(std::string_view pattern, const std::vector<std::string>& ceiling) {
-    return std::any_of(ceiling.begin(), ceiling.end(),
-                       [pattern](const std::string& covering) { return pattern_covers(covering, pattern); });
+    return std::any_of(ceiling.begin(), ceiling.end(), [pattern](const std::string& covering) {
+        return contract::pattern_within(pattern, covering);
+    });
 }
 
 NetworkRequest parse_network_request(const json& requested) {

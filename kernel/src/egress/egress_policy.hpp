@@ -15,6 +15,8 @@
 #include <string_view>
 #include <vector>
 
+#include "cellblock/contract/host_pattern.hpp"
+
 namespace cellblock::kernel::egress {
 
 class PolicyError : public std::runtime_error {
@@ -22,22 +24,14 @@ class PolicyError : public std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// Lower case, one trailing dot removed: the form every host and pattern is compared in.
-std::string normalize_host(std::string_view host);
+// The host and pattern rules the gateway checks a session's request with (contract/README.md).
+using contract::is_ip_literal;
+using contract::normalize_host;
+using contract::pattern_matches;
+using contract::pattern_within;
 
-// True if `host` is an IPv4 or IPv6 literal (IPv6 without brackets).
-bool is_ip_literal(std::string_view host);
-
-// Checks a host name or IP literal as it may appear in a request (CONNECT target, URI, Host header, SNI):
-// throws PolicyError saying what is wrong. Returns the normalized host.
+// contract::validated_host, its error as a PolicyError.
 std::string validated_host(std::string_view host);
-
-// `*` = any host; `*.example.com` = a name with at least one more whole label before `.example.com`;
-// anything else = that exact name or IP literal. Both arguments normalized.
-bool pattern_matches(std::string_view pattern, std::string_view host);
-
-// True if the ceiling pattern `ceiling` admits every host `pattern` admits.
-bool pattern_within(std::string_view pattern, std::string_view ceiling);
 
 enum class Verdict {
     allowed,         // on the allowlist (or added for the session by an approval)

@@ -48,12 +48,10 @@ struct NetworkSettings {
     std::vector<std::string> deny;
 };
 
-// The pattern lower-cased without its trailing dot; throws NetworkPolicyError malformed for anything that is
-// not "*", "*.name" or a host name / IP literal.
+// contract::validated_host_pattern (contract/include/cellblock/contract/host_pattern.hpp, the rules the
+// kernel's egress proxy decides with); throws NetworkPolicyError malformed saying what is wrong.
 std::string normalize_host_pattern(std::string_view pattern);
-// Whether ceiling pattern `ceiling` covers `pattern` (both normalized): "*", the same pattern, or "*.S" and
-// `pattern` ends with ".S" after at least one label (`pattern` may itself be a wildcard "*.T").
-bool pattern_covers(std::string_view ceiling, std::string_view pattern);
+// Whether some ceiling pattern admits every host `pattern` admits (contract::pattern_within).
 bool within_ceiling(std::string_view pattern, const std::vector<std::string>& ceiling);
 
 // Reads {"allow": [string...], "ask": bool} (both optional; null = no network); throws NetworkPolicyError

@@ -1,0 +1,59 @@
+// Host patterns (contract/include/cellblock/contract/host_pattern.hpp): the one set of rules by which the
+// gateway checks a session's request against the operator's ceiling and the kernel's egress proxy decides a
+// connection.
+#include "cellblock/contract/host_pattern.hpp"
+
+#include <gtest/gtest.h>
+
+using namespace cellblock::contract;
+
+TEST(HostPattern, NormalizesCaseAndTrailingDot) {
+    EXPECT_EQ(validated_host_pattern("PyPI.org."), "pypi.org");
+    EXPECT_EQ(validated_host_pattern("*.PythonHosted.ORG"), "*.pythonhosted.org");
+    EXPECT_EQ(validated_host_pattern("*"), "*");
+    EXPECT_EQ(validated_host_pattern("10.0.0.1"), "10.0.0.1");
+    EXPECT_EQ(validated_host_pattern("::1"), "::1");
+}
+
+TEST(HostPattern, RefusesWhatIsNotAHostPatternAndSaysWhy) {
+    for (const char* bad : {"", ".", "a..b", "*.", "**", "a*.b.c", "*b.c", "b.*.c", "http://pypi.org",
+                            "pypi.org/simple", "a b", "pypi.org:443", "*.*.org"})
+        EXPECT_THROW(validated_host_pattern(bad), HostPatternError) << bad;
+    try {
+        validated_host_pattern("*.10.0.0.1");
+        FAIL() << "a wildcard before an IP address was accepted";
+    } catch (const HostPatternError& error) {
+        EXPECT_STREQ(error.what(), "a wildcard cannot precede an IP address");
+    }
+}
+
+TEST(HostPattern, WildcardCeilingCoversWholeLabelsOnly) {
+    EXPECT_TRUE(pattern_within("a.example.com", "*.example.com"));
+    EXPECT_TRUE(pattern_within("a.b.example.com", "*.example.com"));
+    EXPECT_TRUE(pattern_within("*.a.example.com", "*.example.com"));
+    EXPECT_TRUE(pattern_within("*.example.com", "*.example.com"));
+    EXPECT_FALSE(pattern_within("example.com", "*.example.com"));
+    EXPECT_FALSE(pattern_within("badexample.com", "*.example.com"));
+    EXPECT_FALSE(pattern_within("*", "*.example.com"));
+    EXPECT_FALSE(pattern_within("*.example.com", "*.a.example.com"));
+    EXPECT_FALSE(pattern_within("example.com.evil.org", "*.example.com"));
+}
+
+TEST(HostPattern, ExactAndStarCeilings) {
+    EXPECT_TRUE(pattern_within("anything.org", "*"));
+    EXPECT_TRUE(pattern_within("*.org", "*"));
+    EXPECT_TRUE(pattern_within("*", "*"));
+    EXPECT_TRUE(pattern_within("pypi.org", "pypi.org"));
+    EXPECT_FALSE(pattern_within("files.pypi.org", "pypi.org"));
+    EXPECT_FALSE(pattern_within("*.pypi.org", "pypi.org"));
+    EXPECT_FALSE(pattern_within("10.0.0.2", "10.0.0.1"));
+}
+
+// What the gateway admits into a policy is exactly what the proxy lets through: a wildcard ceiling never
+// covers an IP literal, on either side.
+TEST(HostPattern, AWildcardNeverCoversAnIpLiteral) {
+    EXPECT_FALSE(pattern_within("10.0.0.1", "*.0.0.1"));
+    EXPECT_FALSE(pattern_matches("*.0.0.1", "10.0.0.1"));
+    EXPECT_TRUE(pattern_within("10.0.0.1", "*"));
+    EXPECT_TRUE(pattern_matches("*", "10.0.0.1"));
+}
