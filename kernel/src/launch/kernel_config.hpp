@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "cellblock/contract/limits.hpp"
+
 namespace cellblock::kernel {
 
 class ConfigError : public std::runtime_error {
@@ -18,12 +20,10 @@ class ConfigError : public std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// Every duration the kernel takes (its config file, its environment, a request's metadata) is at most this
-// many seconds (47 years): its deadlines count nanoseconds in 64 bits, which 1e300 s overflowed.
-inline constexpr double longest_seconds = 1.5e9;
-// memory_mb becomes the sandbox's byte limit: at most 1 PiB, so that the bytes fit in 64 bits (2^44 MiB
-// wrapped to 0, which means no limit).
-inline constexpr std::uint64_t largest_memory_mb = std::uint64_t{1} << 30;
+// Every duration the kernel takes (its config file, its environment, a request's metadata) and every memory
+// limit is within the ceilings the gateway checks with (contract/include/cellblock/contract/limits.hpp).
+inline constexpr double longest_seconds = contract::longest_duration_s;
+using contract::largest_memory_mb;
 
 struct ExecutionLimits {
     double timeout_s = 600;                // wall clock per execute; 0 = none
