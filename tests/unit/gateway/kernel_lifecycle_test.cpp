@@ -86,6 +86,21 @@ TEST(KernelLifecycle, ARestartWaitsForARunningProcessAndLaunchesAtOnceOtherwise)
     EXPECT_EQ(gone.phase(), KernelPhase::restarting);
 }
 
+TEST(KernelLifecycle, EveryPhaseButAnEndingOneRestarts) {
+    for (KernelPhase phase : all_phases) {
+        for (bool process_running : {true, false}) {
+            KernelLifecycle lifecycle = in(phase);
+            const bool ending = lifecycle.ending();
+            EXPECT_EQ(lifecycle.restart(process_running), !ending)
+                << kernel_phase_name(phase) << (process_running ? " running" : " exited");
+            const KernelPhase after =
+                process_running ? KernelPhase::restart_pending : KernelPhase::restarting;
+            EXPECT_EQ(lifecycle.phase(), ending ? phase : after)
+                << kernel_phase_name(phase) << (process_running ? " running" : " exited");
+        }
+    }
+}
+
 TEST(KernelLifecycle, NothingRestartsAKernelThatIsEnding) {
     for (KernelPhase phase : {KernelPhase::stopping, KernelPhase::stopped, KernelPhase::released}) {
         KernelLifecycle lifecycle = in(phase);
@@ -146,6 +161,44 @@ TEST(KernelLifecycle, AKernelTheSchedulerEndedIsNotRestartedBehindItsBack) {
     EXPECT_EQ(lifecycle.process_exited(cancelled, [&] { return asked = true; }), ExitAction::end_externally);
     EXPECT_EQ(lifecycle.phase(), KernelPhase::dead);
     EXPECT_FALSE(asked) << "the restart lease is not even asked for";
+}
+
+TEST(KernelLifecycle, AnExitBeforeReadinessNobodyAwaitsCountsAsADeathWhileServing) {
+    // A kernel re-adopted in the background has no waiter: its exit is judged as a ready kernel's.
+    for (KernelPhase phase : {KernelPhase::starting, KernelPhase::restarting}) {
+        KernelLifecycle restarted = in(phase);
+        EXPECT_EQ(restarted.process_exited(died, [] { return true; }), ExitAction::auto_restart)
+            << kernel_phase_name(phase);
+        EXPECT_EQ(restarted.phase(), KernelPhase::restarting) << kernel_phase_name(phase);
+        KernelLifecycle gone = in(phase);
+        EXPECT_EQ(gone.process_exited(died, [] { return false; }), ExitAction::die)
+            << kernel_phase_name(phase);
+        EXPECT_EQ(gone.phase(), KernelPhase::dead) << kernel_phase_name(phase);
+        KernelLifecycle ended = in(phase);
+        bool asked = false;
+        EXPECT_EQ(ended.process_exited(cancelled, [&] { return asked = true; }), ExitAction::end_externally)
+            << kernel_phase_name(phase);
+        EXPECT_EQ(ended.phase(), KernelPhase::dead) << kernel_phase_name(phase);
+        EXPECT_FALSE(asked) << kernel_phase_name(phase);
+    }
+}
+
+TEST(KernelLifecycle, AReleaseHandsOverAKernelInAnyPhaseForGood) {
+    for (KernelPhase phase : all_phases) {
+        KernelLifecycle lifecycle = in(phase);
+        lifecycle.release();
+        EXPECT_EQ(lifecycle.phase(), KernelPhase::released) << kernel_phase_name(phase);
+        EXPECT_TRUE(lifecycle.ending()) << kernel_phase_name(phase);
+        EXPECT_EQ(lifecycle.client_state(false), KernelState::dead) << kernel_phase_name(phase);
+        // Final: nothing this gateway does moves it on.
+        EXPECT_FALSE(lifecycle.became_ready()) << kernel_phase_name(phase);
+        EXPECT_FALSE(lifecycle.launch_failed()) << kernel_phase_name(phase);
+        EXPECT_FALSE(lifecycle.restart(false)) << kernel_phase_name(phase);
+        EXPECT_FALSE(lifecycle.shutdown()) << kernel_phase_name(phase);
+        EXPECT_EQ(lifecycle.process_exited(died, [] { return true; }), ExitAction::ignore)
+            << kernel_phase_name(phase);
+        EXPECT_EQ(lifecycle.phase(), KernelPhase::released) << kernel_phase_name(phase);
+    }
 }
 
 TEST(KernelLifecycle, AnExitOfAFinishedKernelIsIgnored) {
