@@ -21,14 +21,48 @@ class HostProcess:
     @property
     def is_worker(self) -> bool:
         """The confined Python worker (cellblock_worker.py, run by python inside the sandbox), not a zygote template
-        (the same program, a child of its template service: kernel/README.md "Worker zygote")."""
+        (the same program: kernel/README.md "Worker zygote"). Not told apart by its parent: a forked worker whose
+        template ended (retired, or killed after its service's stop grace) is the template service's child then,
+        as the template is (the service is their subreaper), and still its kernel's worker."""
+        return "cellblock_worker" in self.cmdline and not self.is_template
+
+    @property
+    def is_template(self) -> bool:
+        """A tenant's worker zygote template: the worker program in the cgroup its template service starts it in
+        (template-zygote-<tenant>, kernel/src/launch/template_service.cpp), or one that holds a listening unix
+        socket (a template without a cgroup of its own serves launches on one; a worker listens on none). A fork
+        of a template is in the template's cgroup, with its fds, only until it confines itself."""
         if "cellblock_worker" not in self.cmdline:
             return False
-        parent = _read(self.ppid)
-        return not (parent and "--template-service" in parent[1].cmdline)
+        try:
+            with open(f"/proc/{self.pid}/cgroup") as cgroup_file:
+                cgroups = cgroup_file.read()
+        except OSError:
+            return False
+        paths = (line.split(":", 2)[-1] for line in cgroups.splitlines())
+        if any(part.startswith("template-zygote-") for path in paths for part in path.split("/")):
+            return True
+        return bool(_socket_inodes(self.pid) & cellblock_zygote._listening_unix_inodes())
 
     def __str__(self):
         return f"{self.pid} ({self.cmdline[:120]})"
+
+
+def _socket_inodes(pid: int) -> set:
+    """The sockets a process holds open ("socket:[INODE]")."""
+    found = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target)
+    return found
 
 
 def _read(pid: int):

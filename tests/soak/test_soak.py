@@ -33,13 +33,15 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cellblock_zygote
 import requests
 import websocket
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "gateway"))
 from gateway_harness import KernelSocket  # noqa: E402
-from host_processes import below_kernel, kernel_tree, wait_for, wait_until_gone, with_cmdline  # noqa: E402
+from host_processes import (below_kernel, descendants, kernel_tree, wait_for, wait_until_gone,  # noqa: E402
+                            with_cmdline)
 
 # The agent suite's gateway harness (tests/agent/conftest.py), under a name that cannot clash with other conftests.
 _spec = importlib.util.spec_from_file_location("agent_conftest", HERE.parent / "agent" / "conftest.py")
@@ -595,6 +597,30 @@ def warm_files(soak: Soak) -> dict:
     return {"runtime": ids, "workspaces": ids}
 
 
+def pool_report(soak: Soak) -> str:
+    """What the host shows of the gateway's kernels (for the diagnosis of a pool that does not settle): each kernel
+    process, the pids it holds pidfds of, and everything below_kernel finds, with parent, owner and cgroup."""
+
+    def describe(process) -> str:
+        try:
+            uid = next(line.split()[1] for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                       if line.startswith("Uid:"))
+            cgroup = sorted({line.split(":", 2)[-1] for line in Path(f"/proc/{process.pid}/cgroup").read_text()
+                             .splitlines()} - {"/"})
+        except (OSError, StopIteration):
+            uid, cgroup = "?", "?"
+        return f"{process} ppid {process.ppid} uid {uid} worker {process.is_worker} cgroup {cgroup}"
+
+    lines = []
+    for kernel in with_cmdline(f"{soak.runtime_dir}/kernel-"):
+        lines.append(f"kernel {describe(kernel)} pidfds {cellblock_zygote.pidfd_targets(kernel.pid)}")
+        lines.extend(f"  below: {describe(p)}" for p in below_kernel(kernel.pid))
+    for service in with_cmdline("--template-service"):
+        if service.ppid == soak.server.process.pid:
+            lines.extend(f"template service {service.pid}: {describe(p)}" for p in descendants(service.pid))
+    return "\n" + "\n".join(lines)
+
+
 def settled(soak: Soak) -> dict:
     """Waits for the warm pool to be full again (each kernel with its worker started, so no start-up pipes are
     open) and the gateway's descriptor count to stay put for 3 s."""
@@ -603,8 +629,11 @@ def settled(soak: Soak) -> dict:
         roots = kernel_roots(soak)
         return len(roots) == WARM_POOL and all(any(p.is_worker for p in below_kernel(root.pid)) for root in roots)
 
-    wait_for(pool_ready, timeout=GONE_TIMEOUT_S,
-             what=f"exactly the {WARM_POOL} warm-pool kernels to be running, each with its worker")
+    try:
+        wait_for(pool_ready, timeout=GONE_TIMEOUT_S,
+                 what=f"exactly the {WARM_POOL} warm-pool kernels to be running, each with its worker")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}: {pool_report(soak)}") from None
     pid = soak.server.process.pid
     readings = []
     for _ in range(200):
