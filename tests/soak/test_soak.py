@@ -116,7 +116,10 @@ class Execute:
     code: str
     mode: str  # call, stream (complete), kill (worker SIGKILLed mid-execute), drop (NDJSON client goes away)
     token: str
-    after_kill: bool  # the previous execute's worker died: this one may carry the kernel's note on stderr
+    # The previous execute's worker died, or its client went away (the kernel kills a worker that has not stopped
+    # within the interrupt grace, kernel/src/worker/worker_exchange.cpp, which a loaded machine can make it miss):
+    # this one may carry the kernel's note on stderr.
+    after_kill: bool
     chaos: int = 0  # random kills of this session's worker between the previous answer and this one
     previous_chaos: int = 0
     worker_died: bool = False
@@ -239,8 +242,10 @@ class Soak:
                 mode = self.plan(rng)
                 token = token_of("a", index, position)
                 code = long_code(token) if mode in ("kill", "drop") else complete_code(token)
-                run = Execute(code, mode, token, after_kill=bool(executed) and executed[-1].worker_died,
-                              previous_chaos=executed[-1].chaos if executed else 0)
+                previous = executed[-1] if executed else None
+                run = Execute(code, mode, token,
+                              after_kill=bool(previous) and (previous.worker_died or previous.mode == "drop"),
+                              previous_chaos=previous.chaos if previous else 0)
                 executed.append(run)
                 if mode == "call":
                     answer = http.post(f"{base}/execute", json={"code": code}, timeout=ANSWER_TIMEOUT_S)
