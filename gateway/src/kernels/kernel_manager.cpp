@@ -7,7 +7,6 @@
 #include <array>
 #include <boost/asio/post.hpp>
 #include <cstdlib>
-#include <fstream>
 #include <system_error>
 
 #include "cellblock/gateway/common/crypto.hpp"
@@ -22,10 +21,6 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
-// A kernel handed out from the pool is replaced after this pause, not at once: a kernel's start takes tens of
-// ms of CPU, which on a small machine competes with the new session's WebSocket connect and first requests
-// (tests/bench/README.md, "A warm create without the pool's refill beside it").
-constexpr auto pool_refill_pause = std::chrono::milliseconds(100);
 // A tenant's worker zygote template stays this long after its last kernel here ends, for a restart or the
 // next session (a template's start costs about a second of CPU).
 constexpr auto template_service_grace = std::chrono::seconds(10);
@@ -150,143 +145,6 @@ void KernelManager::start() {
     housekeeping_sweep_.start(std::chrono::milliseconds(200), [this] { housekeeping(); });
 }
 
-void KernelManager::readopt_recorded_kernels() {
-    for (const KernelRecord& record : writer_.store().kernels()) {
-        // Another gateway's kernel (a shared store): it is attached on demand, never taken at start.
-        if (!record.owner.empty() && record.owner != owner_)
-            continue;
-        auto spec = registry_.find(record.spec_name);
-        if (!spec) {
-            forget_lost_kernel(record, "its kernelspec " + record.spec_name + " is no longer installed");
-            continue;
-        }
-        const std::string provisioner_name = record.provisioner.value("name", std::string("local"));
-        if (provisioner_name == "local" && !record.process.alive()) {
-            std::string cause = record.process.boot_id != ProcessIdentity::of(::getpid())->boot_id
-                                    ? "the machine restarted since the kernel was started"
-                                    : "the kernel process ended while no gateway was running";
-            std::ifstream log(record.log_file);
-            for (std::string line; std::getline(log, line);)
-                if (line.find("\"lease_expired\"") != std::string::npos)
-                    cause = "the kernel stopped itself after no gateway renewed its lease for " +
-                            json(config_.orphan_timeout).dump() + " s (orphan_timeout)";
-            forget_lost_kernel(record, cause);
-            continue;
-        }
-        if (!provisioners_.contains(provisioner_name)) {
-            forget_lost_kernel(record, "its provisioner " + provisioner_name + " is unknown to this gateway");
-            continue;
-        }
-        attach_recorded(record, *spec);
-    }
-    if (!every_kernel_.empty())
-        logger_.info("kernels_readopting", {{"count", every_kernel_.size()}});
-}
-
-std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& record, const KernelSpec& spec) {
-    KernelLaunch launch;
-    launch.id = record.id;
-    launch.spec = spec;
-    launch.runtime_dir = runtime_dir_;
-    launch.workspace_dir = record.workspace_dir;
-    launch.provisioner = provisioners_.at(record.provisioner.value("name", std::string("local")));
-    for (const auto& [name, value] : record.environment.items())
-        if (value.is_string())
-            launch.environment[name] = value.get<std::string>();
-    launch.key = record.key;
-    launch.endpoint_base = record.endpoint_base;
-    launch.created = record.created;
-    launch.last_iopub_id = record.last_iopub_id;
-    launch.owned_elsewhere = !record.owner.empty() && record.owner != owner_;
-    auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
-    kernel->set_tenant(record.tenant);
-    std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
-    every_kernel_.push_back(kernel);
-    watch_kernel(*kernel);
-    if (record.pooled)
-        pool_.push_back(kernel);
-    else
-        adopt(kernel);
-    std::weak_ptr<Kernel> weak = kernel;
-    kernel->adopt(record, [this, weak, id = record.id](std::optional<std::string> error) {
-        if (!error)
-            return;
-        auto failed = weak.lock();
-        logger_.warn("kernel_readoption_failed", {{"kernel_id", id}, {"error", *error}});
-        lost_causes_[id] = *error;
-        if (!failed)
-            return;
-        std::erase(pool_, failed);
-        kernels_.erase(id);
-        failed->shutdown("the kernel could not be re-adopted");
-        forget(id);
-    });
-    return kernel;
-}
-
-std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_id) {
-    if (!needs_store(kernel_id))
-        return attach_stored(kernel_id, std::nullopt);
-    std::optional<KernelRecord> record;
-    try {
-        record = writer_.store().kernel(kernel_id);
-    } catch (const std::exception& error) {
-        logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", error.what()}});
-        return nullptr;
-    }
-    return attach_stored(kernel_id, record);
-}
-
-void KernelManager::find_or_attach(const std::string& kernel_id,
-                                   std::function<void(std::shared_ptr<Kernel>)> then) {
-    if (!needs_store(kernel_id))
-        return then(attach_stored(kernel_id, std::nullopt));
-    writer_.read<std::optional<KernelRecord>>(
-        [kernel_id](SessionStore& store) { return store.kernel(kernel_id); }, StoreWriter::default_read_limit,
-        [this, kernel_id, then = std::move(then)](StoreAnswer<std::optional<KernelRecord>> answer) {
-            if (!answer.ok()) {
-                logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", answer.error}});
-                auto held = find(kernel_id);
-                return then(held && held->state() != KernelState::dead ? held : nullptr);
-            }
-            then(attach_stored(kernel_id, *answer.value));
-        });
-}
-
-bool KernelManager::needs_store(const std::string& kernel_id) const {
-    auto held = find(kernel_id);
-    if (held && held->state() != KernelState::dead)
-        return false;
-    return writer_.shared() && !stopping_ && !shut_down_here_.contains(kernel_id);
-}
-
-std::shared_ptr<Kernel> KernelManager::attach_stored(const std::string& kernel_id,
-                                                     const std::optional<KernelRecord>& record) {
-    auto held = find(kernel_id);
-    if (held && (held->state() != KernelState::dead || !writer_.shared()))
-        return held;
-    if (stopping_ || !writer_.shared() || shut_down_here_.contains(kernel_id))
-        return held;
-    if (held) {
-        // Dead here: another gateway deleted it (then it is gone) or restarted it (then the store names
-        // the new process, attached below).
-        let_go(held, "the kernel ended through another gateway");
-    }
-    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. Only local kernels
-    // are attached from another gateway: a Slurm job is watched (and cancelled) by the gateway that submitted
-    // it.
-    if (!record || record->pooled || record->provisioner.value("name", std::string("local")) != "local" ||
-        !record->process.alive())
-        return nullptr;
-    auto spec = registry_.find(record->spec_name);
-    if (!spec)
-        return nullptr;
-    logger_.info("kernel_attached_from_store", {{"kernel_id", kernel_id}, {"owner", record->owner}});
-    if (record->owner != owner_)
-        attached_from_others_.insert(kernel_id);
-    return attach_recorded(*record, *spec);
-}
-
 void KernelManager::restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel::ReadyHandler on_ready) {
     if (!writer_.shared())
         return kernel->restart(std::move(on_ready));
@@ -313,15 +171,6 @@ void KernelManager::restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel
         });
 }
 
-void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason) {
-    if (auto found = kernels_.find(kernel->id()); found != kernels_.end() && found->second == kernel)
-        kernels_.erase(found);
-    std::erase(pool_, kernel);
-    kernel->disown_files();    // the live process (or its gateway) uses them
-    kernel->shutdown(reason);  // disconnects its clients; its process is gone or not ours
-    kernel->release();
-}
-
 void KernelManager::release_lease(const std::string& lease) {
     // Behind this gateway's earlier lease calls on the one reader thread: never before the try_lease.
     writer_.read<bool>(
@@ -334,38 +183,6 @@ void KernelManager::release_lease(const std::string& lease) {
             if (!answer.ok())
                 logger_.error("store_write_failed", {{"lease", lease}, {"error", answer.error}});
         });
-}
-
-bool KernelManager::known(const std::string& kernel_id) const {
-    if (find(kernel_id))
-        return true;
-    if (!writer_.store().shared() || shut_down_here_.contains(kernel_id))
-        return false;
-    try {
-        return writer_.store().kernel(kernel_id).has_value();
-    } catch (const std::exception&) {
-        return true;  // unknown: a session is not dropped because the store did not answer
-    }
-}
-
-void KernelManager::forget_lost_kernel(const KernelRecord& record, const std::string& cause) {
-    logger_.warn("kernel_lost", {{"kernel_id", record.id}, {"cause", cause}});
-    lost_causes_[record.id] = cause;
-    std::error_code ignored;
-    if (!record.workspace_dir.empty())
-        remove_workspace(record.workspace_dir, logger_);
-    fs::remove(record.connection_file, ignored);
-    fs::remove(record.log_file, ignored);
-    for (int port = 1; port <= 5; ++port)
-        fs::remove(record.endpoint_base + "-" + std::to_string(port), ignored);
-    forget(record.id);
-}
-
-std::optional<std::string> KernelManager::lost_cause(const std::string& kernel_id) const {
-    auto found = lost_causes_.find(kernel_id);
-    if (found == lost_causes_.end())
-        return std::nullopt;
-    return found->second;
 }
 
 void KernelManager::persist(const Kernel& kernel) {
@@ -388,27 +205,6 @@ std::vector<std::shared_ptr<Kernel>> KernelManager::live_kernels() const {
         if (auto kernel = known.lock())
             all.push_back(kernel);
     return all;
-}
-
-void KernelManager::flush_progress() {
-    for (const auto& kernel : live_kernels())
-        if (auto progress = kernel->take_progress())
-            writer_.submit([id = kernel->id(), last = *progress](SessionStore& store) {
-                store.set_kernel_progress(id, last);
-            });
-}
-
-void KernelManager::housekeeping() {
-    flush_progress();
-    if (writer_.store().shared() && config_.cull_idle_timeout > 0)
-        share_activity();
-    const auto now = std::chrono::steady_clock::now();
-    if (config_.orphan_timeout > 0 && now >= next_lease_renewal_) {
-        for (const auto& kernel : live_kernels())
-            kernel->renew_lease();
-        next_lease_renewal_ = now + std::chrono::milliseconds(static_cast<long long>(
-                                        std::clamp(config_.orphan_timeout / 4, 0.2, 30.0) * 1000));
-    }
 }
 
 std::map<std::string, std::string> KernelManager::kernel_environment(
@@ -559,36 +355,6 @@ void KernelManager::watch_kernel(Kernel& kernel) {
         [&metrics = metrics_](std::string_view cause) { metrics.count_launch_failure(cause); });
 }
 
-bool KernelManager::pool_can_serve(const KernelSpec& spec, const KernelStartRequest& request) const {
-    const auto& request_env = request.env;
-    auto pool_spec = registry_.find(registry_.default_name());
-    if (!pool_spec || pool_spec->directory != spec.directory)
-        return false;
-    // Pooled kernels have the spec's (or the gateway's default) network policy in their environment.
-    if (request.network) {
-        try {
-            const NetworkSettings settings = config_.network_settings();
-            if (kernel_policy_value(*request.network, settings) !=
-                kernel_policy_value(spec_network(spec), settings))
-                return false;
-        } catch (const std::exception&) {
-            return false;
-        }
-    }
-    // A warm kernel already has its environment: only requests whose variables would not change it qualify.
-    for (const auto& [name, value] : request_env) {
-        const bool passed = name.starts_with("KERNEL_") ||
-                            std::find(config_.env_whitelist.begin(), config_.env_whitelist.end(), name) !=
-                                config_.env_whitelist.end();
-        if (!passed)
-            continue;
-        if (std::find(config_.pool_ignored_env.begin(), config_.pool_ignored_env.end(), name) ==
-            config_.pool_ignored_env.end())
-            return false;
-    }
-    return true;
-}
-
 void KernelManager::adopt(const std::shared_ptr<Kernel>& kernel) {
     kernels_[kernel->id()] = kernel;
     kernel->on_terminated([this](const std::string& id) {
@@ -665,70 +431,6 @@ void KernelManager::start_kernel(const KernelStartRequest& original, const Start
         refill_pool_soon();
     } else {
         kernel->start(finish);
-    }
-}
-
-std::size_t KernelManager::pool_ready_count() const {
-    return static_cast<std::size_t>(
-        std::count_if(pool_.begin(), pool_.end(), [](const auto& k) { return k->ready(); }));
-}
-
-void KernelManager::refill_pool_soon() {
-    if (pool_refill_pending_)
-        return;
-    pool_refill_pending_ = true;
-    pool_refill_timer_.expires_after(pool_refill_pause);
-    pool_refill_timer_.async_wait([this](const boost::system::error_code& timer_error) {
-        if (!timer_error)  // else cancelled: refilled already, or the manager is stopping (or gone)
-            refill_pool();
-    });
-}
-
-void KernelManager::refill_pool() {
-    if (pool_refill_pending_) {
-        pool_refill_pending_ = false;
-        pool_refill_timer_.cancel();
-    }
-    if (stopping_ || config_.warm_pool <= 0)
-        return;
-    auto spec = registry_.find(registry_.default_name());
-    if (!spec)
-        return;
-    while (static_cast<int>(pool_.size()) < config_.warm_pool) {
-        std::shared_ptr<Kernel> kernel;
-        try {
-            kernel = create_kernel(*spec, {});
-        } catch (const std::exception& error) {
-            logger_.error("pool_kernel_create_failed", {{"error", error.what()}});
-            return;
-        }
-        pool_.push_back(kernel);
-        std::weak_ptr<Kernel> weak = kernel;
-        kernel->start([this, weak](std::optional<std::string> error) {
-            auto started = weak.lock();
-            if (!error) {
-                pool_failures_ = 0;
-                return;
-            }
-            logger_.warn("pool_kernel_failed", {{"error", *error}});
-            if (started) {
-                auto position = std::find(pool_.begin(), pool_.end(), started);
-                if (position != pool_.end())
-                    pool_.erase(position);
-                started->shutdown("failed");
-                forget(started->id());
-            }
-            // Back off so a broken kernelspec does not turn into a fork loop.
-            ++pool_failures_;
-            pool_retry_timer_.expires_after(
-                std::chrono::seconds(std::min(30, 1 << std::min(pool_failures_, 5))));
-            pool_retry_timer_.async_wait([this](const boost::system::error_code& timer_error) {
-                if (!timer_error)
-                    refill_pool();
-            });
-        });
-        if (pool_failures_ > 0)
-            break;  // one at a time while failing
     }
 }
 
@@ -836,119 +538,6 @@ void KernelManager::shutdown_all() {
     // After the kernels: a template ends once its last worker has (their kernels closed its connections).
     templates_->stop_all(std::chrono::milliseconds(6000));
     writer_.drain();
-}
-
-void KernelManager::share_activity() {
-    const auto now = std::chrono::system_clock::now();
-    std::erase_if(activity_shared_, [this](const auto& entry) { return !kernels_.contains(entry.first); });
-    for (const auto& [id, kernel] : kernels_) {
-        auto active = kernel->last_activity();
-        // Kept in use by what the cull rules spare (connected clients, running code): recorded as active now.
-        if ((kernel->connections() > 0 && !config_.cull_connected) ||
-            (kernel->state() == KernelState::busy && !config_.cull_busy))
-            active = now;
-        auto& shared = activity_shared_[id];
-        if (active - shared < std::chrono::seconds(1))
-            continue;
-        shared = active;
-        writer_.submit([id = id, when = format_iso8601_utc(active)](SessionStore& store) {
-            store.set_kernel_activity(id, when);
-        });
-    }
-}
-
-void KernelManager::cull_shared() {
-    for (const auto& [id, kernel] : kernels_)
-        kernel->expire_detached_sessions();
-    if (cull_read_pending_)
-        return;  // the store has not answered the previous sweep yet
-    cull_read_pending_ = true;
-    // The cull-leader lease and every kernel's record, read together on the store's reader thread.
-    struct Sweep {
-        bool leader = false;
-        std::vector<KernelRecord> records;
-    };
-    writer_.read<Sweep>(
-        [was_leader = cull_leader_](SessionStore& store) {
-            Sweep sweep{was_leader || store.try_lease("cull-leader"), {}};
-            if (sweep.leader)
-                sweep.records = store.kernels();
-            return sweep;
-        },
-        std::chrono::milliseconds(static_cast<long long>(std::max(1.0, config_.cull_interval) * 1000)),
-        [this](StoreAnswer<Sweep> answer) {
-            cull_read_pending_ = false;
-            if (!answer.ok())
-                return logger_.error("store_read_failed",
-                                     {{"lease", "cull-leader"}, {"error", answer.error}});
-            if (answer.value->leader && !std::exchange(cull_leader_, true))
-                logger_.info("cull_leader", {{"owner", owner_}});
-            if (cull_leader_ && !stopping_)
-                cull_recorded(answer.value->records);
-        },
-        [this](const Sweep& late) {
-            cull_read_pending_ = false;
-            if (late.leader && !std::exchange(cull_leader_, true))
-                logger_.info("cull_leader", {{"owner", owner_}});  // kept: the next sweep culls
-        });
-}
-
-void KernelManager::cull_recorded(const std::vector<KernelRecord>& records) {
-    const auto now = std::chrono::system_clock::now();
-    const auto idle_limit =
-        std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));
-    for (const KernelRecord& record : records) {
-        if (record.pooled || shut_down_here_.contains(record.id))
-            continue;
-        auto active = parse_iso8601_utc(record.last_activity).value_or(now);  // unknown: not idle
-        if (auto held = find(record.id)) {
-            if (held->connections() > 0 && !config_.cull_connected)
-                continue;
-            if (held->state() == KernelState::busy && !config_.cull_busy)
-                continue;
-            active = std::max(active, held->last_activity());
-        }
-        if (now - active < idle_limit)
-            continue;
-        auto kernel = attach_stored(record.id, record);
-        if (!kernel)
-            continue;  // not running: its own gateway forgets it
-        const auto idle_seconds = std::chrono::duration_cast<std::chrono::seconds>(now - active).count();
-        logger_.info("kernel_culled", {{"kernel_id", record.id}, {"idle_seconds", idle_seconds}});
-        kernel->notify_clients("[cellblock-gateway] kernel " + record.id + " is being shut down after " +
-                               std::to_string(idle_seconds) + " s of inactivity (cull_idle_timeout)\n");
-        shutdown_kernel(record.id,
-                        "kernel culled after " + std::to_string(idle_seconds) + " s of inactivity");
-    }
-}
-
-void KernelManager::cull() {
-    if (writer_.shared())
-        return cull_shared();
-    const auto now = std::chrono::system_clock::now();
-    const auto idle_limit =
-        std::chrono::milliseconds(static_cast<long long>(config_.cull_idle_timeout * 1000));
-    std::vector<std::string> victims;
-    for (const auto& [id, kernel] : kernels_) {
-        kernel->expire_detached_sessions();
-        if (now - kernel->last_activity() < idle_limit)
-            continue;
-        if (kernel->connections() > 0 && !config_.cull_connected)
-            continue;
-        if (kernel->state() == KernelState::busy && !config_.cull_busy)
-            continue;
-        victims.push_back(id);
-    }
-    for (const std::string& id : victims) {
-        auto kernel = find(id);
-        const auto idle_seconds =
-            std::chrono::duration_cast<std::chrono::seconds>(now - kernel->last_activity()).count();
-        logger_.info("kernel_culled", {{"kernel_id", id}, {"idle_seconds", idle_seconds}});
-        // Tell connected clients why the kernel is about to disappear (Kernel Gateway culls silently).
-        kernel->notify_clients("[cellblock-gateway] kernel " + id + " is being shut down after " +
-                               std::to_string(idle_seconds) + " s of inactivity (cull_idle_timeout)\n");
-        shutdown_kernel(id, "kernel culled after " + std::to_string(idle_seconds) + " s of inactivity");
-    }
 }
 
 }  // namespace cellblock::gateway

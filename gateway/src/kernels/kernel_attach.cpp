@@ -1,0 +1,197 @@
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <system_error>
+
+#include "cellblock/gateway/kernels/kernel_manager.hpp"
+
+// KernelManager: the kernels recorded in the store. At start the ones this gateway left running are
+// re-adopted (or forgotten with the cause); on a shared store another gateway's local kernel is attached on
+// demand, and let go again when it ends through that gateway. The rest of the manager is in
+// kernel_manager.cpp.
+
+namespace cellblock::gateway {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+void KernelManager::readopt_recorded_kernels() {
+    for (const KernelRecord& record : writer_.store().kernels()) {
+        // Another gateway's kernel (a shared store): it is attached on demand, never taken at start.
+        if (!record.owner.empty() && record.owner != owner_)
+            continue;
+        auto spec = registry_.find(record.spec_name);
+        if (!spec) {
+            forget_lost_kernel(record, "its kernelspec " + record.spec_name + " is no longer installed");
+            continue;
+        }
+        const std::string provisioner_name = record.provisioner.value("name", std::string("local"));
+        if (provisioner_name == "local" && !record.process.alive()) {
+            std::string cause = record.process.boot_id != ProcessIdentity::of(::getpid())->boot_id
+                                    ? "the machine restarted since the kernel was started"
+                                    : "the kernel process ended while no gateway was running";
+            std::ifstream log(record.log_file);
+            for (std::string line; std::getline(log, line);)
+                if (line.find("\"lease_expired\"") != std::string::npos)
+                    cause = "the kernel stopped itself after no gateway renewed its lease for " +
+                            json(config_.orphan_timeout).dump() + " s (orphan_timeout)";
+            forget_lost_kernel(record, cause);
+            continue;
+        }
+        if (!provisioners_.contains(provisioner_name)) {
+            forget_lost_kernel(record, "its provisioner " + provisioner_name + " is unknown to this gateway");
+            continue;
+        }
+        attach_recorded(record, *spec);
+    }
+    if (!every_kernel_.empty())
+        logger_.info("kernels_readopting", {{"count", every_kernel_.size()}});
+}
+
+std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& record, const KernelSpec& spec) {
+    KernelLaunch launch;
+    launch.id = record.id;
+    launch.spec = spec;
+    launch.runtime_dir = runtime_dir_;
+    launch.workspace_dir = record.workspace_dir;
+    launch.provisioner = provisioners_.at(record.provisioner.value("name", std::string("local")));
+    for (const auto& [name, value] : record.environment.items())
+        if (value.is_string())
+            launch.environment[name] = value.get<std::string>();
+    launch.key = record.key;
+    launch.endpoint_base = record.endpoint_base;
+    launch.created = record.created;
+    launch.last_iopub_id = record.last_iopub_id;
+    launch.owned_elsewhere = !record.owner.empty() && record.owner != owner_;
+    auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
+    kernel->set_tenant(record.tenant);
+    std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
+    every_kernel_.push_back(kernel);
+    watch_kernel(*kernel);
+    if (record.pooled)
+        pool_.push_back(kernel);
+    else
+        adopt(kernel);
+    std::weak_ptr<Kernel> weak = kernel;
+    kernel->adopt(record, [this, weak, id = record.id](std::optional<std::string> error) {
+        if (!error)
+            return;
+        auto failed = weak.lock();
+        logger_.warn("kernel_readoption_failed", {{"kernel_id", id}, {"error", *error}});
+        lost_causes_[id] = *error;
+        if (!failed)
+            return;
+        std::erase(pool_, failed);
+        kernels_.erase(id);
+        failed->shutdown("the kernel could not be re-adopted");
+        forget(id);
+    });
+    return kernel;
+}
+
+std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_id) {
+    if (!needs_store(kernel_id))
+        return attach_stored(kernel_id, std::nullopt);
+    std::optional<KernelRecord> record;
+    try {
+        record = writer_.store().kernel(kernel_id);
+    } catch (const std::exception& error) {
+        logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", error.what()}});
+        return nullptr;
+    }
+    return attach_stored(kernel_id, record);
+}
+
+void KernelManager::find_or_attach(const std::string& kernel_id,
+                                   std::function<void(std::shared_ptr<Kernel>)> then) {
+    if (!needs_store(kernel_id))
+        return then(attach_stored(kernel_id, std::nullopt));
+    writer_.read<std::optional<KernelRecord>>(
+        [kernel_id](SessionStore& store) { return store.kernel(kernel_id); }, StoreWriter::default_read_limit,
+        [this, kernel_id, then = std::move(then)](StoreAnswer<std::optional<KernelRecord>> answer) {
+            if (!answer.ok()) {
+                logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", answer.error}});
+                auto held = find(kernel_id);
+                return then(held && held->state() != KernelState::dead ? held : nullptr);
+            }
+            then(attach_stored(kernel_id, *answer.value));
+        });
+}
+
+bool KernelManager::needs_store(const std::string& kernel_id) const {
+    auto held = find(kernel_id);
+    if (held && held->state() != KernelState::dead)
+        return false;
+    return writer_.shared() && !stopping_ && !shut_down_here_.contains(kernel_id);
+}
+
+std::shared_ptr<Kernel> KernelManager::attach_stored(const std::string& kernel_id,
+                                                     const std::optional<KernelRecord>& record) {
+    auto held = find(kernel_id);
+    if (held && (held->state() != KernelState::dead || !writer_.shared()))
+        return held;
+    if (stopping_ || !writer_.shared() || shut_down_here_.contains(kernel_id))
+        return held;
+    if (held) {
+        // Dead here: another gateway deleted it (then it is gone) or restarted it (then the store names
+        // the new process, attached below).
+        let_go(held, "the kernel ended through another gateway");
+    }
+    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. Only local kernels
+    // are attached from another gateway: a Slurm job is watched (and cancelled) by the gateway that submitted
+    // it.
+    if (!record || record->pooled || record->provisioner.value("name", std::string("local")) != "local" ||
+        !record->process.alive())
+        return nullptr;
+    auto spec = registry_.find(record->spec_name);
+    if (!spec)
+        return nullptr;
+    logger_.info("kernel_attached_from_store", {{"kernel_id", kernel_id}, {"owner", record->owner}});
+    if (record->owner != owner_)
+        attached_from_others_.insert(kernel_id);
+    return attach_recorded(*record, *spec);
+}
+
+void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason) {
+    if (auto found = kernels_.find(kernel->id()); found != kernels_.end() && found->second == kernel)
+        kernels_.erase(found);
+    std::erase(pool_, kernel);
+    kernel->disown_files();    // the live process (or its gateway) uses them
+    kernel->shutdown(reason);  // disconnects its clients; its process is gone or not ours
+    kernel->release();
+}
+
+bool KernelManager::known(const std::string& kernel_id) const {
+    if (find(kernel_id))
+        return true;
+    if (!writer_.store().shared() || shut_down_here_.contains(kernel_id))
+        return false;
+    try {
+        return writer_.store().kernel(kernel_id).has_value();
+    } catch (const std::exception&) {
+        return true;  // unknown: a session is not dropped because the store did not answer
+    }
+}
+
+void KernelManager::forget_lost_kernel(const KernelRecord& record, const std::string& cause) {
+    logger_.warn("kernel_lost", {{"kernel_id", record.id}, {"cause", cause}});
+    lost_causes_[record.id] = cause;
+    std::error_code ignored;
+    if (!record.workspace_dir.empty())
+        remove_workspace(record.workspace_dir, logger_);
+    fs::remove(record.connection_file, ignored);
+    fs::remove(record.log_file, ignored);
+    for (int port = 1; port <= 5; ++port)
+        fs::remove(record.endpoint_base + "-" + std::to_string(port), ignored);
+    forget(record.id);
+}
+
+std::optional<std::string> KernelManager::lost_cause(const std::string& kernel_id) const {
+    auto found = lost_causes_.find(kernel_id);
+    if (found == lost_causes_.end())
+        return std::nullopt;
+    return found->second;
+}
+
+}  // namespace cellblock::gateway
