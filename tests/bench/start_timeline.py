@@ -2,7 +2,7 @@
 """Where the milliseconds of one kernel cold start go: process start -> first `1+1` execute_reply with a ready
 worker, the default configuration (the worker forked from the tenant's running zygote template).
 
-    /usr/bin/python3 tests/bench/bench_start_timeline.py [--quick] [--starts N] [--template-traces N]
+    /usr/bin/python3 tests/bench/start_timeline.py [--quick] [--starts N] [--template-traces N]
 
 Each kernel is started as bench_kernel.py starts its zygote kind (its LaunchedKernel and LeanClient: the
 kernelspec argv with a fresh connection file, kernel_info_request queued before the kernel binds, then a first
@@ -43,9 +43,8 @@ run free), each a context switch to strace and back, and strace itself (fork, ex
 Popen and the kernel's execve, which the "Popen -> exec" row shows. The log-only and plain starts give the
 totals without strace; the difference of the medians is strace's cost. /proc/PID/stat's start time was not
 used: its resolution is a clock tick (10 ms), coarser than most phases.
-Run alone, not part of ctest: it needs root (strace of the root-owned template) and strace, and a traced kernel
-is no smoke test. run.py runs every bench_*.py, so when run.py is its parent this script prints one line and
-exits 0.
+Run alone, not part of run.py (whose glob takes bench_*.py) nor ctest: it needs root (strace of the root-owned
+template) and strace, and a traced kernel is no smoke test.
 """
 from __future__ import annotations
 
@@ -363,16 +362,6 @@ def template_table(traced: list[dict]) -> list[str]:
     return lines
 
 
-def started_by_run_py() -> bool:
-    """True when tests/bench/run.py started this script (its glob takes every bench_*.py)."""
-    try:
-        arguments = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    run_py = Path(__file__).resolve().with_name("run.py")
-    return any(argument and Path(os.fsdecode(argument)).resolve() == run_py for argument in arguments)
-
-
 def commit() -> str:
     try:
         return subprocess.run(["git", "-C", str(benchlib.REPO_ROOT), "rev-parse", "--short", "HEAD"],
@@ -388,9 +377,6 @@ def main() -> int:
     parser.add_argument("--template-traces", type=int, default=1,
                         help="extra starts with strace attached to the template (default 1; 0: none)")
     args = parser.parse_args()
-    if started_by_run_py():
-        print("_Not part of run.py: run tests/bench/bench_start_timeline.py alone (root, strace)._")
-        return 0
     starts = args.starts or (3 if args.quick else 10)
     if shutil.which("strace") is None:
         progress("strace is not installed")
