@@ -347,6 +347,12 @@ void KernelServer::run_interpreter() {
     }
 }
 
+bool KernelServer::shell_message_waiting() {
+    std::lock_guard lock(server_mutex_);
+    // ZMQ_EVENTS takes in pending commands; a readable message stays for the next receive_all.
+    return sockets_->open && (sockets_->routers[shell].get(zmq::sockopt::events) & ZMQ_POLLIN) != 0;
+}
+
 void KernelServer::abort_queued() {
     const listener abort = std::exchange(pending_abort_, nullptr);
     const auto count = static_cast<std::ptrdiff_t>(std::min(abort_queued_, shell_queue_.size()));

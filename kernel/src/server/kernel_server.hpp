@@ -97,6 +97,14 @@ class KernelServer final : public xeus::xserver {
     // Thread-safe. Dropped once the sockets are closed.
     void publish_kernel_message(std::string msg_type, nlohmann::json content);
 
+    // For tests, which stand in for xeus's core: whether a shell message has reached the socket and waits
+    // there unread (a request the client sent while the interpreter runs another). Interpreter thread only
+    // (a shell listener), like every other use of the shell socket.
+    bool shell_message_waiting();
+    // For tests: stdin messages read and dropped so far (an input_reply no prompt waits for, or another
+    // type), so a test knows a stray or late answer was dealt with. Thread-safe.
+    std::uint64_t stdin_messages_dropped() const noexcept { return stdin_dropped_.load(); }
+
   private:
     // xeus::xserver. start() runs the I/O loop on the calling thread until stop(), shutdown_request or
     // lease expiry; the send/publish functions may be called from any thread.
@@ -236,6 +244,7 @@ class KernelServer final : public xeus::xserver {
     std::condition_variable input_answered_;
     PendingInput input_;
     std::uint64_t input_generations_ = 0;
+    std::atomic<std::uint64_t> stdin_dropped_{0};  // stdin_messages_dropped()
 };
 
 // xeus 2.4.1 builds its server through a plain function pointer (no state), with the context the kernel

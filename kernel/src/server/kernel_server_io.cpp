@@ -274,6 +274,7 @@ void KernelServer::handle_inbound(int channel_index, std::vector<zmq::message_t>
     if (channel_index == stdin_channel) {
         if (verdict.msg_type != "input_reply") {
             log_event(LogLevel::debug, "stdin_message_dropped", {{"msg_type", verdict.msg_type}});
+            ++stdin_dropped_;
             return;
         }
         deliver_input_reply(xeus::xmessage(identities, std::move(verdict.header),
@@ -319,6 +320,7 @@ void KernelServer::deliver_input_reply(xeus::xmessage reply) {
         std::lock_guard lock(input_mutex_);
         if (input_.generation == 0 || !input_.sent || input_.answer) {
             log_event(LogLevel::debug, "stdin_message_dropped", {{"msg_type", "input_reply"}});
+            ++stdin_dropped_;
             return;
         }
         input_.answer = std::move(reply);

@@ -74,6 +74,20 @@ std::string msg_id(const xeus::xmessage& message) {
     return message.header().value("msg_id", "");
 }
 
+// Polls `condition` until it holds (true) or 5 s passed (false): the tests wait for what they can observe,
+// never for a guessed while.
+template <typename Condition>
+bool within_5s(Condition condition) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!condition()) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+            return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return true;
+}
+
 class KernelServerTest : public ::testing::Test {
   protected:
     void SetUp() override {
@@ -358,6 +372,8 @@ TEST_F(KernelServerTest, QueuedRequestsAreAbortedAfterTheFailingExecute) {
     auto queued = queued_promise.get_future().share();
     on_shell = [this, queued](const xeus::xmessage& request) {
         queued.wait();
+        // a2 reached the server before the failing execute's reply: it waits in the shell socket, unread.
+        EXPECT_TRUE(within_5s([this] { return server->shell_message_waiting(); })) << "a2 never arrived";
         server->publish(published_for(request, "status", {{"execution_state", "busy"}}),
                         xeus::channel::SHELL);
         server->send_shell(reply_to(request, "execute_reply",
@@ -373,8 +389,7 @@ TEST_F(KernelServerTest, QueuedRequestsAreAbortedAfterTheFailingExecute) {
     send(client_shell, signed_message("execute_request", {{"code", "1/0"}}, "e1"));
     ASSERT_TRUE(wait_for_shell(1));
     send(client_shell, signed_message("execute_request", {{"code", "2"}}, "a2"));
-    ::usleep(300000);  // a2 is queued behind the running e1
-    queued_promise.set_value();
+    queued_promise.set_value();  // e1's handler goes on once a2 is queued behind it
     for (int i = 0; i < 2; ++i) {
         ASSERT_FALSE(receive(client_shell).empty());
     }
@@ -406,7 +421,9 @@ TEST_F(KernelServerTest, RequestSentAfterTheFailingExecutesIdleRuns) {
             50);
         server->publish(published_for(request, "status", {{"execution_state", "idle"}}),
                         xeus::channel::SHELL);
-        next_queued.wait();  // still inside the failing execute when the next request is queued
+        // Still inside the failing execute when the next request is queued: n2 waits in the shell socket.
+        next_queued.wait();
+        EXPECT_TRUE(within_5s([this] { return server->shell_message_waiting(); })) << "n2 never arrived";
     };
     send(client_shell, signed_message("execute_request", {{"code", "1/0"}}, "e1"));
     ASSERT_FALSE(receive(client_shell).empty());
@@ -418,8 +435,7 @@ TEST_F(KernelServerTest, RequestSentAfterTheFailingExecutesIdleRuns) {
                     part(message, 5).value("execution_state", "") == "idle";
     }
     send(client_shell, signed_message("execute_request", {{"code", "2"}}, "n2"));
-    ::usleep(300000);  // n2 is queued while e1's handler has not returned
-    next_queued_promise.set_value();
+    next_queued_promise.set_value();  // e1's handler returns once n2 is queued
     const Frames reply = receive(client_shell);
     ASSERT_FALSE(reply.empty());
     EXPECT_EQ(part(reply, 3)["msg_id"], "n2");
@@ -447,7 +463,8 @@ TEST_F(KernelServerTest, RefusedMessagesNeverReachTheInterpreter) {
 TEST_F(KernelServerTest, InputRequestGetsPasswordAndOnlyPendingRepliesPass) {
     // No prompt pending: a stray input_reply is dropped.
     send(client_stdin, signed_message("input_reply", {{"value", "stray"}}, "s1"));
-    ::usleep(300000);  // (stdin and shell are two sockets: the stray reply must arrive first)
+    // stdin and shell are two sockets: the stray reply is dropped before the request that prompts is sent.
+    ASSERT_TRUE(within_5s([this] { return server->stdin_messages_dropped() == 1; })) << "the stray was kept";
     std::promise<void> second_prompt_done;
     on_shell = [this, &second_prompt_done](const xeus::xmessage& request) {
         // xeus::blocking_input_request: send_stdin blocks until the answer reached the stdin listener.
@@ -468,7 +485,8 @@ TEST_F(KernelServerTest, InputRequestGetsPasswordAndOnlyPendingRepliesPass) {
     ASSERT_EQ(second_prompt_done.get_future().wait_for(std::chrono::seconds(5)), std::future_status::ready);
     // ...and the client's late answer goes nowhere.
     send(client_stdin, signed_message("input_reply", {{"value", "late"}}, "s3"));
-    ::usleep(300000);
+    ASSERT_TRUE(within_5s([this] { return server->stdin_messages_dropped() == 2; }))
+        << "the late one was kept";
     std::lock_guard lock(mutex);
     EXPECT_EQ(input_values, (std::vector<std::string>{"secret", ""}));
 }
