@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 
 #include <array>
+#include <atomic>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -16,6 +17,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -265,6 +267,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
             thread.join();
         }
         pending.clear();
+        approval_waiters = 0;
         acceptor.reset();
         accept_pause.reset();
         // The handlers that never ran hold the open sessions: destroying the io_context destroys them, and
@@ -279,6 +282,14 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
         if (!stopped) {
             asio::post(io, std::forward<Handler>(handler));
         }
+    }
+
+    void wait_for_posted() {
+        auto ran = std::make_shared<std::promise<void>>();
+        auto future = ran->get_future();
+        post_if_running([ran] { ran->set_value(); });
+        // After stop() nothing runs: the handler (and its promise) is destroyed, which ends the wait too.
+        future.wait();
     }
 
     void serve(UniqueFd listener) {
@@ -329,6 +340,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
                 }
             });
             entry->waiters.push_back(std::move(waiter));
+            ++approval_waiters;
             const auto request = entry->request;
             observer.on_approval_requested(request,
                                            std::chrono::duration<double>(policy.approval_timeout()).count());
@@ -348,6 +360,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
             return;
         }
         entry->waiters.push_back(std::move(waiter));
+        ++approval_waiters;
     }
 
     // By value: erasing the map's entry below must not destroy the approval while it is decided.
@@ -367,6 +380,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
         }
         observer.on_approval_decided(entry->request, decision, decided_by);
         auto waiters = std::move(entry->waiters);
+        approval_waiters -= waiters.size();
         for (auto& waiter : waiters) {
             waiter(decision, decided_by);
         }
@@ -388,6 +402,7 @@ class EgressProxy::Impl : public std::enable_shared_from_this<EgressProxy::Impl>
     std::size_t open_sessions = 0;  // Session objects alive (on the proxy thread only)
     bool accepting_paused = false;  // at max_connections + max_refusing_sessions
     std::map<std::string, std::shared_ptr<PendingApproval>> pending;  // one per host
+    std::atomic<std::size_t> approval_waiters{0};                     // their waiters, for tests
     std::thread thread;
     std::mutex stop_mutex;
     bool stopped = false;
@@ -1182,6 +1197,14 @@ void EgressProxy::serve(UniqueFd listener) {
 
 void EgressProxy::stop() {
     impl_->stop();
+}
+
+std::size_t EgressProxy::waiting_for_approval() const noexcept {
+    return impl_->approval_waiters.load();
+}
+
+void EgressProxy::wait_for_posted() {
+    impl_->wait_for_posted();
 }
 
 }  // namespace cellblock::kernel::egress

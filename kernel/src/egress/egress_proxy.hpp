@@ -92,6 +92,13 @@ class EgressProxy {
     // Stops the thread and closes everything (each open connection is reported). Also in the destructor.
     void stop();
 
+    // For tests, which wait for what they can observe: connections held for an approval now (thread-safe)...
+    std::size_t waiting_for_approval() const noexcept;
+    // ...and a return once everything posted to the proxy's thread before the call (an answer given to the
+    // broker's callback, a listener to serve) has run. Not from the proxy's thread; returns at once after
+    // stop().
+    void wait_for_posted();
+
     class Impl;
 
   private:
