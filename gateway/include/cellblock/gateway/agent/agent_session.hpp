@@ -17,6 +17,7 @@
 #include "cellblock/gateway/access/network_policy.hpp"
 #include "cellblock/gateway/access/tenant_quotas.hpp"
 #include "cellblock/gateway/agent/agent_config.hpp"
+#include "cellblock/gateway/agent/approvals_book.hpp"
 #include "cellblock/gateway/agent/execution.hpp"
 #include "cellblock/gateway/agent/live_events.hpp"
 #include "cellblock/gateway/kernels/kernel.hpp"
@@ -60,26 +61,9 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
         NetworkRequest network;   // checked against the ceiling at creation; none() = no network
         std::string tenant = {};  // whose session it is (principal.hpp); empty = the operator's
     };
-    // A network request the kernel's proxy holds for a decision (kernel/README.md "Network policy"), and what
-    // became of it.
-    struct Approval {
-        std::string id, host, method, kernel_id;
-        int port = 0;
-        double timeout_s = 0;
-        std::string requested, decided;  // ISO 8601; `decided` empty while pending
-        std::string decision;  // allow_once, allow_session, deny, timeout, lost; empty while pending
-        std::string decided_by;
-        // Who sent the decision through this gateway (for the audit entry, which the kernel's own
-        // approval_decided event may write first).
-        std::string asking_client, asking_token_id;
-        nlohmann::json to_json() const;
-    };
-    // The kernel's verdict on a decision sent to it.
-    struct DecisionResult {
-        enum class Status { ok, unknown, already_decided, no_kernel, kernel_refused, no_answer } status;
-        std::string message;
-        nlohmann::json approval;  // the approval after the decision (ok, already_decided)
-    };
+    // Network approvals and the kernel's verdict on a decision (approvals_book.hpp).
+    using Approval = agent::Approval;
+    using DecisionResult = ApprovalDecisionResult;
     using Done = std::function<void(std::optional<std::string> error)>;
 
     // `cells` is the history reloaded from the store (empty for a new session).
@@ -191,10 +175,21 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     static constexpr std::chrono::seconds lease_store_limit{10};
     void start_execute(Pending pending);
     void start_reset(Pending pending);
+    // The time limit of `request`: its own, else the session's.
+    double time_limit_of(const ExecuteRequest& request) const;
+    // When the safety net interrupts an execute with time limit `timeout_s`: well after the kernel, which
+    // enforces the limit itself, should have answered.
+    std::chrono::milliseconds safety_net_after(double timeout_s) const;
+    // Runs on_deadline `after` from now (the running execute's safety net).
+    void arm_deadline(std::chrono::milliseconds after);
+    static std::chrono::milliseconds seconds_to_ms(double seconds);
     void on_deadline();
     void on_grace_expired();
     void finish_execute();
+    // The answer of `running` (answer_renderer.hpp) and its cell's outputs; consumes the state-lost notice.
     nlohmann::json build_answer(Running& running, nlohmann::json& cell_outputs);
+    // The audit entry of an execute that ended.
+    nlohmann::json execute_audit_entry(const Running& running, const nlohmann::json& answer) const;
     std::optional<std::string> save_output(const std::string& file_name, const std::string& text);
     void fail_pending(Pending& pending, const std::string& ename, const std::string& evalue);
     // The one metrics hook of an execute that ended: its outcome, and its duration when it reached a kernel.
@@ -218,7 +213,11 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // IOPub cellblock_egress from the kernel's proxy: connections and approvals into the audit trail,
     // approvals into approvals_ and the running execute's stream.
     void on_egress(const JupyterMessage& message);
-    Approval* find_approval(const std::string& approval_id);
+    // Records a decision the kernel accepted from decide_approval: the audit entry and the streamed event,
+    // unless its own approval_decided event came first.
+    void record_decision(const std::string& approval_id, const std::string& decision,
+                         const std::string& decided_by, const std::string& client_address,
+                         const std::string& token_id);
     void stream_event(const nlohmann::json& event);
 
     AgentSessionServices& services_;
@@ -250,10 +249,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     bool closed_ = false;
     std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)
     bool record_committed_ = false;
-    std::deque<Approval> approvals_;  // the newest max_approvals
-    static constexpr std::size_t max_approvals = 1000;
-    // Decisions sent on the control channel, by the request's msg_id, until the kernel answers.
-    std::map<std::string, std::function<void(const nlohmann::json& reply)>> decision_waiters_;
+    ApprovalsBook approvals_;
     LiveLog live_;
 };
 

@@ -1,0 +1,83 @@
+#include "cellblock/gateway/agent/agent_session.hpp"
+
+// AgentSession's execute lease: on a shared store other gateways serve the same session, and one execute at a
+// time runs across all of them. The rest of AgentSession: agent_session.cpp.
+
+namespace cellblock::gateway::agent {
+
+namespace {
+// Releases a lease of this gateway on the store's reader thread. Queued behind this gateway's earlier lease
+// calls (one reader thread, in order): never overtakes the try_lease that took it. Leases are counted per
+// connection (PostgreSQL advisory locks), so every lease taken is released exactly once.
+void release_lease_later(StoreWriter& writer, const std::string& lease) {
+    writer.read<bool>(
+        [lease](SessionStore& store) {
+            store.release_lease(lease);
+            return true;
+        },
+        StoreWriter::default_read_limit, [](const StoreAnswer<bool>&) {});
+}
+}  // namespace
+
+void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give_up,
+                                      std::function<void(std::optional<std::string> unavailable)> then) {
+    if (holds_execute_lease_ || !services_.writer.shared())
+        return then(std::nullopt);  // an embedded store has this gateway alone: every lease is granted
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= give_up)
+        return then(std::string("the store did not answer within the execute's time limit"));
+    const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - now);
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    const std::string lease = "agent-session:" + record_.id;
+    // On the store's reader thread with a deadline; a lease it takes after the deadline is released there.
+    services_.writer.read<bool>(
+        [lease](SessionStore& store) { return store.try_lease(lease); }, limit,
+        [weak, give_up, patience = give_up - now, lease, &writer = services_.writer,
+         then = std::move(then)](StoreAnswer<bool> answer) mutable {
+            auto self = weak.lock();
+            if (!self) {
+                if (answer.ok() && *answer.value)
+                    release_lease_later(writer, lease);  // the session went while its lease was asked for
+                return;
+            }
+            if (answer.ok() && *answer.value) {
+                self->holds_execute_lease_ = true;
+                return then(std::nullopt);
+            }
+            if (!answer.ok())
+                self->services_.logger.warn("execute_lease_failed",
+                                            {{"session", self->id()}, {"error", answer.error}});
+            // Another gateway runs an execute of this session now (retried soon, as long as it takes), or
+            // the store failed (retried until the execute's limit, then 503 store_unavailable).
+            const auto retry = answer.ok() ? std::chrono::milliseconds(10) : std::chrono::milliseconds(200);
+            if (!answer.ok() && std::chrono::steady_clock::now() + retry >= give_up)
+                return then("the store is unavailable: " + answer.error);
+            self->lease_timer_.expires_after(retry);
+            self->lease_timer_.async_wait([weak, answered = answer.ok(), give_up, patience,
+                                           then = std::move(then)](
+                                              const boost::system::error_code& error) mutable {
+                if (error)
+                    return;
+                // After a refusal the store answered, the next attempt gets the same patience again.
+                if (auto again = weak.lock())
+                    again->with_execute_lease(
+                        answered ? std::chrono::steady_clock::now() + patience : give_up, std::move(then));
+            });
+        },
+        [&writer = services_.writer, lease](bool taken_late) {
+            if (taken_late)
+                release_lease_later(writer, lease);
+        });
+}
+
+void AgentSession::release_execute_lease() {
+    if (std::exchange(holds_execute_lease_, false) && services_.writer.shared())
+        release_lease_later(services_.writer, "agent-session:" + record_.id);
+}
+
+std::chrono::steady_clock::time_point AgentSession::store_give_up(const Pending& pending) const {
+    return std::chrono::steady_clock::now() + std::min(seconds_to_ms(time_limit_of(pending.request)),
+                                                       std::chrono::milliseconds(lease_store_limit));
+}
+
+}  // namespace cellblock::gateway::agent
