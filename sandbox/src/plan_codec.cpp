@@ -285,30 +285,48 @@ void DecodedPlan::wipe() noexcept {
         zero(*text);
 }
 
-std::unique_ptr<DecodedPlan> decode_plan(std::span<const unsigned char> bytes, std::span<const int> fds) {
-    if (fds.size() > max_plan_fds) {
-        throw SandboxError("zygote plan: more than " + std::to_string(max_plan_fds) + " fds");
-    }
-    for (const int fd : fds) {
-        if (fd < 0) {
-            throw SandboxError("zygote plan: a received fd is negative");
+namespace {
+
+// The fds received with a plan, which the plan names by index.
+class ReceivedFds {
+  public:
+    explicit ReceivedFds(std::span<const int> fds) : fds_(fds) {
+        if (fds.size() > max_plan_fds) {
+            throw SandboxError("zygote plan: more than " + std::to_string(max_plan_fds) + " fds");
+        }
+        for (const int fd : fds) {
+            if (fd < 0) {
+                throw SandboxError("zygote plan: a received fd is negative");
+            }
         }
     }
-    auto fd_at = [&](const char* what, bool required, Reader& in) {
+
+    int at(const char* what, bool required, Reader& in) const {
         const auto index = in.number<std::int32_t>(what);
         if (index == -1 && !required) {
             return -1;
         }
-        if (index < 0 || static_cast<std::size_t>(index) >= fds.size()) {
+        if (index < 0 || static_cast<std::size_t>(index) >= fds_.size()) {
             throw SandboxError(std::string("zygote plan: ") + what + " names fd #" + std::to_string(index) +
-                               " of " + std::to_string(fds.size()));
+                               " of " + std::to_string(fds_.size()));
         }
-        return fds[static_cast<std::size_t>(index)];
-    };
+        return fds_[static_cast<std::size_t>(index)];
+    }
 
-    auto decoded = std::make_unique<DecodedPlan>();
-    auto& plan = decoded->plan;
-    Reader in(bytes);
+    // Scratch copies go above every received fd and above the program's final numbers.
+    [[nodiscard]] int dup_base(std::size_t program_fds) const {
+        int highest = std::max(2, static_cast<int>(program_fds) + 1);
+        for (const int fd : fds_) {
+            highest = std::max(highest, fd);
+        }
+        return highest + 1;
+    }
+
+  private:
+    std::span<const int> fds_;
+};
+
+void read_header(Reader& in, const ReceivedFds& fds, ChildPlan& plan) {
     if (const auto version = in.number<std::uint32_t>("version"); version != format_version) {
         throw SandboxError("zygote plan: format " + std::to_string(version) + ", expected " +
                            std::to_string(format_version));
@@ -317,11 +335,13 @@ std::unique_ptr<DecodedPlan> decode_plan(std::span<const unsigned char> bytes, s
     plan.parent_death_signal = in.flag("parent_death_signal");
     plan.drop_privileges = in.flag("drop_privileges");
     plan.new_user_namespace = in.flag("new_user_namespace");
-    plan.sync_read_fd = fd_at("the sync pipe", true, in);
-    plan.error_write_fd = fd_at("the error pipe", true, in);
+    plan.sync_read_fd = fds.at("the sync pipe", true, in);
+    plan.error_write_fd = fds.at("the error pipe", true, in);
     plan.sync_write_fd = -1;
     plan.error_read_fd = -1;
+}
 
+void read_namespaces(Reader& in, ChildPlan& plan) {
     plan.cgroup_joins.resize(in.count("cgroup joins"));
     for (auto& join : plan.cgroup_joins) {
         join.tasks_file = in.text("cgroup tasks file");
@@ -340,7 +360,9 @@ std::unique_ptr<DecodedPlan> decode_plan(std::span<const unsigned char> bytes, s
         *step = in.step("step");
     }
     plan.mounts_after_pivot = read_mounts(in);
+}
 
+void read_network(Reader& in, const ReceivedFds& fds, ChildPlan& plan) {
     plan.hostname = in.text("hostname");
     plan.loopback_up = in.flag("loopback_up");
     plan.step_loopback = in.step("step");
@@ -353,25 +375,24 @@ std::unique_ptr<DecodedPlan> decode_plan(std::span<const unsigned char> bytes, s
             *step = in.step("listener step");
         }
     }
-    plan.listener_child_fd = fd_at("the listener channel", !plan.listeners.empty(), in);
+    plan.listener_child_fd = fds.at("the listener channel", !plan.listeners.empty(), in);
     plan.listener_parent_fd = -1;
+}
 
+void read_program_fds(Reader& in, const ReceivedFds& fds, ChildPlan& plan) {
     plan.fds.sources.resize(in.count("program fds"));
     if (plan.fds.sources.size() > 510) {
         throw SandboxError("zygote plan: too many program fds");
     }
     for (auto& source : plan.fds.sources) {
-        source = fd_at("a program fd", true, in);
+        source = fds.at("a program fd", true, in);
     }
     plan.fds.step_dup = in.step("step");
     plan.fds.step_close = in.step("step");
-    // Scratch copies go above every received fd and above the program's final numbers.
-    int highest = std::max(2, static_cast<int>(plan.fds.sources.size()) + 1);
-    for (const int fd : fds) {
-        highest = std::max(highest, fd);
-    }
-    plan.fds.dup_base = highest + 1;
+    plan.fds.dup_base = fds.dup_base(plan.fds.sources.size());
+}
 
+void read_limits_and_credentials(Reader& in, ChildPlan& plan) {
     plan.rlimits.resize(in.count("rlimits"));
     for (auto& limit : plan.rlimits) {
         limit.resource = in.number<std::int32_t>("rlimit resource");
@@ -387,26 +408,46 @@ std::unique_ptr<DecodedPlan> decode_plan(std::span<const unsigned char> bytes, s
                       &plan.step_ambient, &plan.step_no_new_privs, &plan.step_securebits}) {
         *step = in.step("step");
     }
+}
 
-    decoded->seccomp_filter.resize(in.count("seccomp instructions"));
-    for (auto& instruction : decoded->seccomp_filter) {
+void read_seccomp(Reader& in, DecodedPlan& decoded) {
+    decoded.seccomp_filter.resize(in.count("seccomp instructions"));
+    for (auto& instruction : decoded.seccomp_filter) {
         instruction.code = in.number<decltype(instruction.code)>("seccomp code");
         instruction.jt = in.number<decltype(instruction.jt)>("seccomp jt");
         instruction.jf = in.number<decltype(instruction.jf)>("seccomp jf");
         instruction.k = in.number<decltype(instruction.k)>("seccomp k");
     }
-    plan.seccomp_filter = decoded->seccomp_filter.empty() ? nullptr : &decoded->seccomp_filter;
-    plan.step_seccomp = in.step("step");
+    decoded.plan.seccomp_filter = decoded.seccomp_filter.empty() ? nullptr : &decoded.seccomp_filter;
+    decoded.plan.step_seccomp = in.step("step");
+}
 
-    plan.cwd = in.text("cwd");
-    decoded->argv = read_strings(in, "argv");
-    decoded->envp = read_strings(in, "envp");
+void read_program(Reader& in, DecodedPlan& decoded) {
+    decoded.plan.cwd = in.text("cwd");
+    decoded.argv = read_strings(in, "argv");
+    decoded.envp = read_strings(in, "envp");
     in.finish();
-    if (plan.exec_program && decoded->argv.empty()) {
+    if (decoded.plan.exec_program && decoded.argv.empty()) {
         throw SandboxError("zygote plan: a program to exec needs an argv");
     }
-    plan.argv = pointers_to(decoded->argv);
-    plan.envp = pointers_to(decoded->envp);
+    decoded.plan.argv = pointers_to(decoded.argv);
+    decoded.plan.envp = pointers_to(decoded.envp);
+}
+
+}  // namespace
+
+// Fields are read in the order encode_plan writes them.
+std::unique_ptr<DecodedPlan> decode_plan(std::span<const unsigned char> bytes, std::span<const int> fds) {
+    const ReceivedFds received(fds);
+    auto decoded = std::make_unique<DecodedPlan>();
+    Reader in(bytes);
+    read_header(in, received, decoded->plan);
+    read_namespaces(in, decoded->plan);
+    read_network(in, received, decoded->plan);
+    read_program_fds(in, received, decoded->plan);
+    read_limits_and_credentials(in, decoded->plan);
+    read_seccomp(in, *decoded);
+    read_program(in, *decoded);
     return decoded;
 }
 
