@@ -440,35 +440,39 @@ struct TreeVisitor {
     std::size_t max_entries = 0;  // 0: no limit
 };
 
-// The one fd-relative, no-follow walk of a tree untrusted code may be writing into (remove_tree and
-// adopt_tree): every entry is looked at with statx(AT_SYMLINK_NOFOLLOW) from its parent's descriptor,
-// directories are entered with openat(O_NOFOLLOW | O_DIRECTORY) and checked to be the node listed, other
-// mounts are never entered, and going back up through ".." each parent is checked to be the directory it
-// was, so a tree moved during the walk stops it instead of redirecting it. Only ancestors' names and
-// identities are kept, so a deep tree does not cost one descriptor per level. Returns false when
-// `directory` does not exist; throws SandboxError (prefixed with `who`) naming the first entry a callback
-// could not handle, after walking everything else.
-bool walk_tree(const std::filesystem::path& directory, const std::string& who, const TreeVisitor& visitor) {
+// A tree's root, opened from its parent's descriptor without following and checked to be the directory
+// named.
+struct TreeRoot {
+    std::filesystem::path target;  // the normalised path walked
+    std::string name;              // its last component
+    std::filesystem::path parent_path;
+    UniqueFd parent;
+    NodeIdentity identity;
+    UniqueFd fd;
+};
+
+// Returns nullopt when `directory` does not exist.
+std::optional<TreeRoot> open_tree_root(const std::filesystem::path& directory, const std::string& who) {
     std::filesystem::path target = directory.lexically_normal();
     if (!target.has_filename()) {
         target = target.parent_path();  // "dir/" -> "dir"
     }
-    const std::string name = target.filename().string();
+    std::string name = target.filename().string();
     if (name.empty() || name == "." || name == ".." || target == target.root_path()) {
         throw SandboxError(who + ": refusing to walk '" + directory.string() + "'");
     }
-    const std::filesystem::path parent_path = target.has_parent_path() ? target.parent_path() : ".";
+    std::filesystem::path parent_path = target.has_parent_path() ? target.parent_path() : ".";
     UniqueFd parent(::open(parent_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (!parent) {
         if (errno == ENOENT) {
-            return false;
+            return std::nullopt;
         }
         throw SandboxError(errno_text(who + ": open " + parent_path.string(), errno));
     }
     const auto root = identify(parent.get(), name.c_str());
     if (!root) {
         if (errno == ENOENT) {
-            return false;
+            return std::nullopt;
         }
         throw SandboxError(errno_text(who + ": stat " + target.string(), errno));
     }
@@ -481,116 +485,181 @@ bool walk_tree(const std::filesystem::path& directory, const std::string& who, c
     if (!opened || !opened->same_node(*root)) {
         throw SandboxError(errno_text(who + ": open " + target.string(), current ? ESTALE : errno));
     }
+    return TreeRoot{std::move(target), std::move(name), std::move(parent_path),
+                    std::move(parent), *root,           std::move(current)};
+}
 
-    std::vector<Level> levels{{name, *root, {}}};
-    std::string first_error;
-    std::size_t entries_left = visitor.max_entries;
-    const auto where = [&](const std::string& entry) {
-        std::string path = parent_path.string();
-        for (const auto& level : levels) {
+// A subdirectory about to be entered: its level and its descriptor.
+struct Subdirectory {
+    Level level;
+    UniqueFd fd;
+};
+
+// The walk below an opened root: the directory it is in (one descriptor), the levels above it, and the
+// first entry a callback could not handle.
+class TreeWalk {
+  public:
+    TreeWalk(const std::string& who, const TreeVisitor& visitor, TreeRoot& root)
+        : who_(who),
+          visitor_(visitor),
+          parent_path_(root.parent_path),
+          root_(root.identity),
+          entries_left_(visitor.max_entries),
+          current_(std::move(root.fd)) {
+        levels_.push_back(Level{root.name, root.identity, {}});
+    }
+
+    // Enters the root, then walks depth first until everything is handled or the entry budget is spent.
+    void run() {
+        bool descend_root = true;
+        note("", visitor_.enter ? visitor_.enter(current_.get(), root_, 0, descend_root) : std::string());
+        while (descend_root) {
+            bool budget_spent = false;
+            if (auto child = next_subdirectory(budget_spent)) {
+                levels_.push_back(std::move(child->level));
+                current_ = std::move(child->fd);
+                continue;
+            }
+            if (budget_spent || levels_.size() == 1) {
+                break;
+            }
+            climb();
+        }
+    }
+
+    std::string take_error() { return std::move(first_error_); }
+
+  private:
+    std::string where(const std::string& entry) const {
+        std::string path = parent_path_.string();
+        for (const auto& level : levels_) {
             path += "/" + level.name;
         }
         return entry.empty() ? path : path + "/" + entry;
-    };
-    const auto note = [&](const std::string& entry, const std::string& why) {
-        if (!why.empty() && first_error.empty()) {
-            first_error = where(entry) + ": " + why;
-        }
-    };
-    bool descend_root = true;
-    note("", visitor.enter ? visitor.enter(current.get(), *root, 0, descend_root) : std::string());
+    }
 
-    while (descend_root) {
-        std::optional<Level> child_level;
-        UniqueFd child;
-        bool budget_spent = false;
-        {
-            const int listing_fd = ::dup(current.get());
-            if (listing_fd < 0) {
-                throw SandboxError(errno_text(who + ": dup " + where(""), errno));
+    void note(const std::string& entry, const std::string& why) {
+        if (!why.empty() && first_error_.empty()) {
+            first_error_ = where(entry) + ": " + why;
+        }
+    }
+
+    // Lists the current directory from its start, skipping the entries already handled and handling the
+    // others until one is a subdirectory to enter, which is returned; nullopt when none is left or the
+    // budget is spent.
+    std::optional<Subdirectory> next_subdirectory(bool& budget_spent) {
+        const int listing_fd = ::dup(current_.get());
+        if (listing_fd < 0) {
+            throw SandboxError(errno_text(who_ + ": dup " + where(""), errno));
+        }
+        std::unique_ptr<DIR, int (*)(DIR*)> listing(::fdopendir(listing_fd), ::closedir);
+        if (!listing) {
+            ::close(listing_fd);
+            throw SandboxError(errno_text(who_ + ": read directory " + where(""), errno));
+        }
+        ::rewinddir(listing.get());
+        while (const dirent* entry = ::readdir(listing.get())) {
+            std::string entry_name = entry->d_name;
+            if (entry_name == "." || entry_name == ".." || levels_.back().handled.contains(entry_name)) {
+                continue;
             }
-            std::unique_ptr<DIR, int (*)(DIR*)> listing(::fdopendir(listing_fd), ::closedir);
-            if (!listing) {
-                ::close(listing_fd);
-                throw SandboxError(errno_text(who + ": read directory " + where(""), errno));
+            if (visitor_.max_entries != 0) {
+                if (entries_left_ == 0) {
+                    budget_spent = true;
+                    break;
+                }
+                --entries_left_;
             }
-            ::rewinddir(listing.get());
-            while (const dirent* entry = ::readdir(listing.get())) {
-                const std::string entry_name = entry->d_name;
-                if (entry_name == "." || entry_name == ".." || levels.back().handled.contains(entry_name)) {
-                    continue;
-                }
-                if (visitor.max_entries != 0) {
-                    if (entries_left == 0) {
-                        budget_spent = true;
-                        break;
-                    }
-                    --entries_left;
-                }
-                levels.back().handled.insert(entry_name);
-                const auto identity = identify(current.get(), entry_name.c_str());
-                if (!identity) {
-                    if (errno != ENOENT) {
-                        note(entry_name, errno_text("stat", errno));
-                    }
-                    continue;
-                }
-                if (!identity->same_mount(*root)) {
-                    if (visitor.mount_point_is_an_error) {
-                        note(entry_name, "a mount point, left alone");
-                    }
-                    continue;
-                }
-                if (!S_ISDIR(identity->mode)) {
-                    note(entry_name,
-                         visitor.entry ? visitor.entry(current.get(), entry_name, *identity) : "");
-                    continue;
-                }
-                child.reset(::openat(current.get(), entry_name.c_str(),
-                                     O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-                const auto child_identity = child ? identify(child.get(), "") : std::nullopt;
-                if (!child_identity || !child_identity->same_node(*identity)) {
-                    note(entry_name, child ? "replaced during the walk" : errno_text("open", errno));
-                    child.reset();
-                    continue;
-                }
-                bool descend = true;
-                note(entry_name, visitor.enter
-                                     ? visitor.enter(child.get(), *child_identity, levels.size(), descend)
-                                     : "");
-                if (!descend) {
-                    child.reset();
-                    continue;
-                }
-                child_level = Level{entry_name, *identity, {}};
-                break;
+            levels_.back().handled.insert(entry_name);
+            if (auto child = visit(entry_name)) {
+                return child;
             }
         }
-        if (child_level) {
-            levels.push_back(std::move(*child_level));
-            current = std::move(child);
-            continue;
+        return std::nullopt;
+    }
+
+    // Handles one entry of the current directory; returns it when it is a subdirectory to enter.
+    std::optional<Subdirectory> visit(const std::string& entry_name) {
+        const auto identity = identify(current_.get(), entry_name.c_str());
+        if (!identity) {
+            if (errno != ENOENT) {
+                note(entry_name, errno_text("stat", errno));
+            }
+            return std::nullopt;
         }
-        if (budget_spent || levels.size() == 1) {
-            break;
+        if (!identity->same_mount(root_)) {
+            if (visitor_.mount_point_is_an_error) {
+                note(entry_name, "a mount point, left alone");
+            }
+            return std::nullopt;
         }
-        UniqueFd up(::openat(current.get(), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        if (!S_ISDIR(identity->mode)) {
+            note(entry_name, visitor_.entry ? visitor_.entry(current_.get(), entry_name, *identity) : "");
+            return std::nullopt;
+        }
+        UniqueFd child(
+            ::openat(current_.get(), entry_name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        const auto child_identity = child ? identify(child.get(), "") : std::nullopt;
+        if (!child_identity || !child_identity->same_node(*identity)) {
+            note(entry_name, child ? "replaced during the walk" : errno_text("open", errno));
+            return std::nullopt;
+        }
+        bool descend = true;
+        note(entry_name,
+             visitor_.enter ? visitor_.enter(child.get(), *child_identity, levels_.size(), descend) : "");
+        if (!descend) {
+            return std::nullopt;
+        }
+        return Subdirectory{Level{entry_name, *identity, {}}, std::move(child)};
+    }
+
+    // Goes back up through "..", checking the parent is the directory it was, then leaves the finished one.
+    void climb() {
+        UniqueFd up(::openat(current_.get(), "..", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
         const auto up_identity = up ? identify(up.get(), "") : std::nullopt;
-        const Level finished = std::move(levels.back());
-        levels.pop_back();
-        if (!up_identity || !up_identity->same_node(levels.back().identity)) {
-            throw SandboxError(who + ": " + where(finished.name) +
+        const Level finished = std::move(levels_.back());
+        levels_.pop_back();
+        if (!up_identity || !up_identity->same_node(levels_.back().identity)) {
+            throw SandboxError(who_ + ": " + where(finished.name) +
                                ": moved during the walk; stopped without following it");
         }
-        current = std::move(up);
-        note(finished.name, visitor.leave ? visitor.leave(current.get(), finished.name) : "");
+        current_ = std::move(up);
+        note(finished.name, visitor_.leave ? visitor_.leave(current_.get(), finished.name) : "");
     }
-    current.reset();
-    levels.clear();
+
+    const std::string& who_;
+    const TreeVisitor& visitor_;
+    const std::filesystem::path& parent_path_;
+    NodeIdentity root_;
+    std::size_t entries_left_;
+    UniqueFd current_;
+    std::vector<Level> levels_;
+    std::string first_error_;
+};
+
+// The one fd-relative, no-follow walk of a tree untrusted code may be writing into (remove_tree and
+// adopt_tree): every entry is looked at with statx(AT_SYMLINK_NOFOLLOW) from its parent's descriptor,
+// directories are entered with openat(O_NOFOLLOW | O_DIRECTORY) and checked to be the node listed, other
+// mounts are never entered, and going back up through ".." each parent is checked to be the directory it
+// was, so a tree moved during the walk stops it instead of redirecting it. Only ancestors' names and
+// identities are kept, so a deep tree does not cost one descriptor per level. Returns false when
+// `directory` does not exist; throws SandboxError (prefixed with `who`) naming the first entry a callback
+// could not handle, after walking everything else.
+bool walk_tree(const std::filesystem::path& directory, const std::string& who, const TreeVisitor& visitor) {
+    auto root = open_tree_root(directory, who);
+    if (!root) {
+        return false;
+    }
+    std::string first_error;
+    {
+        TreeWalk walk(who, visitor, *root);
+        walk.run();
+        first_error = walk.take_error();
+    }  // closes the walk's last directory before the root is left
     if (visitor.leave && first_error.empty()) {
-        const std::string why = visitor.leave(parent.get(), name);
+        const std::string why = visitor.leave(root->parent.get(), root->name);
         if (!why.empty()) {
-            first_error = target.string() + ": " + why;
+            first_error = root->target.string() + ": " + why;
         }
     }
     if (!first_error.empty()) {
