@@ -173,9 +173,16 @@ class KernelServer final : public xeus::xserver {
                   bool record);
     void answer_shutdown(const InboundVerdict& verdict, const std::vector<std::string>& identities,
                          int channel_index);
-    void answer_replay(const InboundVerdict& verdict, const std::vector<std::string>& identities);
-    void answer_lease(const InboundVerdict& verdict, const std::vector<std::string>& identities);
-    void answer_approval_decision(const InboundVerdict& verdict, const std::vector<std::string>& identities);
+    // cellblock's own control requests, which xeus never sees: the table of them is control_service() in
+    // kernel_server_io.cpp. Each answers with its reply's content; replies to them are not recorded.
+    struct ControlService {
+        std::string_view request, reply;
+        nlohmann::json (KernelServer::*answer)(const InboundVerdict&);
+    };
+    static const ControlService* control_service(std::string_view msg_type);
+    nlohmann::json replay_content(const InboundVerdict& verdict);
+    nlohmann::json lease_content(const InboundVerdict& verdict);
+    nlohmann::json approval_decision_content(const InboundVerdict& verdict);
     void deliver_input_reply(xeus::xmessage reply);
     void expire_lease();
     void close_sockets();

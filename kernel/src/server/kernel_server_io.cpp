@@ -249,16 +249,10 @@ void KernelServer::handle_inbound(int channel_index, std::vector<zmq::message_t>
     for (std::size_t i = 0; i < d; ++i) {
         identities.emplace_back(frame_views[i]);
     }
-    if (channel_index == control && verdict.msg_type == "cellblock_replay_request") {
-        answer_replay(verdict, identities);
-        return;
-    }
-    if (channel_index == control && verdict.msg_type == "cellblock_lease_request") {
-        answer_lease(verdict, identities);
-        return;
-    }
-    if (channel_index == control && verdict.msg_type == "cellblock_approval_decision_request") {
-        answer_approval_decision(verdict, identities);
+    if (const ControlService* service =
+            channel_index == control ? control_service(verdict.msg_type) : nullptr) {
+        send_own(control, identities, dump_json(verdict.header), service->reply,
+                 (this->*service->answer)(verdict), false);
         return;
     }
     if (verdict.msg_type == "shutdown_request" && channel_index != stdin_channel) {
@@ -557,7 +551,25 @@ void KernelServer::answer_shutdown(const InboundVerdict& verdict, const std::vec
     }
 }
 
-void KernelServer::answer_replay(const InboundVerdict& verdict, const std::vector<std::string>& identities) {
+const KernelServer::ControlService* KernelServer::control_service(std::string_view msg_type) {
+    static constexpr std::array<ControlService, 3> services = {{
+        // What the kernel recorded since a msg_id, for a gateway that re-attaches (outbound_record.hpp).
+        {"cellblock_replay_request", "cellblock_replay_reply", &KernelServer::replay_content},
+        // The lease a gateway holds on the kernel, renewed by every verified message (lease.hpp).
+        {"cellblock_lease_request", "cellblock_lease_reply", &KernelServer::lease_content},
+        // A person's or agent's decision on a held network request (egress/network_approvals.hpp).
+        {"cellblock_approval_decision_request", "cellblock_approval_decision_reply",
+         &KernelServer::approval_decision_content},
+    }};
+    for (const ControlService& service : services) {
+        if (service.request == msg_type) {
+            return &service;
+        }
+    }
+    return nullptr;
+}
+
+nlohmann::json KernelServer::replay_content(const InboundVerdict& verdict) {
     const nlohmann::json& request = verdict.content;
     const nlohmann::json after =
         request.is_object() && request.contains("after") ? request["after"] : nlohmann::json();
@@ -575,31 +587,23 @@ void KernelServer::answer_replay(const InboundVerdict& verdict, const std::vecto
                {"found", content.value("found", false)},
                {"messages", content.contains("messages") ? content["messages"].size() : 0},
                {"dropped", record_.dropped()}});
-    send_own(control, identities, dump_json(verdict.header), "cellblock_replay_reply", content, false);
+    return content;
 }
 
-void KernelServer::answer_lease(const InboundVerdict& verdict, const std::vector<std::string>& identities) {
+nlohmann::json KernelServer::lease_content(const InboundVerdict& /*verdict*/) {
     // Renewed by handle_inbound already, as for every verified message.
-    send_own(
-        control, identities, dump_json(verdict.header), "cellblock_lease_reply",
-        {{"status", "ok"}, {"lease_s", lease_duration_ ? lease_seconds(*lease_duration_) : nlohmann::json()}},
-        false);
+    return {{"status", "ok"},
+            {"lease_s", lease_duration_ ? lease_seconds(*lease_duration_) : nlohmann::json()}};
 }
 
-void KernelServer::answer_approval_decision(const InboundVerdict& verdict,
-                                            const std::vector<std::string>& identities) {
-    nlohmann::json content;
+nlohmann::json KernelServer::approval_decision_content(const InboundVerdict& verdict) {
     if (actions_.approval_decision) {
-        content = actions_.approval_decision(verdict.content);
-    } else {
-        content = {{"status", "error"},
-                   {"ename", "UnknownApproval"},
-                   {"evalue", "this kernel has no network policy, so no approval is ever pending"},
-                   {"traceback", nlohmann::json::array()}};
+        return actions_.approval_decision(verdict.content);
     }
-    // Not recorded, like the lease and replay replies.
-    send_own(control, identities, dump_json(verdict.header), "cellblock_approval_decision_reply", content,
-             false);
+    return {{"status", "error"},
+            {"ename", "UnknownApproval"},
+            {"evalue", "this kernel has no network policy, so no approval is ever pending"},
+            {"traceback", nlohmann::json::array()}};
 }
 
 void KernelServer::expire_lease() {
