@@ -37,6 +37,27 @@ void keep_tail(std::string& tail, const char* data, std::size_t size) {
     }
 }
 
+// Takes the start-up frames read so far: true once 'ready' came (kept as the worker's ready_info); output
+// before it goes to `tail`, any other message before it is refused.
+bool take_ready(LiveWorker& worker, std::string& tail) {
+    while (auto frame = worker.frames.next()) {
+        if (frame->kind != WorkerFrame::Kind::message) {
+            // Python-level output of the start-up (the runtime prints nothing before 'ready').
+            keep_tail(tail, frame->text.data(), frame->text.size());
+            continue;
+        }
+        auto& message = frame->message;
+        if (message["type"] != "ready") {
+            worker.kill();
+            throw std::runtime_error("the worker sent '" + message["type"].get<std::string>() +
+                                     "' before 'ready'");
+        }
+        worker.ready_info = std::move(message);
+        return true;
+    }
+    return false;
+}
+
 }  // namespace
 
 LiveWorker::LiveWorker(sandbox::Process process, UniqueFd channel, UniqueFd stdout_pipe, UniqueFd stderr_pipe)
@@ -150,6 +171,12 @@ void WorkerSupervisor::launcher_loop() {
 }
 
 std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& launcher) {
+    auto worker = start_worker(launcher);
+    await_ready(*worker);
+    return worker;
+}
+
+std::shared_ptr<LiveWorker> WorkerSupervisor::start_worker(sandbox::Launcher& launcher) {
     std::array<int, 2> pair{};
     if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair.data()) != 0) {
         throw system_error("socketpair");
@@ -173,24 +200,8 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
     }
     UniqueFd err_read(err[0]), err_write(err[1]);
 
-    sandbox::LaunchRequest request;
-    request.argv = worker_argv(spec_.python, spec_.worker_script);
-    // Explicit and minimal: the policy's base environment (nothing is inherited from the kernel, which
-    // holds the connection key) plus what the worker's pipes need.
-    request.environment = worker_base_environment();
-    request.environment.insert(request.environment.end(), spec_.environment.begin(), spec_.environment.end());
-    request.workspace = spec_.workspace;
-    request.stdout_fd = out_write.get();
-    request.stderr_fd = err_write.get();
-    request.pass_fds = {worker_end.get()};
-    if (spec_.memory_bytes != 0) {
-        auto limits = launcher.policy().limits;
-        limits.memory_bytes = spec_.memory_bytes;
-        request.limits = limits;
-    }
-    if (spec_.loopback_service) {
-        request.loopback_listener = sandbox::LoopbackListener{spec_.loopback_service->port, false};
-    }
+    sandbox::LaunchRequest request =
+        worker_request(launcher, out_write.get(), err_write.get(), worker_end.get());
     auto process = launch_process(launcher, request);
     std::vector<UniqueFd> listeners = process.take_loopback_listeners();
     worker_end.reset();
@@ -207,7 +218,33 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
         }
         spec_.loopback_service->serve(std::move(listeners.front()));
     }
+    return worker;
+}
 
+sandbox::LaunchRequest WorkerSupervisor::worker_request(sandbox::Launcher& launcher, int stdout_fd,
+                                                        int stderr_fd, int channel_fd) const {
+    sandbox::LaunchRequest request;
+    request.argv = worker_argv(spec_.python, spec_.worker_script);
+    // Explicit and minimal: the policy's base environment (nothing is inherited from the kernel, which
+    // holds the connection key) plus what the worker's pipes need.
+    request.environment = worker_base_environment();
+    request.environment.insert(request.environment.end(), spec_.environment.begin(), spec_.environment.end());
+    request.workspace = spec_.workspace;
+    request.stdout_fd = stdout_fd;
+    request.stderr_fd = stderr_fd;
+    request.pass_fds = {channel_fd};
+    if (spec_.memory_bytes != 0) {
+        auto limits = launcher.policy().limits;
+        limits.memory_bytes = spec_.memory_bytes;
+        request.limits = limits;
+    }
+    if (spec_.loopback_service) {
+        request.loopback_listener = sandbox::LoopbackListener{spec_.loopback_service->port, false};
+    }
+    return request;
+}
+
+void WorkerSupervisor::await_ready(LiveWorker& worker) {
     // Wait for "ready", keeping the tail of what the worker printed for the error message.
     std::string tail;
     const auto deadline = std::chrono::steady_clock::now() + spec_.ready_timeout;
@@ -216,17 +253,17 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
         if (left.count() <= 0) {
-            worker->kill();
+            worker.kill();
             throw std::runtime_error("the worker did not report ready within " +
                                      std::to_string(spec_.ready_timeout.count() / 1000) +
                                      " s; output: " + tail);
         }
-        std::array<pollfd, 4> fds = {{{worker->channel_fd(), POLLIN, 0},
-                                      {worker->stdout_fd(), POLLIN, 0},
-                                      {worker->stderr_fd(), POLLIN, 0},
-                                      {worker->pidfd(), POLLIN, 0}}};
+        std::array<pollfd, 4> fds = {{{worker.channel_fd(), POLLIN, 0},
+                                      {worker.stdout_fd(), POLLIN, 0},
+                                      {worker.stderr_fd(), POLLIN, 0},
+                                      {worker.pidfd(), POLLIN, 0}}};
         if (stopping_) {
-            worker->kill();
+            worker.kill();
             throw std::runtime_error("the kernel is shutting down");
         }
         // Wake up now and then to notice a shutdown.
@@ -247,29 +284,17 @@ std::shared_ptr<LiveWorker> WorkerSupervisor::launch_one(sandbox::Launcher& laun
             }
         }
         if (fds[0].revents & (POLLIN | POLLHUP)) {
-            const ssize_t got = worker->frames.read_from(worker->channel_fd());
+            const ssize_t got = worker.frames.read_from(worker.channel_fd());
             if (got > 0) {
-                while (auto frame = worker->frames.next()) {
-                    if (frame->kind != WorkerFrame::Kind::message) {
-                        // Python-level output of the start-up (the runtime prints nothing before 'ready').
-                        keep_tail(tail, frame->text.data(), frame->text.size());
-                        continue;
-                    }
-                    auto& message = frame->message;
-                    if (message["type"] != "ready") {
-                        worker->kill();
-                        throw std::runtime_error("the worker sent '" + message["type"].get<std::string>() +
-                                                 "' before 'ready'");
-                    }
-                    worker->ready_info = std::move(message);
-                    return worker;
+                if (take_ready(worker, tail)) {
+                    return;
                 }
             } else if (got == 0) {
                 fds[3].revents |= POLLIN;  // channel closed: the worker is ending
             }
         }
         if (fds[3].revents & POLLIN) {
-            auto outcome = worker->wait_for(std::chrono::milliseconds(2000));
+            auto outcome = worker.wait_for(std::chrono::milliseconds(2000));
             throw std::runtime_error("the worker ended during start-up (" +
                                      (outcome ? outcome->describe() : std::string("unknown reason")) +
                                      "); output: " + tail);

@@ -132,6 +132,13 @@ class WorkerSupervisor {
   private:
     void launcher_loop();
     std::shared_ptr<LiveWorker> launch_one(sandbox::Launcher& launcher);
+    // Launches a worker with its channel and output pipes, not yet ready.
+    std::shared_ptr<LiveWorker> start_worker(sandbox::Launcher& launcher);
+    sandbox::LaunchRequest worker_request(sandbox::Launcher& launcher, int stdout_fd, int stderr_fd,
+                                          int channel_fd) const;
+    // Waits for the worker's 'ready' (kept as its ready_info); throws, with the tail of its output, if it
+    // sends something else first, ends, or takes longer than the spec's ready_timeout.
+    void await_ready(LiveWorker& worker);
     // Through the tenant's template if there is one, else (and on any failure of it) by exec.
     sandbox::Process launch_process(sandbox::Launcher& launcher, sandbox::LaunchRequest& request);
 
