@@ -474,9 +474,19 @@ bool WorkerExchange::handle_worker_message(LiveWorker& worker, json& message, Ru
     return false;
 }
 
-WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, ExchangeSink& sink) {
-    const RunningRequest running(controls_, run.msg_id);
-    std::string error;
+// The state of one converse loop besides the run's own.
+struct WorkerExchange::Conversation {
+    std::shared_ptr<LiveWorker> worker;
+    std::uint64_t id = 0;  // of the reply awaited: the request's, then the sync's
+    bool channel_open = false;
+    bool killed_for_protocol = false;
+    bool earlier_state_lost = false;
+    // The worker's reply, held while a sync makes sure no SIGINT of this run is still on its way.
+    std::optional<Ending> answered;
+    Clock::time_point settle_by = Clock::time_point::max();
+};
+
+std::shared_ptr<LiveWorker> WorkerExchange::acquire_worker(std::string& error) {
     auto worker = supervisor_.acquire(settings_.worker_start_timeout, error);
     // A worker that died while idle (a background thread hit the memory limit, say) is replaced before
     // this request, which is not to blame.
@@ -489,74 +499,98 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
                   {{"reason", supervisor_.retire(worker).describe()}});
         worker = supervisor_.acquire(settings_.worker_start_timeout, error);
     }
-    if (!worker) {
-        return {Ending::Kind::unavailable, nullptr, error};
-    }
-    size_pipes(worker);
-    bool earlier_state_lost = false;
-    if (run.publish) {
-        if (auto note = supervisor_.take_lost_state_note()) {
-            earlier_state_lost = true;
-            sink.stream(stream_names[stderr_index],
-                        "[cellblock] The Python worker was restarted (the previous one was " + *note +
-                            "); variables, imports and other state from earlier cells are gone.\n");
-        }
-    }
+    return worker;
+}
 
-    std::uint64_t id = ++next_request_id_;  // of the reply awaited: the request's, then the sync's
-    request["id"] = id;
-    bool channel_open = send_all(worker->channel_fd(), encode_frame(request));
-    bool killed_for_protocol = false;
+bool WorkerExchange::announce_lost_state(Run& run, ExchangeSink& sink) {
+    if (!run.publish) {
+        return false;
+    }
+    auto note = supervisor_.take_lost_state_note();
+    if (!note) {
+        return false;
+    }
+    sink.stream(stream_names[stderr_index],
+                "[cellblock] The Python worker was restarted (the previous one was " + *note +
+                    "); variables, imports and other state from earlier cells are gone.\n");
+    return true;
+}
+
+void WorkerExchange::send_request(Conversation& talk, json request, Run& run) {
+    talk.id = ++next_request_id_;
+    request["id"] = talk.id;
+    talk.channel_open = send_all(talk.worker->channel_fd(), encode_frame(request));
     const auto started = Clock::now();
-    const auto never = Clock::time_point::max();
-    run.deadline = run.timeout_s > 0 ? started + to_duration(run.timeout_s) : never;
-    // The worker's reply, held while a sync makes sure no SIGINT of this run is still on its way.
-    std::optional<Ending> answered;
-    auto settle_by = never;
-    if (!channel_open) {
-        worker->kill();  // it is gone or going; the pidfd tells why
+    run.deadline = run.timeout_s > 0 ? started + to_duration(run.timeout_s) : Clock::time_point::max();
+    if (!talk.channel_open) {
+        talk.worker->kill();  // it is gone or going; the pidfd tells why
     }
     // An interrupt that arrived before the request reached the worker belongs to it.
     if (controls_.take_interrupt(run.msg_id)) {
-        interrupt_worker(*worker, run);
+        interrupt_worker(*talk.worker, run);
     }
+}
+
+void WorkerExchange::enforce_time_limits(LiveWorker& worker, Run& run,
+                                         std::chrono::steady_clock::time_point now) {
+    if (!run.timed_out && now >= run.deadline) {
+        run.timed_out = true;
+        log_event(LogLevel::info, "execution_timeout", {{"timeout_s", run.timeout_s}});
+        worker.signal(SIGINT);
+        start_escalation(run, kill_for_time_limit);
+    }
+    if (run.kill_cause != no_kill && !run.killed && now >= run.kill_at) {
+        run.killed = true;
+        log_event(LogLevel::warning, "worker_kill_after_interrupt",
+                  {{"grace_s", settings_.limits.interrupt_grace_s},
+                   {"cause", run.kill_cause == kill_for_time_limit ? "time_limit" : "interrupt"}});
+        worker.kill();
+    }
+}
+
+int WorkerExchange::wait_until_next_event(const Conversation& talk, const Run& run,
+                                          std::chrono::steady_clock::time_point now) {
+    const auto never = Clock::time_point::max();
+    auto next_event = run.timed_out ? never : run.deadline;
+    if (run.kill_cause != no_kill && !run.killed) {
+        next_event = std::min(next_event, run.kill_at);
+    }
+    next_event = std::min({next_event, run.flush_at, talk.settle_by});
+    if (next_event == never) {
+        return -1;
+    }
+    return static_cast<int>(std::max<long long>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
+}
+
+WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, ExchangeSink& sink) {
+    const RunningRequest running(controls_, run.msg_id);
+    Conversation talk;
+    std::string error;
+    talk.worker = acquire_worker(error);
+    if (!talk.worker) {
+        return {Ending::Kind::unavailable, nullptr, error};
+    }
+    LiveWorker& worker = *talk.worker;
+    size_pipes(talk.worker);
+    talk.earlier_state_lost = announce_lost_state(run, sink);
+    send_request(talk, std::move(request), run);
     while (true) {
         const auto now = Clock::now();
-        if (!run.timed_out && now >= run.deadline) {
-            run.timed_out = true;
-            log_event(LogLevel::info, "execution_timeout", {{"timeout_s", run.timeout_s}});
-            worker->signal(SIGINT);
-            start_escalation(run, kill_for_time_limit);
-        }
-        if (run.kill_cause != no_kill && !run.killed && now >= run.kill_at) {
-            run.killed = true;
-            log_event(LogLevel::warning, "worker_kill_after_interrupt",
-                      {{"grace_s", settings_.limits.interrupt_grace_s},
-                       {"cause", run.kill_cause == kill_for_time_limit ? "time_limit" : "interrupt"}});
-            worker->kill();
-        }
-        auto next_event = run.timed_out ? never : run.deadline;
-        if (run.kill_cause != no_kill && !run.killed) {
-            next_event = std::min(next_event, run.kill_at);
-        }
-        next_event = std::min({next_event, run.flush_at, settle_by});
-        if (answered && now >= settle_by) {
+        enforce_time_limits(worker, run, now);
+        if (talk.answered && now >= talk.settle_by) {
             log_event(LogLevel::warning, "worker_sync_timeout", {{"timeout_s", sync_timeout_s}});
-            return *answered;
+            return *talk.answered;
         }
-        int wait_ms = -1;
-        if (next_event != never) {
-            wait_ms = static_cast<int>(std::max<long long>(
-                0, std::chrono::duration_cast<std::chrono::milliseconds>(next_event - now).count() + 1));
-        }
+        const int wait_ms = wait_until_next_event(talk, run, now);
         // While a frame is only partly read, pipe text that became readable was written after it began
         // (the worker waits for the pipes to be read before it sends a frame), so it waits for the frame.
-        const bool frame_complete = worker->frames.empty() || !channel_open;
+        const bool frame_complete = worker.frames.empty() || !talk.channel_open;
         std::array<pollfd, 5> fds = {
-            {{channel_open ? worker->channel_fd() : -1, POLLIN, 0},
-             {run.stream_open[0] && frame_complete ? worker->stdout_fd() : -1, POLLIN, 0},
-             {run.stream_open[1] && frame_complete ? worker->stderr_fd() : -1, POLLIN, 0},
-             {worker->pidfd(), POLLIN, 0},
+            {{talk.channel_open ? worker.channel_fd() : -1, POLLIN, 0},
+             {run.stream_open[0] && frame_complete ? worker.stdout_fd() : -1, POLLIN, 0},
+             {run.stream_open[1] && frame_complete ? worker.stderr_fd() : -1, POLLIN, 0},
+             {worker.pidfd(), POLLIN, 0},
              {controls_.wakeup_fd(), POLLIN, 0}}};
         const int ready = ::poll(fds.data(), fds.size(), wait_ms);
         if (ready < 0) {
@@ -564,80 +598,19 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
                 continue;
             }
             log_event(LogLevel::error, "poll_failed", {{"errno", errno}});
-            worker->kill();
+            worker.kill();
         }
         // The channel before the pipes: the worker sends a frame only after the kernel has read what it
         // wrote to fds 1/2 before it, so pipe text readable together with a frame was written after it.
         if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
-            const ssize_t got = worker->frames.read_from(worker->channel_fd());
-            if (got > 0) {
-                try {
-                    while (auto frame = worker->frames.next()) {
-                        if (frame->kind != WorkerFrame::Kind::message) {
-                            // Python-level text: in band, so already in the worker's order.
-                            append_frame_text(
-                                *worker,
-                                frame->kind == WorkerFrame::Kind::stderr_text ? stderr_index : stdout_index,
-                                frame->text, run, sink);
-                            continue;
-                        }
-                        json& message = frame->message;
-                        // Text read before the frame was written before it: publish it first.
-                        flush_text(run, sink);
-                        if (handle_worker_message(*worker, message, run, sink)) {
-                            const auto reply_id = message.find("id");
-                            if (reply_id == message.end() || !reply_id->is_number_unsigned()) {
-                                throw ProtocolError("worker reply without a numeric id");
-                            }
-                            if (reply_id->get<std::uint64_t>() != id) {
-                                log_event(LogLevel::warning, "stale_worker_reply", {{"id", *reply_id}});
-                                continue;
-                            }
-                            if (answered) {
-                                return *answered;  // the sync's reply
-                            }
-                            // Output of children or C code that raced with the reply still belongs here.
-                            drain_streams(*worker, run, sink);
-                            Ending ending{Ending::Kind::reply, object_field(message, "content"), {}};
-                            ending.earlier_state_lost = earlier_state_lost;
-                            if (!run.interrupted && !run.timed_out) {
-                                return ending;
-                            }
-                            // A SIGINT of this run may not have been taken yet; it must not reach the next
-                            // request (PROTOCOL.md, "Signals").
-                            id = ++next_request_id_;
-                            if (!send_all(worker->channel_fd(),
-                                          encode_frame({{"type", "sync"}, {"id", id}}))) {
-                                return ending;
-                            }
-                            answered = std::move(ending);
-                            run.kill_cause = no_kill;  // answered: nothing left to escalate
-                            run.deadline = never;
-                            settle_by = Clock::now() + to_duration(sync_timeout_s);
-                        }
-                    }
-                } catch (const std::exception& failure) {
-                    // ProtocolError, or a field of the wrong type (nlohmann::json::type_error): either way
-                    // the channel cannot be trusted any more.
-                    log_event(LogLevel::error, "worker_protocol_error", {{"error", failure.what()}});
-                    killed_for_protocol = true;
-                    channel_open = false;
-                    worker->kill();
-                }
-            } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
-                // The worker closed its end: it is exiting. Make sure it does, then report why.
-                channel_open = false;
-                if (fds[3].revents == 0) {
-                    if (!worker->wait_for(std::chrono::milliseconds(500))) {
-                        worker->kill();
-                    }
-                }
+            if (auto ending = read_channel(talk, run, sink, fds[3].revents != 0)) {
+                return *ending;
             }
         }
-        if (worker->frames.empty() || !channel_open) {
+        if (worker.frames.empty() || !talk.channel_open) {
             for (const int index : {stdout_index, stderr_index}) {
                 if (fds[1 + index].revents & (POLLIN | POLLHUP)) {
-                    read_stream(*worker, index, run, sink);
+                    read_stream(worker, index, run, sink);
                 }
             }
         }
@@ -646,34 +619,114 @@ WorkerExchange::Ending WorkerExchange::converse(json request, Run& run, Exchange
         }
         if (fds[4].revents & POLLIN) {
             controls_.drain_wakeup();
-            if (controls_.take_interrupt(run.msg_id) && !answered) {
-                interrupt_worker(*worker, run);
+            if (controls_.take_interrupt(run.msg_id) && !talk.answered) {
+                interrupt_worker(worker, run);
             }
         }
-        if (fds[3].revents != 0 && answered) {
-            return *answered;  // died after answering: the next request finds it gone and replaces it
+        if (fds[3].revents != 0 && talk.answered) {
+            return *talk.answered;  // died after answering: the next request finds it gone and replaces it
         }
         if (fds[3].revents != 0) {
-            drain_streams(*worker, run, sink);
-            const auto outcome = supervisor_.retire(worker);
-            std::string reason = outcome.describe();
-            if (run.killed && run.kill_cause == kill_for_time_limit) {
-                reason = "killed by the time limit (the cell ran longer than " + seconds_text(run.timeout_s) +
-                         " s and did not stop within " + seconds_text(settings_.limits.interrupt_grace_s) +
-                         " s of the interrupt)";
-            } else if (run.killed) {
-                reason = "killed because the code did not stop within " +
-                         seconds_text(settings_.limits.interrupt_grace_s) + " s of the interrupt";
-            } else if (killed_for_protocol) {
-                reason = "killed after a protocol error on the worker channel";
-            }
-            log_event(LogLevel::warning, "worker_died", {{"reason", reason}});
-            Ending ending{Ending::Kind::worker_died, nullptr, reason};
-            ending.memory_limit = outcome.reason == sandbox::Outcome::Reason::memory_limit && !run.killed;
-            ending.earlier_state_lost = earlier_state_lost;
-            return ending;
+            return worker_died(talk, run, sink);
         }
     }
+}
+
+std::optional<WorkerExchange::Ending> WorkerExchange::read_channel(Conversation& talk, Run& run,
+                                                                   ExchangeSink& sink, bool worker_ended) {
+    LiveWorker& worker = *talk.worker;
+    const ssize_t got = worker.frames.read_from(worker.channel_fd());
+    if (got > 0) {
+        try {
+            while (auto frame = worker.frames.next()) {
+                if (frame->kind != WorkerFrame::Kind::message) {
+                    // Python-level text: in band, so already in the worker's order.
+                    append_frame_text(
+                        worker, frame->kind == WorkerFrame::Kind::stderr_text ? stderr_index : stdout_index,
+                        frame->text, run, sink);
+                    continue;
+                }
+                json& message = frame->message;
+                // Text read before the frame was written before it: publish it first.
+                flush_text(run, sink);
+                if (handle_worker_message(worker, message, run, sink)) {
+                    if (auto ending = take_reply(talk, message, run, sink)) {
+                        return ending;
+                    }
+                }
+            }
+        } catch (const std::exception& failure) {
+            // ProtocolError, or a field of the wrong type (nlohmann::json::type_error): either way the
+            // channel cannot be trusted any more.
+            log_event(LogLevel::error, "worker_protocol_error", {{"error", failure.what()}});
+            talk.killed_for_protocol = true;
+            talk.channel_open = false;
+            worker.kill();
+        }
+    } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
+        // The worker closed its end: it is exiting. Make sure it does, then report why.
+        talk.channel_open = false;
+        if (!worker_ended) {
+            if (!worker.wait_for(std::chrono::milliseconds(500))) {
+                worker.kill();
+            }
+        }
+    }
+    return std::nullopt;
+}
+
+std::optional<WorkerExchange::Ending> WorkerExchange::take_reply(Conversation& talk, const json& message,
+                                                                 Run& run, ExchangeSink& sink) {
+    const auto reply_id = message.find("id");
+    if (reply_id == message.end() || !reply_id->is_number_unsigned()) {
+        throw ProtocolError("worker reply without a numeric id");
+    }
+    if (reply_id->get<std::uint64_t>() != talk.id) {
+        log_event(LogLevel::warning, "stale_worker_reply", {{"id", *reply_id}});
+        return std::nullopt;
+    }
+    if (talk.answered) {
+        return talk.answered;  // the sync's reply
+    }
+    // Output of children or C code that raced with the reply still belongs here.
+    drain_streams(*talk.worker, run, sink);
+    Ending ending{Ending::Kind::reply, object_field(message, "content"), {}};
+    ending.earlier_state_lost = talk.earlier_state_lost;
+    if (!run.interrupted && !run.timed_out) {
+        return ending;
+    }
+    // A SIGINT of this run may not have been taken yet; it must not reach the next request (PROTOCOL.md,
+    // "Signals").
+    talk.id = ++next_request_id_;
+    if (!send_all(talk.worker->channel_fd(), encode_frame({{"type", "sync"}, {"id", talk.id}}))) {
+        return ending;
+    }
+    talk.answered = std::move(ending);
+    run.kill_cause = no_kill;  // answered: nothing left to escalate
+    run.deadline = Clock::time_point::max();
+    talk.settle_by = Clock::now() + to_duration(sync_timeout_s);
+    return std::nullopt;
+}
+
+WorkerExchange::Ending WorkerExchange::worker_died(Conversation& talk, Run& run, ExchangeSink& sink) {
+    drain_streams(*talk.worker, run, sink);
+    const auto outcome = supervisor_.retire(talk.worker);
+    std::string reason = outcome.describe();
+    if (run.killed && run.kill_cause == kill_for_time_limit) {
+        reason = "killed by the time limit (the cell ran longer than " + seconds_text(run.timeout_s) +
+                 " s and did not stop within " + seconds_text(settings_.limits.interrupt_grace_s) +
+                 " s of the interrupt)";
+    } else if (run.killed) {
+        reason = "killed because the code did not stop within " +
+                 seconds_text(settings_.limits.interrupt_grace_s) + " s of the interrupt";
+    } else if (talk.killed_for_protocol) {
+        reason = "killed after a protocol error on the worker channel";
+    }
+    log_event(LogLevel::warning, "worker_died", {{"reason", reason}});
+    Ending ending{Ending::Kind::worker_died, nullptr, reason};
+    ending.memory_limit = outcome.reason == sandbox::Outcome::Reason::memory_limit && !run.killed;
+    ending.earlier_state_lost = talk.earlier_state_lost;
+    return ending;
 }
 
 ExecuteResult WorkerExchange::execute(const ExecuteRequest& request, ExchangeSink& sink) try {

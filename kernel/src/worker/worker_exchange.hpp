@@ -87,10 +87,24 @@ class WorkerExchange {
     const ExchangeSettings& settings() const noexcept { return settings_; }
 
   private:
-    struct Run;     // one request to the worker and everything it produced
-    struct Ending;  // how a run ended
+    struct Run;           // one request to the worker and everything it produced
+    struct Ending;        // how a run ended
+    struct Conversation;  // the worker, the reply awaited and the channel's state, while a run goes on
 
     Ending converse(nlohmann::json request, Run& run, ExchangeSink& sink);
+    // The steps of converse.
+    std::shared_ptr<LiveWorker> acquire_worker(std::string& error);
+    // Tells the user (on stderr, if the run publishes) that an earlier worker died; true if one did.
+    bool announce_lost_state(Run& run, ExchangeSink& sink);
+    void send_request(Conversation& talk, nlohmann::json request, Run& run);
+    void enforce_time_limits(LiveWorker& worker, Run& run, std::chrono::steady_clock::time_point now);
+    static int wait_until_next_event(const Conversation& talk, const Run& run,
+                                     std::chrono::steady_clock::time_point now);
+    // Reads and handles the frames the channel has; returns how the run ended if it did.
+    std::optional<Ending> read_channel(Conversation& talk, Run& run, ExchangeSink& sink, bool worker_ended);
+    std::optional<Ending> take_reply(Conversation& talk, const nlohmann::json& message, Run& run,
+                                     ExchangeSink& sink);
+    Ending worker_died(Conversation& talk, Run& run, ExchangeSink& sink);
     void read_stream(LiveWorker& worker, int index, Run& run, ExchangeSink& sink);
     void append_frame_text(LiveWorker& worker, int index, std::string_view bytes, Run& run,
                            ExchangeSink& sink);
