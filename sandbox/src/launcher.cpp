@@ -67,6 +67,18 @@ struct Launcher::State {
         std::cerr << line.dump() << std::endl;
     }
 
+    // The filter of a launch: one that also allows inet sockets for a launch with a loopback listener (built
+    // on the first such launch).
+    const std::vector<sock_filter>& seccomp_filter_for(bool loopback_listener) {
+        if (!loopback_listener) {
+            return seccomp_filter;
+        }
+        if (seccomp_filter_with_inet.empty()) {
+            seccomp_filter_with_inet = detail::build_seccomp_filter(detail::SocketFamilies::unix_and_inet);
+        }
+        return seccomp_filter_with_inet;
+    }
+
     void require_limits(const ResourceLimits& limits) {
         if (limits.memory_bytes > 0) {
             require(!cgroups.memory_base.empty(), "the cgroup memory controller");
@@ -152,6 +164,156 @@ struct SignalBlock {
     SignalBlock& operator=(const SignalBlock&) = delete;
 };
 
+// The steps every launch plans, in this order (their numbers are what the child reports on the error pipe).
+void plan_base_steps(const Policy& policy, const std::string& program, const std::string& sync_step,
+                     std::string cwd, detail::StepNames& steps, detail::ChildPlan& plan) {
+    plan.step_pdeathsig = steps.add("prctl PR_SET_PDEATHSIG");
+    plan.step_sync = steps.add(sync_step);
+    plan.step_cgroupns = steps.add("unshare the cgroup namespace");
+    plan.step_hostname = steps.add("sethostname " + policy.hostname);
+    plan.step_loopback = steps.add("bring up the loopback interface");
+    plan.step_setsid = steps.add("setsid");
+    plan.step_seccomp = steps.add("load the seccomp filter");
+    plan.step_sigmask = steps.add("unblock signals");
+    plan.step_execve = steps.add("execve " + program);
+    plan.hostname = policy.hostname;
+    plan.loopback_up = policy.network_loopback;
+    plan.cwd = std::move(cwd);
+    plan.step_chdir = steps.add("chdir " + plan.cwd);
+}
+
+void plan_cgroup_joins(const detail::CgroupSession& cgroups, detail::StepNames& steps,
+                       detail::ChildPlan& plan) {
+    for (const auto& tasks_file : cgroups.self_join_files()) {
+        plan.cgroup_joins.push_back(
+            {tasks_file.string(), steps.add("join cgroup " + tasks_file.parent_path().string())});
+    }
+}
+
+// Points the plan's argv and envp at these strings, which must outlive the launch.
+void plan_program(std::vector<std::string>& argv, std::vector<std::string>& envp, detail::ChildPlan& plan) {
+    for (auto& arg : argv) {
+        plan.argv.push_back(arg.data());
+    }
+    plan.argv.push_back(nullptr);
+    for (auto& entry : envp) {
+        plan.envp.push_back(entry.data());
+    }
+    plan.envp.push_back(nullptr);
+}
+
+void check_program(const LaunchRequest& request) {
+    if (request.argv.empty()) {
+        throw SandboxError("launch: argv is empty");
+    }
+    if (request.argv.front().empty() || request.argv.front().front() != '/') {
+        throw SandboxError("launch: argv[0] '" + request.argv.front() +
+                           "' must be an absolute path inside the sandbox");
+    }
+}
+
+// The program's fds 0-2 (/dev/null, opened into `dev_null` when first needed, for those the request does
+// not give) and the request's pass_fds after them.
+std::vector<int> program_fds(const LaunchRequest& request, UniqueFd& dev_null) {
+    auto stdio = [&](int fd) {
+        if (fd >= 0) {
+            return fd;
+        }
+        if (!dev_null) {
+            dev_null.reset(::open("/dev/null", O_RDWR | O_CLOEXEC));
+            if (!dev_null) {
+                throw_errno("launch: open /dev/null");
+            }
+        }
+        return dev_null.get();
+    };
+    std::vector<int> fd_sources{stdio(request.stdin_fd), stdio(request.stdout_fd), stdio(request.stderr_fd)};
+    for (const int fd : request.pass_fds) {
+        if (::fcntl(fd, F_GETFD) < 0) {
+            throw_errno("launch: pass_fds " + std::to_string(fd));
+        }
+        fd_sources.push_back(fd);
+    }
+    return fd_sources;
+}
+
+// The template's fork continues into its preloaded worker instead of execve, and must not die with the
+// template; everything else of the plan is the same.
+void spawn_through_template(const std::filesystem::path& zygote_socket, detail::ChildPlan& plan,
+                            Process::Impl& impl) {
+    plan.exec_program = false;
+    plan.parent_death_signal = false;
+    auto spawned = detail::request_zygote_spawn(zygote_socket, plan, zygote_answer_timeout);
+    impl.pid = spawned.pid;
+    impl.pidfd = std::move(spawned.pidfd);
+    impl.zygote_connection = std::move(spawned.connection);
+    impl.forked_by_template = true;
+}
+
+void clone_child(const detail::ChildPlan& plan, Process::Impl& impl) {
+    unsigned long flags =
+        CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PIDFD | SIGCHLD;
+    if (plan.new_user_namespace) {
+        flags |= CLONE_NEWUSER;
+    }
+    int pidfd = -1;
+    long child = 0;
+    {
+        // Blocked in the parent thread around clone so that no handler runs in the child before it
+        // resets them; the child restores an empty mask just before execve.
+        SignalBlock blocked;
+        child = ::syscall(SYS_clone, flags, nullptr, &pidfd, nullptr, 0);
+        if (child == 0) {
+            detail::run_child(plan);  // execs (plan.exec_program) or _exits
+            ::_exit(127);
+        }
+    }
+    if (child < 0) {
+        throw_errno("clone (new user, mount, pid, net, ipc and uts namespaces)");
+    }
+    impl.pid = static_cast<pid_t>(child);
+    impl.pidfd.reset(pidfd);
+}
+
+// The child reports {step, errno} and exits on failure; EOF means execve happened.
+std::optional<std::string> child_status(int error_read, bool through_template, Process::Impl& impl,
+                                        const detail::StepNames& steps) {
+    if (through_template && !wait_for_error_pipe(error_read)) {
+        impl.kill_everything();
+        return "zygote template: the child's error pipe was still open after " +
+               std::to_string(error_pipe_timeout.count()) +
+               " s (the child hung in its setup, or the template kept its copy of the pipe)";
+    }
+    detail::ChildFailure failure{};
+    ssize_t got = 0;
+    do {
+        got = ::read(error_read, &failure, sizeof failure);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        throw_errno("launch: read the child's status");
+    }
+    if (got == 0) {
+        return std::nullopt;
+    }
+    if (got != sizeof failure) {
+        return std::string("launch: the child reported a truncated error");
+    }
+    return steps.name(failure.step) + ": " + std::strerror(failure.error);
+}
+
+// The parent's half of the setup (id maps, cgroup), then the go on the sync pipe.
+void release_child(bool user_namespaces, const Policy& policy, uid_t host_uid, Process::Impl& impl,
+                   int sync_write) {
+    if (user_namespaces) {
+        detail::write_id_maps(impl.pid, policy.inside_uid, host_uid);
+    }
+    impl.cgroups.add_process(impl.pid);
+    const char go = 1;
+    if (::write(sync_write, &go, 1) != 1) {
+        throw_errno("launch: release the child");
+    }
+}
+
 }  // namespace
 
 Launcher::Launcher(Policy policy) : state_(std::make_unique<State>()) {
@@ -188,13 +350,7 @@ const Policy& Launcher::policy() const noexcept {
 Process Launcher::launch(const LaunchRequest& request) {
     auto& state = *state_;
     const Policy& policy = state.policy;
-    if (request.argv.empty()) {
-        throw SandboxError("launch: argv is empty");
-    }
-    if (request.argv.front().empty() || request.argv.front().front() != '/') {
-        throw SandboxError("launch: argv[0] '" + request.argv.front() +
-                           "' must be an absolute path inside the sandbox");
-    }
+    check_program(request);
     const ResourceLimits limits = request.limits.value_or(policy.limits);
     state.require_limits(limits);
 
@@ -206,27 +362,13 @@ Process Launcher::launch(const LaunchRequest& request) {
 
     detail::StepNames steps;
     detail::ChildPlan plan;
-    plan.step_pdeathsig = steps.add("prctl PR_SET_PDEATHSIG");
-    plan.step_sync = steps.add("wait for the launcher (id maps, v2 cgroups)");
-    plan.step_cgroupns = steps.add("unshare the cgroup namespace");
-    plan.step_hostname = steps.add("sethostname " + policy.hostname);
-    plan.step_loopback = steps.add("bring up the loopback interface");
-    plan.step_setsid = steps.add("setsid");
-    plan.step_seccomp = steps.add("load the seccomp filter");
-    plan.step_sigmask = steps.add("unblock signals");
-    plan.step_execve = steps.add("execve " + request.argv.front());
-    plan.hostname = policy.hostname;
-    plan.loopback_up = policy.network_loopback;
-    plan.cwd = request.cwd.empty() ? policy.workspace_target : request.cwd;
-    plan.step_chdir = steps.add("chdir " + plan.cwd);
+    plan_base_steps(policy, request.argv.front(), "wait for the launcher (id maps, v2 cgroups)",
+                    request.cwd.empty() ? policy.workspace_target : request.cwd, steps, plan);
 
     const std::string name = std::to_string(host_uid);  // unique while we hold the uid's lease
     impl->skeleton = detail::RootSkeleton::prepare(policy, name, request.workspace, steps, plan);
     impl->cgroups = detail::CgroupSession::create(state.cgroups, name, limits);
-    for (const auto& tasks_file : impl->cgroups.self_join_files()) {
-        plan.cgroup_joins.push_back(
-            {tasks_file.string(), steps.add("join cgroup " + tasks_file.parent_path().string())});
-    }
+    plan_cgroup_joins(impl->cgroups, steps, plan);
     detail::plan_rlimits(limits, steps, plan);
     detail::plan_credentials(state.user_namespaces ? policy.inside_uid : host_uid, steps, plan);
     if (!state.user_namespaces) {
@@ -237,14 +379,7 @@ Process Launcher::launch(const LaunchRequest& request) {
         listener_channel = detail::ListenerChannel::prepare(*request.loopback_listener, steps, plan);
     }
     if (policy.seccomp) {
-        plan.seccomp_filter = &state.seccomp_filter;
-        if (request.loopback_listener) {
-            if (state.seccomp_filter_with_inet.empty()) {
-                state.seccomp_filter_with_inet =
-                    detail::build_seccomp_filter(detail::SocketFamilies::unix_and_inet);
-            }
-            plan.seccomp_filter = &state.seccomp_filter_with_inet;
-        }
+        plan.seccomp_filter = &state.seccomp_filter_for(request.loopback_listener.has_value());
     }
 
     auto [sync_read, sync_write] = detail::make_pipe("launch: pipe");
@@ -255,124 +390,38 @@ Process Launcher::launch(const LaunchRequest& request) {
     plan.error_write_fd = error_write.get();
 
     UniqueFd dev_null;
-    auto stdio = [&](int fd) {
-        if (fd >= 0) {
-            return fd;
-        }
-        if (!dev_null) {
-            dev_null.reset(::open("/dev/null", O_RDWR | O_CLOEXEC));
-            if (!dev_null) {
-                throw_errno("launch: open /dev/null");
-            }
-        }
-        return dev_null.get();
-    };
-    std::vector<int> fd_sources{stdio(request.stdin_fd), stdio(request.stdout_fd), stdio(request.stderr_fd)};
-    for (const int fd : request.pass_fds) {
-        if (::fcntl(fd, F_GETFD) < 0) {
-            throw_errno("launch: pass_fds " + std::to_string(fd));
-        }
-        fd_sources.push_back(fd);
-    }
-    detail::plan_fds(std::move(fd_sources), steps, plan);
+    detail::plan_fds(program_fds(request, dev_null), steps, plan);
 
     std::vector<std::string> argv = request.argv;
     std::vector<std::string> envp = detail::merge_environment(policy.environment, request.environment);
-    for (auto& arg : argv) {
-        plan.argv.push_back(arg.data());
-    }
-    plan.argv.push_back(nullptr);
-    for (auto& entry : envp) {
-        plan.envp.push_back(entry.data());
-    }
-    plan.envp.push_back(nullptr);
+    plan_program(argv, envp, plan);
 
     plan.new_user_namespace = state.user_namespaces;
     const bool through_template = !request.zygote_socket.empty();
     if (through_template) {
-        // The template's fork continues into its preloaded worker instead of execve, and must not die with
-        // the template; everything else of the plan is the same.
-        plan.exec_program = false;
-        plan.parent_death_signal = false;
-        auto spawned = detail::request_zygote_spawn(request.zygote_socket, plan, zygote_answer_timeout);
-        impl->pid = spawned.pid;
-        impl->pidfd = std::move(spawned.pidfd);
-        impl->zygote_connection = std::move(spawned.connection);
-        impl->forked_by_template = true;
+        spawn_through_template(request.zygote_socket, plan, *impl);
     } else {
-        unsigned long flags =
-            CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PIDFD | SIGCHLD;
-        if (plan.new_user_namespace) {
-            flags |= CLONE_NEWUSER;
-        }
-        int pidfd = -1;
-        long child = 0;
-        {
-            // Blocked in the parent thread around clone so that no handler runs in the child before it
-            // resets them; the child restores an empty mask just before execve.
-            SignalBlock blocked;
-            child = ::syscall(SYS_clone, flags, nullptr, &pidfd, nullptr, 0);
-            if (child == 0) {
-                detail::run_child(plan);  // execs (plan.exec_program) or _exits
-                ::_exit(127);
-            }
-        }
-        if (child < 0) {
-            throw_errno("clone (new user, mount, pid, net, ipc and uts namespaces)");
-        }
-        impl->pid = static_cast<pid_t>(child);
-        impl->pidfd.reset(pidfd);
+        clone_child(plan, *impl);
     }
     impl->started = std::chrono::steady_clock::now();
     sync_read.reset();
     error_write.reset();
     listener_channel.close_child_end();
 
-    // The child reports {step, errno} and exits on failure; EOF means execve happened.
-    auto child_status = [&, &error_read = error_read]() -> std::optional<std::string> {
-        if (through_template && !wait_for_error_pipe(error_read.get())) {
-            impl->kill_everything();
-            return "zygote template: the child's error pipe was still open after " +
-                   std::to_string(error_pipe_timeout.count()) +
-                   " s (the child hung in its setup, or the template kept its copy of the pipe)";
-        }
-        detail::ChildFailure failure{};
-        ssize_t got = 0;
-        do {
-            got = ::read(error_read.get(), &failure, sizeof failure);
-        } while (got < 0 && errno == EINTR);
-        if (got < 0) {
-            throw_errno("launch: read the child's status");
-        }
-        if (got == 0) {
-            return std::nullopt;
-        }
-        if (got != sizeof failure) {
-            return std::string("launch: the child reported a truncated error");
-        }
-        return steps.name(failure.step) + ": " + std::strerror(failure.error);
-    };
     try {
-        if (state.user_namespaces) {
-            detail::write_id_maps(impl->pid, policy.inside_uid, host_uid);
-        }
-        impl->cgroups.add_process(impl->pid);
-        const char go = 1;
-        if (::write(sync_write.get(), &go, 1) != 1) {
-            throw_errno("launch: release the child");
-        }
+        release_child(state.user_namespaces, policy, host_uid, *impl, sync_write.get());
     } catch (const SandboxError&) {
         // The child may have failed first (it sets up its mounts meanwhile), which is then the
         // real cause; closing the sync pipe makes a waiting child give up.
         sync_write.reset();
         impl->kill_everything();
-        if (auto child_error = child_status()) {
+        if (auto child_error = child_status(error_read.get(), through_template, *impl, steps)) {
             throw SandboxError(*child_error);
         }
         throw;
     }
     sync_write.reset();
-    auto child_error = child_status();
+    auto child_error = child_status(error_read.get(), through_template, *impl, steps);
     if (!child_error) {
         if (request.loopback_listener) {
             try {
@@ -405,6 +454,110 @@ bool is_plain_name(const std::string& name) {
         return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
                c == '_' || c == '.';
     });
+}
+
+void check_template_request(const TemplateRequest& request) {
+    if (!is_plain_name(request.name)) {
+        throw SandboxError("launch_template: '" + request.name + "' is not a plain name ([A-Za-z0-9._-])");
+    }
+    if (request.argv.empty() || request.argv.front().empty() || request.argv.front().front() != '/') {
+        throw SandboxError("launch_template: argv[0] must be an absolute path inside the sandbox");
+    }
+    if (request.listening_socket < 0 || ::fcntl(request.listening_socket, F_GETFD) < 0) {
+        throw SandboxError("launch_template: the listening socket is not an open fd");
+    }
+}
+
+// The request's environment, plus the zygote library (bound into `policy`'s mounts) when it names one.
+std::vector<std::string> template_environment(const TemplateRequest& request, Policy& policy) {
+    std::vector<std::string> environment = request.environment;
+    if (!request.zygote_library.empty()) {
+        if (!request.zygote_library.is_absolute() ||
+            !std::filesystem::is_regular_file(request.zygote_library)) {
+            throw SandboxError("launch_template: the zygote library " + request.zygote_library.string() +
+                               " is not a file");
+        }
+        MountSpec library;
+        library.kind = MountSpec::Kind::bind;
+        library.source = request.zygote_library.parent_path().string();
+        library.target = zygote_library_dir_inside;
+        policy.mounts.push_back(library);
+        environment.push_back(std::string("CELLBLOCK_ZYGOTE_LIBRARY=") + zygote_library_dir_inside + "/" +
+                              request.zygote_library.filename().string());
+    }
+    return environment;
+}
+
+// An empty workspace of its own: what the template's start caches about /workspace is an empty one's.
+std::filesystem::path make_template_workspace(const Policy& policy, const std::string& name) {
+    auto workspace = policy.state_dir / "templates" / name;
+    detail::make_directories(policy.state_dir / "templates", 0700);
+    remove_tree(workspace);
+    if (::mkdir(workspace.c_str(), 0755) != 0) {
+        throw_errno("launch_template: mkdir " + workspace.string());
+    }
+    return workspace;
+}
+
+// Double fork: the middle process makes the namespaces and exits at once, so the template is nobody's
+// child here (init, or a subreaper, reaps it) and needs no thread of ours. The middle process reports the
+// template's pid (or -errno) on `pid_write`.
+void double_fork_template(const detail::ChildPlan& plan, int pid_write) {
+    long middle = 0;
+    {
+        SignalBlock blocked;
+        middle = ::syscall(SYS_clone, CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | SIGCHLD,
+                           nullptr, nullptr, nullptr, 0);
+        if (middle == 0) {
+            const long grandchild = ::syscall(SYS_clone, SIGCHLD, nullptr, nullptr, nullptr, 0);
+            if (grandchild == 0) {
+                detail::run_child(plan);  // execs or _exits
+                ::_exit(127);
+            }
+            const pid_t reported = grandchild > 0 ? static_cast<pid_t>(grandchild) : -errno;
+            [[maybe_unused]] const auto ignored = ::write(pid_write, &reported, sizeof reported);
+            ::_exit(grandchild > 0 ? 0 : 1);
+        }
+    }
+    if (middle < 0) {
+        throw_errno("launch_template: clone (new mount, uts, ipc and net namespaces)");
+    }
+    int middle_status = 0;
+    while (::waitpid(static_cast<pid_t>(middle), &middle_status, 0) < 0) {
+        if (errno != EINTR) {
+            throw_errno("launch_template: wait for the intermediate process");
+        }
+    }
+}
+
+pid_t read_template_pid(int pid_read) {
+    pid_t template_pid = 0;
+    if (::read(pid_read, &template_pid, sizeof template_pid) != sizeof template_pid) {
+        throw SandboxError("launch_template: the intermediate process did not report the template's pid");
+    }
+    if (template_pid <= 0) {
+        throw_errno("launch_template: clone the template", -template_pid);
+    }
+    return template_pid;
+}
+
+// Returns once the template's execve happened; throws the step it reported failing.
+void await_template_exec(int error_read, const detail::StepNames& steps) {
+    detail::ChildFailure failure{};
+    ssize_t got = 0;
+    do {
+        got = ::read(error_read, &failure, sizeof failure);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        throw_errno("launch_template: read the template's status");
+    }
+    if (got == 0) {
+        return;  // execve happened
+    }
+    if (got != sizeof failure) {
+        throw SandboxError("launch_template: the template reported a truncated error");
+    }
+    throw SandboxError("zygote template: " + steps.name(failure.step) + ": " + std::strerror(failure.error));
 }
 
 }  // namespace
@@ -441,38 +594,9 @@ void Template::kill_all() const noexcept {
 
 Template Launcher::launch_template(const TemplateRequest& request) {
     Policy policy = state_->policy;
-    if (!is_plain_name(request.name)) {
-        throw SandboxError("launch_template: '" + request.name + "' is not a plain name ([A-Za-z0-9._-])");
-    }
-    if (request.argv.empty() || request.argv.front().empty() || request.argv.front().front() != '/') {
-        throw SandboxError("launch_template: argv[0] must be an absolute path inside the sandbox");
-    }
-    if (request.listening_socket < 0 || ::fcntl(request.listening_socket, F_GETFD) < 0) {
-        throw SandboxError("launch_template: the listening socket is not an open fd");
-    }
-    std::vector<std::string> environment = request.environment;
-    if (!request.zygote_library.empty()) {
-        if (!request.zygote_library.is_absolute() ||
-            !std::filesystem::is_regular_file(request.zygote_library)) {
-            throw SandboxError("launch_template: the zygote library " + request.zygote_library.string() +
-                               " is not a file");
-        }
-        MountSpec library;
-        library.kind = MountSpec::Kind::bind;
-        library.source = request.zygote_library.parent_path().string();
-        library.target = zygote_library_dir_inside;
-        policy.mounts.push_back(library);
-        environment.push_back(std::string("CELLBLOCK_ZYGOTE_LIBRARY=") + zygote_library_dir_inside + "/" +
-                              request.zygote_library.filename().string());
-    }
-
-    // An empty workspace of its own: what the template's start caches about /workspace is an empty one's.
-    const auto workspace = policy.state_dir / "templates" / request.name;
-    detail::make_directories(policy.state_dir / "templates", 0700);
-    remove_tree(workspace);
-    if (::mkdir(workspace.c_str(), 0755) != 0) {
-        throw_errno("launch_template: mkdir " + workspace.string());
-    }
+    check_template_request(request);
+    const std::vector<std::string> environment = template_environment(request, policy);
+    const auto workspace = make_template_workspace(policy, request.name);
 
     detail::StepNames steps;
     detail::ChildPlan plan;
@@ -480,19 +604,8 @@ Template Launcher::launch_template(const TemplateRequest& request) {
     plan.drop_privileges = false;      // host root: it clones workers into new user namespaces
     plan.new_user_namespace = false;
     plan.new_cgroup_namespace = false;
-    plan.step_pdeathsig = steps.add("prctl PR_SET_PDEATHSIG");
-    plan.step_sync = steps.add("wait for the launcher");
-    plan.step_cgroupns = steps.add("unshare the cgroup namespace");
-    plan.step_hostname = steps.add("sethostname " + policy.hostname);
-    plan.step_loopback = steps.add("bring up the loopback interface");
-    plan.step_setsid = steps.add("setsid");
-    plan.step_seccomp = steps.add("load the seccomp filter");
-    plan.step_sigmask = steps.add("unblock signals");
-    plan.step_execve = steps.add("execve " + request.argv.front());
-    plan.hostname = policy.hostname;
-    plan.loopback_up = policy.network_loopback;
-    plan.cwd = policy.workspace_target;
-    plan.step_chdir = steps.add("chdir " + plan.cwd);
+    plan_base_steps(policy, request.argv.front(), "wait for the launcher", policy.workspace_target, steps,
+                    plan);
     auto skeleton = detail::RootSkeleton::prepare(policy, request.name, workspace, steps, plan);
     auto impl = std::make_unique<Template::Impl>();
     if (request.limits) {
@@ -500,10 +613,7 @@ Template Launcher::launch_template(const TemplateRequest& request) {
         // charged here).
         impl->cgroups =
             detail::CgroupSession::create(state_->cgroups, "template-" + request.name, *request.limits);
-        for (const auto& tasks_file : impl->cgroups.self_join_files()) {
-            plan.cgroup_joins.push_back(
-                {tasks_file.string(), steps.add("join cgroup " + tasks_file.parent_path().string())});
-        }
+        plan_cgroup_joins(impl->cgroups, steps, plan);
     }
 
     auto [sync_read, sync_write] = detail::make_pipe("launch_template: pipe");
@@ -529,52 +639,13 @@ Template Launcher::launch_template(const TemplateRequest& request) {
 
     std::vector<std::string> argv = request.argv;
     std::vector<std::string> envp = detail::merge_environment(policy.environment, environment);
-    for (auto& arg : argv) {
-        plan.argv.push_back(arg.data());
-    }
-    plan.argv.push_back(nullptr);
-    for (auto& entry : envp) {
-        plan.envp.push_back(entry.data());
-    }
-    plan.envp.push_back(nullptr);
+    plan_program(argv, envp, plan);
 
-    // Double fork: the middle process makes the namespaces and exits at once, so the template is nobody's
-    // child here (init, or a subreaper, reaps it) and needs no thread of ours.
-    long middle = 0;
-    {
-        SignalBlock blocked;
-        middle = ::syscall(SYS_clone, CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | SIGCHLD,
-                           nullptr, nullptr, nullptr, 0);
-        if (middle == 0) {
-            const long grandchild = ::syscall(SYS_clone, SIGCHLD, nullptr, nullptr, nullptr, 0);
-            if (grandchild == 0) {
-                detail::run_child(plan);  // execs or _exits
-                ::_exit(127);
-            }
-            const pid_t reported = grandchild > 0 ? static_cast<pid_t>(grandchild) : -errno;
-            [[maybe_unused]] const auto ignored = ::write(pid_write.get(), &reported, sizeof reported);
-            ::_exit(grandchild > 0 ? 0 : 1);
-        }
-    }
-    if (middle < 0) {
-        throw_errno("launch_template: clone (new mount, uts, ipc and net namespaces)");
-    }
-    int middle_status = 0;
-    while (::waitpid(static_cast<pid_t>(middle), &middle_status, 0) < 0) {
-        if (errno != EINTR) {
-            throw_errno("launch_template: wait for the intermediate process");
-        }
-    }
+    double_fork_template(plan, pid_write.get());
     pid_write.reset();
     sync_read.reset();
     error_write.reset();
-    pid_t template_pid = 0;
-    if (::read(pid_read.get(), &template_pid, sizeof template_pid) != sizeof template_pid) {
-        throw SandboxError("launch_template: the intermediate process did not report the template's pid");
-    }
-    if (template_pid <= 0) {
-        throw_errno("launch_template: clone the template", -template_pid);
-    }
+    const pid_t template_pid = read_template_pid(pid_read.get());
     impl->pid = template_pid;
     impl->cgroups.add_process(template_pid);
     if (request.limits) {
@@ -585,21 +656,8 @@ Template Launcher::launch_template(const TemplateRequest& request) {
         throw_errno("launch_template: release the template");
     }
     sync_write.reset();
-    detail::ChildFailure failure{};
-    ssize_t got = 0;
-    do {
-        got = ::read(error_read.get(), &failure, sizeof failure);
-    } while (got < 0 && errno == EINTR);
-    if (got < 0) {
-        throw_errno("launch_template: read the template's status");
-    }
-    if (got == 0) {
-        return Template(std::move(impl));  // execve happened
-    }
-    if (got != sizeof failure) {
-        throw SandboxError("launch_template: the template reported a truncated error");
-    }
-    throw SandboxError("zygote template: " + steps.name(failure.step) + ": " + std::strerror(failure.error));
+    await_template_exec(error_read.get(), steps);
+    return Template(std::move(impl));
 }
 
 }  // namespace cellblock::sandbox
