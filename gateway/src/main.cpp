@@ -11,6 +11,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <stdexcept>
+#include <type_traits>
+#include <variant>
 
 #include "cellblock/gateway/access/auth.hpp"
 #include "cellblock/gateway/access/tenant_api.hpp"
@@ -40,24 +43,6 @@ bool same_file(int first_fd, int second_fd) {
            first.st_dev == second.st_dev && first.st_ino == second.st_ino;
 }
 
-struct CommandLine {
-    std::optional<std::string> config_file, ip, token, base_url, certfile, keyfile, client_ca, allow_origin,
-        runtime_dir, workspace_root, state_dir, store, log_level, default_kernel_name, provisioner,
-        zygote_tenant, launch_registry_ip, slurm_partition, slurm_account, slurm_qos, slurm_constraint,
-        network_default, egress_hosts;
-    std::optional<int> port, warm_pool, max_kernels;
-    std::optional<double> cull_idle_timeout, cull_interval, ws_ping_interval, orphan_timeout, header_timeout,
-        network_approval_timeout;
-    std::optional<std::size_t> max_unauthenticated_connections, max_unauthenticated_per_address, fd_reserve;
-    std::optional<bool> cull_connected, cull_busy, list_kernels;
-    bool shutdown_kernels_on_exit = false;
-    std::vector<std::string> kernelspec_dirs;
-    std::vector<std::string> network_allow;
-    std::vector<std::string> egress_deny;
-    std::optional<std::string> token_file, store_file, store_key_file;
-    bool print_config = false;
-};
-
 // A secret from a file (--token-file, --store-file): the file's text without its final line break. A file
 // others may read is taken with a warning; an empty one is refused (an empty token would mean no
 // authentication).
@@ -77,78 +62,174 @@ std::string read_secret_file(const std::string& option, const std::string& path)
     return text;
 }
 
+// What the command line gave for one setting, in the type of its field (a JSON field as its text).
+using Given = std::variant<std::optional<std::string>, std::optional<bool>, std::optional<int>,
+                           std::optional<std::uint16_t>, std::optional<std::size_t>, std::optional<double>,
+                           std::vector<std::string>>;
+
+// The storage the flag of a field of type T parses into.
+template <typename T>
+Given given_for() {
+    if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::optional<std::string>> ||
+                  std::is_same_v<T, nlohmann::json>)
+        return std::optional<std::string>();
+    else if constexpr (std::is_same_v<T, std::vector<std::string>>)
+        return std::vector<std::string>();
+    else if constexpr (std::is_arithmetic_v<T>)
+        return std::optional<T>();
+    else
+        throw std::logic_error("a setting of this type has no flag");
+}
+
+// --help's text of a setting: its meaning, default and environment variable.
+std::string flag_help(const Setting& setting) {
+    std::string help(setting.help);
+    if (!setting.choices.empty())
+        help += "; one of " + std::string(setting.choices);
+    if (!setting.switch_only)
+        help += " (default " + setting.default_shown() + ")";
+    if (!setting.env.empty())
+        help += " (" + std::string(setting.env) + ")";
+    return help;
+}
+
+void add_check(CLI::Option& option, const Setting& setting) {
+    switch (setting.check) {
+        case FlagCheck::range:
+            // Every range is of a whole-number setting: said as whole numbers ("0 to 65535").
+            option.check(
+                CLI::Range(static_cast<std::int64_t>(setting.low), static_cast<std::int64_t>(setting.high)));
+            break;
+        case FlagCheck::non_negative:
+            option.check(CLI::NonNegativeNumber);
+            break;
+        case FlagCheck::positive:
+            option.check(CLI::PositiveNumber);
+            break;
+        case FlagCheck::none:
+            break;
+    }
+    if (!setting.choices.empty()) {
+        std::vector<std::string> choices(1);
+        for (const char c : setting.choices)
+            if (c == ',')
+                choices.emplace_back();
+            else
+                choices.back() += c;
+        option.check(CLI::IsMember(choices));
+    }
+}
+
+// The flags of gateway_settings(), and what the command line gave: the top of the precedence.
+class SettingFlags {
+  public:
+    explicit SettingFlags(CLI::App& app) {
+        for (const Setting& setting : gateway_settings())
+            if (!setting.flag.empty())
+                entries_.push_back(
+                    {&setting,
+                     std::visit([](auto member) { return given_for<field_type<decltype(member)>>(); },
+                                setting.field)});
+        // The options point into entries_, which does not grow from here on.
+        for (Entry& entry : entries_)
+            add(app, entry);
+    }
+    SettingFlags(const SettingFlags&) = delete;
+    SettingFlags& operator=(const SettingFlags&) = delete;
+
+    // Sets every setting the command line gave; throws std::invalid_argument naming the flag.
+    void apply(GatewayConfig& config) const {
+        for (const Entry& entry : entries_) {
+            const Setting& setting = *entry.setting;
+            const std::string flag(setting.flag);
+            if (entry.switched)
+                setting.set_from_json(config, true, flag);
+            if (entry.from_file) {
+                const std::string file_flag(setting.file_flag);
+                setting.set_from_text(config, read_secret_file(file_flag, *entry.from_file), file_flag);
+            }
+            std::visit(
+                [&](const auto& value) {
+                    using V = std::remove_cvref_t<decltype(value)>;
+                    if constexpr (std::is_same_v<V, std::vector<std::string>>) {
+                        if (!value.empty())
+                            setting.set_from_json(config, value, flag);
+                    } else if constexpr (std::is_same_v<V, std::optional<std::string>>) {
+                        if (value)
+                            setting.set_from_text(config, *value, flag);  // a JSON field's text is parsed
+                    } else if (value) {
+                        setting.set_from_json(config, *value, flag);
+                    }
+                },
+                entry.value);
+        }
+    }
+
+    // The text the command line gave for the setting `key` (for the warnings about secrets).
+    std::optional<std::string> text(std::string_view key) const {
+        for (const Entry& entry : entries_)
+            if (entry.setting->key == key)
+                if (const auto* text = std::get_if<std::optional<std::string>>(&entry.value))
+                    return *text;
+        return std::nullopt;
+    }
+
+  private:
+    template <typename Member>
+    using field_type = std::remove_cvref_t<decltype(std::declval<GatewayConfig&>().*std::declval<Member>())>;
+
+    struct Entry {
+        const Setting* setting = nullptr;
+        Given value = {};
+        std::optional<std::string> from_file = {};
+        bool switched = false;
+    };
+
+    static void add(CLI::App& app, Entry& entry) {
+        const Setting& setting = *entry.setting;
+        const std::string flag(setting.flag);
+        CLI::Option* option =
+            setting.switch_only
+                ? app.add_flag(flag, entry.switched, flag_help(setting))
+                : std::visit([&](auto& value) { return app.add_option(flag, value, flag_help(setting)); },
+                             entry.value);
+        add_check(*option, setting);
+        if (!setting.file_flag.empty())
+            app.add_option(std::string(setting.file_flag), entry.from_file,
+                           "read " + flag + " from this file (mode 600)")
+                ->excludes(option);
+    }
+
+    std::vector<Entry> entries_;
+};
+
 // What any local user can read in /proc/PID/cmdline: said once on stderr, before anything starts.
-void warn_of_secrets_on_the_command_line(const CommandLine& cli) {
-    if (cli.token && !cli.token->empty())
+void warn_of_secrets_on_the_command_line(const SettingFlags& flags) {
+    if (const auto token = flags.text("token"); token && !token->empty())
         std::cerr
             << "[cellblock-gateway] warning: --token on the command line is readable by every local user "
                "(/proc/PID/cmdline); use --token-file or KG_AUTH_TOKEN\n";
-    if (cli.store && masked_store(*cli.store) != *cli.store)
+    if (const auto store = flags.text("store"); store && masked_store(*store) != *store)
         std::cerr
             << "[cellblock-gateway] warning: the password in --store on the command line is readable by "
                "every local user (/proc/PID/cmdline); use --store-file or CELLBLOCK_GATEWAY_STORE\n";
 }
 
-void apply(const CommandLine& cli, GatewayConfig& config) {
-    auto set = [](const auto& source, auto& target) {
-        if (source)
-            target = *source;
-    };
-    set(cli.ip, config.ip);
-    if (cli.port)
-        config.port = static_cast<std::uint16_t>(*cli.port);
-    if (cli.token)
-        config.token = *cli.token;
-    if (cli.token_file)
-        config.token = read_secret_file("--token-file", *cli.token_file);
-    if (cli.store_file)
-        config.store = read_secret_file("--store-file", *cli.store_file);
-    set(cli.base_url, config.base_url);
-    set(cli.certfile, config.certfile);
-    set(cli.keyfile, config.keyfile);
-    set(cli.client_ca, config.client_ca);
-    set(cli.allow_origin, config.allow_origin);
-    set(cli.runtime_dir, config.runtime_dir);
-    set(cli.workspace_root, config.workspace_root);
-    set(cli.state_dir, config.state_dir);
-    set(cli.store, config.store);
-    set(cli.store_key_file, config.store_key_file);
-    set(cli.orphan_timeout, config.orphan_timeout);
-    set(cli.zygote_tenant, config.zygote_tenant);
-    set(cli.header_timeout, config.header_timeout);
-    set(cli.max_unauthenticated_connections, config.max_unauthenticated_connections);
-    set(cli.max_unauthenticated_per_address, config.max_unauthenticated_per_address);
-    set(cli.fd_reserve, config.fd_reserve);
-    if (cli.shutdown_kernels_on_exit)
-        config.shutdown_kernels_on_exit = true;
-    set(cli.log_level, config.log_level);
-    set(cli.default_kernel_name, config.default_kernel_name);
-    set(cli.warm_pool, config.warm_pool);
-    set(cli.max_kernels, config.max_kernels);
-    set(cli.cull_idle_timeout, config.cull_idle_timeout);
-    set(cli.cull_interval, config.cull_interval);
-    set(cli.ws_ping_interval, config.ws_ping_interval);
-    set(cli.cull_connected, config.cull_connected);
-    set(cli.cull_busy, config.cull_busy);
-    set(cli.list_kernels, config.list_kernels);
-    set(cli.provisioner, config.provisioner);
-    set(cli.launch_registry_ip, config.launch_registry_ip);
-    set(cli.slurm_partition, config.slurm_partition);
-    set(cli.slurm_account, config.slurm_account);
-    set(cli.slurm_qos, config.slurm_qos);
-    set(cli.slurm_constraint, config.slurm_constraint);
-    if (!cli.kernelspec_dirs.empty())
-        config.kernelspec_dirs = cli.kernelspec_dirs;
-    if (!cli.network_allow.empty())
-        config.network_allow = cli.network_allow;
-    if (!cli.egress_deny.empty())
-        config.egress_deny = cli.egress_deny;
-    if (cli.network_default) {
-        config.network_default = cli.network_default->empty() ? nlohmann::json(nullptr)
-                                                              : nlohmann::json::parse(*cli.network_default);
+// The agent API's flags (declared with CLI11 in agent/agent_config.cpp, not in gateway_settings()), as the
+// last table of docs/configuration.md. Their defaults are the compiled ones: the kernel config's limits are
+// read after this.
+std::string agent_reference(CLI::App& app) {
+    std::string text =
+        "\n## Agent API\n\nOnly on the command line, or in the environment variable named.\n\n"
+        "| Command line | Environment | Default | Meaning |\n| --- | --- | --- | --- |\n";
+    auto code = [](const std::string& name) { return name.empty() ? std::string("-") : "`" + name + "`"; };
+    for (CLI::Option* option :
+         app.get_options([](const CLI::Option* option) { return option->get_group() == "Agent API"; })) {
+        option->capture_default_str();
+        text += "| " + code(option->get_name()) + " | " + code(option->get_envname()) + " | " +
+                code(option->get_default_str()) + " | " + option->get_description() + " |\n";
     }
-    set(cli.egress_hosts, config.egress_hosts);
-    set(cli.network_approval_timeout, config.network_approval_timeout);
+    return text;
 }
 
 // Message buffers below 4 MiB come from the heap and stay there once freed (up to 8 MiB at its top): glibc
@@ -177,119 +258,16 @@ std::string normalized_base_url(std::string base) {
 int main(int argc, char** argv) {
     const bool heap_policy_set = keep_message_buffers_on_the_heap();
     CLI::App app{"cellblock-gateway: Jupyter Kernel Gateway API (REST + WebSocket) for cellblock kernels"};
-    CommandLine cli;
-    app.add_option("--config", cli.config_file,
-                   "JSON config file (keys as in share/cellblock/gateway-config.json)");
-    app.add_option("--ip", cli.ip, "address to bind (KG_IP; default 127.0.0.1)");
-    app.add_option("--port", cli.port, "port to bind, 0 = any free port (KG_PORT; default 8888)")
-        ->check(CLI::Range(0, 65535));
-    auto* token_option = app.add_option(
-        "--token", cli.token,
-        "auth token, empty = no auth (KG_AUTH_TOKEN; default: generated). On the command line any local user "
-        "reads it: prefer --token-file");
-    app.add_option("--token-file", cli.token_file, "read the auth token from this file (mode 600)")
-        ->excludes(token_option);
-    app.add_option("--base-url", cli.base_url, "URL prefix of every route (KG_BASE_URL)");
-    app.add_option("--certfile", cli.certfile,
-                   "TLS certificate chain (PEM); enables HTTPS/WSS (KG_CERTFILE)");
-    app.add_option("--keyfile", cli.keyfile, "TLS private key (PEM) (KG_KEYFILE)");
-    app.add_option("--client-ca", cli.client_ca,
-                   "CA file; client certificates become mandatory (KG_CLIENT_CA)");
-    app.add_option("--allow-origin", cli.allow_origin, "Access-Control-Allow-Origin (KG_ALLOW_ORIGIN)");
-    app.add_option("--kernelspec-dir", cli.kernelspec_dirs,
-                   "directory holding <name>/kernel.json (repeatable)");
-    app.add_option("--default-kernel-name", cli.default_kernel_name,
-                   "kernelspec used when none is requested");
-    app.add_option("--warm-pool", cli.warm_pool,
-                   "pre-started kernels handed out by POST /api/kernels (KG_PRESPAWN_COUNT)")
-        ->check(CLI::Range(0, 1000));
-    app.add_option("--max-kernels", cli.max_kernels, "0 = unlimited (KG_MAX_KERNELS)")
-        ->check(CLI::Range(0, 100000));
-    app.add_option("--cull-idle-timeout", cli.cull_idle_timeout,
-                   "seconds of inactivity before a kernel is culled, 0 = never");
-    app.add_option("--cull-interval", cli.cull_interval, "seconds between cull checks");
-    app.add_option("--cull-connected", cli.cull_connected, "cull kernels that have open WebSockets");
-    app.add_option("--cull-busy", cli.cull_busy, "cull busy kernels");
-    app.add_option("--list-kernels", cli.list_kernels,
-                   "allow GET /api/kernels and /api/sessions (KG_LIST_KERNELS)");
-    app.add_option("--ws-ping-interval", cli.ws_ping_interval, "seconds between WebSocket pings, 0 = off");
-    app.add_option("--runtime-dir", cli.runtime_dir,
-                   "private directory for connection files and ipc sockets");
-    app.add_option("--workspace-root", cli.workspace_root,
-                   "where per-kernel CELLBLOCK_WORKSPACE directories are made");
-    app.add_option(
-        "--state-dir", cli.state_dir,
-        "the store, kernels' sockets and workspaces; kernels survive a gateway restart on the same "
-        "one (default $XDG_STATE_HOME/cellblock or ~/.local/state/cellblock)");
-    auto* store_option = app.add_option(
-        "--store", cli.store,
-        "the session store: empty = SQLite in the state directory (default); postgresql://... = "
-        "a PostgreSQL store shared by several gateways (CELLBLOCK_GATEWAY_STORE)");
-    app.add_option(
-        "--store-key-file", cli.store_key_file,
-        "the secret (64 hex digits, mode 600) that seals kernels' keys in the store; default: "
-        "store-key in the state directory; required for a PostgreSQL store, the same file for every "
-        "gateway on it (CELLBLOCK_GATEWAY_STORE_KEY_FILE)");
-    app.add_option("--store-file", cli.store_file,
-                   "read --store from this file (mode 600), for a PostgreSQL URI that holds a password")
-        ->excludes(store_option);
-    app.add_option(
-           "--orphan-timeout", cli.orphan_timeout,
-           "seconds a kernel keeps running without a gateway before it stops itself (default 600; 0 = "
-           "forever)")
-        ->check(CLI::NonNegativeNumber);
-    app.add_option("--zygote-tenant", cli.zygote_tenant,
-                   "the worker zygote's tenant of every kernel this gateway starts (CELLBLOCK_ZYGOTE_TENANT; "
-                   "used when the kernel config switches the zygote on); sessions of one tenant share a "
-                   "template (CELLBLOCK_GATEWAY_ZYGOTE_TENANT)");
-    app.add_flag("--shutdown-kernels-on-exit", cli.shutdown_kernels_on_exit,
-                 "SIGTERM stops the kernels too (by default they keep running for the next gateway; SIGINT "
-                 "always stops them)");
-    app.add_option(
-           "--provisioner", cli.provisioner,
-           "where kernels run: local (default) or slurm (one batch job per kernel; see gateway/README.md)")
-        ->check(CLI::IsMember({"local", "slurm"}));
-    app.add_option("--launch-registry-ip", cli.launch_registry_ip,
-                   "address Slurm-hosted kernels report to (default 127.0.0.1)");
-    app.add_option("--slurm-partition", cli.slurm_partition, "sbatch --partition");
-    app.add_option("--slurm-account", cli.slurm_account, "sbatch --account");
-    app.add_option("--slurm-qos", cli.slurm_qos, "sbatch --qos");
-    app.add_option("--slurm-constraint", cli.slurm_constraint, "sbatch --constraint");
-    app.add_option("--header-timeout", cli.header_timeout,
-                   "seconds a connection that has not authenticated has to send its request headers "
-                   "(default 10)")
-        ->check(CLI::PositiveNumber);
-    app.add_option("--max-unauthenticated-connections", cli.max_unauthenticated_connections,
-                   "connections kept before their first authenticated request; more are closed at once "
-                   "(default 0 = min(4096, (file limit - fd reserve) / 2))");
-    app.add_option("--max-unauthenticated-per-address", cli.max_unauthenticated_per_address,
-                   "the same, per client IP address (default 128; 0 = the global cap)");
-    app.add_option(
-        "--fd-reserve", cli.fd_reserve,
-        "file descriptors kept free for kernel starts: accepting pauses below it (default 128; 0 = "
-        "off)");
-    app.add_option("--network-allow", cli.network_allow,
-                   "host pattern a session's network policy may reach (repeatable; the ceiling: none = no "
-                   "session gets network; \"pypi.org\", \"*.pythonhosted.org\", \"*\") "
-                   "(CELLBLOCK_GATEWAY_NETWORK_ALLOW, comma-separated)");
-    app.add_option(
-        "--network-default", cli.network_default,
-        "network policy of kernels started through the Kernel Gateway API, as JSON "
-        "{\"allow\": [...], \"ask\": bool} within the ceiling (a kernelspec's "
-        "metadata.cellblock.network overrides it; default none) (CELLBLOCK_GATEWAY_NETWORK_DEFAULT)");
-    app.add_option("--egress-hosts", cli.egress_hosts,
-                   "hosts(5) file: a name listed there resolves only to its addresses, which are exempt from "
-                   "the private-address refusal (CELLBLOCK_GATEWAY_EGRESS_HOSTS)");
-    app.add_option("--egress-deny", cli.egress_deny,
-                   "address range (CIDR, repeatable) no kernel's egress proxy connects to, whatever a name "
-                   "resolves to, besides the private, loopback and metadata ranges always refused "
-                   "(config network.egress_deny)");
-    app.add_option("--network-approval-timeout", cli.network_approval_timeout,
-                   "seconds a held network request waits for an approval before it is denied (default 120) "
-                   "(CELLBLOCK_GATEWAY_NETWORK_APPROVAL_TIMEOUT)")
-        ->check(CLI::PositiveNumber);
-    app.add_option("--log-level", cli.log_level, "debug, info, warning (default), error");
-    app.add_flag("--print-config", cli.print_config, "print the effective configuration and exit");
+    std::optional<std::string> config_file;
+    app.add_option("--config", config_file,
+                   "JSON config file (keys as in docs/configuration.md); default: "
+                   "<prefix>/share/cellblock/gateway-config.json when it exists");
+    const SettingFlags setting_flags(app);
+    bool print_config = false;
+    bool print_reference = false;
+    app.add_flag("--print-config", print_config, "print the effective configuration and exit");
+    app.add_flag("--print-config-reference", print_reference,
+                 "print the settings' reference (the generated part of docs/configuration.md) and exit");
     cellblock::gateway::agent::AgentConfig agent_config;
     cellblock::gateway::agent::add_agent_options(app, agent_config);
     // An option that takes one value may be given again, and the last one counts (as in most command lines):
@@ -300,22 +278,26 @@ int main(int argc, char** argv) {
         }
     }
     CLI11_PARSE(app, argc, argv);
-    warn_of_secrets_on_the_command_line(cli);
+    if (print_reference) {
+        std::cout << configuration_reference() << agent_reference(app);
+        return 0;
+    }
+    warn_of_secrets_on_the_command_line(setting_flags);
     // The agent API's default limits are the kernel's own, so warm-pool kernels can serve default sessions.
     agent_config.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");
 
     GatewayConfig config;
     try {
         const std::string default_file = installed_data_dir() + "/cellblock/gateway-config.json";
-        if (cli.config_file)
-            config.merge_file(*cli.config_file);
+        if (config_file)
+            config.merge_file(*config_file);
         else if (std::ifstream probe(default_file); probe.is_open())
             config.merge_file(default_file);
         config.merge_environment([](const std::string& name) -> std::optional<std::string> {
             const char* value = std::getenv(name.c_str());
             return value ? std::optional<std::string>(value) : std::nullopt;
         });
-        apply(cli, config);
+        setting_flags.apply(config);
         config.base_url = normalized_base_url(config.base_url);
         config.check_network();
         config.check_zygote_tenant();
@@ -324,7 +306,7 @@ int main(int argc, char** argv) {
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
         return 2;
     }
-    if (cli.print_config) {
+    if (print_config) {
         std::cout << config.to_json().dump(2) << "\n";
         return 0;
     }

@@ -5,10 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <vector>
 
 using namespace cellblock::gateway;
 using nlohmann::json;
@@ -142,4 +145,45 @@ TEST(GatewayConfigStore, PasswordsAreMaskedInUriAndKeywordForms) {
     GatewayConfig config;
     config.store = "host=db password=s3cret";
     EXPECT_EQ(config.to_json()["store"], "host=db password=***");
+}
+
+// The table every merge, --print-config, the command line and docs/configuration.md are made from
+// (gateway_settings() in config.cpp): one name means one setting, and the file takes back every value the
+// table says a setting has, at its key ("network.allow" inside "network").
+TEST(GatewaySettings, NamesAreUniqueAndTheFileTakesEveryDefault) {
+    std::map<std::string, int> names;
+    for (const Setting& setting : gateway_settings()) {
+        for (std::string_view name : {setting.key, setting.env, setting.flag, setting.file_flag}) {
+            if (!name.empty()) {
+                EXPECT_EQ(++names[std::string(name)], 1) << name;
+            }
+        }
+        EXPECT_FALSE(setting.help.empty()) << setting.key;
+        std::string path = "/" + std::string(setting.key);
+        std::replace(path.begin(), path.end(), '.', '/');
+        json file;
+        file[json::json_pointer(path)] = setting.value_of(GatewayConfig{});
+        GatewayConfig config;
+        EXPECT_NO_THROW(config.merge_json(file)) << file.dump();
+    }
+}
+
+// What the table's rules keep from before it: an empty KG_AUTH_TOKEN means no authentication, a token in the
+// file that is not a string is ignored, and the network allowlist splits at commas only (':' is IPv6's).
+TEST(GatewaySettings, TokenAndListRulesStay) {
+    GatewayConfig config;
+    EXPECT_EQ(environment_error({{"KG_AUTH_TOKEN", ""},
+                                 {"KG_ENV_WHITELIST", "A:B, C"},
+                                 {"CELLBLOCK_GATEWAY_NETWORK_ALLOW", "pypi.org, ::1"}},
+                                config),
+              "");
+    EXPECT_EQ(config.token, std::optional<std::string>(""));
+    EXPECT_EQ(config.env_whitelist, (std::vector<std::string>{"A", "B", "C"}));
+    EXPECT_EQ(config.network_allow, (std::vector<std::string>{"pypi.org", "::1"}));
+    GatewayConfig file;
+    file.merge_json(json::parse(R"({"token": 5, "network": {"default": null, "ports": [8443]}})"));
+    EXPECT_FALSE(file.token.has_value());
+    EXPECT_EQ(file.network_ports, std::vector<int>{8443});
+    EXPECT_EQ(file_error(R"({"network": {"ports": ["x"]}})").rfind("config key 'network.ports': ", 0), 0u);
+    EXPECT_EQ(file_error(R"({"slurm": {}})"), "unknown gateway config key 'slurm'");
 }

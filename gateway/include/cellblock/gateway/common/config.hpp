@@ -1,13 +1,18 @@
 #pragma once
 // Every setting of the gateway, with the defaults compiled in. Precedence (lowest first): these defaults, the
 // JSON config file, environment variables (KG_* where Kernel Gateway has the same meaning, else
-// CELLBLOCK_GATEWAY_*), then the command line.
+// CELLBLOCK_GATEWAY_*), then the command line. Each setting's names (config key, environment variable, flag),
+// help and field are declared once, in the table gateway_settings() returns (config.cpp): the file and
+// environment merges, --print-config, the command line (main.cpp) and docs/configuration.md are made from it.
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
+#include <variant>
 #include <vector>
 
 #include "cellblock/gateway/access/network_policy.hpp"
@@ -148,6 +153,62 @@ struct GatewayConfig {  // NOLINT(clang-analyzer-optin.performance.Padding)
     // Kernelspec directories to scan, with the installed default when none is configured.
     std::vector<std::string> effective_kernelspec_dirs() const;
 };
+
+// How --print-config shows a setting.
+enum class Printed {
+    as_is,
+    masked_store,  // masked_store() of it; "sqlite" when empty
+    never,         // a secret (the token)
+};
+
+// A check the command line makes before it takes a value (CLI11); the file and the environment do not make
+// it.
+enum class FlagCheck { none, range, non_negative, positive };
+
+// One setting: where it comes from, what it means, and the field of GatewayConfig it sets.
+struct Setting {
+    using Field =
+        std::variant<std::string GatewayConfig::*, std::optional<std::string> GatewayConfig::*,
+                     bool GatewayConfig::*, int GatewayConfig::*, std::uint16_t GatewayConfig::*,
+                     std::size_t GatewayConfig::*, double GatewayConfig::*,
+                     std::vector<std::string> GatewayConfig::*, std::vector<int> GatewayConfig::*,
+                     std::map<std::string, std::string> GatewayConfig::*, nlohmann::json GatewayConfig::*>;
+
+    std::string_view topic;      // the heading it is listed under in docs/configuration.md
+    std::string_view key;        // config file key; "network.allow" is "allow" in the file's "network" object
+    std::string_view env = {};   // environment variable; empty = none
+    std::string_view flag = {};  // command-line option; empty = none
+    std::string_view help;
+    Field field;
+    std::string_view default_text = {};  // the default in words, when its compiled value does not say it
+    std::string_view printed_as = {};    // --print-config path when not the key ("slurm.partition")
+    std::string_view separators = ",:";  // between the items of a list in the environment
+    Printed printed = Printed::as_is;
+    FlagCheck check = FlagCheck::none;
+    double low = 0, high = 0;         // FlagCheck::range
+    std::string_view choices = {};    // the values the flag takes, comma-separated; empty = any
+    std::string_view file_flag = {};  // a second flag that reads the value from a file (a secret)
+    bool switch_only = false;         // the flag takes no value and switches the setting on
+
+    // A value from the config file, by the file's rule: an integer field takes only a whole number in its
+    // range, a floating-point one a finite number, a flag true or false; null leaves the field alone (a JSON
+    // field takes it). Throws std::invalid_argument naming `where`.
+    void set_from_json(GatewayConfig& config, const nlohmann::json& value, const std::string& where) const;
+    // A value as text, by the environment's rule (numbers as JSON numbers, true/1/yes or false/0/no/"", lists
+    // split at `separators`, a JSON field as JSON text, "" = null). Throws std::invalid_argument naming
+    // `where`.
+    void set_from_text(GatewayConfig& config, const std::string& text, const std::string& where) const;
+    nlohmann::json value_of(const GatewayConfig& config) const;
+    // The default as docs/configuration.md and --help show it.
+    std::string default_shown() const;
+};
+
+// Every setting, in the order they are merged and documented.
+std::span<const Setting> gateway_settings();
+
+// The settings as Markdown tables (the generated part of docs/configuration.md): key, environment variable,
+// flag, default and meaning of each.
+std::string configuration_reference();
 
 // The store setting with any password in it replaced by *** (URI and keyword forms): what logs and
 // --print-config show.
