@@ -78,6 +78,9 @@ std::string validated_host(std::string_view host) {
     if (normalized.empty()) {
         throw HostPatternError("the host is empty");
     }
+    if (normalized.size() > max_host_length) {  // 254 characters reach here only without a trailing dot
+        throw HostPatternError("the host is longer than 253 characters");
+    }
     check_host_name(normalized);
     return normalized;
 }

@@ -27,6 +27,17 @@ TEST(HostPattern, RefusesWhatIsNotAHostPatternAndSaysWhy) {
     }
 }
 
+// 253 characters at most (DNS), with or without the trailing dot.
+TEST(HostPattern, ANameIsAtMost253Characters) {
+    const std::string longest = std::string(63, 'a') + "." + std::string(63, 'b') + "." +
+                                std::string(63, 'c') + "." + std::string(61, 'd');
+    ASSERT_EQ(longest.size(), 253u);
+    EXPECT_EQ(validated_host(longest), longest);
+    EXPECT_EQ(validated_host(longest + "."), longest);
+    EXPECT_THROW(validated_host(longest + "e"), HostPatternError);
+    EXPECT_THROW(validated_host_pattern("*." + longest + "e"), HostPatternError);
+}
+
 TEST(HostPattern, WildcardCeilingCoversWholeLabelsOnly) {
     EXPECT_TRUE(pattern_within("a.example.com", "*.example.com"));
     EXPECT_TRUE(pattern_within("a.b.example.com", "*.example.com"));
