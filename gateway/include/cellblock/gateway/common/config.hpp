@@ -15,14 +15,15 @@
 #include <variant>
 #include <vector>
 
+#include "cellblock/contract/limits.hpp"
 #include "cellblock/gateway/access/network_policy.hpp"
 
 namespace cellblock::gateway {
 
-// The longest duration any gateway setting takes, in seconds (about 47 years): a timer counts milliseconds in
-// 64 bits, and now minus it stays after 1970. GatewayConfig::check_durations and the agent API's options hold
-// to it.
-inline constexpr double longest_duration_s = 1.5e9;
+// The longest duration any gateway setting takes, the same ceiling the kernel holds its limits to
+// (contract/include/cellblock/contract/limits.hpp). GatewayConfig::check_durations and the agent API's
+// options hold to it.
+using contract::longest_duration_s;
 
 // Members are grouped by topic, not by size: there is one instance.
 struct GatewayConfig {  // NOLINT(clang-analyzer-optin.performance.Padding)
