@@ -5,6 +5,7 @@ the host (/proc, the filesystem), not only from what the gateway says."""
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -72,6 +73,20 @@ def process_tree(root: int) -> dict:
             tree[pid] = start
             todo.extend(children.get(pid, []))
     return tree
+
+
+def recorded_kernels(state_dir: Path) -> dict:
+    """pid -> start time of every kernel the gateway's store records (the store writer commits a kernel's record
+    just after its spawn, so for a moment a kernel runs that no gateway would find after a crash)."""
+    with sqlite3.connect(f"file:{state_dir / 'store.sqlite3'}?mode=ro", uri=True) as store:
+        return dict(store.execute("SELECT pid, start_ticks FROM kernels").fetchall())
+
+
+def kernels_all_recorded(state_dir: Path) -> dict:
+    """Every kernel of `state_dir` once the store records each of them (the warm pool's refill too), else {}."""
+    running = kernel_pids(state_dir)
+    recorded = recorded_kernels(state_dir)
+    return running if running and all(recorded.get(pid) == start for pid, start in running.items()) else {}
 
 
 def still_alive(processes: dict) -> dict:
@@ -162,8 +177,10 @@ def test_kill_9_while_idle_keeps_kernel_ids_variables_and_files(tmp_path):
         assert channels.collect(channels.execute("y = 7"))[-1]["content"]["status"] == "ok"
         channels.close()
         ids_before = {k["id"] for k in first.request("GET", "/api/kernels").json()}
-        pids_before = kernel_pids(state)
-        assert len(pids_before) >= 2, pids_before
+        # Idle means settled: the warm pool (1 kernel) refilled after its two hand-outs, and every kernel in
+        # the store, before the kill.
+        pids_before = wait_until(lambda: len(kernels_all_recorded(state)) >= 3 and kernels_all_recorded(state), 30,
+                                 "the session's, the plain and the pool's kernel, each recorded in the store")
     finally:
         kill_9(first)
     # From the host: the kernels did not die with their gateway.
