@@ -1,6 +1,7 @@
 # docs/configuration.md against the gateway: its generated part is what `cellblock-gateway
-# --print-config-reference` prints (made from the one table of settings, gateway/src/common/config.cpp), so a
-# setting added, renamed or changed in the code without the documentation fails here.
+# --print-config-reference` prints (made from the one table of settings,
+# gateway/src/common/settings_table.cpp), so a setting added, renamed or changed in the code without the
+# documentation fails here.
 import subprocess
 from pathlib import Path
 

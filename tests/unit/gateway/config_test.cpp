@@ -148,8 +148,8 @@ TEST(GatewayConfigStore, PasswordsAreMaskedInUriAndKeywordForms) {
 }
 
 // The table every merge, --print-config, the command line and docs/configuration.md are made from
-// (gateway_settings() in config.cpp): one name means one setting, and the file takes back every value the
-// table says a setting has, at its key ("network.allow" inside "network").
+// (gateway_settings() in settings_table.cpp): one name means one setting, and the file takes back every value
+// the table says a setting has, at its key ("network.allow" inside "network").
 TEST(GatewaySettings, NamesAreUniqueAndTheFileTakesEveryDefault) {
     std::map<std::string, int> names;
     for (const Setting& setting : gateway_settings()) {

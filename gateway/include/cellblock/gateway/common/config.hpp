@@ -2,8 +2,9 @@
 // Every setting of the gateway, with the defaults compiled in. Precedence (lowest first): these defaults, the
 // JSON config file, environment variables (KG_* where Kernel Gateway has the same meaning, else
 // CELLBLOCK_GATEWAY_*), then the command line. Each setting's names (config key, environment variable, flag),
-// help and field are declared once, in the table gateway_settings() returns (config.cpp): the file and
-// environment merges, --print-config, the command line (main.cpp) and docs/configuration.md are made from it.
+// help and field are declared once, in the table gateway_settings() returns (settings_table.cpp): the
+// file and environment merges and --print-config (config.cpp), the command line (main.cpp) and
+// docs/configuration.md are made from it.
 #include <cstdint>
 #include <functional>
 #include <map>
