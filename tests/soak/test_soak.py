@@ -117,7 +117,7 @@ class Execute:
     mode: str  # call, stream (complete), kill (worker SIGKILLed mid-execute), drop (NDJSON client goes away)
     token: str
     # The previous execute's worker died, or its client went away (the kernel kills a worker that has not stopped
-    # within the interrupt grace, kernel/src/worker/worker_exchange.cpp, which a loaded machine can make it miss):
+    # within the interrupt grace, kernel/src/worker/conversation.cpp, which a loaded machine can make it miss):
     # this one may carry the kernel's note on stderr.
     after_kill: bool
     chaos: int = 0  # random kills of this session's worker between the previous answer and this one

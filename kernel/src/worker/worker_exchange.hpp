@@ -87,13 +87,16 @@ class WorkerExchange {
     const ExchangeSettings& settings() const noexcept { return settings_; }
 
   private:
+    // Run and Ending are defined in worker/worker_exchange_internal.hpp, Conversation in conversation.cpp.
     struct Run;           // one request to the worker and everything it produced
     struct Ending;        // how a run ended
     struct Conversation;  // the worker, the reply awaited and the channel's state, while a run goes on
 
+    // The conversation with the worker (conversation.cpp).
     Ending converse(nlohmann::json request, Run& run, ExchangeSink& sink);
     // The steps of converse.
     std::shared_ptr<LiveWorker> acquire_worker(std::string& error);
+    void size_pipes(const std::shared_ptr<LiveWorker>& worker);
     // Tells the user (on stderr, if the run publishes) that an earlier worker died; true if one did.
     bool announce_lost_state(Run& run, ExchangeSink& sink);
     void send_request(Conversation& talk, nlohmann::json request, Run& run);
@@ -105,6 +108,10 @@ class WorkerExchange {
     std::optional<Ending> take_reply(Conversation& talk, const nlohmann::json& message, Run& run,
                                      ExchangeSink& sink);
     Ending worker_died(Conversation& talk, Run& run, ExchangeSink& sink);
+    void interrupt_worker(LiveWorker& worker, Run& run);
+    void start_escalation(Run& run, int cause);
+
+    // What the worker's outputs become (worker_exchange.cpp).
     void read_stream(LiveWorker& worker, int index, Run& run, ExchangeSink& sink);
     void append_frame_text(LiveWorker& worker, int index, std::string_view bytes, Run& run,
                            ExchangeSink& sink);
@@ -115,13 +122,10 @@ class WorkerExchange {
     void publish_text(int index, std::string text, Run& run, ExchangeSink& sink);
     void publish_tails(Run& run, ExchangeSink& sink);
     bool admit_rich_output(const nlohmann::json& data, Run& run);
-    void interrupt_worker(LiveWorker& worker, Run& run);
-    void start_escalation(Run& run, int cause);
     // Returns true if `message` is a reply (which ends the run if its id is the request's).
     bool handle_worker_message(LiveWorker& worker, nlohmann::json& message, Run& run, ExchangeSink& sink);
     void answer_input_request(LiveWorker& worker, const nlohmann::json& message, Run& run,
                               ExchangeSink& sink);
-    void size_pipes(const std::shared_ptr<LiveWorker>& worker);
 
     WorkerSupervisor& supervisor_;
     RequestControls& controls_;
