@@ -276,7 +276,7 @@ def ended_elsewhere(gateway, kernel_id: str) -> list:
     return [json.loads(line[line.index("{"):])["why"] for line in lines]
 
 
-def test_a_deletion_through_one_gateway_is_seen_by_the_other(start_pair):
+def test_a_deletion_through_one_gateway_is_seen_by_the_other(postgres, start_pair):
     a, b = start_pair("--log-level", "info")
     a.create_session("doomed")
     assert result_text(a.execute("doomed", "1 + 1")) == "2"
@@ -295,11 +295,20 @@ def test_a_deletion_through_one_gateway_is_seen_by_the_other(start_pair):
     channels = Channels(b, jupyter_kernel)
     assert any(m["msg_type"] == "execute_result" for m in channels.execute("3 * 3"))
     assert kernel_processes(jupyter_kernel), "the kernel's process is not visible on the host"
-    assert a.request("DELETE", f"/api/kernels/{jupyter_kernel}").status_code == 204
-    # B sees the process end and decides, in the one place where it would restart it: it logs why it does not.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not ended_elsewhere(b, jupyter_kernel):
-        time.sleep(0.2)
+    # A slow store: the record's removal takes a second. Were the process stopped before its record is gone, B
+    # would see it end with its record still there and restart it.
+    postgres.sql("CREATE FUNCTION cellblock_test_slow_delete() RETURNS trigger LANGUAGE plpgsql AS "
+                 "$$ BEGIN PERFORM pg_sleep(1); RETURN OLD; END $$; "
+                 "CREATE TRIGGER cellblock_test_slow_delete BEFORE DELETE ON kernels "
+                 "FOR EACH ROW EXECUTE FUNCTION cellblock_test_slow_delete();")
+    try:
+        assert a.request("DELETE", f"/api/kernels/{jupyter_kernel}").status_code == 204
+        # B sees the process end and decides, in the one place where it would restart it: it logs why it does not.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not ended_elsewhere(b, jupyter_kernel):
+            time.sleep(0.2)
+    finally:
+        postgres.sql("DROP TRIGGER cellblock_test_slow_delete ON kernels; DROP FUNCTION cellblock_test_slow_delete();")
     assert ended_elsewhere(b, jupyter_kernel) == ["deleted through another gateway"], b.log_tail()
     assert not kernel_processes(jupyter_kernel), "the deleted kernel runs again"
     channels.close()

@@ -466,14 +466,33 @@ bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::str
     auto kernel = found->second;
     kernels_.erase(found);
     shut_down_here_.insert(kernel_id);
-    kernel->shutdown(reason);
     forget(kernel_id);
-    if (!writer_.store().shared()) {
+    if (writer_.store().shared()) {
+        stop_once_forgotten(kernel, reason);
+    } else {
+        kernel->shutdown(reason);
         // An embedded store has this gateway alone: once the row is gone nobody writes it back, so the mark
         // goes too (kept, it cost every deleted kernel ~110 bytes for the gateway's life).
         writer_.after_pending([this, kernel_id] { shut_down_here_.erase(kernel_id); });
     }
     return true;
+}
+
+void KernelManager::stop_once_forgotten(const std::shared_ptr<Kernel>& kernel, const std::string& reason) {
+    // The record goes before the process. Another gateway holding this kernel sees its process end and
+    // restarts it unless the record is gone (watch_kernel): stopped first, the process could be seen ended
+    // while the removal still waited in the writer's queue. Bounded, so a store that does not answer does not
+    // keep a deleted kernel running.
+    auto limit = std::make_shared<boost::asio::steady_timer>(io_, store_removal_wait);
+    auto stop = [kernel, reason, limit] {
+        limit->cancel();
+        kernel->shutdown(reason);  // once: a second call finds the kernel stopping already
+    };
+    limit->async_wait([stop](const boost::system::error_code& error) {
+        if (!error)
+            stop();
+    });
+    writer_.after_pending(stop);
 }
 
 void KernelManager::detach_all() {

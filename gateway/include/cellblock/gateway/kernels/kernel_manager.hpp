@@ -9,6 +9,7 @@
 //   a crash         leaves them running too. A kernel whose gateway stays away longer than
 //                   orphan_timeout stops itself (CELLBLOCK_LEASE_S) and removes its workspace.
 #include <boost/asio/steady_timer.hpp>
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
@@ -140,6 +141,10 @@ class KernelManager {
     void forget_lost_kernel(const KernelRecord& record, const std::string& cause);
     void persist(const Kernel& kernel);
     void forget(const std::string& kernel_id);
+    // Shared store: shuts `kernel` down once its record's removal is committed (or after
+    // store_removal_wait), so that no other gateway takes its end for a crash and restarts it.
+    void stop_once_forgotten(const std::shared_ptr<Kernel>& kernel, const std::string& reason);
+    static constexpr std::chrono::milliseconds store_removal_wait{2000};
     void release_lease(const std::string& lease);
     // Whether find_or_attach must ask the store (shared store, and no live kernel of that id here).
     bool needs_store(const std::string& kernel_id) const;
