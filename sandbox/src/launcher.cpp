@@ -275,7 +275,35 @@ void clone_child(const detail::ChildPlan& plan, Process::Impl& impl) {
     impl.pidfd.reset(pidfd);
 }
 
-// The child reports {step, errno} and exits on failure; EOF means execve happened.
+// The words of read_child_failure's messages, which name the launch and its child.
+struct ChildStatusWords {
+    const char* read_failed;  // the error pipe could not be read (thrown, with errno)
+    const char* truncated;    // the report is shorter than a ChildFailure
+    const char* step_prefix;  // comes before "<step>: <error>"
+};
+
+// A child (launch's, or the template) reports {step, errno} on its error pipe and exits if a setup step
+// fails; end of file means its execve happened. Returns nothing then, else what the failure is.
+std::optional<std::string> read_child_failure(int error_read, const detail::StepNames& steps,
+                                              const ChildStatusWords& words) {
+    detail::ChildFailure failure{};
+    ssize_t got = 0;
+    do {
+        got = ::read(error_read, &failure, sizeof failure);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        throw_errno(words.read_failed);
+    }
+    if (got == 0) {
+        return std::nullopt;
+    }
+    if (got != sizeof failure) {
+        return std::string(words.truncated);
+    }
+    return words.step_prefix + steps.name(failure.step) + ": " + std::strerror(failure.error);
+}
+
+// What launch's child reported; one a template forked is first given error_pipe_timeout to report.
 std::optional<std::string> child_status(int error_read, bool through_template, Process::Impl& impl,
                                         const detail::StepNames& steps) {
     if (through_template && !wait_for_error_pipe(error_read)) {
@@ -284,21 +312,9 @@ std::optional<std::string> child_status(int error_read, bool through_template, P
                std::to_string(error_pipe_timeout.count()) +
                " s (the child hung in its setup, or the template kept its copy of the pipe)";
     }
-    detail::ChildFailure failure{};
-    ssize_t got = 0;
-    do {
-        got = ::read(error_read, &failure, sizeof failure);
-    } while (got < 0 && errno == EINTR);
-    if (got < 0) {
-        throw_errno("launch: read the child's status");
-    }
-    if (got == 0) {
-        return std::nullopt;
-    }
-    if (got != sizeof failure) {
-        return std::string("launch: the child reported a truncated error");
-    }
-    return steps.name(failure.step) + ": " + std::strerror(failure.error);
+    return read_child_failure(
+        error_read, steps,
+        {"launch: read the child's status", "launch: the child reported a truncated error", ""});
 }
 
 // The parent's half of the setup (id maps, cgroup), then the go on the sync pipe.
@@ -543,21 +559,12 @@ pid_t read_template_pid(int pid_read) {
 
 // Returns once the template's execve happened; throws the step it reported failing.
 void await_template_exec(int error_read, const detail::StepNames& steps) {
-    detail::ChildFailure failure{};
-    ssize_t got = 0;
-    do {
-        got = ::read(error_read, &failure, sizeof failure);
-    } while (got < 0 && errno == EINTR);
-    if (got < 0) {
-        throw_errno("launch_template: read the template's status");
+    if (auto failure = read_child_failure(
+            error_read, steps,
+            {"launch_template: read the template's status",
+             "launch_template: the template reported a truncated error", "zygote template: "})) {
+        throw SandboxError(*failure);
     }
-    if (got == 0) {
-        return;  // execve happened
-    }
-    if (got != sizeof failure) {
-        throw SandboxError("launch_template: the template reported a truncated error");
-    }
-    throw SandboxError("zygote template: " + steps.name(failure.step) + ": " + std::strerror(failure.error));
 }
 
 }  // namespace
