@@ -253,60 +253,221 @@ std::string normalized_base_url(std::string base) {
     return base;
 }
 
+// Declares --config, then hands the app on to SettingFlags, so that --help lists --config before the
+// settings' flags.
+CLI::App& with_config_option(CLI::App& app, std::optional<std::string>& config_file) {
+    app.add_option("--config", config_file,
+                   "JSON config file (keys as in docs/configuration.md); default: "
+                   "<prefix>/share/cellblock/gateway-config.json when it exists");
+    return app;
+}
+
+// The command line: --config, every setting's flag, the two print modes and the agent API's flags, in the
+// order --help lists them.
+struct CommandLine {
+    CLI::App app{"cellblock-gateway: Jupyter Kernel Gateway API (REST + WebSocket) for cellblock kernels"};
+    std::optional<std::string> config_file;
+    const SettingFlags setting_flags{with_config_option(app, config_file)};
+    bool print_config = false;
+    bool print_reference = false;
+    cellblock::gateway::agent::AgentConfig agent_config;
+
+    CommandLine() {
+        app.add_flag("--print-config", print_config, "print the effective configuration and exit");
+        app.add_flag("--print-config-reference", print_reference,
+                     "print the settings' reference (the generated part of docs/configuration.md) and exit");
+        cellblock::gateway::agent::add_agent_options(app, agent_config);
+        // An option that takes one value may be given again, and the last one counts (as in most command
+        // lines): start.sh passes its own --ip, --port and --state-dir before the user's (README: start.sh
+        // --port 9999).
+        for (CLI::Option* option : app.get_options()) {
+            if (option->get_items_expected_max() == 1) {
+                option->take_last();
+            }
+        }
+    }
+    CommandLine(const CommandLine&) = delete;
+    CommandLine& operator=(const CommandLine&) = delete;
+
+    // Nothing when the command line parsed; else the exit status after CLI11 said why (or printed --help).
+    std::optional<int> parse(int argc, char** argv) {
+        CLI11_PARSE(app, argc, argv);
+        return std::nullopt;
+    }
+};
+
+// The precedence, lowest first: compiled-in defaults, the config file (--config, else the installed one when
+// it exists), the environment, the command line; then the checks of the merged whole. Throws with the reason.
+void merge_configuration(GatewayConfig& config, const CommandLine& command_line) {
+    const std::string default_file = installed_data_dir() + "/cellblock/gateway-config.json";
+    if (command_line.config_file)
+        config.merge_file(*command_line.config_file);
+    else if (std::ifstream probe(default_file); probe.is_open())
+        config.merge_file(default_file);
+    config.merge_environment([](const std::string& name) -> std::optional<std::string> {
+        const char* value = std::getenv(name.c_str());
+        return value ? std::optional<std::string>(value) : std::nullopt;
+    });
+    command_line.setting_flags.apply(config);
+    config.base_url = normalized_base_url(config.base_url);
+    config.check_network();
+    config.check_zygote_tenant();
+    config.check_durations();
+}
+
+// What main() holds from before anything listens until it returns: the locked state directory, the store,
+// and the secret sealing the kernels' keys in it.
+struct DurableState {
+    std::unique_ptr<StateDirectory> state;
+    std::unique_ptr<SessionStore> store;
+    std::optional<StoreSecret> secret;  // also keys the digests of tenants' tokens (TenantDirectory)
+};
+
+// Locks the state directory, puts the paths that default into it in `config`, and opens the sealed store.
+// Throws with the reason; what was opened stays in `durable` (main()'s) all the same.
+void open_durable_state(GatewayConfig& config, DurableState& durable) {
+    durable.state = std::make_unique<StateDirectory>(
+        config.state_dir.empty() ? StateDirectory::default_path() : std::filesystem::path(config.state_dir));
+    const StateDirectory& state = *durable.state;
+    config.state_dir = state.path().string();
+    if (config.runtime_dir.empty())
+        config.runtime_dir = state.runtime_dir().string();
+    if (config.workspace_root.empty())
+        config.workspace_root = state.workspaces_dir().string();
+    // ipc:// endpoints are <runtime_dir>/k-<16 hex>-<port>, and a socket path must fit in sun_path.
+    if (config.runtime_dir.size() + 22 > 107)
+        throw std::runtime_error("runtime directory path " + config.runtime_dir +
+                                 " is too long for ipc sockets (at most 85 characters): choose a shorter "
+                                 "--state-dir or --runtime-dir");
+    if (auto refusal = config.store.empty() ? std::nullopt : unencrypted_remote_store(config.store))
+        throw std::runtime_error(*refusal);
+    if (!config.store.empty() && config.store_key_file.empty())
+        throw std::runtime_error(
+            "a PostgreSQL store needs --store-key-file: one secret, the same for every "
+            "gateway on the store, seals the kernels' keys in it (make one with "
+            "`openssl rand -hex 32 > FILE; chmod 600 FILE`)");
+    durable.secret = config.store_key_file.empty() ? StoreSecret::load(state.path() / "store-key", true)
+                                                   : StoreSecret::load(config.store_key_file, false);
+    durable.store = seal_kernel_keys(
+        config.store.empty() ? open_sqlite_store(state.store_file()) : open_postgres_store(config.store),
+        *durable.secret);
+}
+
+// SIGTERM (a service manager's stop or restart, an upgrade) leaves the kernels running for the next gateway
+// on this state directory; SIGINT (Ctrl-C at a terminal) stops them, as does SIGTERM with
+// --shutdown-kernels-on-exit. A crash leaves them running; their lease (--orphan-timeout) ends them.
+void stop_on_signal(boost::asio::signal_set& stop_signals, boost::asio::steady_timer& exit_timer,
+                    boost::asio::io_context& io, const GatewayConfig& config, const Logger& logger,
+                    HttpServer& server, KernelManager& kernels) {
+    stop_signals.async_wait([&exit_timer, &io, &config, &logger, &server, &kernels](
+                                const boost::system::error_code& error, int signal_number) {
+        if (error)
+            return;
+        const bool keep_kernels = signal_number == SIGTERM && !config.shutdown_kernels_on_exit;
+        logger.info("stopping",
+                    {{"signal", signal_number},
+                     {"kernels", keep_kernels ? "left running for the next gateway" : "stopped"}});
+        server.stop();
+        if (keep_kernels)
+            kernels.detach_all();
+        else
+            kernels.shutdown_all();
+        // A moment for WebSocket writes already queued: what a client was sent is what the next gateway does
+        // not replay.
+        exit_timer.expires_after(std::chrono::milliseconds(300));
+        exit_timer.async_wait([&io](const boost::system::error_code&) { io.stop(); });
+    });
+}
+
+// The readiness line, with the token when the gateway made it up.
+void announce_ready(const GatewayConfig& config, bool tls, std::uint16_t port, bool generated_token) {
+    const std::string scheme = tls ? "https" : "http";
+    std::string url = scheme + "://" +
+                      (config.ip.find(':') != std::string::npos ? "[" + config.ip + "]" : config.ip) + ":" +
+                      std::to_string(port) + config.base_url;
+    if (url.ends_with('/'))
+        url.pop_back();
+    // AutoGen waits for "is available at" on stderr, OpenHands reads stdout: say it on both (once on a
+    // terminal, where both are the same file).
+    std::string ready_line =
+        "[cellblock-gateway] cellblock-gateway " CELLBLOCK_GATEWAY_VERSION " is available at " + url;
+    if (generated_token)
+        ready_line +=
+            "\n[cellblock-gateway] token: " + *config.token + "\n    " + url + "/api?token=" + *config.token;
+    std::cout << ready_line << std::endl;
+    if (!same_file(STDOUT_FILENO, STDERR_FILENO))
+        std::cerr << ready_line << std::endl;
+}
+
+// Builds every part of the gateway (each after the ones it uses), listens, says it is ready and serves until
+// a stop signal has been handled. Throws what any part throws.
+void serve(const GatewayConfig& config, const Logger& logger, const DurableState& durable,
+           const cellblock::gateway::agent::AgentConfig& agent_config, bool generated_token) {
+    boost::asio::io_context io(1);
+    GatewayMetrics metrics;  // before every owner that counts in it or samples for it
+    StoreWriter writer(io, logger, *durable.store);
+    KernelSpecRegistry kernelspecs(config.effective_kernelspec_dirs(), config.kernel_aliases,
+                                   config.default_kernel_name);
+    if (!kernelspecs.find(config.default_kernel_name))
+        logger.warn("default_kernelspec_missing",
+                    {{"name", config.default_kernel_name}, {"searched", config.effective_kernelspec_dirs()}});
+    KernelManager kernels(io, logger, config, kernelspecs, writer, metrics);
+    JupyterSessionManager sessions(writer);
+    TenantDirectory tenants(writer, *durable.secret);
+    tenants.load();
+    tenants.follow_shared_store(io);
+    const TokenAuthenticator auth(*config.token, &tenants);
+    const CorsPolicy cors(config);
+    TenantQuotas quotas(tenants, kernels, writer,
+                        static_cast<std::int64_t>(agent_config.default_limits.memory_mb));
+    GatewayServices services{io,     logger, config, kernelspecs, kernels, sessions,
+                             writer, auth,   cors,   metrics,     quotas};
+    Router router;
+    register_jupyter_api(router, services);
+    register_metrics_endpoint(router, services);
+    cellblock::gateway::agent::AgentService agent_service(services, agent_config);
+    register_tenant_api(router, services, tenants, [&agent_service](const std::string& tenant) {
+        agent_service.end_sessions_of(tenant);
+    });
+    agent_service.register_routes(router);
+    HttpServer server(io, logger, config, router, auth, cors, metrics);
+    const std::uint16_t port = server.listen(config.ip, config.port);
+    kernels.start();
+    sessions.load([&kernels](const std::string& kernel_id) { return kernels.known(kernel_id); });
+    agent_service.start();
+
+    boost::asio::signal_set stop_signals(io, SIGINT, SIGTERM);
+    boost::asio::steady_timer exit_timer(io);
+    stop_on_signal(stop_signals, exit_timer, io, config, logger, server, kernels);
+    announce_ready(config, server.tls(), port, generated_token);
+
+    run_serving(io, logger);
+    kernels.shutdown_all();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     const bool heap_policy_set = keep_message_buffers_on_the_heap();
-    CLI::App app{"cellblock-gateway: Jupyter Kernel Gateway API (REST + WebSocket) for cellblock kernels"};
-    std::optional<std::string> config_file;
-    app.add_option("--config", config_file,
-                   "JSON config file (keys as in docs/configuration.md); default: "
-                   "<prefix>/share/cellblock/gateway-config.json when it exists");
-    const SettingFlags setting_flags(app);
-    bool print_config = false;
-    bool print_reference = false;
-    app.add_flag("--print-config", print_config, "print the effective configuration and exit");
-    app.add_flag("--print-config-reference", print_reference,
-                 "print the settings' reference (the generated part of docs/configuration.md) and exit");
-    cellblock::gateway::agent::AgentConfig agent_config;
-    cellblock::gateway::agent::add_agent_options(app, agent_config);
-    // An option that takes one value may be given again, and the last one counts (as in most command lines):
-    // start.sh passes its own --ip, --port and --state-dir before the user's (README: start.sh --port 9999).
-    for (CLI::Option* option : app.get_options()) {
-        if (option->get_items_expected_max() == 1) {
-            option->take_last();
-        }
-    }
-    CLI11_PARSE(app, argc, argv);
-    if (print_reference) {
-        std::cout << configuration_reference() << agent_reference(app);
+    CommandLine command_line;
+    if (const auto exit_status = command_line.parse(argc, argv))
+        return *exit_status;
+    if (command_line.print_reference) {
+        std::cout << configuration_reference() << agent_reference(command_line.app);
         return 0;
     }
-    warn_of_secrets_on_the_command_line(setting_flags);
+    warn_of_secrets_on_the_command_line(command_line.setting_flags);
     // The agent API's default limits are the kernel's own, so warm-pool kernels can serve default sessions.
-    agent_config.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");
+    command_line.agent_config.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");
 
     GatewayConfig config;
     try {
-        const std::string default_file = installed_data_dir() + "/cellblock/gateway-config.json";
-        if (config_file)
-            config.merge_file(*config_file);
-        else if (std::ifstream probe(default_file); probe.is_open())
-            config.merge_file(default_file);
-        config.merge_environment([](const std::string& name) -> std::optional<std::string> {
-            const char* value = std::getenv(name.c_str());
-            return value ? std::optional<std::string>(value) : std::nullopt;
-        });
-        setting_flags.apply(config);
-        config.base_url = normalized_base_url(config.base_url);
-        config.check_network();
-        config.check_zygote_tenant();
-        config.check_durations();
+        merge_configuration(config, command_line);
     } catch (const std::exception& error) {
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
         return 2;
     }
-    if (print_config) {
+    if (command_line.print_config) {
         std::cout << config.to_json().dump(2) << "\n";
         return 0;
     }
@@ -330,35 +491,9 @@ int main(int argc, char** argv) {
 
     // The state directory is locked and the store opened before anything listens: a second gateway on the
     // same directory, or a store that cannot be read, stops here with the reason and a non-zero status.
-    std::unique_ptr<StateDirectory> state;
-    std::unique_ptr<SessionStore> store;
-    std::optional<StoreSecret> secret;  // also keys the digests of tenants' tokens (TenantDirectory)
+    DurableState durable;
     try {
-        state = std::make_unique<StateDirectory>(config.state_dir.empty()
-                                                     ? StateDirectory::default_path()
-                                                     : std::filesystem::path(config.state_dir));
-        config.state_dir = state->path().string();
-        if (config.runtime_dir.empty())
-            config.runtime_dir = state->runtime_dir().string();
-        if (config.workspace_root.empty())
-            config.workspace_root = state->workspaces_dir().string();
-        // ipc:// endpoints are <runtime_dir>/k-<16 hex>-<port>, and a socket path must fit in sun_path.
-        if (config.runtime_dir.size() + 22 > 107)
-            throw std::runtime_error("runtime directory path " + config.runtime_dir +
-                                     " is too long for ipc sockets (at most 85 characters): choose a shorter "
-                                     "--state-dir or --runtime-dir");
-        if (auto refusal = config.store.empty() ? std::nullopt : unencrypted_remote_store(config.store))
-            throw std::runtime_error(*refusal);
-        if (!config.store.empty() && config.store_key_file.empty())
-            throw std::runtime_error(
-                "a PostgreSQL store needs --store-key-file: one secret, the same for every "
-                "gateway on the store, seals the kernels' keys in it (make one with "
-                "`openssl rand -hex 32 > FILE; chmod 600 FILE`)");
-        secret = config.store_key_file.empty() ? StoreSecret::load(state->path() / "store-key", true)
-                                               : StoreSecret::load(config.store_key_file, false);
-        store = seal_kernel_keys(
-            config.store.empty() ? open_sqlite_store(state->store_file()) : open_postgres_store(config.store),
-            *secret);
+        open_durable_state(config, durable);
     } catch (const std::exception& error) {
         logger.error("cannot_start", {{"error", error.what()}});
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
@@ -366,81 +501,7 @@ int main(int argc, char** argv) {
     }
 
     try {
-        boost::asio::io_context io(1);
-        GatewayMetrics metrics;  // before every owner that counts in it or samples for it
-        StoreWriter writer(io, logger, *store);
-        KernelSpecRegistry kernelspecs(config.effective_kernelspec_dirs(), config.kernel_aliases,
-                                       config.default_kernel_name);
-        if (!kernelspecs.find(config.default_kernel_name))
-            logger.warn("default_kernelspec_missing", {{"name", config.default_kernel_name},
-                                                       {"searched", config.effective_kernelspec_dirs()}});
-        KernelManager kernels(io, logger, config, kernelspecs, writer, metrics);
-        JupyterSessionManager sessions(writer);
-        TenantDirectory tenants(writer, *secret);
-        tenants.load();
-        tenants.follow_shared_store(io);
-        const TokenAuthenticator auth(*config.token, &tenants);
-        const CorsPolicy cors(config);
-        TenantQuotas quotas(tenants, kernels, writer,
-                            static_cast<std::int64_t>(agent_config.default_limits.memory_mb));
-        GatewayServices services{io,     logger, config, kernelspecs, kernels, sessions,
-                                 writer, auth,   cors,   metrics,     quotas};
-        Router router;
-        register_jupyter_api(router, services);
-        register_metrics_endpoint(router, services);
-        cellblock::gateway::agent::AgentService agent_service(services, agent_config);
-        register_tenant_api(router, services, tenants, [&agent_service](const std::string& tenant) {
-            agent_service.end_sessions_of(tenant);
-        });
-        agent_service.register_routes(router);
-        HttpServer server(io, logger, config, router, auth, cors, metrics);
-        const std::uint16_t port = server.listen(config.ip, config.port);
-        kernels.start();
-        sessions.load([&kernels](const std::string& kernel_id) { return kernels.known(kernel_id); });
-        agent_service.start();
-
-        // SIGTERM (a service manager's stop or restart, an upgrade) leaves the kernels running for the next
-        // gateway on this state directory; SIGINT (Ctrl-C at a terminal) stops them, as does SIGTERM with
-        // --shutdown-kernels-on-exit. A crash leaves them running; their lease (--orphan-timeout) ends them.
-        boost::asio::signal_set stop_signals(io, SIGINT, SIGTERM);
-        boost::asio::steady_timer exit_timer(io);
-        stop_signals.async_wait([&](const boost::system::error_code& error, int signal_number) {
-            if (error)
-                return;
-            const bool keep_kernels = signal_number == SIGTERM && !config.shutdown_kernels_on_exit;
-            logger.info("stopping",
-                        {{"signal", signal_number},
-                         {"kernels", keep_kernels ? "left running for the next gateway" : "stopped"}});
-            server.stop();
-            if (keep_kernels)
-                kernels.detach_all();
-            else
-                kernels.shutdown_all();
-            // A moment for WebSocket writes already queued: what a client was sent is what the next gateway
-            // does not replay.
-            exit_timer.expires_after(std::chrono::milliseconds(300));
-            exit_timer.async_wait([&io](const boost::system::error_code&) { io.stop(); });
-        });
-
-        const std::string scheme = server.tls() ? "https" : "http";
-        std::string url = scheme + "://" +
-                          (config.ip.find(':') != std::string::npos ? "[" + config.ip + "]" : config.ip) +
-                          ":" + std::to_string(port) + config.base_url;
-        if (url.ends_with('/'))
-            url.pop_back();
-        // AutoGen waits for "is available at" on stderr, OpenHands reads stdout: say it on both (once on a
-        // terminal, where both are the same file).
-        std::string ready_line =
-            "[cellblock-gateway] cellblock-gateway " CELLBLOCK_GATEWAY_VERSION " is available at " + url;
-        if (generated_token)
-            ready_line += "\n[cellblock-gateway] token: " + *config.token + "\n    " + url +
-                          "/api?token=" + *config.token;
-        std::cout << ready_line << std::endl;
-        if (!same_file(STDOUT_FILENO, STDERR_FILENO))
-            std::cerr << ready_line << std::endl;
-
-        run_serving(io, logger);
-        kernels.shutdown_all();
+        serve(config, logger, durable, command_line.agent_config, generated_token);
     } catch (const std::exception& error) {
         logger.error("fatal", {{"error", error.what()}});
         std::cerr << "cellblock-gateway: " << error.what() << "\n";
