@@ -338,6 +338,38 @@ def test_orphaned_kernel_stops_itself_and_removes_its_workspace(tmp_path):
         second.stop()
 
 
+def test_a_kernel_its_gateway_died_before_recording_is_stopped_by_the_next_gateway(tmp_path):
+    state = tmp_path / "state"
+    first = AgentGateway(state, tmp_path / "first.log", "--warm-pool", "0", keep_kernels=True)
+    try:
+        kernel_id = first.request("POST", "/api/kernels", json={}).json()["id"]
+        running = wait_until(lambda: kernels_all_recorded(state), 30, "the kernel to be recorded")
+        processes = {}
+        for pid in running:
+            processes.update(process_tree(pid))
+        assert len(processes) >= 2, processes  # the kernel and its worker
+    finally:
+        kill_9(first)
+    # The window this recreates: the store writer commits a kernel's record just after its spawn, so a gateway
+    # killed in between leaves a running kernel that no record names.
+    with sqlite3.connect(state / "store.sqlite3") as store:
+        store.execute("DELETE FROM kernels WHERE id = ?", (kernel_id,))
+    connection_files = list(state.rglob(f"kernel-{kernel_id}.json"))
+    assert connection_files, "the kernel's connection file is not in the state directory"
+    workspace = state / "workspaces" / kernel_id
+    assert workspace.exists()
+
+    second = AgentGateway(state, tmp_path / "second.log")
+    try:
+        # From the host: the kernel and its worker end now, not after the 10-minute orphan lease.
+        wait_until(lambda: not still_alive(processes), 20, "the unrecorded kernel and its worker to stop")
+        assert not any(path.exists() for path in connection_files)
+        wait_until(lambda: not workspace.exists(), 10, "the unrecorded kernel's workspace to be removed")
+        assert second.request("GET", f"/api/kernels/{kernel_id}").status_code == 404
+    finally:
+        second.stop()
+
+
 def test_kernels_killed_behind_the_gateways_back_are_reported_lost(tmp_path):
     state = tmp_path / "state"
     first = AgentGateway(state, tmp_path / "first.log", keep_kernels=True)

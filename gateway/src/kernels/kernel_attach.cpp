@@ -2,8 +2,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <system_error>
+#include <zmq.hpp>
 
+#include "cellblock/gateway/common/crypto.hpp"
+#include "cellblock/gateway/jupyter/jupyter_message.hpp"
 #include "cellblock/gateway/kernels/kernel_manager.hpp"
 
 // KernelManager: the kernels recorded in the store. At start the ones this gateway left running are
@@ -17,7 +21,12 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 void KernelManager::readopt_recorded_kernels() {
-    for (const KernelRecord& record : writer_.store().kernels()) {
+    const auto records = writer_.store().kernels();
+    std::set<std::string> recorded;
+    for (const KernelRecord& record : records)
+        recorded.insert(record.id);
+    stop_unrecorded_kernels(recorded);
+    for (const KernelRecord& record : records) {
         // Another gateway's kernel (a shared store): it is attached on demand, never taken at start.
         if (!record.owner.empty() && record.owner != owner_)
             continue;
@@ -47,6 +56,51 @@ void KernelManager::readopt_recorded_kernels() {
     }
     if (!every_kernel_.empty())
         logger_.info("kernels_readopting", {{"count", every_kernel_.size()}});
+}
+
+void KernelManager::stop_unrecorded_kernels(const std::set<std::string>& recorded) {
+    // A kernel is recorded just after its spawn, on the store's writer thread: a gateway killed in between
+    // leaves a kernel no record names, which would run until its orphan lease ran out. Its connection file
+    // in this runtime directory still names its sockets and key, so it is asked to shut down like any kernel.
+    std::error_code error;
+    for (const auto& entry : fs::directory_iterator(runtime_dir_, error)) {
+        const std::string name = entry.path().filename().string();
+        if (!name.starts_with("kernel-") || entry.path().extension() != ".json")
+            continue;
+        const std::string id = entry.path().stem().string().substr(std::string_view("kernel-").size());
+        if (recorded.contains(id))
+            continue;
+        request_shutdown(entry.path());
+        logger_.warn(
+            "kernel_unrecorded_stopped",
+            {{"kernel_id", id}, {"cause", "no record names it (its gateway ended before recording it)"}});
+        std::error_code ignored;
+        fs::remove(entry.path(), ignored);
+        fs::remove(runtime_dir_ / ("kernel-" + id + ".log"), ignored);
+        if (fs::is_directory(workspace_root_ / id, ignored))
+            remove_workspace(workspace_root_ / id, logger_);
+    }
+}
+
+void KernelManager::request_shutdown(const fs::path& connection_file) {
+    try {
+        std::ifstream file(connection_file);
+        const json connection = json::parse(file);
+        KernelEndpoints endpoints;
+        endpoints.base = connection.at("ip").get<std::string>();
+        zmq::socket_t control(zmq_context_, zmq::socket_type::dealer);
+        control.set(zmq::sockopt::linger, 200);  // a kernel already gone must not hold up the gateway's exit
+        control.connect(endpoints.endpoint(KernelEndpoints::control));
+        const HmacSigner signer(connection.at("key").get<std::string>());
+        const auto frames = encode_wire(
+            make_message(Channel::control, "shutdown_request", {{"restart", false}}, new_uuid()), signer);
+        for (std::size_t index = 0; index < frames.size(); ++index)
+            control.send(zmq::buffer(frames[index]),
+                         index + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    } catch (const std::exception& failure) {
+        logger_.error("kernel_shutdown_request_failed",
+                      {{"connection_file", connection_file.string()}, {"error", failure.what()}});
+    }
 }
 
 std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& record, const KernelSpec& spec) {
