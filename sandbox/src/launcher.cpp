@@ -571,8 +571,11 @@ void await_template_exec(int error_read, const detail::StepNames& steps) {
 
 struct Template::Impl {
     pid_t pid = 0;
-    detail::CgroupSession cgroups;        // empty without TemplateRequest::limits
-    std::filesystem::path own_workspace;  // removed with this object when it owns the template (limits set)
+    // Declared before the cgroup, so released after it: once the destructor's body and the cgroup's removal
+    // have ended the template, never while it runs in the skeleton.
+    detail::SkeletonClaim skeleton_claim;  // empty without TemplateRequest::limits
+    detail::CgroupSession cgroups;         // empty without TemplateRequest::limits
+    std::filesystem::path own_workspace;   // removed with this object when it owns the template (limits set)
     Impl() = default;
     Impl(const Impl&) = delete;
     Impl& operator=(const Impl&) = delete;
@@ -613,8 +616,11 @@ Template Launcher::launch_template(const TemplateRequest& request) {
     plan.new_cgroup_namespace = false;
     plan_base_steps(policy, request.argv.front(), "wait for the launcher", policy.workspace_target, steps,
                     plan);
-    auto skeleton = detail::RootSkeleton::prepare(policy, request.name, workspace, steps, plan);
     auto impl = std::make_unique<Template::Impl>();
+    if (request.limits) {
+        impl->skeleton_claim = detail::SkeletonClaim::acquire(policy.state_dir, request.name);
+    }
+    auto skeleton = detail::RootSkeleton::prepare(policy, request.name, workspace, steps, plan);
     if (request.limits) {
         // Its own memory and pids limits, accounted apart from every kernel's (the pages its forks share stay
         // charged here).

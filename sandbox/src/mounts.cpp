@@ -1,6 +1,7 @@
 #include "mounts.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -120,6 +121,68 @@ RootSkeleton::~RootSkeleton() {
 void RootSkeleton::remove() noexcept {
     // Kept for the next launch with this uid (see the class comment); only forget it.
     path_.clear();
+}
+
+SkeletonClaim::SkeletonClaim(SkeletonClaim&& other) noexcept
+    : lock_(std::move(other.lock_)), skeleton_(std::move(other.skeleton_)) {}
+
+SkeletonClaim& SkeletonClaim::operator=(SkeletonClaim&& other) noexcept {
+    if (this != &other) {
+        release();
+        lock_ = std::move(other.lock_);
+        skeleton_ = std::move(other.skeleton_);
+    }
+    return *this;
+}
+
+SkeletonClaim::~SkeletonClaim() {
+    release();
+}
+
+SkeletonClaim SkeletonClaim::acquire(const fs::path& state_dir, const std::string& name) {
+    const auto roots = state_dir / "roots";
+    make_directories(roots, 0711);
+    const auto lock_path = roots / (name + ".lock");
+    for (;;) {
+        UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+        if (!lock) {
+            throw_errno("root skeleton: open " + lock_path.string());
+        }
+        while (::flock(lock.get(), LOCK_SH) != 0) {
+            if (errno != EINTR) {
+                throw_errno("root skeleton: flock " + lock_path.string());
+            }
+        }
+        // The last holder unlinks the file under its exclusive lock: a file we opened before that and locked
+        // after it is no longer the one the next template finds, so take the one there now.
+        struct stat held {};
+        struct stat named {};
+        if (::fstat(lock.get(), &held) != 0) {
+            throw_errno("root skeleton: fstat " + lock_path.string());
+        }
+        if (::lstat(lock_path.c_str(), &named) == 0 && named.st_dev == held.st_dev &&
+            named.st_ino == held.st_ino) {
+            return SkeletonClaim(std::move(lock), roots / name);
+        }
+    }
+}
+
+void SkeletonClaim::release() noexcept {
+    if (!lock_) {
+        return;
+    }
+    // The conversion drops our shared lock and takes the exclusive one only if no other holder is left (one
+    // step under the file's lock list); a holder that fails has let go, so of several that end at once the
+    // last one removes.
+    if (::flock(lock_.get(), LOCK_EX | LOCK_NB) == 0) {
+        std::error_code ignored;
+        // The fingerprint first: a skeleton without it is rebuilt, never taken as whole.
+        fs::remove(skeleton_.string() + ".fingerprint", ignored);
+        fs::remove_all(skeleton_, ignored);
+        fs::remove(skeleton_.string() + ".lock", ignored);
+    }
+    lock_.reset();
+    skeleton_.clear();
 }
 
 namespace {

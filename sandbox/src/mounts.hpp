@@ -8,6 +8,7 @@
 
 #include "cellblock/sandbox/sandbox.hpp"
 #include "child.hpp"
+#include "unique_fd.hpp"
 
 namespace cellblock::sandbox::detail {
 
@@ -34,6 +35,36 @@ class RootSkeleton {
     explicit RootSkeleton(std::filesystem::path path) : path_(std::move(path)) {}
     void remove() noexcept;
     std::filesystem::path path_;
+};
+
+// An owned template's share of its root skeleton <state_dir>/roots/<name> (with <name>.fingerprint): every
+// template started under that name uses the one skeleton, and their lives overlap (a tenant's retired
+// generation serves its last workers while the next one runs; during a gateway restart two template services
+// of one tenant may each run one). Each holds a shared flock on <name>.lock for its life, and the last to let
+// go (the only one that then gets the exclusive lock) removes the skeleton, its fingerprint and the lock
+// file. Workers need no share: a template's fork enters the host's mount namespace before it clones
+// (src/zygote_spawn.cpp) and roots itself in its own roots/<uid>, so the template's skeleton can go as soon
+// as its last template has ended, while workers forked from it run on. A template nobody owns (a kernel
+// without a supervisor starts it and lets it go) holds no share and removes nothing; its skeleton is reused
+// by the next one, as its workspace is.
+class SkeletonClaim {
+  public:
+    SkeletonClaim() = default;
+    SkeletonClaim(SkeletonClaim&&) noexcept;
+    SkeletonClaim& operator=(SkeletonClaim&&) noexcept;
+    SkeletonClaim(const SkeletonClaim&) = delete;
+    SkeletonClaim& operator=(const SkeletonClaim&) = delete;
+    ~SkeletonClaim();
+
+    // Before RootSkeleton::prepare: a last holder that is removing the skeleton finishes first.
+    static SkeletonClaim acquire(const std::filesystem::path& state_dir, const std::string& name);
+
+  private:
+    SkeletonClaim(UniqueFd lock, std::filesystem::path skeleton) noexcept
+        : lock_(std::move(lock)), skeleton_(std::move(skeleton)) {}
+    void release() noexcept;
+    UniqueFd lock_;
+    std::filesystem::path skeleton_;
 };
 
 }  // namespace cellblock::sandbox::detail

@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "cellblock/sandbox/sandbox.hpp"
+#include "mounts.hpp"
 #include "plan_codec.hpp"
 
 namespace sb = cellblock::sandbox;
@@ -640,4 +641,83 @@ TEST_F(ZygoteLaunchTest, AWorkerOutlivesItsTemplateAndItsEndComesFromThePidfd) {
     EXPECT_EQ(outcome.reason, sb::Outcome::Reason::exited) << outcome.describe();
     EXPECT_EQ(outcome.exit_code, 0) << "the status came from PIDFD_INFO_EXIT, not a guess";
     ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0), 0);
+}
+
+// The root skeleton of templates of one name (src/mounts.hpp SkeletonClaim) goes with the last claim on it,
+// never with an earlier one, and other names' skeletons stay.
+TEST(SkeletonClaim, TheLastClaimOfANameRemovesItsSkeletonAndNoEarlierOne) {
+    std::string pattern = (fs::temp_directory_path() / "cellblock-skeleton-claim-XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    const fs::path state = pattern;
+    const auto roots = state / "roots";
+    auto first = detail::SkeletonClaim::acquire(state, "zygote-t");
+    auto second = detail::SkeletonClaim::acquire(state, "zygote-t");
+    for (const char* name : {"zygote-t", "zygote-other"}) {
+        fs::create_directories(roots / name / "usr");
+        std::ofstream(roots / (std::string(name) + ".fingerprint")) << "1\n";
+    }
+    EXPECT_TRUE(fs::exists(roots / "zygote-t.lock"));
+
+    first = detail::SkeletonClaim();
+    EXPECT_TRUE(fs::is_directory(roots / "zygote-t/usr")) << "another template still uses it";
+    EXPECT_TRUE(fs::exists(roots / "zygote-t.fingerprint"));
+
+    second = detail::SkeletonClaim();
+    for (const char* left : {"zygote-t", "zygote-t.fingerprint", "zygote-t.lock"}) {
+        EXPECT_FALSE(fs::exists(roots / left)) << left;
+    }
+    EXPECT_TRUE(fs::is_directory(roots / "zygote-other/usr"));
+    EXPECT_TRUE(fs::exists(roots / "zygote-other.fingerprint"));
+
+    // A name claimed again after its removal gets a lock file of its own again.
+    auto again = detail::SkeletonClaim::acquire(state, "zygote-t");
+    EXPECT_TRUE(fs::exists(roots / "zygote-t.lock"));
+    again = detail::SkeletonClaim();
+    EXPECT_FALSE(fs::exists(roots / "zygote-t.lock"));
+    fs::remove_all(state);
+}
+
+// An owned template (TemplateRequest::limits) leaves nothing of itself in the state directory once it has
+// ended and its Template is gone; one nobody owns leaves its skeleton for the next of its name.
+TEST_F(ZygoteLaunchTest, AnOwnedTemplatesRootSkeletonGoesWithIt) {
+    policy_.state_dir = directory_ / "state";
+    sb::Launcher launcher(policy_);
+    const auto roots = policy_.state_dir / "roots";
+    for (const bool owned : {true, false}) {
+        const std::string name = owned ? "zygote-unit-owned" : "zygote-unit-unowned";
+        const int listening = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        ASSERT_GE(listening, 0);
+        sockaddr_un address{};
+        address.sun_family = AF_UNIX;
+        const auto socket_path = (directory_ / (name + ".sock")).string();
+        std::strncpy(address.sun_path, socket_path.c_str(), sizeof address.sun_path - 1);
+        ASSERT_EQ(::bind(listening, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+        ASSERT_EQ(::listen(listening, 16), 0);
+        sb::TemplateRequest request;
+        request.name = name;
+        request.argv = {"/opt/probe/" + fs::path(CELLBLOCK_ZYGOTE_TEST_TEMPLATE).filename().string(),
+                        "--from-fds"};
+        request.listening_socket = listening;
+        request.zygote_library = CELLBLOCK_ZYGOTE_LIBRARY;
+        if (owned) {
+            request.limits = policy_.limits;
+        }
+        {
+            auto started = launcher.launch_template(request);
+            ::close(listening);
+            const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, started.pid(), 0));
+            ASSERT_GE(pidfd, 0);
+            EXPECT_TRUE(fs::is_directory(roots / name)) << name;
+            EXPECT_TRUE(fs::exists(roots / (name + ".fingerprint"))) << name;
+            ::syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
+            pollfd ended{pidfd, POLLIN, 0};
+            EXPECT_EQ(::poll(&ended, 1, 10000), 1);
+            ::close(pidfd);
+        }
+        for (const auto& left : {name, name + ".fingerprint"}) {
+            EXPECT_EQ(fs::exists(roots / left), !owned) << left;
+        }
+        EXPECT_FALSE(fs::exists(roots / (name + ".lock"))) << name;
+        EXPECT_FALSE(fs::exists(policy_.state_dir / "templates" / name) && owned) << name;
+    }
 }

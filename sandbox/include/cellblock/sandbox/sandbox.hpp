@@ -153,8 +153,9 @@ struct TemplateRequest {
 
 // A started zygote template. It is not the caller's child (a double fork; a PR_SET_CHILD_SUBREAPER caller
 // becomes its parent). With TemplateRequest::limits this object owns the template's cgroup and empty
-// workspace: the destructor kills whatever is still in the cgroup and removes both, so end the template (or
-// wait for its end) first.
+// workspace, and a share of its root skeleton (<state_dir>/roots/<name>, which templates of the same name
+// share): the destructor kills whatever is still in the cgroup and removes both, and the last share of the
+// skeleton removes it, so end the template (or wait for its end) first.
 class Template {
   public:
     Template(Template&&) noexcept;
