@@ -175,6 +175,18 @@ def wait_ended(pids, timeout) -> list:
             os.close(fd)
 
 
+def left_of_templates(policy, tenant) -> list:
+    """What is left in the sandbox's state directory of the tenant's templates once their service has ended: the
+    service removes its socket and log, and each template (sandbox::Template) its empty workspace and, the last
+    of its name, its root skeleton (sandbox/src/mounts.hpp SkeletonClaim). Every gateway has an operator tenant of
+    its own, so whatever a stopped gateway's templates leave piles up there."""
+    state = cellblock_zygote.state_dir(policy)
+    name = f"zygote-{tenant}"
+    paths = [state / f"{name}.sock", state / f"{name}.log", state / "templates" / name, state / "roots" / name,
+             state / "roots" / f"{name}.fingerprint", state / "roots" / f"{name}.lock"]
+    return [str(path) for path in paths if path.exists()]
+
+
 def forked_kernel(gateway, policy, token=None, name=None):
     """A kernel started as the token's owner whose worker is a fork of its tenant's template: (id, tenant)."""
     token = token or gateway.token
@@ -229,13 +241,14 @@ def test_a_tenants_template_stops_after_its_last_kernel_and_none_outlives_ctrl_c
     # Not before the grace (a restart or the tenant's next session finds it), and soon after it.
     assert wait_ended(tenant_processes, TEMPLATE_GRACE_S / 2) == sorted(tenant_processes)
     assert wait_ended(tenant_processes, TEMPLATE_GRACE_S + 30) == []
-    # Nothing of it is left in the sandbox's state directory: its socket and its empty workspace.
-    state = cellblock_zygote.state_dir(policy)
-    assert not (state / f"zygote-{tenant}.sock").exists() and not (state / "templates" / f"zygote-{tenant}").exists()
+    # Nothing of it is left in the sandbox's state directory: its socket, log, empty workspace and root skeleton.
+    assert left_of_templates(policy, tenant) == []
     assert wait_ended(operator_processes, 0) == sorted(operator_processes)  # the operator's kernel still runs
+    assert left_of_templates(policy, operator_tenant) != []  # (what the check looks for while it runs)
 
     gateway.stop(signal.SIGINT)
     assert wait_ended(operator_processes, 10) == []
+    assert left_of_templates(policy, operator_tenant) == []
 
 
 def test_a_gateway_killed_with_sigkill_leaves_no_template_behind(make_gateway):
@@ -248,8 +261,10 @@ def test_a_gateway_killed_with_sigkill_leaves_no_template_behind(make_gateway):
     try:
         gateway.process.kill()
         gateway.process.wait()
-        # The service sees its parent end (a pidfd), retires the template and kills it after a short wait.
+        # The service sees its parent end (a pidfd), retires the template and kills it after a short wait, and
+        # leaves nothing of it behind.
         assert wait_ended(service_processes, 20) == []
+        assert left_of_templates(policy, tenant) == []
     finally:
         for pid in kernel_tree:  # a killed gateway leaves its kernels for the next one (gateway/README.md)
             try:

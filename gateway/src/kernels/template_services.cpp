@@ -93,11 +93,13 @@ void TemplateServices::start(const std::string& tenant, const std::string& kerne
                 owner->off_.insert(found->second.config);
             else
                 owner->logger_.info("zygote_service_ended", {{"tenant", tenant}, {"exit", exit.describe()}});
+            std::error_code ignored;
+            fs::remove(found->second.output, ignored);
             owner->services_.erase(found);
         });
     });
     logger_.info("zygote_service_started", {{"tenant", tenant}, {"pid", pid}});
-    services_[tenant] = Service{std::move(process), config, 0, nullptr};
+    services_[tenant] = Service{std::move(process), config, 0, nullptr, output};
 }
 
 void TemplateServices::release(const std::string& tenant) {
@@ -135,6 +137,10 @@ void TemplateServices::stop_all(std::chrono::milliseconds timeout) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
         service.process->wait_for_exit(std::max(left, std::chrono::milliseconds(0)));
+    }
+    for (auto& [tenant, service] : services_) {
+        std::error_code ignored;
+        fs::remove(service.output, ignored);
     }
     services_.clear();
 }

@@ -69,6 +69,44 @@ UniqueFd parent_pidfd() {
     return fd;
 }
 
+// The tenant's template log this service writes (<state_dir>/zygote-<tenant>.log): a file of its own, renamed
+// into place, and removed when the service ends unless another service of the tenant (the next gateway's) has
+// put its own there since. Every gateway has its own operator tenant, so logs left behind piled up in the
+// state directory.
+class ServiceLog {
+  public:
+    explicit ServiceLog(std::filesystem::path path) : path_(std::move(path)) {
+        const auto fresh = path_.parent_path() /
+                           ("." + path_.filename().string() + "." + std::to_string(::getpid()) + ".new");
+        ::unlink(fresh.c_str());  // a leftover of a service that died here (ENOENT otherwise)
+        fd_ = UniqueFd(
+            ::open(fresh.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600));
+        if (!fd_) {
+            throw system_error("open " + fresh.string());
+        }
+        if (::rename(fresh.c_str(), path_.c_str()) != 0) {
+            const auto error = system_error("rename " + fresh.string() + " to " + path_.string());
+            ::unlink(fresh.c_str());
+            throw error;
+        }
+    }
+    ServiceLog(const ServiceLog&) = delete;
+    ServiceLog& operator=(const ServiceLog&) = delete;
+    ~ServiceLog() {
+        struct stat ours {};
+        struct stat named {};
+        if (::fstat(fd_.get(), &ours) == 0 && ::lstat(path_.c_str(), &named) == 0 &&
+            ours.st_dev == named.st_dev && ours.st_ino == named.st_ino) {
+            ::unlink(path_.c_str());
+        }
+    }
+    int fd() const noexcept { return fd_.get(); }
+
+  private:
+    std::filesystem::path path_;
+    UniqueFd fd_;
+};
+
 // One generation of the tenant's template: its process (and cgroup) and the pipe its log lines come through.
 struct Generation {
     sandbox::Template process;
@@ -100,7 +138,7 @@ class Service {
     TemplateSpec spec_;
     std::vector<std::string> argv_;
     std::vector<std::string> environment_;
-    UniqueFd log_file_;
+    ServiceLog log_file_;
     UniqueFd signals_;
     UniqueFd parent_;
     std::vector<std::unique_ptr<Generation>>
@@ -116,15 +154,9 @@ Service::Service(const KernelConfig& config)
       spec_{config.zygote.tenant, config.zygote.library, config.zygote.template_environment()},
       argv_(worker_argv(config.python, config.worker_script)),
       environment_(worker_base_environment()),
+      log_file_(template_log(launcher_, spec_.tenant)),
       signals_(signal_fd()),
-      parent_(parent_pidfd()) {
-    const auto log_path = template_log(launcher_, spec_.tenant);
-    log_file_ = UniqueFd(
-        ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600));
-    if (!log_file_) {
-        throw system_error("open " + log_path.string());
-    }
-}
+      parent_(parent_pidfd()) {}
 
 void Service::start_generation() {
     next_start_.reset();
@@ -151,7 +183,7 @@ void Service::start_generation() {
 
 void Service::on_log_line(Generation& generation, const std::string& line) {
     const std::string copy = line + "\n";
-    [[maybe_unused]] const auto written = ::write(log_file_.get(), copy.data(), copy.size());
+    [[maybe_unused]] const auto written = ::write(log_file_.fd(), copy.data(), copy.size());
     const auto event = nlohmann::json::parse(line, nullptr, false);
     if (!event.is_object() || event.value("component", "") != "cellblock-zygote") {
         return;

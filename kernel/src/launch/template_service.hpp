@@ -7,7 +7,9 @@
 // (PR_SET_CHILD_SUBREAPER), copies its log lines to <state_dir>/zygote-<tenant>.log and starts the next
 // generation when one retires (200 forks or an hour, cellblock_runtime/zygote.py). It stops on SIGTERM or
 // SIGINT, or when the process that started it ends: a typed retire request to the template, a short wait for
-// its end, then SIGKILL. Forked workers are not in the template's cgroup and go on.
+// its end, then SIGKILL. Forked workers are not in the template's cgroup and go on. When it ends it leaves
+// nothing of the tenant's templates in <state_dir>: not their socket, workspace, root skeleton
+// (sandbox::Template) nor its log.
 #pragma once
 
 #include <filesystem>

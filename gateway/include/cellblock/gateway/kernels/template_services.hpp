@@ -53,6 +53,8 @@ class TemplateServices : public std::enable_shared_from_this<TemplateServices> {
         std::string config;  // the kernel config it was started with
         int holders = 0;
         std::unique_ptr<boost::asio::steady_timer> grace;
+        // Its stdout and stderr (<runtime_dir>/zygote-<tenant>.log), removed when it ends.
+        std::filesystem::path output;
     };
     void start(const std::string& tenant, const std::string& kernel, const std::string& config,
                const std::filesystem::path& output);
