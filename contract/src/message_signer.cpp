@@ -26,17 +26,17 @@ struct MacCtxDeleter {
     void operator()(EVP_MAC_CTX* ctx) const noexcept { EVP_MAC_CTX_free(ctx); }
 };
 
-std::string to_hex(const unsigned char* bytes, std::size_t size) {
+}  // namespace
+
+std::string to_hex(std::span<const unsigned char> bytes) {
     static constexpr char digits[] = "0123456789abcdef";
-    std::string hex(size * 2, '0');
-    for (std::size_t i = 0; i < size; ++i) {
+    std::string hex(bytes.size() * 2, '0');
+    for (std::size_t i = 0; i < bytes.size(); ++i) {
         hex[2 * i] = digits[bytes[i] >> 4];
         hex[2 * i + 1] = digits[bytes[i] & 0x0f];
     }
     return hex;
 }
-
-}  // namespace
 
 MessageSigner::MessageSigner(std::string_view scheme, std::string key)
     : key_(std::move(key)), mac_(std::make_unique<Mac>()) {
@@ -91,7 +91,7 @@ std::string MessageSigner::sign(const SignedParts& parts) const {
     if (EVP_MAC_final(ctx.get(), digest, &length, sizeof(digest)) != 1) {
         throw std::runtime_error("EVP_MAC_final failed");
     }
-    return to_hex(digest, length);
+    return to_hex({digest, length});
 }
 
 bool MessageSigner::verify(std::string_view signature, const SignedParts& parts) const {

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "cellblock/contract/message_signer.hpp"
+
 namespace cellblock::gateway::agent {
 
 std::string strip_ansi(std::string_view text) {
@@ -129,14 +131,7 @@ std::string sha256_hex(std::string_view bytes) {
     unsigned int length = 0;
     if (EVP_Digest(bytes.data(), bytes.size(), digest.data(), &length, EVP_sha256(), nullptr) != 1)
         throw std::runtime_error("EVP_Digest(SHA-256) failed");
-    static constexpr char hex[] = "0123456789abcdef";
-    std::string out;
-    out.reserve(std::size_t{length} * 2);
-    for (unsigned int i = 0; i < length; ++i) {
-        out.push_back(hex[digest[i] >> 4]);
-        out.push_back(hex[digest[i] & 0x0F]);
-    }
-    return out;
+    return contract::to_hex({digest.data(), length});
 }
 
 }  // namespace cellblock::gateway::agent

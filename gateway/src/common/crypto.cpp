@@ -13,15 +13,6 @@
 namespace cellblock::gateway {
 
 namespace {
-std::string to_hex(const unsigned char* data, std::size_t size) {
-    static constexpr char digits[] = "0123456789abcdef";
-    std::string hex(size * 2, '0');
-    for (std::size_t i = 0; i < size; ++i) {
-        hex[2 * i] = digits[data[i] >> 4];
-        hex[2 * i + 1] = digits[data[i] & 0x0f];
-    }
-    return hex;
-}
 
 contract::SignedParts four_parts(std::span<const std::string_view> parts) {
     if (parts.size() != 4)
@@ -47,7 +38,7 @@ std::string random_hex(std::size_t byte_count) {
     std::vector<unsigned char> bytes(byte_count);
     if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1)
         throw std::runtime_error("RAND_bytes failed");
-    return to_hex(bytes.data(), bytes.size());
+    return contract::to_hex(bytes);
 }
 
 std::string new_uuid() {

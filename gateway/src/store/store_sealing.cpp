@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "cellblock/contract/message_signer.hpp"
 #include "cellblock/gateway/common/crypto.hpp"
 
 namespace cellblock::gateway {
@@ -147,14 +148,7 @@ std::string StoreSecret::token_digest(std::string_view token) const {
         !HMAC(EVP_sha256(), key.data(), static_cast<int>(key_length), bytes_of(token), token.size(),
               digest.data(), &digest_length))
         throw StoreError("HMAC-SHA256 of a token failed");
-    static constexpr char hex[] = "0123456789abcdef";
-    std::string text;
-    text.reserve(digest_length * 2);
-    for (unsigned int i = 0; i < digest_length; ++i) {
-        text.push_back(hex[digest[i] >> 4]);
-        text.push_back(hex[digest[i] & 0x0f]);
-    }
-    return text;
+    return contract::to_hex({digest.data(), digest_length});
 }
 
 namespace {

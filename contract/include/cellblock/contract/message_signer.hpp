@@ -8,6 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -35,5 +36,9 @@ class MessageSigner {
     std::string key_;
     std::unique_ptr<Mac> mac_;
 };
+
+// Lowercase hex, two characters a byte: how a signature is written (the gateway writes its random ids and
+// tokens with it too).
+std::string to_hex(std::span<const unsigned char> bytes);
 
 }  // namespace cellblock::contract
