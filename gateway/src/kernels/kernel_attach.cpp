@@ -68,9 +68,8 @@ void KernelManager::stop_unrecorded_kernels(const std::set<std::string>& recorde
         if (!name.starts_with("kernel-") || entry.path().extension() != ".json")
             continue;
         const std::string id = entry.path().stem().string().substr(std::string_view("kernel-").size());
-        if (recorded.contains(id))
+        if (recorded.contains(id) || !request_shutdown(entry.path()))
             continue;
-        request_shutdown(entry.path());
         logger_.warn(
             "kernel_unrecorded_stopped",
             {{"kernel_id", id}, {"cause", "no record names it (its gateway ended before recording it)"}});
@@ -82,12 +81,18 @@ void KernelManager::stop_unrecorded_kernels(const std::set<std::string>& recorde
     }
 }
 
-void KernelManager::request_shutdown(const fs::path& connection_file) {
+bool KernelManager::request_shutdown(const fs::path& connection_file) {
     try {
         std::ifstream file(connection_file);
         const json connection = json::parse(file);
         KernelEndpoints endpoints;
         endpoints.base = connection.at("ip").get<std::string>();
+        // This gateway's kernels listen on ipc endpoints inside its runtime directory. Anything else (a
+        // runtime directory shared with Jupyter's own, whose kernels use tcp) is not this gateway's to stop.
+        std::error_code unknown;
+        if (connection.value("transport", "") != "ipc" ||
+            !fs::equivalent(fs::path(endpoints.base).parent_path(), runtime_dir_, unknown))
+            return false;
         zmq::socket_t control(zmq_context_, zmq::socket_type::dealer);
         control.set(zmq::sockopt::linger, 200);  // a kernel already gone must not hold up the gateway's exit
         control.connect(endpoints.endpoint(KernelEndpoints::control));
@@ -97,9 +102,11 @@ void KernelManager::request_shutdown(const fs::path& connection_file) {
         for (std::size_t index = 0; index < frames.size(); ++index)
             control.send(zmq::buffer(frames[index]),
                          index + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+        return true;
     } catch (const std::exception& failure) {
         logger_.error("kernel_shutdown_request_failed",
                       {{"connection_file", connection_file.string()}, {"error", failure.what()}});
+        return false;
     }
 }
 

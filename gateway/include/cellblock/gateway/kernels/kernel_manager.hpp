@@ -139,8 +139,9 @@ class KernelManager {
     // Local kernels with a connection file in this runtime directory that no record names: asked to shut
     // down, and their files removed.
     void stop_unrecorded_kernels(const std::set<std::string>& recorded);
-    // One signed shutdown_request to the kernel `connection_file` describes; nothing waits for its reply.
-    void request_shutdown(const std::filesystem::path& connection_file);
+    // One signed shutdown_request to the kernel `connection_file` describes, if it is one of this gateway's
+    // (ipc endpoints in its runtime directory); nothing waits for its reply. False: nothing was sent.
+    bool request_shutdown(const std::filesystem::path& connection_file);
     // A Kernel for `record`'s running process, re-adopted (probe and record fetch); pooled or handed out.
     std::shared_ptr<Kernel> attach_recorded(const KernelRecord& record, const KernelSpec& spec);
     void forget_lost_kernel(const KernelRecord& record, const std::string& cause);
