@@ -48,6 +48,36 @@ TEST(HostPattern, WildcardCeilingCoversWholeLabelsOnly) {
     EXPECT_FALSE(pattern_within("*", "*.example.com"));
     EXPECT_FALSE(pattern_within("*.example.com", "*.a.example.com"));
     EXPECT_FALSE(pattern_within("example.com.evil.org", "*.example.com"));
+    EXPECT_TRUE(pattern_within("*.pythonhosted.org", "*.org"));
+    EXPECT_FALSE(pattern_within("*.org", "*.pythonhosted.org"));
+}
+
+TEST(HostPattern, AWildcardMatchesWholeLabelsOnly) {
+    EXPECT_TRUE(pattern_matches("*.example.com", "a.example.com"));
+    EXPECT_TRUE(pattern_matches("*.example.com", "a.b.example.com"));
+    EXPECT_FALSE(pattern_matches("*.example.com", "example.com"));
+    EXPECT_FALSE(pattern_matches("*.example.com", "badexample.com"));
+    EXPECT_FALSE(pattern_matches("*.example.com", ".example.com"));
+    EXPECT_FALSE(pattern_matches("*.example.com", "example.com.evil.test"));
+    EXPECT_TRUE(pattern_matches("*", "anything.test"));
+}
+
+TEST(HostPattern, ExactNamesAndIpLiteralsMatchThemselvesOnly) {
+    EXPECT_TRUE(pattern_matches("pypi.org", "pypi.org"));
+    EXPECT_FALSE(pattern_matches("pypi.org", "www.pypi.org"));
+    EXPECT_FALSE(pattern_matches("pypi.org", "pypi.org.evil.test"));
+    EXPECT_TRUE(pattern_matches("93.184.216.34", "93.184.216.34"));
+    EXPECT_FALSE(pattern_matches("93.184.216.34", "93.184.216.3"));
+}
+
+TEST(HostPattern, AHostIsNormalizedOrRefused) {
+    EXPECT_EQ(normalize_host("PyPI.Org."), "pypi.org");
+    EXPECT_EQ(validated_host("Files.PythonHosted.org"), "files.pythonhosted.org");
+    EXPECT_EQ(validated_host("::1"), "::1");
+    for (const std::string bad :
+         {std::string(), std::string("a..b"), std::string("evil.test/x"), std::string("evil test"),
+          std::string("evil\0.test", 10), std::string(64, 'a') + ".test"})
+        EXPECT_THROW(validated_host(bad), HostPatternError) << bad;
 }
 
 TEST(HostPattern, ExactAndStarCeilings) {

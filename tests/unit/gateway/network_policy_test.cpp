@@ -9,17 +9,9 @@
 using namespace cellblock::gateway;
 using nlohmann::json;
 
-TEST(NetworkPattern, NormalizesCaseAndTrailingDot) {
-    EXPECT_EQ(normalize_host_pattern("PyPI.org."), "pypi.org");
-    EXPECT_EQ(normalize_host_pattern("*.PythonHosted.ORG"), "*.pythonhosted.org");
-    EXPECT_EQ(normalize_host_pattern("*"), "*");
-    EXPECT_EQ(normalize_host_pattern("10.0.0.1"), "10.0.0.1");
-    EXPECT_EQ(normalize_host_pattern("::1"), "::1");
-}
-
-TEST(NetworkPattern, RefusesWhatIsNotAHostPattern) {
-    for (const char* bad : {"", ".", "a..b", "*.", "**", "a*.b.c", "*b.c", "b.*.c", "http://pypi.org",
-                            "pypi.org/simple", "a b", "pypi.org:443", "*.*.org"})
+TEST(NetworkPattern, NormalizesOrRefusesWithANetworkPolicyError) {
+    EXPECT_EQ(normalize_host_pattern("*.PythonHosted.ORG."), "*.pythonhosted.org");
+    for (const char* bad : {"", "a*.b.c", "http://pypi.org", "pypi.org:443"})
         EXPECT_THROW(normalize_host_pattern(bad), NetworkPolicyError) << bad;
 }
 

@@ -14,56 +14,21 @@ namespace {
 
 using nlohmann::json;
 
-TEST(EgressPattern, WildcardMatchesWholeLabelsOnly) {
-    EXPECT_TRUE(pattern_matches("*.example.com", "a.example.com"));
-    EXPECT_TRUE(pattern_matches("*.example.com", "a.b.example.com"));
-    EXPECT_FALSE(pattern_matches("*.example.com", "example.com"));
-    EXPECT_FALSE(pattern_matches("*.example.com", "badexample.com"));
-    EXPECT_FALSE(pattern_matches("*.example.com", ".example.com"));
-    EXPECT_FALSE(pattern_matches("*.example.com", "example.com.evil.test"));
-    EXPECT_TRUE(pattern_matches("*", "anything.test"));
-    EXPECT_TRUE(pattern_matches("*", "10.0.0.1"));
-    EXPECT_FALSE(pattern_matches("*.0.0.1", "10.0.0.1"));
-}
-
-TEST(EgressPattern, ExactNamesAndIpLiterals) {
-    EXPECT_TRUE(pattern_matches("pypi.org", "pypi.org"));
-    EXPECT_FALSE(pattern_matches("pypi.org", "www.pypi.org"));
-    EXPECT_FALSE(pattern_matches("pypi.org", "pypi.org.evil.test"));
-    EXPECT_TRUE(pattern_matches("93.184.216.34", "93.184.216.34"));
-    EXPECT_FALSE(pattern_matches("93.184.216.34", "93.184.216.3"));
-}
-
-TEST(EgressPattern, HostsAreComparedCaseInsensitivelyWithoutTrailingDot) {
-    EXPECT_EQ(normalize_host("PyPI.Org."), "pypi.org");
-    const auto policy = EgressPolicy::parse(json{{"allow", {"PyPI.org."}}});
+// The host-pattern rules themselves are the contract's (tests/unit/contract/host_pattern_test.cpp); here,
+// that the proxy's policy decides by them and refuses with its own error type.
+TEST(EgressPattern, ThePolicyDecidesByTheContractsRules) {
+    const auto policy = EgressPolicy::parse(json{{"allow", {"PyPI.org.", "*.example.com"}}});
     EXPECT_EQ(policy.decide(normalize_host("pypi.ORG")).verdict, Verdict::allowed);
     EXPECT_EQ(policy.decide(normalize_host("pypi.org.")).verdict, Verdict::allowed);
+    EXPECT_EQ(policy.decide(normalize_host("a.example.com")).verdict, Verdict::allowed);
+    EXPECT_NE(policy.decide(normalize_host("example.com")).verdict, Verdict::allowed);
+    EXPECT_NE(policy.decide(normalize_host("badexample.com")).verdict, Verdict::allowed);
 }
 
-TEST(EgressPattern, ValidatedHostRefusesWhatCannotBeAHost) {
+TEST(EgressPattern, ValidatedHostRefusesWithAPolicyError) {
     EXPECT_EQ(validated_host("Files.PythonHosted.org"), "files.pythonhosted.org");
-    EXPECT_EQ(validated_host("::1"), "::1");
-    EXPECT_THROW(validated_host(""), PolicyError);
     EXPECT_THROW(validated_host("a..b"), PolicyError);
-    EXPECT_THROW(validated_host("evil.test/x"), PolicyError);
-    EXPECT_THROW(validated_host("evil test"), PolicyError);
-    EXPECT_THROW(validated_host(std::string("evil\0.test", 10)), PolicyError);
     EXPECT_THROW(validated_host(std::string(64, 'a') + ".test"), PolicyError);
-}
-
-TEST(EgressCeiling, PatternWithinCeiling) {
-    EXPECT_TRUE(pattern_within("pypi.org", "*"));
-    EXPECT_TRUE(pattern_within("*", "*"));
-    EXPECT_TRUE(pattern_within("pypi.org", "pypi.org"));
-    EXPECT_TRUE(pattern_within("pypi.org", "*.org"));
-    EXPECT_TRUE(pattern_within("*.pythonhosted.org", "*.org"));
-    EXPECT_TRUE(pattern_within("*.pythonhosted.org", "*.pythonhosted.org"));
-    EXPECT_FALSE(pattern_within("pythonhosted.org", "*.pythonhosted.org"));
-    EXPECT_FALSE(pattern_within("*.org", "*.pythonhosted.org"));
-    EXPECT_FALSE(pattern_within("*", "*.org"));
-    EXPECT_FALSE(pattern_within("evil.com", "*.org"));
-    EXPECT_FALSE(pattern_within("badpypi.org", "*.pypi.org"));
 }
 
 TEST(EgressPolicyParse, ReadsTheContractShape) {
