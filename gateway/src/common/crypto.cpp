@@ -55,36 +55,4 @@ bool constant_time_equals(std::string_view a, std::string_view b) {
     return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-std::string base64_encode(std::string_view bytes) {
-    std::string out(4 * ((bytes.size() + 2) / 3) + 1, '\0');
-    int written =
-        EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                        reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
-    out.resize(static_cast<std::size_t>(written));
-    return out;
-}
-
-std::optional<std::string> base64_decode(std::string_view text) {
-    std::string compact;
-    for (char c : text)
-        if (c != ' ' && c != '\n' && c != '\r' && c != '\t')
-            compact.push_back(c);
-    if (compact.size() % 4 != 0)
-        return std::nullopt;
-    std::string out(compact.size() / 4 * 3, '\0');
-    const int length = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                       reinterpret_cast<const unsigned char*>(compact.data()),
-                                       static_cast<int>(compact.size()));
-    if (length < 0)
-        return std::nullopt;
-    // EVP_DecodeBlock counts the padding as zero bytes.
-    std::size_t padding = 0;
-    if (!compact.empty() && compact.back() == '=')
-        ++padding;
-    if (compact.size() > 1 && compact[compact.size() - 2] == '=')
-        ++padding;
-    out.resize(static_cast<std::size_t>(length) - padding);
-    return out;
-}
-
 }  // namespace cellblock::gateway

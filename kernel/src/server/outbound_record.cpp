@@ -1,10 +1,7 @@
 #include "server/outbound_record.hpp"
 
-#include <openssl/evp.h>
-
 #include <algorithm>
 #include <charconv>
-#include <limits>
 #include <stdexcept>
 
 namespace cellblock::kernel {
@@ -88,18 +85,6 @@ nlohmann::json OutboundRecord::replay(const std::optional<std::string>& after) c
         messages.push_back(to_json(entry->message));
     }
     return {{"status", "ok"}, {"found", found}, {"dropped", dropped_}, {"messages", std::move(messages)}};
-}
-
-std::string base64_encode(std::string_view bytes) {
-    if (bytes.size() > static_cast<std::size_t>(std::numeric_limits<int>::max() / 4 * 3 - 3)) {
-        throw std::length_error("base64_encode: buffer too large");
-    }
-    std::string encoded(4 * ((bytes.size() + 2) / 3) + 1, '\0');
-    const int length =
-        EVP_EncodeBlock(reinterpret_cast<unsigned char*>(encoded.data()),
-                        reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
-    encoded.resize(static_cast<std::size_t>(length));
-    return encoded;
 }
 
 }  // namespace cellblock::kernel

@@ -15,6 +15,8 @@
 #include <string_view>
 #include <vector>
 
+#include "cellblock/contract/base64.hpp"
+
 namespace cellblock::kernel {
 
 struct RecordLimits {
@@ -70,7 +72,8 @@ class OutboundRecord {
     std::uint64_t dropped_ = 0;
 };
 
-// Standard base64 (RFC 4648, padded), as Jupyter carries binary buffers in JSON.
-std::string base64_encode(std::string_view bytes);
+// Standard base64, as Jupyter carries binary buffers in JSON: the contract's
+// (contract/include/cellblock/contract/base64.hpp).
+using contract::base64_encode;
 
 }  // namespace cellblock::kernel

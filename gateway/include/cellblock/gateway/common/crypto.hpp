@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "cellblock/contract/base64.hpp"
 #include "cellblock/contract/message_signer.hpp"
 
 namespace cellblock::gateway {
@@ -34,9 +35,8 @@ std::string random_hex(std::size_t byte_count);
 std::string new_uuid();
 // Compares secrets without leaking the position of the first difference (CRYPTO_memcmp).
 bool constant_time_equals(std::string_view a, std::string_view b);
-// Standard base64 (OpenSSL EVP_EncodeBlock / EVP_DecodeBlock).
-std::string base64_encode(std::string_view bytes);
-// Whitespace is ignored; nullopt for text that is not valid base64.
-std::optional<std::string> base64_decode(std::string_view text);
+// Standard base64, the contract's (contract/include/cellblock/contract/base64.hpp).
+using contract::base64_decode;
+using contract::base64_encode;
 
 }  // namespace cellblock::gateway
