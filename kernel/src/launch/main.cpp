@@ -232,6 +232,7 @@ int run_kernel(const std::filesystem::path& config_file, const std::filesystem::
         }
         workspace = own_workspace->path();
     }
+    server_options.workspace = workspace;  // the files the gateway's file API reaches (workspace_files.hpp)
     // The kernel's runtime directory: its owner marker lets a later kernel clean up after one that was
     // SIGKILLed (sweep_abandoned_kernel_dirs).
     PrivateDirectory runtime("/tmp", "cbk-");

@@ -39,6 +39,7 @@ KernelServer::KernelServer(const ConnectionInfo& connection, ServerActions actio
       refusals_(InboundVerdict::kinds, 0),
       record_(options.record),
       lease_duration_(options.lease),
+      workspace_(options.workspace),
       wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
       interpreter_wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
     if (!wake_ || !interpreter_wake_) {

@@ -18,8 +18,8 @@
 // never waits for a busy interpreter), acts on interrupt_request (xeus 2.4.1 ignores it), keeps the
 // outbound record (outbound_record.hpp) and the orphan lease (lease.hpp), and answers the kernel's own
 // control requests (cellblock_replay_request, cellblock_lease_request,
-// cellblock_approval_decision_request): xeus never sees those. The kernel's own IOPub messages
-// (publish_kernel_message) are sent by the I/O thread too.
+// cellblock_approval_decision_request, cellblock_file_request): xeus never sees those. The kernel's own IOPub
+// messages (publish_kernel_message) are sent by the I/O thread too.
 #pragma once
 
 #include <array>
@@ -28,6 +28,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -73,6 +74,9 @@ struct ServerOptions {
     // Set: the public sockets are CurveZMQ servers with this secret key (Z85), so only clients that know the
     // kernel's public key connect and nothing on the wire is readable (a kernel reached over the network).
     std::optional<std::string> curve_secret_key;
+    // The worker's workspace, whose files cellblock_file_request lists, reads, writes and deletes
+    // (workspace_files.hpp). None: those requests are answered no_workspace.
+    std::optional<std::filesystem::path> workspace;
 };
 
 // The public ports as bound (the real ones when the connection asked for port 0).
@@ -183,6 +187,7 @@ class KernelServer final : public xeus::xserver {
     nlohmann::json replay_content(const InboundVerdict& verdict);
     nlohmann::json lease_content(const InboundVerdict& verdict);
     nlohmann::json approval_decision_content(const InboundVerdict& verdict);
+    nlohmann::json file_content(const InboundVerdict& verdict);
     void deliver_input_reply(xeus::xmessage reply);
     void expire_lease();
     void close_sockets();
@@ -205,6 +210,7 @@ class KernelServer final : public xeus::xserver {
     OutboundRecord record_;
     std::string last_published_id_;  // msg_id of the last IOPub message sent (server lock); see send_xmessage
     std::optional<std::chrono::milliseconds> lease_duration_;
+    std::optional<std::filesystem::path> workspace_;
     std::optional<Lease> lease_;  // from start(); server lock
     std::atomic<std::thread::id> io_thread_;
     std::atomic<bool> stopping_{false};

@@ -13,12 +13,14 @@
 #include <xeus/xmiddleware.hpp>
 #include <zmq_addon.hpp>
 
+#include "cellblock/contract/file_messages.hpp"
 #include "common/json_text.hpp"
 #include "common/logging.hpp"
 #include "launch/heap_policy.hpp"
 #include "server/kernel_server.hpp"
 #include "server/kernel_server_sockets.hpp"
 #include "server/protocol_fixups.hpp"
+#include "server/workspace_files.hpp"
 
 namespace cellblock::kernel {
 namespace {
@@ -552,7 +554,7 @@ void KernelServer::answer_shutdown(const InboundVerdict& verdict, const std::vec
 }
 
 const KernelServer::ControlService* KernelServer::control_service(std::string_view msg_type) {
-    static constexpr std::array<ControlService, 3> services = {{
+    static constexpr std::array<ControlService, 4> services = {{
         // What the kernel recorded since a msg_id, for a gateway that re-attaches (outbound_record.hpp).
         {"cellblock_replay_request", "cellblock_replay_reply", &KernelServer::replay_content},
         // The lease a gateway holds on the kernel, renewed by every verified message (lease.hpp).
@@ -560,6 +562,8 @@ const KernelServer::ControlService* KernelServer::control_service(std::string_vi
         // A person's or agent's decision on a held network request (egress/network_approvals.hpp).
         {"cellblock_approval_decision_request", "cellblock_approval_decision_reply",
          &KernelServer::approval_decision_content},
+        // The agent file API's list, read, write and delete in the worker's workspace (workspace_files.hpp).
+        {contract::file_request_type, contract::file_reply_type, &KernelServer::file_content},
     }};
     for (const ControlService& service : services) {
         if (service.request == msg_type) {
@@ -604,6 +608,12 @@ nlohmann::json KernelServer::approval_decision_content(const InboundVerdict& ver
             {"ename", "UnknownApproval"},
             {"evalue", "this kernel has no network policy, so no approval is ever pending"},
             {"traceback", nlohmann::json::array()}};
+}
+
+nlohmann::json KernelServer::file_content(const InboundVerdict& verdict) {
+    // Answered on the I/O thread like the other services: a file is at most contract::max_file_bytes, read or
+    // written in one call that nothing else (a planted FIFO, a symlink) can hold up (sandbox::Workspace).
+    return answer_file_request(workspace_, verdict.content);
 }
 
 void KernelServer::expire_lease() {
