@@ -425,6 +425,25 @@ def test_an_agent_session_on_slurm_gets_its_limits_as_job_resources_and_kernel_d
     assert slow["state_lost"] is True
 
 
+def test_the_agent_file_api_reaches_the_workspace_of_a_slurm_kernel(slurm_cluster, slurm_gateway):
+    """The file API asks the session's kernel (cellblock_file_request on its control channel), so a kernel that runs
+    as a job serves it: what is uploaded is the code's, what the code writes is read, listed and deleted."""
+    session = slurm_gateway.post("/agent/v1/sessions", json={"name": "slurm-files"})
+    assert session.status_code == 201, session.text
+    base = "/agent/v1/sessions/slurm-files/files"
+    put = slurm_gateway.request("PUT", f"{base}/data/in.bin", data=bytes(range(256)))
+    assert put.status_code == 201, put.text
+    answer = slurm_gateway.post("/agent/v1/sessions/slurm-files/execute", json={
+        "code": "data = open('data/in.bin', 'rb').read()\nopen('out.txt', 'w').write(f'{len(data)} {data[255]}')"}).json()
+    assert answer["status"] == "ok", answer
+    assert slurm_gateway.get(f"{base}/out.txt").content == b"256 255"
+    listed = {f["path"]: f["size"] for f in slurm_gateway.get(base).json()["files"]}
+    assert listed.get("data/in.bin") == 256 and listed.get("out.txt") == 7, listed
+    assert slurm_gateway.delete(f"{base}/data/in.bin").status_code == 204
+    missing = slurm_gateway.get(f"{base}/data/in.bin")
+    assert missing.status_code == 404 and missing.json()["reason"] == "file_not_found", missing.text
+
+
 def test_an_env_name_or_value_cannot_run_a_command_in_the_job_script(slurm_cluster, slurm_gateway, tmp_path):
     """A client's `env` reaches the job only as data: a name that is a shell command is refused (400 bad_env, the
     variable named) and runs nothing; a value that is one arrives literally in the kernel's environment on its node

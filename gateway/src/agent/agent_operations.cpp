@@ -3,9 +3,9 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/thread_pool.hpp>
 
+#include "cellblock/contract/file_messages.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
 #include "cellblock/gateway/http/rest_handlers.hpp"
-#include "cellblock/sandbox/sandbox.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -63,55 +63,70 @@ OperationError from_registry(const HttpError& error) {
     }
 }
 
-OperationError from_workspace(const sandbox::WorkspaceError& error) {
-    using WorkspaceKind = sandbox::WorkspaceError::Kind;
-    switch (error.kind()) {
-        case WorkspaceKind::not_found:
-            return {Kind::not_found, "file_not_found", error.what()};
-        case WorkspaceKind::too_large:
-            return {Kind::too_large, "file_too_large", error.what()};
-        case WorkspaceKind::not_regular:
-            return {Kind::refused, "not_a_regular_file", error.what()};
-        case WorkspaceKind::bad_path:
-            return {Kind::refused, "bad_path", error.what()};
-        case WorkspaceKind::io:
+// The kernel's refusal of a file request (contract/include/cellblock/contract/file_messages.hpp), with the
+// reasons the file API answered when the gateway touched the workspace itself.
+OperationError from_file_failure(contract::FileFailure failure, const std::string& message) {
+    using Failure = contract::FileFailure;
+    switch (failure) {
+        case Failure::not_found:
+            return {Kind::not_found, "file_not_found", message};
+        case Failure::too_large:
+            return {Kind::too_large, "file_too_large", message};
+        case Failure::not_regular:
+            return {Kind::refused, "not_a_regular_file", message};
+        case Failure::bad_path:
+            return {Kind::refused, "bad_path", message};
+        case Failure::bad_request:
+        case Failure::io:
+        case Failure::no_workspace:
             break;
     }
-    return {Kind::internal, "workspace_error", error.what()};
+    return {Kind::internal, "workspace_error", message};
 }
 
-// Runs `action` on the session's workspace once it has a kernel (and so a workspace) and answers its value
-// or the refusal. The file system is touched on `files` (a worker thread), never the io thread; `then` runs
-// back on the io thread. `action` must not touch the session (it is the io thread's).
+// `reply` (a cellblock_file_reply's content) as `take` of it, or the refusal it says.
 template <class Value>
-void on_workspace(const std::shared_ptr<AgentSession>& session, boost::asio::thread_pool& files,
-                  boost::asio::io_context& io, AgentOperations::Then<Value> then,
-                  std::function<Value(sandbox::Workspace&)> action) {
+Outcome<Value> decoded_reply(contract::FileOp op, const std::string& reply,
+                             const std::function<Value(contract::FileReply&)>& take) {
+    try {
+        contract::FileReply decoded = contract::decode_file_reply(op, json::parse(reply));
+        if (decoded.failure)
+            return from_file_failure(*decoded.failure, decoded.message);
+        return take(decoded);
+    } catch (const OperationError& refused) {
+        return refused;
+    } catch (const std::exception& failure) {
+        return OperationError(Kind::internal, "workspace_error",
+                              std::string("unreadable reply of the kernel: ") + failure.what());
+    }
+}
+
+// Asks the session's kernel, once it has one, to do `request` in its workspace (the kernel owns it, wherever
+// it runs) and answers `take` of the reply, or the refusal. The reply is decoded on `files` (a worker thread:
+// a read's reply carries up to contract::max_file_bytes in base64), never on the io thread; `then` runs back
+// on the io thread. `take` must not touch the session (it is the io thread's).
+template <class Value>
+void ask_kernel(const std::shared_ptr<AgentSession>& session, boost::asio::thread_pool& files,
+                boost::asio::io_context& io, const contract::FileRequest& request,
+                AgentOperations::Then<Value> then, std::function<Value(contract::FileReply&)> take) {
     session->touch();
-    session->ensure_kernel([session, &files, &io, then = std::move(then),
-                            action = std::move(action)](std::optional<std::string> error) mutable {
+    session->ensure_kernel([session, &files, &io, content = contract::encode_file_request(request),
+                            op = request.op, then = std::move(then),
+                            take = std::move(take)](std::optional<std::string> error) mutable {
         if (error)
             return then(OperationError(Kind::unavailable, "kernel_unavailable",
                                        "the session has no kernel: " + *error));
-        const auto root = session->workspace();
-        if (!root)
-            return then(
-                OperationError(Kind::unavailable, "kernel_unavailable", "the session has no workspace"));
-        boost::asio::post(
-            files, [root = *root, &io, then = std::move(then), action = std::move(action)]() mutable {
-                std::optional<Outcome<Value>> outcome;
-                try {
-                    sandbox::Workspace workspace(root);
-                    outcome.emplace(action(workspace));
-                } catch (const sandbox::WorkspaceError& failure) {
-                    outcome.emplace(from_workspace(failure));
-                } catch (const OperationError& failure) {
-                    outcome.emplace(failure);
-                } catch (const std::exception& failure) {
-                    outcome.emplace(OperationError(Kind::internal, "workspace_error", failure.what()));
-                }
-                boost::asio::post(io, [then = std::move(then), outcome = std::move(*outcome)]() mutable {
-                    then(std::move(outcome));
+        session->file_request(
+            content, [&files, &io, op, then = std::move(then), take = std::move(take)](
+                         std::optional<std::string> reply, const std::string& failure) mutable {
+                if (!reply)
+                    return then(OperationError(Kind::unavailable, "kernel_unavailable", failure));
+                boost::asio::post(files, [&io, op, reply = std::move(*reply), then = std::move(then),
+                                          take = std::move(take)]() mutable {
+                    auto outcome = decoded_reply<Value>(op, reply, take);
+                    boost::asio::post(io, [then = std::move(then), outcome = std::move(outcome)]() mutable {
+                        then(std::move(outcome));
+                    });
                 });
             });
     });
@@ -340,40 +355,46 @@ std::uint64_t AgentOperations::queue_checked(const SessionPtr& session, ExecuteR
 // ------------------------------------------------------------------------------------------------ files
 
 void AgentOperations::list_files(const SessionPtr& session, Then<std::vector<WorkspaceFile>> then) {
-    on_workspace<std::vector<WorkspaceFile>>(session, files_, services_.io, std::move(then),
-                                             [](sandbox::Workspace& workspace) {
-                                                 std::vector<WorkspaceFile> files;
-                                                 for (const auto& entry : workspace.list())
-                                                     if (!entry.is_directory)
-                                                         files.push_back({entry.path, entry.size});
-                                                 return files;
-                                             });
+    ask_kernel<std::vector<WorkspaceFile>>(session, files_, services_.io, {contract::FileOp::list},
+                                           std::move(then), [](contract::FileReply& reply) {
+                                               std::vector<WorkspaceFile> files;
+                                               files.reserve(reply.files.size());
+                                               for (auto& entry : reply.files)
+                                                   files.push_back({std::move(entry.path), entry.size});
+                                               return files;
+                                           });
 }
 
 void AgentOperations::read_file(const SessionPtr& session, const std::string& path, Then<std::string> then) {
     const std::string relative = workspace_path(path);
     const std::uint64_t cap = services_.config.max_file_bytes;
-    on_workspace<std::string>(
-        session, files_, services_.io, std::move(then),
-        [relative, cap](sandbox::Workspace& workspace) { return workspace.read_file(relative, cap); });
+    ask_kernel<std::string>(
+        session, files_, services_.io, {contract::FileOp::read, relative, {}, cap}, std::move(then),
+        [relative, cap](contract::FileReply& reply) {
+            // The kernel holds the file to the cap; a reply above it is refused all the same.
+            if (reply.bytes.size() > cap)
+                throw OperationError(Kind::too_large, "file_too_large",
+                                     relative + ": exceeds the limit of " + std::to_string(cap) + " bytes");
+            return std::move(reply.bytes);
+        });
 }
 
 void AgentOperations::write_file(const SessionPtr& session, const std::string& path, std::string bytes,
                                  const Caller& caller, Then<std::string> then) {
     const std::string relative = workspace_path(path);
     const std::uint64_t cap = services_.config.max_file_bytes;
+    if (bytes.size() > cap)
+        throw OperationError(Kind::too_large, "file_too_large",
+                             relative + ": " + std::to_string(bytes.size()) + " bytes exceeds the limit of " +
+                                 std::to_string(cap));
     json entry = {{"event", "file_put"},        {"client", caller.address},
                   {"via", caller.via},          {"token_id", caller.principal.token_id},
                   {"path", relative},           {"bytes", bytes.size()},
                   {"sha256", sha256_hex(bytes)}};
-    auto shared_bytes = std::make_shared<const std::string>(std::move(bytes));
-    on_workspace<std::string>(session, files_, services_.io,
-                              audited(session, std::move(entry), std::move(then)),
-                              [relative, cap, shared_bytes](sandbox::Workspace& workspace) {
-                                  workspace.write_file(relative, *shared_bytes, cap);
-                                  return relative;  // NOLINT(performance-no-automatic-move): a copy, the
-                                                    // lambda keeps its own
-                              });
+    ask_kernel<std::string>(session, files_, services_.io,
+                            {contract::FileOp::write, relative, std::move(bytes), cap},
+                            audited(session, std::move(entry), std::move(then)),
+                            [](contract::FileReply& reply) { return std::move(reply.path); });
 }
 
 void AgentOperations::delete_file(const SessionPtr& session, const std::string& path, const Caller& caller,
@@ -384,13 +405,9 @@ void AgentOperations::delete_file(const SessionPtr& session, const std::string& 
                   {"via", caller.via},
                   {"token_id", caller.principal.token_id},
                   {"path", relative}};
-    on_workspace<std::string>(session, files_, services_.io,
-                              audited(session, std::move(entry), std::move(then)),
-                              [relative](sandbox::Workspace& workspace) {
-                                  workspace.remove_file(relative);
-                                  return relative;  // NOLINT(performance-no-automatic-move): a copy, the
-                                                    // lambda keeps its own
-                              });
+    ask_kernel<std::string>(session, files_, services_.io, {contract::FileOp::remove, relative},
+                            audited(session, std::move(entry), std::move(then)),
+                            [](contract::FileReply& reply) { return std::move(reply.path); });
 }
 
 // ------------------------------------------------------------------------------------------------ history

@@ -1,5 +1,6 @@
 #include "cellblock/gateway/agent/agent_session.hpp"
 
+#include "cellblock/contract/file_messages.hpp"
 #include "cellblock/gateway/agent/answer_renderer.hpp"
 #include "cellblock/gateway/agent/output_shield.hpp"
 #include "cellblock/gateway/common/crypto.hpp"
@@ -9,8 +10,9 @@
 // The session itself: its record, model, notebook, audit trail, the messages of its kernel and its end. The
 // rest of AgentSession is by responsibility in agent_session_kernel.cpp (its kernel: start, attach, ready,
 // resume after a gateway restart), agent_session_queue.cpp (the execute queue, its timers and answers),
-// agent_session_lease.cpp (the execute lease across gateways on a shared store) and
-// agent_session_network.cpp (network approvals and the proxy's audit entries).
+// agent_session_lease.cpp (the execute lease across gateways on a shared store),
+// agent_session_network.cpp (network approvals and the proxy's audit entries) and agent_session_files.cpp
+// (the file requests to its kernel).
 
 namespace cellblock::gateway::agent {
 
@@ -148,6 +150,8 @@ void AgentSession::deliver(const JupyterMessage& message) {
     }
     if (message.channel == Channel::iopub && message.msg_type == "cellblock_egress")
         return on_egress(message);
+    if (message.channel == Channel::control && message.msg_type == contract::file_reply_type)
+        return on_file_reply(message);
     if (message.channel == Channel::control && message.msg_type == "cellblock_approval_decision_reply") {
         const json parent = json::parse(message.parent_header, nullptr, false);
         approvals_.answer_decision(string_member(parent, "msg_id"),
@@ -178,6 +182,7 @@ void AgentSession::disconnect(const std::string& reason) {
         let_go_kernel_id_ = kernel_->id();
     kernel_ = nullptr;
     link_ = nullptr;
+    fail_file_requests("the kernel went away (" + reason + ")");
     if (running_ && running_->collector) {
         running_->kernel_failure = "the kernel went away (" + reason + ")";
         finish_execute();
@@ -206,6 +211,7 @@ void AgentSession::fail_every_waiter(const std::string& cause) {
         running_->kernel_failure = cause;
         finish_execute();
     }
+    fail_file_requests(cause);
     // Includes the execute or reset whose kernel is still starting (run_next's waiter answers it).
     settle_kernel_waiters(cause);
     while (!queue_.empty()) {

@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "cellblock/contract/file_messages.hpp"
+
 namespace CLI {
 class App;
 }
@@ -50,7 +52,8 @@ struct AgentConfig {
     std::uint64_t saved_output_bytes = 32u << 20;
     double interrupt_grace_s = 5;  // after the safety net's interrupt, the kernel is restarted if still busy
     double keepalive_s = 10;       // NDJSON keepalive line interval while an execute streams
-    std::uint64_t max_file_bytes = 512u << 20;  // largest workspace file GET serves
+    // Largest workspace file read or written, the contract's ceiling (the kernel holds requests to it too).
+    std::uint64_t max_file_bytes = contract::max_file_bytes;
     std::size_t max_sessions = 1000;
     // Whether MCP clients may decide network approvals (decide_approval). Off by default: the agent's own MCP
     // client reads text its sandboxed code wrote, and must not approve that code's requests.

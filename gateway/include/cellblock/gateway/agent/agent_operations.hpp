@@ -141,8 +141,10 @@ class AgentOperations {
                                  const Caller& caller) const;
     std::uint64_t queue_checked(const SessionPtr& session, ExecuteRequest request, ExecuteHandlers handlers);
 
-    // ---- files: each waits for the session's kernel (and so its workspace). Paths are checked by
-    // workspace_path(); writes and deletes are audited.
+    // ---- files: each waits for the session's kernel, which does the file work in the workspace it owns
+    // (cellblock_file_request, agent_session_files.cpp), so a kernel on another host serves them too. Paths
+    // are checked by workspace_path() here and by the kernel; sizes are capped by config.max_file_bytes here
+    // and by the kernel (a write above it throws OperationError too_large); writes and deletes are audited.
     void list_files(const SessionPtr& session, Then<std::vector<WorkspaceFile>> then);
     void read_file(const SessionPtr& session, const std::string& path, Then<std::string> then);
     // Answers the workspace-relative path written.
@@ -183,7 +185,7 @@ class AgentOperations {
 
     AgentSessionServices& services_;
     AgentSessionRegistry& registry_;
-    // Workspace file operations run here, never on the io thread (a slow disk stalls no other client).
+    // The kernel's file replies (up to a file's size in base64) are decoded here, never on the io thread.
     boost::asio::thread_pool files_{1};
 };
 

@@ -96,6 +96,15 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void decide_approval(const std::string& approval_id, const std::string& decision,
                          const std::string& decided_by, const std::string& client_address,
                          const std::string& token_id, std::function<void(DecisionResult)> done);
+    // Sends a cellblock_file_request with `content` (contract/include/cellblock/contract/file_messages.hpp)
+    // to the session's kernel on its control channel: the kernel owns the workspace, wherever it runs. `done`
+    // gets the reply's content as sent (decoded by the caller, off the io thread), or nullopt and why: no
+    // kernel, the kernel went away, or no answer within file_request_timeout.
+    using FileAnswer =
+        std::function<void(std::optional<std::string> reply_content, const std::string& failure)>;
+    void file_request(const nlohmann::json& content, FileAnswer done);
+    // A file moves in one message of at most about 683 MiB (contract::max_file_bytes in base64).
+    static constexpr std::chrono::seconds file_request_timeout{60};
     // nbformat 4.5 notebook of the history; `only_ok` leaves out cells that failed or timed out.
     nlohmann::json notebook(bool only_ok) const;
     // Appends {"time", "session", ...entry} to the audit trail.
@@ -219,6 +228,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
                          const std::string& decided_by, const std::string& client_address,
                          const std::string& token_id);
     void stream_event(const nlohmann::json& event);
+    // A cellblock_file_reply: answers the file_request it replies to.
+    void on_file_reply(const JupyterMessage& message);
+    // Answers every file_request still waiting with `cause`.
+    void fail_file_requests(const std::string& cause);
 
     AgentSessionServices& services_;
     Record record_;
@@ -251,6 +264,12 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     bool record_committed_ = false;
     ApprovalsBook approvals_;
     LiveLog live_;
+    // The file requests sent and not answered, by msg_id, each with its time limit.
+    struct FileWait {
+        FileAnswer done;
+        std::shared_ptr<boost::asio::steady_timer> timer;
+    };
+    std::map<std::string, FileWait> file_waits_;
 };
 
 }  // namespace cellblock::gateway::agent
