@@ -1,9 +1,10 @@
 """A stalled or restarted PostgreSQL store does not stall the gateways on it (gateway/README.md, "Many gateways, one
 store"; docs/decisions/0012-store-calls-off-the-io-thread.md). Two gateways share a store started by this module;
 the test stops the server's processes with SIGSTOP for 10 s: kernels the gateways already serve keep answering over
-their WebSockets (p99 under 50 ms), GET /api answers, and an agent execute either runs or answers 503
-store_unavailable within its own time limit. After SIGCONT every execute answered ok is in the store, and both
-gateways serve again. Then the server is restarted outright: the gateways reconnect by themselves."""
+their WebSockets (p99 under 50 ms), GET /api answers, an agent execute either runs or answers 503
+store_unavailable within its own time limit, and GET /api/kernels and /api/sessions answer what each gateway holds
+within the store's read limit. After SIGCONT every execute answered ok is in the store, both gateways list the
+kernels and Jupyter sessions of both again, and both serve again. Then the server is restarted outright: the gateways reconnect by themselves."""
 import os
 import signal
 import threading
@@ -16,6 +17,8 @@ from test_shared_store import Channels, postgres, start_pair  # noqa: F401 (fixt
 
 OUTAGE_S = 10
 EXECUTE_LIMIT_S = 3
+# A listing goes on without the store after StoreWriter::default_read_limit (store_writer.hpp), 2 s.
+READ_LIMIT_S = 2
 # Answered within the execute's own limit, plus the time an HTTP round trip and a loaded 2-core machine take.
 ANSWER_SLACK_S = 1.5
 
@@ -90,6 +93,26 @@ def execute_within_limit(gateway, session, code):
     return response.json()
 
 
+def listing_within_limit(gateway, path):
+    """GET /api/kernels or /api/sessions during the outage: what the gateway holds, within the store's read limit."""
+    started = time.monotonic()
+    response = gateway.request("GET", path, timeout=READ_LIMIT_S + 30)
+    took = time.monotonic() - started
+    print(f"GET {path} on {gateway.url} during the outage: {response.status_code} after {took:.2f} s")
+    assert response.status_code == 200, response.text
+    assert took < READ_LIMIT_S + 1, f"GET {path} on {gateway.url} answered after {took:.1f} s"
+    return response.json()
+
+
+def listed_everywhere(gateways, kernels, sessions):
+    """Each gateway lists every kernel and Jupyter session of both (attached from the store)."""
+    for gateway in gateways:
+        listed = {kernel["id"] for kernel in gateway.request("GET", "/api/kernels").json()}
+        assert set(kernels) <= listed, (gateway.url, listed)
+        listed = {session["id"] for session in gateway.request("GET", "/api/sessions").json()}
+        assert set(sessions) <= listed, (gateway.url, listed)
+
+
 def cells_recorded(postgres, session_id) -> int:
     return int(postgres.sql(f"SELECT count(*) FROM cells WHERE session = '{session_id}'"))
 
@@ -111,6 +134,14 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
         created = gateway.request("POST", "/api/kernels", json={"name": "cellblock-python"})
         assert created.status_code == 201, created.text
         kernels.append(created.json()["id"])
+    notebooks = []
+    for index, gateway in enumerate((a, b)):
+        created = gateway.request("POST", "/api/sessions",
+                                  json={"path": f"outage-{index}.ipynb", "type": "notebook",
+                                        "kernel": {"id": kernels[index]}})
+        assert created.status_code == 201, created.text
+        notebooks.append(created.json()["id"])
+    listed_everywhere((a, b), kernels, notebooks)
     probes = [Probe(a, kernels[0]), Probe(b, kernels[1])]
     answered_ok = 2
 
@@ -127,6 +158,11 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
                 assert api.status_code == 200 and time.monotonic() - started < 1, (api.status_code, api.text)
                 if execute_within_limit(gateway, session, "x") is not None:
                     answered_ok += 1
+                # Each holds its own kernel and session at least; the other's, attached before, too.
+                own = kernels[(a, b).index(gateway)]
+                assert own in {kernel["id"] for kernel in listing_within_limit(gateway, "/api/kernels")}
+                own = notebooks[(a, b).index(gateway)]
+                assert own in {entry["id"] for entry in listing_within_limit(gateway, "/api/sessions")}
     finally:
         signal_all(stopped, signal.SIGCONT)
     for probe, gateway in zip(probes, (a, b)):
@@ -137,6 +173,7 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
         assert p99 < 0.05, f"p99 of 1+1 over the WebSocket of {gateway.url}: {p99 * 1000:.0f} ms"
 
     print(f"agent executes answered ok during the outage: {answered_ok - 2}")
+    listed_everywhere((a, b), kernels, notebooks)
     # Resumed: both serve the session with its state, and nothing answered ok is missing from the store.
     assert ok_text(a.execute(session, "x + 2")) == "43"
     assert ok_text(b.execute(session, "x + 3")) == "44"

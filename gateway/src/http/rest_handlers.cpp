@@ -48,11 +48,10 @@ std::shared_ptr<Kernel> visible(std::shared_ptr<Kernel> kernel, const Principal&
     return kernel && principal.sees(kernel->tenant()) ? std::move(kernel) : nullptr;
 }
 
-std::shared_ptr<Kernel> find_kernel(GatewayServices& services, const std::string& id,
-                                    const Principal& principal) {
-    if (!looks_like_kernel_id(id))
-        return nullptr;
-    return visible(services.kernels.find_or_attach(id), principal);
+// A request about one kernel whose store lookup was not answered in time (KernelManager::look_up).
+HttpResponse store_unavailable(const std::string& error) {
+    return json_error(http::status::service_unavailable, "the store did not answer: " + error,
+                      "store_unavailable");
 }
 
 // `kernel` as a viewer may watch it: the kernel of an agent session the viewer reads (principal.hpp); null
@@ -281,11 +280,14 @@ class KernelsResource : public RestResource {
             respond(json_error(http::status::forbidden, "Forbidden"));
             return;
         }
-        json models = json::array();
-        for (const auto& kernel : services_.kernels.list_everywhere())
-            if (context.principal.sees(kernel->tenant()))
-                models.push_back(kernel->model());
-        respond(json_response(http::status::ok, models));
+        services_.kernels.list_everywhere(
+            [principal = context.principal, respond](const std::vector<std::shared_ptr<Kernel>>& kernels) {
+                json models = json::array();
+                for (const auto& kernel : kernels)
+                    if (principal.sees(kernel->tenant()))
+                        models.push_back(kernel->model());
+                respond(json_response(http::status::ok, models));
+            });
     }
     void post(RequestContext& context, Responder respond) override {
         const json body = context.json_body();
@@ -476,25 +478,77 @@ class MetricsResource : public RestResource {
 
 // ------------------------------------------------------------------------------------------------ sessions
 
+// The kernels a session names are attached before its handler runs (refresh_sessions): only what is held
+// here is asked.
 json session_model(GatewayServices& services, const JupyterSessionRecord& record) {
-    auto kernel = services.kernels.find_or_attach(record.kernel_id);
+    auto kernel = services.kernels.find(record.kernel_id);
     json kernel_model = kernel ? kernel->model() : json{{"id", record.kernel_id}};
     return {{"id", record.id},        {"path", record.path},
             {"name", record.name},    {"type", record.type},
             {"kernel", kernel_model}, {"notebook", {{"path", record.path}, {"name", record.name}}}};
 }
 
-void prune_sessions(GatewayServices& services) {
-    if (services.writer.store().shared()) {
-        try {
-            services.sessions.refresh_from_store(
-                [&services](const std::string& id) { return services.kernels.known(id); });
-        } catch (const std::exception& error) {
-            services.logger.error("store_read_failed",
-                                  {{"operation", "list sessions"}, {"error", error.what()}});
-        }
+// What a Jupyter sessions request needs of a shared store, read at once on StoreWriter's reader thread.
+struct StoredSessions {
+    std::vector<json> sessions;
+    std::vector<KernelRecord> kernels;
+};
+
+// Before a sessions request's handler runs: on a shared store, the sessions other gateways created are taken
+// in and those they deleted dropped, and the kernels of the sessions `attach` picks are attached (as
+// find_or_attach does), from one store read off the io thread. Then sessions whose kernel is gone are
+// forgotten. A store that does not answer in time leaves what this gateway holds (store_read_failed is
+// logged); the handler decides from what is held here.
+void refresh_sessions(GatewayServices& services, std::function<bool(const JupyterSessionRecord&)> attach,
+                      std::function<void()> then) {
+    if (!services.writer.shared()) {
+        services.sessions.prune(
+            [&services](const std::string& id) { return services.kernels.known_among(id, std::nullopt); });
+        return then();
     }
-    services.sessions.prune([&services](const std::string& id) { return services.kernels.known(id); });
+    services.writer.read<StoredSessions>(
+        [](SessionStore& store) {
+            return StoredSessions{store.jupyter_sessions(), store.kernels()};
+        },
+        StoreWriter::default_read_limit,
+        [&services, attach = std::move(attach),
+         then = std::move(then)](const StoreAnswer<StoredSessions>& answer) {
+            std::optional<std::set<std::string>> stored;
+            std::map<std::string, const KernelRecord*> records;
+            if (answer.ok()) {
+                stored.emplace();
+                for (const KernelRecord& record : answer.value->kernels) {
+                    stored->insert(record.id);
+                    records.emplace(record.id, &record);
+                }
+            } else {
+                services.logger.error("store_read_failed",
+                                      {{"operation", "list sessions"}, {"error", answer.error}});
+            }
+            auto known = [&services, &stored](const std::string& id) {
+                return services.kernels.known_among(id, stored);
+            };
+            if (answer.ok())
+                services.sessions.refresh(answer.value->sessions, known);
+            services.sessions.prune(known);
+            for (const auto& [id, record] : services.sessions.all()) {
+                if (!answer.ok() || !attach(record))
+                    continue;
+                auto found = records.find(record.kernel_id);
+                services.kernels.attach_stored(
+                    record.kernel_id, found == records.end() ? std::nullopt : std::optional(*found->second));
+            }
+            then();
+        });
+}
+
+// A RestResource's prepare() over refresh_sessions, keeping the request's context until it proceeds.
+void prepare_sessions(GatewayServices& services, RequestContext& context,
+                      const std::function<void(RequestContext&)>& proceed,
+                      std::function<bool(const JupyterSessionRecord&)> attach) {
+    refresh_sessions(services, std::move(attach),
+                     [kept = std::make_shared<RequestContext>(context),
+                      proceed = std::function<void(RequestContext&)>(proceed)] { proceed(*kept); });
 }
 
 class SessionsResource : public RestResource {
@@ -502,10 +556,12 @@ class SessionsResource : public RestResource {
     explicit SessionsResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, POST, OPTIONS"; }
     bool serves_tenants() const override { return true; }
+    void prepare(RequestContext& context, const std::function<void(RequestContext&)>& proceed) override {
+        prepare_sessions(services_, context, proceed, [](const JupyterSessionRecord&) { return true; });
+    }
     void get(RequestContext& context, Responder respond) override {
         if (!services_.config.list_kernels)
             return respond(json_error(http::status::forbidden, "Forbidden"));
-        prune_sessions(services_);
         json models = json::array();
         for (const auto& [id, record] : services_.sessions.all())
             if (context.principal.sees(record.tenant))
@@ -514,7 +570,6 @@ class SessionsResource : public RestResource {
     }
     void post(RequestContext& context, Responder respond) override {
         const json body = context.json_body();
-        prune_sessions(services_);
         std::string path = optional_string(body, "path");
         std::string type = optional_string(body, "type");
         if (path.empty() && body.contains("notebook") && body["notebook"].is_object()) {  // legacy shape
@@ -537,11 +592,14 @@ class SessionsResource : public RestResource {
             body.contains("kernel") && body["kernel"].is_object() ? body["kernel"] : json::object();
         const std::string kernel_id = optional_string(kernel_request, "id");
         if (!kernel_id.empty()) {
-            if (!find_kernel(services_, kernel_id, context.principal))
+            if (!looks_like_kernel_id(kernel_id))
                 throw HttpError(http::status::not_found, "Kernel does not exist: " + kernel_id);
-            JupyterSessionRecord& record = services_.sessions.create(path, name, type, kernel_id, tenant);
-            answer_once_stored(services_, std::move(respond),
-                               created(session_model(services_, record), location_base + record.id));
+            JupyterSessionRecord draft{{}, path, name, type, kernel_id, tenant};
+            services_.kernels.look_up(kernel_id,
+                                      [this, draft, respond, location_base, principal = context.principal](
+                                          const StoreAnswer<std::shared_ptr<Kernel>>& kernel) {
+                                          create_on_kernel(kernel, principal, draft, respond, location_base);
+                                      });
             return;
         }
         KernelStartRequest request{optional_string(kernel_request, "name"), request_env(kernel_request)};
@@ -553,6 +611,19 @@ class SessionsResource : public RestResource {
     }
 
   private:
+    // A new session on the existing kernel `draft` names, once looked up (KernelManager::look_up).
+    void create_on_kernel(const StoreAnswer<std::shared_ptr<Kernel>>& kernel, const Principal& principal,
+                          const JupyterSessionRecord& draft, const Responder& respond,
+                          const std::string& location_base) {
+        if (!kernel.ok())
+            return respond(store_unavailable(kernel.error));
+        if (!visible(*kernel.value, principal))
+            return respond(json_error(http::status::not_found, "Kernel does not exist: " + draft.kernel_id));
+        JupyterSessionRecord& record =
+            services_.sessions.create(draft.path, draft.name, draft.type, draft.kernel_id, draft.tenant);
+        answer_once_stored(services_, respond,
+                           created(session_model(services_, record), location_base + record.id));
+    }
     // A new session on a new kernel, once the kernel is admitted within its tenant's quota.
     void start_with_kernel(const KernelStartRequest& request, const Responder& respond,
                            const std::string& path, const std::string& name, const std::string& type,
@@ -586,8 +657,13 @@ class SessionResource : public RestResource {
     explicit SessionResource(GatewayServices& services) : services_(services) {}
     std::string allowed_methods() const override { return "GET, PATCH, DELETE, OPTIONS"; }
     bool serves_tenants() const override { return true; }
+    void prepare(RequestContext& context, const std::function<void(RequestContext&)>& proceed) override {
+        prepare_sessions(services_, context, proceed,
+                         [id = context.param("session_id")](const JupyterSessionRecord& record) {
+                             return record.id == id;
+                         });
+    }
     void get(RequestContext& context, Responder respond) override {
-        prune_sessions(services_);
         JupyterSessionRecord* record = visible_session(context);
         if (!record)
             return respond(session_not_found(context));
@@ -595,7 +671,6 @@ class SessionResource : public RestResource {
     }
     void patch(RequestContext& context, Responder respond) override {
         const json body = context.json_body();
-        prune_sessions(services_);
         JupyterSessionRecord* record = visible_session(context);
         if (!record)
             return respond(session_not_found(context));
@@ -610,11 +685,16 @@ class SessionResource : public RestResource {
         const std::string kernel_id = optional_string(kernel_request, "id");
         const std::string kernel_name = optional_string(kernel_request, "name");
         if (!kernel_id.empty()) {
-            if (!find_kernel(services_, kernel_id, context.principal))
+            if (!looks_like_kernel_id(kernel_id))
                 throw HttpError(http::status::bad_request, "Kernel does not exist: " + kernel_id);
-            record->kernel_id = kernel_id;
-            services_.sessions.save(*record);
-        } else if (!kernel_name.empty()) {
+            services_.kernels.look_up(
+                kernel_id, [this, respond, kernel_id, session_id = record->id, principal = context.principal](
+                               const StoreAnswer<std::shared_ptr<Kernel>>& kernel) {
+                    move_to_kernel(kernel, principal, session_id, kernel_id, respond);
+                });
+            return;
+        }
+        if (!kernel_name.empty()) {
             // A new kernel of another spec replaces the old one, which is shut down once the new one runs.
             GatewayServices& services = services_;
             const std::string session_id = record->id;
@@ -641,18 +721,40 @@ class SessionResource : public RestResource {
         respond(json_response(http::status::ok, session_model(services_, *record)));
     }
     void delete_(RequestContext& context, Responder respond) override {
-        prune_sessions(services_);
         JupyterSessionRecord* record = visible_session(context);
         if (!record)
             return respond(session_not_found(context));
-        const std::string kernel_id = record->kernel_id;
-        services_.sessions.remove(record->id);
-        if (services_.kernels.find_or_attach(kernel_id))
-            services_.kernels.shutdown_kernel(kernel_id);
-        answer_once_stored(services_, std::move(respond), empty_response(http::status::no_content));
+        // The kernel goes with the session, also one another gateway runs (shared store): without the
+        // store's answer the session stays, so that the client may delete it again.
+        GatewayServices& services = services_;
+        services_.kernels.look_up(
+            record->kernel_id, [&services, respond, kernel_id = record->kernel_id,
+                                session_id = record->id](const StoreAnswer<std::shared_ptr<Kernel>>& kernel) {
+                if (!kernel.ok())
+                    return respond(store_unavailable(kernel.error));
+                services.sessions.remove(session_id);
+                if (*kernel.value)
+                    services.kernels.shutdown_kernel(kernel_id);
+                answer_once_stored(services, respond, empty_response(http::status::no_content));
+            });
     }
 
   private:
+    // PATCH with a kernel id: the session moves to that existing kernel, once looked up.
+    void move_to_kernel(const StoreAnswer<std::shared_ptr<Kernel>>& kernel, const Principal& principal,
+                        const std::string& session_id, const std::string& kernel_id,
+                        const Responder& respond) {
+        if (!kernel.ok())
+            return respond(store_unavailable(kernel.error));
+        if (!visible(*kernel.value, principal))
+            return respond(json_error(http::status::bad_request, "Kernel does not exist: " + kernel_id));
+        JupyterSessionRecord* current = services_.sessions.find(session_id);
+        if (!current)
+            return respond(json_error(http::status::not_found, "Session not found: " + session_id));
+        current->kernel_id = kernel_id;
+        services_.sessions.save(*current);
+        respond(json_response(http::status::ok, session_model(services_, *current)));
+    }
     // The session named by the path, as the request's principal sees it (another tenant's is none).
     JupyterSessionRecord* visible_session(RequestContext& context) {
         JupyterSessionRecord* record = services_.sessions.find(context.param("session_id"));

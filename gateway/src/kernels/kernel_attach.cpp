@@ -151,32 +151,28 @@ std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& recor
     return kernel;
 }
 
-std::shared_ptr<Kernel> KernelManager::find_or_attach(const std::string& kernel_id) {
-    if (!needs_store(kernel_id))
-        return attach_stored(kernel_id, std::nullopt);
-    std::optional<KernelRecord> record;
-    try {
-        record = writer_.store().kernel(kernel_id);
-    } catch (const std::exception& error) {
-        logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", error.what()}});
-        return nullptr;
-    }
-    return attach_stored(kernel_id, record);
-}
-
 void KernelManager::find_or_attach(const std::string& kernel_id,
                                    std::function<void(std::shared_ptr<Kernel>)> then) {
+    look_up(kernel_id, [then = std::move(then)](StoreAnswer<std::shared_ptr<Kernel>> answer) {
+        then(answer.ok() ? std::move(*answer.value) : nullptr);
+    });
+}
+
+void KernelManager::look_up(const std::string& kernel_id,
+                            std::function<void(StoreAnswer<std::shared_ptr<Kernel>>)> then) {
     if (!needs_store(kernel_id))
-        return then(attach_stored(kernel_id, std::nullopt));
+        return then({attach_stored(kernel_id, std::nullopt), {}});
     writer_.read<std::optional<KernelRecord>>(
         [kernel_id](SessionStore& store) { return store.kernel(kernel_id); }, StoreWriter::default_read_limit,
         [this, kernel_id, then = std::move(then)](StoreAnswer<std::optional<KernelRecord>> answer) {
             if (!answer.ok()) {
                 logger_.error("store_read_failed", {{"kernel_id", kernel_id}, {"error", answer.error}});
-                auto held = find(kernel_id);
-                return then(held && held->state() != KernelState::dead ? held : nullptr);
+                // Attached meanwhile by another request: held, so no store is needed.
+                if (auto held = find(kernel_id); held && held->state() != KernelState::dead)
+                    return then({held, {}});
+                return then({std::nullopt, answer.error});
             }
-            then(attach_stored(kernel_id, *answer.value));
+            then({attach_stored(kernel_id, *answer.value), {}});
         });
 }
 
@@ -221,6 +217,15 @@ void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::str
     kernel->disown_files();    // the live process (or its gateway) uses them
     kernel->shutdown(reason);  // disconnects its clients; its process is gone or not ours
     kernel->release();
+}
+
+bool KernelManager::known_among(const std::string& kernel_id,
+                                const std::optional<std::set<std::string>>& stored) const {
+    if (find(kernel_id))
+        return true;
+    if (!writer_.shared() || shut_down_here_.contains(kernel_id))
+        return false;
+    return !stored || stored->contains(kernel_id);
 }
 
 bool KernelManager::known(const std::string& kernel_id) const {

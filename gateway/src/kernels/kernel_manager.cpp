@@ -446,17 +446,21 @@ std::vector<std::shared_ptr<Kernel>> KernelManager::list() const {
     return all;
 }
 
-std::vector<std::shared_ptr<Kernel>> KernelManager::list_everywhere() {
-    if (writer_.store().shared()) {
-        try {
-            for (const KernelRecord& record : writer_.store().kernels())
+void KernelManager::list_everywhere(std::function<void(std::vector<std::shared_ptr<Kernel>>)> then) {
+    if (!writer_.shared())
+        return then(list());
+    writer_.read<std::vector<KernelRecord>>(
+        [](SessionStore& store) { return store.kernels(); }, StoreWriter::default_read_limit,
+        [this, then = std::move(then)](const StoreAnswer<std::vector<KernelRecord>>& answer) {
+            if (!answer.ok()) {
+                logger_.error("store_read_failed", {{"operation", "list kernels"}, {"error", answer.error}});
+                return then(list());
+            }
+            for (const KernelRecord& record : *answer.value)
                 if (!record.pooled && !kernels_.contains(record.id))
-                    find_or_attach(record.id);
-        } catch (const std::exception& error) {
-            logger_.error("store_read_failed", {{"operation", "list kernels"}, {"error", error.what()}});
-        }
-    }
-    return list();
+                    attach_stored(record.id, record);
+            then(list());
+        });
 }
 
 bool KernelManager::shutdown_kernel(const std::string& kernel_id, const std::string& reason) {

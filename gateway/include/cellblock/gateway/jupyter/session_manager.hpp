@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cellblock/gateway/store/store_writer.hpp"
 
@@ -32,11 +33,12 @@ class JupyterSessionManager {
         }
     }
     // On a store shared with other gateways: takes in the sessions they created (whose kernel exists) and
-    // drops those they deleted, so /api/sessions answers the same through every gateway.
+    // drops those they deleted, so /api/sessions answers the same through every gateway. `stored_sessions`
+    // is what the store's jupyter_sessions() answered (read off the io thread).
     template <typename KernelExists>
-    void refresh_from_store(KernelExists&& kernel_exists) {
+    void refresh(const std::vector<nlohmann::json>& stored_sessions, KernelExists&& kernel_exists) {
         std::map<std::string, JupyterSessionRecord> stored;
-        for (const nlohmann::json& entry : writer_.store().jupyter_sessions())
+        for (const nlohmann::json& entry : stored_sessions)
             if (auto record = JupyterSessionRecord::from_json(entry))
                 stored.emplace(record->id, *record);
         std::erase_if(sessions_, [&stored](const auto& held) { return !stored.contains(held.first); });

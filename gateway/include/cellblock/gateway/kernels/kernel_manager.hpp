@@ -67,11 +67,14 @@ class KernelManager {
     // find(), and on a shared store (another gateway's kernels): a kernel recorded there whose process runs
     // on this machine is attached on demand (re-adopted as after a restart, without taking it from its
     // gateway). nullptr when unknown, pooled by another gateway, shut down here, or no longer running.
-    // Reads the store on the calling thread: start-up only (the io_context thread uses the overload below).
-    std::shared_ptr<Kernel> find_or_attach(const std::string& kernel_id);
-    // The same with the store read on StoreWriter's reader thread; `then` runs on the io_context thread (at
-    // once when the store is not needed). No answer in time: the kernel held here if it lives, else nullptr.
+    // The store is read on StoreWriter's reader thread; `then` runs on the io_context thread (at once when
+    // the store is not needed). No answer in time: the kernel held here if it lives, else nullptr.
     void find_or_attach(const std::string& kernel_id, std::function<void(std::shared_ptr<Kernel>)> then);
+    // find_or_attach for a request about one kernel, which must tell "none" from "the store did not answer":
+    // `then` gets the kernel (nullptr: none), or the store's error when it did not answer in time and no
+    // live kernel of that id is held here (the request answers 503 store_unavailable).
+    void look_up(const std::string& kernel_id,
+                 std::function<void(StoreAnswer<std::shared_ptr<Kernel>>)> then);
     // find_or_attach's decision with the store's `record` of the kernel already read (nullopt: none).
     std::shared_ptr<Kernel> attach_stored(const std::string& kernel_id,
                                           const std::optional<KernelRecord>& record);
@@ -79,8 +82,12 @@ class KernelManager {
     // (the kernel's restart lease, also taken before an automatic restart): a restart that finds it taken
     // fails at once, and the other gateways re-attach the new process instead of restarting it again.
     void restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel::ReadyHandler on_ready);
-    // Held here or (shared store) recorded in the store: a Jupyter session of it is not stale.
+    // Held here or (shared store) recorded in the store: a Jupyter session of it is not stale. Reads the
+    // store on the calling thread: start-up only (serving, the store is read once and known_among asked).
     bool known(const std::string& kernel_id) const;
+    // known() with the ids the store records already read (`stored`); nullopt: the store did not answer,
+    // and every kernel not shut down here counts as known (a session is not dropped for that).
+    bool known_among(const std::string& kernel_id, const std::optional<std::set<std::string>>& stored) const;
     // This gateway in kernel records ("host:state dir"): it re-adopts its own kernels after a restart.
     const std::string& owner() const { return owner_; }
     // Returns false for an unknown id.
@@ -93,8 +100,10 @@ class KernelManager {
     std::optional<std::string> lost_cause(const std::string& kernel_id) const;
     std::vector<std::shared_ptr<Kernel>> list() const;
     // list(), and on a shared store every kernel recorded there by any gateway (attached on demand, as
-    // find_or_attach), so /api/kernels answers the same through every gateway.
-    std::vector<std::shared_ptr<Kernel>> list_everywhere();
+    // find_or_attach), so /api/kernels answers the same through every gateway. The store is read on
+    // StoreWriter's reader thread and `then` runs on the io_context thread; no answer in time: list() alone
+    // (store_read_failed is logged).
+    void list_everywhere(std::function<void(std::vector<std::shared_ptr<Kernel>>)> then);
     const KernelSpecRegistry& registry() const { return registry_; }
     std::size_t pool_ready_count() const;
     const std::filesystem::path& runtime_dir() const { return runtime_dir_; }
