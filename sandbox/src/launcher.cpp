@@ -606,7 +606,12 @@ Template Launcher::launch_template(const TemplateRequest& request) {
     Policy policy = state_->policy;
     check_template_request(request);
     const std::vector<std::string> environment = template_environment(request, policy);
-    const auto workspace = make_template_workspace(policy, request.name);
+    // Owned templates of one name overlap (a tenant's generations, two gateways' services), and each one's
+    // Template kills and removes its cgroup and workspace: both are its own, named "<name>.<16 hex>". A
+    // shared name let the next generation's start kill the last one, and the last one's end kill the next.
+    // The root skeleton stays the name's, shared (SkeletonClaim).
+    const std::string instance = request.limits ? request.name + "." + detail::random_hex(8) : request.name;
+    const auto workspace = make_template_workspace(policy, instance);
 
     detail::StepNames steps;
     detail::ChildPlan plan;
@@ -625,7 +630,7 @@ Template Launcher::launch_template(const TemplateRequest& request) {
         // Its own memory and pids limits, accounted apart from every kernel's (the pages its forks share stay
         // charged here).
         impl->cgroups =
-            detail::CgroupSession::create(state_->cgroups, "template-" + request.name, *request.limits);
+            detail::CgroupSession::create(state_->cgroups, "template-" + instance, *request.limits);
         plan_cgroup_joins(impl->cgroups, steps, plan);
     }
 

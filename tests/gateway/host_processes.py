@@ -28,10 +28,10 @@ class HostProcess:
 
     @property
     def is_template(self) -> bool:
-        """A tenant's worker zygote template: the worker program in the cgroup its template service starts it in
-        (template-zygote-<tenant>, kernel/src/launch/template_service.cpp), or one that holds a listening unix
-        socket (a template without a cgroup of its own serves launches on one; a worker listens on none). A fork
-        of a template is in the template's cgroup, with its fds, only until it confines itself."""
+        """A tenant's worker zygote template: the worker program in a cgroup its template service starts it in
+        (template-zygote-<tenant>.<hex>, one a generation: kernel/src/launch/template_service.cpp), or one that holds
+        a listening unix socket (a template without a cgroup of its own serves launches on one; a worker listens on
+        none). A fork of a template is in the template's cgroup, with its fds, only until it confines itself."""
         if "cellblock_worker" not in self.cmdline:
             return False
         try:

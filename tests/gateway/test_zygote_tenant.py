@@ -184,6 +184,9 @@ def left_of_templates(policy, tenant) -> list:
     name = f"zygote-{tenant}"
     paths = [state / f"{name}.sock", state / f"{name}.log", state / "templates" / name, state / "roots" / name,
              state / "roots" / f"{name}.fingerprint", state / "roots" / f"{name}.lock"]
+    # Each generation's own workspace (sandbox/src/launcher.cpp launch_template): templates/<name>.<16 hex>.
+    paths += [path for path in (state / "templates").glob(f"{name}.*")
+              if re.fullmatch(r"[0-9a-f]{16}", path.suffix[1:])]
     return [str(path) for path in paths if path.exists()]
 
 
@@ -218,7 +221,9 @@ def test_by_default_the_operators_kernels_fork_from_a_template_the_gateway_super
     services = cellblock_zygote.template_services(tenant)
     assert len(services) == 1 and cellblock_zygote._ppid(template) == services[0], (template, services)
     assert cellblock_zygote._ppid(services[0]) == gateway.process.pid
-    assert f"/template-zygote-{tenant}\n" in Path(f"/proc/{template}/cgroup").read_text() + "\n"
+    # A cgroup of each generation's own (sandbox/src/launcher.cpp launch_template): template-zygote-<tenant>.<hex>.
+    template_cgroups = Path(f"/proc/{template}/cgroup").read_text() + "\n"
+    assert re.search(rf"/template-zygote-{re.escape(tenant)}\.[0-9a-f]{{16}}\n", template_cgroups), template_cgroups
     kernel_cgroups = Path(f"/proc/{kernel_pids(first)[0]}/cgroup").read_text()
     assert f"template-zygote-{tenant}" not in kernel_cgroups
 
@@ -272,3 +277,91 @@ def test_a_gateway_killed_with_sigkill_leaves_no_template_behind(make_gateway):
             except ProcessLookupError:
                 pass
         wait_ended(kernel_tree, 10)
+
+
+# -- generations: a tenant's next template starts while the last one still serves its last workers -------------------
+
+GENERATIONS_KERNEL = "cellblock-zygote-generations"
+
+
+@pytest.fixture(scope="module")
+def generations_kernelspec(tmp_path_factory):
+    """cellblock-python with the zygote on, one fork a generation and a small preload: every fork retires its
+    template, and the template service starts the next generation at once (kernel/src/launch/template_service.cpp)."""
+    directory = tmp_path_factory.mktemp("zygote-generations")
+    installed = PREFIX / "share" / "jupyter" / "kernels" / "cellblock-python" / "kernel.json"
+    spec = json.loads(installed.read_text())
+    argv = spec["argv"]
+    config = cellblock_zygote.resolved_config(Path(argv[argv.index("--config") + 1]))
+    config["worker"].update(zygote=True, zygote_generation_forks=1, zygote_preload=["colorsys"])
+    config["worker"].pop("zygote_tenant", None)
+    (directory / "kernel-config.json").write_text(json.dumps(config))
+    argv[argv.index("--config") + 1] = str(directory / "kernel-config.json")
+    (directory / "kernels" / GENERATIONS_KERNEL).mkdir(parents=True)
+    (directory / "kernels" / GENERATIONS_KERNEL / "kernel.json").write_text(json.dumps(spec))
+    yield directory / "kernels", Path(config["sandbox_policy"])
+    cellblock_zygote.stop_templates(config["sandbox_policy"])
+
+
+def forked_worker_and_template(kernel_id, tenant):
+    """(worker, template) when the kernel's worker is a fork of one of the tenant's templates (a child of its
+    template service), else None."""
+    kernel_pid = kernel_pids(kernel_id)[0]
+    services = set(cellblock_zygote.template_services(tenant))
+    for pid in cellblock_zygote.kernel_tree(kernel_pid):
+        parent = cellblock_zygote._ppid(pid)
+        if pid != kernel_pid and parent not in (None, kernel_pid) and cellblock_zygote._ppid(parent) in services:
+            return pid, parent
+    return None
+
+
+def template_cgroup(pid, tenant) -> str:
+    cgroups = Path(f"/proc/{pid}/cgroup").read_text()
+    found = re.findall(rf"/(template-zygote-{re.escape(tenant)}\.[0-9a-f]{{16}})$", cgroups, re.MULTILINE)
+    assert found, cgroups
+    return found[0]
+
+
+def test_a_generations_end_leaves_the_next_generation_and_its_own_workers_alone(make_gateway, generations_kernelspec):
+    # Each generation runs in a cgroup and workspace of its own (sandbox/src/launcher.cpp launch_template). With one
+    # name for all, the next generation's start killed the last one, which still serves its worker, and the last
+    # one's end killed the next one: the tenant went by exec until the service restarted it 30 s later.
+    kernels, policy = generations_kernelspec
+    tenant = cellblock_zygote.other_tenant("generations")
+    gateway = make_gateway("--kernelspec-dir", str(kernels), "--zygote-tenant", tenant, warm_pool=0)
+    model = gateway.start_kernel(name=GENERATIONS_KERNEL)
+    socket = gateway.connect(model["id"])
+    try:
+        socket.wait_ready()
+        # The kernel's first worker went by exec while the template prepared (or was its only fork): the next one is
+        # the only fork of the template that serves now, which retires it, and the service starts the next
+        # generation at once while that worker runs on.
+        last = cellblock_zygote.template_serving(policy, tenant, timeout=TEMPLATE_START_TIMEOUT)
+        socket.execute("import os; os._exit(0)")
+        assert result_of(socket, "1+1") == "2"
+        kernel_pid = kernel_pids(model["id"])[0]
+        workers = [pid for pid in cellblock_zygote.kernel_tree(kernel_pid) if pid != kernel_pid]
+        deadline, following = time.monotonic() + TEMPLATE_START_TIMEOUT, None
+        while following in (None, last):
+            assert time.monotonic() < deadline, "no next generation serves"
+            try:
+                following = cellblock_zygote.template_serving(policy, tenant, timeout=1)
+            except AssertionError:  # none serves yet (the next one listens while it prepares)
+                following = None
+        alive = sorted([last, *workers])
+        assert wait_ended(alive, 1) == alive, "the next generation's start killed the last"
+        assert len(workers) == 1 and cellblock_zygote._ppid(workers[0]) == last, (workers, last)
+        worker = workers[0]
+        following_cgroup = template_cgroup(following, tenant)
+        assert template_cgroup(last, tenant) != following_cgroup
+
+        # The worker ends: the last generation ends after it, and its cleanup leaves the next one alone.
+        socket.execute("import os; os._exit(0)")
+        assert wait_ended([worker, last], 30) == []
+        assert wait_ended([following], 3) == [following], "the last generation's end killed the next one"
+        assert template_cgroup(following, tenant) == following_cgroup
+        # (The kernel may have replaced its worker by a fork of it already, which retired it in turn.)
+        assert result_of(socket, "6*7") == "42"
+        assert forked_worker_and_template(model["id"], tenant), "the worker went by exec: no template served"
+    finally:
+        socket.close()

@@ -8,6 +8,7 @@ kernel's: the kernel holds it through a pidfd, which is how `kernel_workers` fin
 """
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -188,6 +189,9 @@ def stop_templates(policy_path) -> None:
         for suffix in (".sock", ".lock", ".log"):
             (directory / f"zygote-{tenant}{suffix}").unlink(missing_ok=True)
         shutil.rmtree(directory / "templates" / f"zygote-{tenant}", ignore_errors=True)
+        for workspace in (directory / "templates").glob(f"zygote-{tenant}.*"):  # an owned template's (one a generation)
+            if re.fullmatch(r"[0-9a-f]{16}", workspace.suffix[1:]):
+                shutil.rmtree(workspace, ignore_errors=True)
 
 
 def template_serving(policy_path, tenant: str = TENANT, timeout: float = 0) -> int:

@@ -146,16 +146,19 @@ struct TemplateRequest {
     // Host path of libcellblock_zygote.so: its directory is bound read-only at /opt/cellblock/zygote in the
     // template's root only, and CELLBLOCK_ZYGOTE_LIBRARY names it there.
     std::filesystem::path zygote_library;
-    // Set: the template runs in a cgroup of its own ("template-<name>") with these limits, which the returned
-    // Template owns. Unset: it stays in the caller's cgroups and the Template owns nothing.
+    // Set: the template runs in a cgroup of its own with these limits, "template-<name>.<16 random hex>",
+    // which the returned Template owns, as it owns its empty workspace, state_dir/templates/<name>.<the hex>.
+    // Unset: it stays in the caller's cgroups, its workspace is state_dir/templates/<name> and the Template
+    // owns nothing.
     std::optional<ResourceLimits> limits;
 };
 
 // A started zygote template. It is not the caller's child (a double fork; a PR_SET_CHILD_SUBREAPER caller
 // becomes its parent). With TemplateRequest::limits this object owns the template's cgroup and empty
-// workspace, and a share of its root skeleton (<state_dir>/roots/<name>, which templates of the same name
-// share): the destructor kills whatever is still in the cgroup and removes both, and the last share of the
-// skeleton removes it, so end the template (or wait for its end) first.
+// workspace (its alone: templates of one name overlap, a tenant's generations), and a share of its root
+// skeleton (<state_dir>/roots/<name>, which templates of the same name share): the destructor kills whatever
+// is still in the cgroup and removes both, and the last share of the skeleton removes it, so end the template
+// (or wait for its end) first.
 class Template {
   public:
     Template(Template&&) noexcept;
