@@ -327,7 +327,7 @@ std::uint64_t AgentOperations::execute(const SessionPtr& session, const ExecuteA
 ExecuteRequest AgentOperations::check_execute(const SessionPtr& session, const ExecuteArguments& arguments,
                                               const Caller& caller) const {
     admit(caller.principal, {0, 0, 1});
-    if (session->queued() >= AgentSession::max_queued)
+    if (session->queue_full())
         throw OperationError(
             Kind::busy, "session_busy",
             std::to_string(session->queued()) + " executes are already waiting in this session",

@@ -56,7 +56,7 @@ std::chrono::steady_clock::time_point AgentSession::last_used() const {
 }
 
 AgentSession::State AgentSession::state() const {
-    if (running_ || !queue_.empty())
+    if (executes_.busy())
         return State::busy;
     if (kernel_wait_ != KernelWait::none)
         return State::starting;
@@ -104,7 +104,7 @@ json AgentSession::model() const {
     if (kernel_wait_ == KernelWait::starting)
         state = "starting";
     else if (kernel_)
-        state = running_ ? "busy" : std::string(kernel_state_name(kernel_->state()));
+        state = executes_.running() != nullptr ? "busy" : std::string(kernel_state_name(kernel_->state()));
     json model = {{"id", record_.id},
                   {"name", record_.name},
                   {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
@@ -113,7 +113,7 @@ json AgentSession::model() const {
                   {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
                   {"state", state},
                   {"cells", cells_.size()},
-                  {"queued", queue_.size()}};
+                  {"queued", executes_.queued()}};
     if (!record_.tenant.empty())
         model["tenant"] = record_.tenant;
     return model;
@@ -158,10 +158,11 @@ void AgentSession::deliver(const JupyterMessage& message) {
                                    json::parse(message.content, nullptr, false));
         return;
     }
-    if (!running_ || !running_->collector)
+    Running* running = executes_.running();
+    if (!running || !running->collector)
         return;
-    if (running_->collector->consume(message)) {
-        if (running_->collector->complete())
+    if (running->collector->consume(message)) {
+        if (running->collector->complete())
             finish_execute();
         return;
     }
@@ -170,7 +171,7 @@ void AgentSession::deliver(const JupyterMessage& message) {
         const json content = json::parse(message.content, nullptr, false);
         const std::string state = string_member(content, "execution_state");
         if (state == "restarting" || state == "dead") {
-            running_->kernel_failure =
+            running->kernel_failure =
                 "the kernel process " + std::string(state == "dead" ? "died" : "died and was restarted");
             finish_execute();
         }
@@ -183,8 +184,8 @@ void AgentSession::disconnect(const std::string& reason) {
     kernel_ = nullptr;
     link_ = nullptr;
     fail_file_requests("the kernel went away (" + reason + ")");
-    if (running_ && running_->collector) {
-        running_->kernel_failure = "the kernel went away (" + reason + ")";
+    if (Running* running = executes_.running(); running && running->collector) {
+        running->kernel_failure = "the kernel went away (" + reason + ")";
         finish_execute();
     }
 }
@@ -207,18 +208,15 @@ void AgentSession::close(const std::string& reason, bool record_deletion) {
 }
 
 void AgentSession::fail_every_waiter(const std::string& cause) {
-    if (running_ && running_->collector) {
-        running_->kernel_failure = cause;
+    if (Running* running = executes_.running(); running && running->collector) {
+        running->kernel_failure = cause;
         finish_execute();
     }
     fail_file_requests(cause);
     // Includes the execute or reset whose kernel is still starting (run_next's waiter answers it).
     settle_kernel_waiters(cause);
-    while (!queue_.empty()) {
-        Pending pending = std::move(queue_.front());
-        queue_.pop_front();
+    for (Pending& pending : executes_.take_all())
         fail_pending(pending, "SessionClosed", cause);
-    }
 }
 
 std::optional<std::string> AgentSession::save_output(const std::string& file_name, const std::string& text) {

@@ -129,14 +129,14 @@ void AgentSession::resume(const std::shared_ptr<Kernel>& kernel, const std::stri
     // Executes wait for the re-adopted kernel as they would for a starting one.
     kernel_wait_ = KernelWait::readying;
     if (!inflight.empty())
-        running_ = std::make_unique<Running>();  // busy: queued executes run after the resumed one
+        executes_.hold();  // busy: queued executes run after the resumed one
     std::weak_ptr<AgentSession> weak = weak_from_this();
     kernel->when_ready([weak, kernel, inflight = std::move(inflight)](std::optional<std::string> error) {
         auto self = weak.lock();
         if (!self || self->closed_)
             return;
         if (error) {
-            self->running_.reset();
+            self->executes_.finish();
             self->resume(nullptr, "the kernel could not be re-adopted after the gateway restarted: " + *error,
                          inflight);
             // Nothing is attached: whoever waits gets a fresh kernel instead.
@@ -159,9 +159,8 @@ void AgentSession::resume(const std::shared_ptr<Kernel>& kernel, const std::stri
 }
 
 void AgentSession::resume_execute(const InflightExecute& inflight) {
-    if (!running_)
-        running_ = std::make_unique<Running>();
-    auto& running = *running_;
+    executes_.hold();
+    auto& running = *executes_.running();
     running.msg_id = inflight.msg_id;
     running.pending.request.code = inflight.request.value("code", std::string());
     running.pending.request.client_address = inflight.request.value("client", std::string());
@@ -174,12 +173,14 @@ void AgentSession::resume_execute(const InflightExecute& inflight) {
                                                std::chrono::system_clock::now() - running.started_wall);
     running.collector = std::make_unique<ExecutionCollector>(inflight.msg_id, nullptr);
     services_.logger.info("agent_execute_resumed", {{"session", id()}, {"msg_id", inflight.msg_id}});
+    // Each message may finish it (finish_execute ends the running one): asked again after each.
+    auto still_running = [this] { return executes_.running() != nullptr && executes_.running()->collector; };
     for (const JupyterMessage& message : kernel_->replayed_for(inflight.msg_id)) {
-        if (!running_ || !running_->collector)
+        if (!still_running())
             return;
         deliver(message);
     }
-    if (!running_ || !running_->collector)
+    if (!still_running())
         return;  // answered from the record
     // Still running in the kernel, which enforces the limit: the safety net gets what is left of its time.
     const auto elapsed = std::chrono::steady_clock::now() - running.started;

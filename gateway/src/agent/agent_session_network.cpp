@@ -11,8 +11,8 @@ using nlohmann::json;
 
 void AgentSession::stream_event(const json& event) {
     live_.cell_event(event);
-    if (running_ && running_->pending.handlers.on_event)
-        running_->pending.handlers.on_event(event);
+    if (Running* running = executes_.running(); running && running->pending.handlers.on_event)
+        running->pending.handlers.on_event(event);
 }
 
 void AgentSession::on_egress(const JupyterMessage& message) {

@@ -6,9 +6,10 @@
 #include "cellblock/gateway/common/crypto.hpp"
 #include "cellblock/gateway/common/time_format.hpp"
 
-// AgentSession's execute queue: executes and resets run one at a time, each once the session has its kernel
-// and this gateway its execute lease (agent_session_lease.cpp); the safety net's timers; an ended execute's
-// answer, cell, audit entry and metrics. The rest of AgentSession: agent_session.cpp.
+// AgentSession's side of its execute queue (execute_queue.hpp, which keeps the order): each execute or reset
+// starts once the session has its kernel and this gateway its execute lease (agent_session_lease.cpp); the
+// safety net's timers; an ended execute's answer, cell, audit entry and metrics. The rest of AgentSession:
+// agent_session.cpp.
 
 namespace cellblock::gateway::agent {
 
@@ -23,48 +24,35 @@ constexpr double safety_net_margin_s = 30;
 
 std::uint64_t AgentSession::execute(ExecuteRequest request, ExecuteHandlers handlers) {
     touch();
-    Pending pending;
-    pending.ticket = next_ticket_++;
-    pending.request = std::move(request);
-    pending.handlers = std::move(handlers);
+    Pending pending = executes_.make_execute(std::move(request), std::move(handlers));
     const std::uint64_t ticket = pending.ticket;
     if (closed_) {
         fail_pending(pending, "SessionClosed", "the session was deleted");
         return ticket;
     }
-    queue_.push_back(std::move(pending));
+    executes_.push(std::move(pending));
     run_next();
     return ticket;
 }
 
 void AgentSession::reset(std::string client_address, std::string token_id, Done done) {
     touch();
-    Pending pending;
-    pending.ticket = next_ticket_++;
-    pending.is_reset = true;
-    pending.request.client_address = std::move(client_address);
-    pending.request.token_id = std::move(token_id);
-    pending.reset_done = std::move(done);
+    ExecuteRequest request;
+    request.client_address = std::move(client_address);
+    request.token_id = std::move(token_id);
+    Pending pending = executes_.make_reset(std::move(request), std::move(done));
     if (closed_)
         return pending.reset_done(std::string("session was deleted"));
-    queue_.push_back(std::move(pending));
+    executes_.push(std::move(pending));
     run_next();
 }
 
 void AgentSession::abandon(std::uint64_t ticket) {
-    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-        if (it->ticket != ticket)
-            continue;
-        Pending pending = std::move(*it);
-        queue_.erase(it);
-        pending.handlers.on_event = nullptr;
-        fail_pending(pending, "ClientDisconnected", "the client went away before the code started");
-        return;
-    }
-    if (running_ && running_->pending.ticket == ticket && !running_->interrupted_by_client) {
-        // The answer still completes (and is audited); only its streaming consumer is gone.
-        running_->interrupted_by_client = true;
-        running_->pending.handlers.on_event = nullptr;
+    ExecuteQueue::Abandoned abandoned = executes_.abandon(ticket);
+    if (abandoned.queued)
+        return fail_pending(*abandoned.queued, "ClientDisconnected",
+                            "the client went away before the code started");
+    if (abandoned.running) {
         services_.logger.info("agent_execute_abandoned", {{"session", id()}});
         if (kernel_)
             kernel_->interrupt();
@@ -99,20 +87,19 @@ void AgentSession::count_execute(const json& answer, std::string_view kernel_out
 }
 
 void AgentSession::run_next() {
-    if (running_ || queue_.empty() || closed_)
+    if (closed_)
         return;
-    Pending pending = std::move(queue_.front());
-    queue_.pop_front();
-    running_ = std::make_unique<Running>();
-    running_->pending.ticket = pending.ticket;  // marks the session busy while the kernel starts
+    std::optional<Pending> next = executes_.start_next();
+    if (!next)
+        return;
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    auto shared_pending = std::make_shared<Pending>(std::move(pending));
+    auto shared_pending = std::make_shared<Pending>(std::move(*next));
     ensure_kernel([weak, shared_pending](std::optional<std::string> error) {
         auto self = weak.lock();
         if (!self)
             return;
         if (error) {
-            self->running_.reset();
+            self->executes_.finish();
             if (self->closed_)
                 self->fail_pending(*shared_pending, "SessionClosed", "the session was deleted");
             else
@@ -131,12 +118,12 @@ void AgentSession::run_next() {
                 if (!locked)
                     return;
                 if (unavailable) {
-                    locked->running_.reset();
+                    locked->executes_.finish();
                     locked->fail_pending(*shared_pending, std::string(store_unavailable_ename), *unavailable);
                     return locked->run_next();
                 }
                 if (locked->closed_ || !locked->kernel_) {
-                    locked->running_.reset();
+                    locked->executes_.finish();
                     locked->release_execute_lease();
                     locked->fail_pending(
                         *shared_pending, locked->closed_ ? "SessionClosed" : "KernelUnavailable",
@@ -158,7 +145,7 @@ void AgentSession::start_reset(Pending pending) {
         auto self = weak.lock();
         if (!self)
             return;
-        self->running_.reset();
+        self->executes_.finish();
         self->release_execute_lease();
         if (!error) {
             self->cells_.clear();
@@ -178,7 +165,7 @@ void AgentSession::start_reset(Pending pending) {
 }
 
 void AgentSession::start_execute(Pending pending) {
-    auto& running = *running_;
+    auto& running = *executes_.running();
     running.pending = std::move(pending);
     running.started = std::chrono::steady_clock::now();
     running.started_wall = std::chrono::system_clock::now();
@@ -245,9 +232,10 @@ void AgentSession::arm_deadline(std::chrono::milliseconds after) {
 }
 
 void AgentSession::on_deadline() {
-    if (!running_ || !running_->collector)
+    Running* running = executes_.running();
+    if (!running || !running->collector)
         return;
-    running_->timed_out = true;
+    running->timed_out = true;
     services_.logger.info("agent_execute_timeout", {{"session", id()}});
     if (kernel_)
         kernel_->interrupt();
@@ -262,21 +250,22 @@ void AgentSession::on_deadline() {
 }
 
 void AgentSession::on_grace_expired() {
-    if (!running_ || !running_->collector)
+    Running* running = executes_.running();
+    if (!running || !running->collector)
         return;
     // The code ignored the interrupt: the circuit breaker restarts the kernel, which kills the worker.
     services_.logger.warn("agent_execute_kernel_restart", {{"session", id()}});
-    running_->kernel_restarted = true;
+    running->kernel_restarted = true;
     if (kernel_)
         services_.kernels.restart_kernel(kernel_, [](const std::optional<std::string>&) {});
     finish_execute();
 }
 
 void AgentSession::finish_execute() {
-    if (!running_ || !running_->collector)
+    if (!executes_.running() || !executes_.running()->collector)
         return;
     deadline_timer_.cancel();
-    std::unique_ptr<Running> running = std::move(running_);
+    std::unique_ptr<Running> running = executes_.finish();
     json cell_outputs;
     // The cell is recorded (queued to the store before the lease is let go: the store's writes are ordered
     // per gateway, and the next holder reads the history only through its own copy).

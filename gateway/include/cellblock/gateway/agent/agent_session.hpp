@@ -5,7 +5,6 @@
 // its own session_id.
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
-#include <deque>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -18,6 +17,7 @@
 #include "cellblock/gateway/access/tenant_quotas.hpp"
 #include "cellblock/gateway/agent/agent_config.hpp"
 #include "cellblock/gateway/agent/approvals_book.hpp"
+#include "cellblock/gateway/agent/execute_queue.hpp"
 #include "cellblock/gateway/agent/execution.hpp"
 #include "cellblock/gateway/agent/live_events.hpp"
 #include "cellblock/gateway/kernels/kernel.hpp"
@@ -40,19 +40,6 @@ struct AgentSessionServices {
     TenantQuotas& quotas;
 };
 
-struct ExecuteRequest {
-    std::string code;
-    double timeout_s = 0;        // the circuit breaker for this call; <= the session's limits.timeout_s
-    std::string client_address;  // for the audit trail
-    std::string client_kind;     // "http", "ndjson", "mcp"
-    std::string token_id;        // the tenant token that asked (never the token); empty for the operator
-};
-
-struct ExecuteHandlers {
-    ExecutionCollector::EventSink on_event;              // optional, for streaming
-    std::function<void(nlohmann::json answer)> on_done;  // always called exactly once
-};
-
 class AgentSession : public KernelClient, public std::enable_shared_from_this<AgentSession> {
   public:
     struct Record {
@@ -64,7 +51,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // Network approvals and the kernel's verdict on a decision (approvals_book.hpp).
     using Approval = agent::Approval;
     using DecisionResult = ApprovalDecisionResult;
-    using Done = std::function<void(std::optional<std::string> error)>;
+    using Done = ExecuteQueue::Done;
 
     // `cells` is the history reloaded from the store (empty for a new session).
     AgentSession(AgentSessionServices& services, Record record, std::vector<nlohmann::json> cells);
@@ -120,12 +107,12 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::shared_ptr<Kernel> kernel() const { return kernel_; }
     // The session's cells as events for its live page (agent_api.cpp, .../events).
     LiveLog& live() { return live_; }
-    bool busy() const { return running_ != nullptr || !queue_.empty(); }
+    bool busy() const { return executes_.busy(); }
     // Executes running or queued (what a tenant's `executes` quota counts, tenant_quotas.hpp).
-    std::size_t executes_in_flight() const { return queue_.size() + (running_ != nullptr ? 1 : 0); }
-    std::size_t queued() const { return queue_.size(); }
-    // More executes than this waiting behind the running one are refused (429) instead of piling up.
-    static constexpr std::size_t max_queued = 64;
+    std::size_t executes_in_flight() const { return executes_.in_flight(); }
+    std::size_t queued() const { return executes_.queued(); }
+    // As many executes wait as the queue takes (ExecuteQueue::max_queued): the next is refused.
+    bool queue_full() const { return executes_.full(); }
     bool closed() const { return closed_; }
     // The `ename` of an execute answered without running because the store did not answer in time (the agent
     // API answers it 503 store_unavailable).
@@ -149,25 +136,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void disconnect(const std::string& reason) override;
 
   private:
-    struct Pending {
-        std::uint64_t ticket = 0;
-        bool is_reset = false;
-        ExecuteRequest request;
-        ExecuteHandlers handlers;
-        Done reset_done;
-    };
-    struct Running {
-        Pending pending;
-        std::unique_ptr<ExecutionCollector> collector;
-        std::chrono::steady_clock::time_point started;
-        std::chrono::system_clock::time_point started_wall;
-        bool timed_out =
-            false;  // the safety net passed (the kernel did not enforce the limit) and it was interrupted
-        bool kernel_restarted = false;  // still running after the grace period: the kernel was restarted
-        bool interrupted_by_client = false;
-        std::string kernel_failure;  // the kernel died or went away during the execute
-        std::string msg_id;          // of the execute_request (the in-flight record in the store)
-    };
+    using Pending = ExecuteQueue::Pending;
+    using Running = ExecuteQueue::Running;
 
     void run_next();
     // Calls `then(nullopt)` once this gateway holds the session's execute lease (other gateways on a shared
@@ -249,15 +219,13 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     bool state_lost_notice_ = false;  // tell the next answer that a new kernel replaced the old one
     std::string state_lost_cause_;    // why, when the gateway knows (a kernel lost across a restart)
     std::vector<Done> kernel_waiters_;
-    std::deque<Pending> queue_;
-    std::unique_ptr<Running> running_;
+    ExecuteQueue executes_;
     boost::asio::steady_timer deadline_timer_;
     boost::asio::steady_timer lease_timer_;
     bool holds_execute_lease_ = false;
     // The kernel this gateway let go of (disconnect): on a shared store the session stays on it if it runs
     // on.
     std::string let_go_kernel_id_;
-    std::uint64_t next_ticket_ = 1;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
     std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)
