@@ -355,7 +355,8 @@ std::uint64_t AgentOperations::queue_checked(const SessionPtr& session, ExecuteR
 // ------------------------------------------------------------------------------------------------ files
 
 void AgentOperations::list_files(const SessionPtr& session, Then<std::vector<WorkspaceFile>> then) {
-    ask_kernel<std::vector<WorkspaceFile>>(session, files_, services_.io, {contract::FileOp::list},
+    ask_kernel<std::vector<WorkspaceFile>>(session, files_, services_.io,
+                                           {contract::FileOp::list, {}, {}, contract::max_file_bytes},
                                            std::move(then), [](contract::FileReply& reply) {
                                                std::vector<WorkspaceFile> files;
                                                files.reserve(reply.files.size());
@@ -405,7 +406,8 @@ void AgentOperations::delete_file(const SessionPtr& session, const std::string& 
                   {"via", caller.via},
                   {"token_id", caller.principal.token_id},
                   {"path", relative}};
-    ask_kernel<std::string>(session, files_, services_.io, {contract::FileOp::remove, relative},
+    ask_kernel<std::string>(session, files_, services_.io,
+                            {contract::FileOp::remove, relative, {}, contract::max_file_bytes},
                             audited(session, std::move(entry), std::move(then)),
                             [](contract::FileReply& reply) { return std::move(reply.path); });
 }
