@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_shared_store import Channels, postgres, start_pair  # noqa: F401 (fixtures)
+from test_shared_store import Channels, kernel_processes, postgres, start_pair  # noqa: F401 (fixtures)
 
 OUTAGE_S = 10
 EXECUTE_LIMIT_S = 3
@@ -142,6 +142,12 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
         assert created.status_code == 201, created.text
         notebooks.append(created.json()["id"])
     listed_everywhere((a, b), kernels, notebooks)
+    # A kernel of A that dies during the outage: whether to restart it is the store's to say (another gateway may
+    # have deleted or restarted it), and asking must not stall A's other kernels.
+    doomed = a.request("POST", "/api/kernels", json={"name": "cellblock-python"})
+    assert doomed.status_code == 201, doomed.text
+    doomed = doomed.json()["id"]
+    assert kernel_processes(doomed), "the kernel's process is not visible on the host"
     probes = [Probe(a, kernels[0]), Probe(b, kernels[1])]
     answered_ok = 2
 
@@ -150,6 +156,8 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
     try:
         for probe in probes:
             probe.start()
+        for pid in kernel_processes(doomed):
+            os.kill(pid, signal.SIGKILL)
         outage_ends = time.monotonic() + OUTAGE_S
         while time.monotonic() < outage_ends:
             for gateway in (a, b):
@@ -173,6 +181,8 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
         assert p99 < 0.05, f"p99 of 1+1 over the WebSocket of {gateway.url}: {p99 * 1000:.0f} ms"
 
     print(f"agent executes answered ok during the outage: {answered_ok - 2}")
+    # Unanswered by the store in time, the dead kernel was not restarted behind it.
+    assert not kernel_processes(doomed), "a kernel that died during the outage was restarted unasked"
     listed_everywhere((a, b), kernels, notebooks)
     # Resumed: both serve the session with its state, and nothing answered ok is missing from the store.
     assert ok_text(a.execute(session, "x + 2")) == "43"

@@ -389,10 +389,18 @@ void Kernel::finish_readiness(const std::optional<std::string>& error) {
 void Kernel::on_process_exit(InstanceExit exit) {
     const ProcessExit facts{exit.ended_externally, !ready_handlers_.empty()};
     const bool was_ready = lifecycle_.ready();
-    switch (lifecycle_.process_exited(facts, [this] {
-        return config_.autorestart && restarts_ < config_.restart_limit &&
-               (!may_restart_ || may_restart_(*this));
-    })) {
+    const auto action = lifecycle_.process_exited(
+        facts, [this] { return config_.autorestart && restarts_ < config_.restart_limit; },
+        static_cast<bool>(may_restart_));
+    const bool died_serving = action == ExitAction::auto_restart || action == ExitAction::die ||
+                              action == ExitAction::ask || action == ExitAction::end_externally;
+    if (died_serving)
+        logger_.warn("kernel_died", {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
+    act_on_exit(action, exit);
+}
+
+void Kernel::act_on_exit(ExitAction action, const InstanceExit& exit) {
+    switch (action) {
         case ExitAction::ignore:
             return;
         case ExitAction::finish_stop:
@@ -416,20 +424,22 @@ void Kernel::on_process_exit(InstanceExit exit) {
             return;
         case ExitAction::end_externally:
             // Clients are told why; it is not started again behind the scheduler's or operator's back.
-            logger_.warn("kernel_died",
-                         {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
             notify_clients("[cellblock-gateway] the kernel died: " + exit.cause + "\n");
             broadcast_execution_state("dead");
             return;
         case ExitAction::auto_restart:
-            logger_.warn("kernel_died",
-                         {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
             auto_restart();
             return;
         case ExitAction::die:
-            logger_.warn("kernel_died",
-                         {{"kernel_id", id()}, {"exit", exit.cause}, {"was_ready", was_ready}});
             broadcast_execution_state("dead");
+            return;
+        case ExitAction::ask:
+            // The answer comes later (the store is read off the io thread); until then the kernel is
+            // `deciding`, shown as restarting, and a shutdown or restart meanwhile wins.
+            may_restart_(*this, [weak = weak_from_this(), exit](bool restart) {
+                if (auto self = weak.lock())
+                    self->act_on_exit(self->lifecycle_.restart_decided(restart), exit);
+            });
             return;
     }
 }

@@ -26,6 +26,8 @@ std::string_view kernel_phase_name(KernelPhase phase) {
             return "ready";
         case KernelPhase::restart_pending:
             return "restart_pending";
+        case KernelPhase::deciding:
+            return "deciding";
         case KernelPhase::restarting:
             return "restarting";
         case KernelPhase::stopping:
@@ -52,6 +54,7 @@ KernelState KernelLifecycle::client_state(bool busy) const {
         case KernelPhase::ready:
             return busy ? KernelState::busy : KernelState::idle;
         case KernelPhase::restart_pending:
+        case KernelPhase::deciding:
         case KernelPhase::restarting:
             return KernelState::restarting;
         case KernelPhase::stopping:
@@ -92,11 +95,12 @@ bool KernelLifecycle::shutdown() {
 }
 
 ExitAction KernelLifecycle::process_exited(const ProcessExit& exit,
-                                           const std::function<bool()>& may_auto_restart) {
+                                           const std::function<bool()>& may_auto_restart, bool ask_store) {
     switch (phase_) {
         case KernelPhase::stopped:
         case KernelPhase::dead:
         case KernelPhase::released:
+        case KernelPhase::deciding:
             return ExitAction::ignore;
         case KernelPhase::stopping:
             phase_ = KernelPhase::stopped;
@@ -119,11 +123,18 @@ ExitAction KernelLifecycle::process_exited(const ProcessExit& exit,
         return ExitAction::end_externally;
     }
     if (may_auto_restart && may_auto_restart()) {
-        phase_ = KernelPhase::restarting;
-        return ExitAction::auto_restart;
+        phase_ = ask_store ? KernelPhase::deciding : KernelPhase::restarting;
+        return ask_store ? ExitAction::ask : ExitAction::auto_restart;
     }
     phase_ = KernelPhase::dead;
     return ExitAction::die;
+}
+
+ExitAction KernelLifecycle::restart_decided(bool restart) {
+    if (phase_ != KernelPhase::deciding)
+        return ExitAction::ignore;
+    phase_ = restart ? KernelPhase::restarting : KernelPhase::dead;
+    return restart ? ExitAction::auto_restart : ExitAction::die;
 }
 
 }  // namespace cellblock::gateway

@@ -318,41 +318,76 @@ std::shared_ptr<Provisioner> KernelManager::provisioner_for(const KernelSpec& sp
 
 void KernelManager::watch_kernel(Kernel& kernel) {
     kernel.on_spawned([this](const Kernel& spawned) { persist(spawned); });
-    if (writer_.store().shared())
-        kernel.on_unexpected_exit([this](const Kernel& died) {
-            // Being restarted through another gateway (its restart lease is taken), deleted through one (its
-            // record is gone) or restarted by one already (the record names another process): restarting it
-            // here would run it twice or resurrect it. Such a kernel stays dead here; the next request for
-            // it attaches what the store records (find_or_attach).
-            const std::string lease = "kernel-restart:" + died.id();
-            auto let_go_later = [this, &died](const char* why) {
-                logger_.info("kernel_ended_elsewhere", {{"kernel_id", died.id()}, {"why", why}});
-                boost::asio::post(io_, [this, id = died.id(), why] {
-                    if (auto held = find(id); held && held->state() == KernelState::dead)
-                        let_go(held, why);
-                });
-                return false;
-            };
-            try {
-                if (!writer_.store().try_lease(lease))
-                    return let_go_later("restarted through another gateway");
-                auto record = writer_.store().kernel(died.id());
-                if (!record || record->process != died.record(false).process) {
-                    writer_.store().release_lease(lease);
-                    return let_go_later(record ? "restarted through another gateway"
-                                               : "deleted through another gateway");
-                }
-            } catch (const std::exception& error) {
-                logger_.error("store_read_failed", {{"kernel_id", died.id()}, {"error", error.what()}});
-                return false;
-            }
-            // Held until the new process is recorded: the respawn (right after this returns) queues it.
-            boost::asio::post(
-                io_, [this, lease] { writer_.after_pending([this, lease] { release_lease(lease); }); });
-            return true;
+    if (writer_.shared())
+        kernel.on_unexpected_exit([this](const Kernel& died, Kernel::RestartDecision decide) {
+            ask_store_about_restart(died, std::move(decide));
         });
     kernel.on_launch_failed(
         [&metrics = metrics_](std::string_view cause) { metrics.count_launch_failure(cause); });
+}
+
+namespace {
+// What the store says of a kernel whose process ended here: whether this gateway holds its restart lease, and
+// (if it does) the kernel's record.
+struct RestartQuestion {
+    bool leased = false;
+    std::optional<KernelRecord> record;
+};
+}  // namespace
+
+void KernelManager::ask_store_about_restart(const Kernel& died, Kernel::RestartDecision decide) {
+    // Being restarted through another gateway (its restart lease is taken), deleted through one (its record
+    // is gone) or restarted by one already (the record names another process): restarting it here would run
+    // it twice or resurrect it. Such a kernel stays dead here; the next request for it attaches what the
+    // store records (find_or_attach). Asked off the io thread: a store that stalls stalls no other kernel.
+    const std::string lease = "kernel-restart:" + died.id();
+    auto let_go_later = [this, id = died.id()](const char* why) {
+        logger_.info("kernel_ended_elsewhere", {{"kernel_id", id}, {"why", why}});
+        boost::asio::post(io_, [this, id, why] {
+            if (auto held = find(id); held && held->state() == KernelState::dead)
+                let_go(held, why);
+        });
+    };
+    writer_.read<RestartQuestion>(
+        [lease, id = died.id()](SessionStore& store) {
+            RestartQuestion answer;
+            answer.leased = store.try_lease(lease);
+            try {
+                if (answer.leased)
+                    answer.record = store.kernel(id);
+            } catch (...) {
+                store.release_lease(lease);
+                throw;
+            }
+            return answer;
+        },
+        StoreWriter::default_read_limit,
+        [this, lease, id = died.id(), process = died.record(false).process, decide = std::move(decide),
+         let_go_later](const StoreAnswer<RestartQuestion>& answer) {
+            if (!answer.ok()) {
+                logger_.error("store_read_failed", {{"kernel_id", id}, {"error", answer.error}});
+                return decide(false);
+            }
+            if (!answer.value->leased) {
+                decide(false);
+                return let_go_later("restarted through another gateway");
+            }
+            const auto& record = answer.value->record;
+            if (!record || record->process != process) {
+                release_lease(lease);
+                decide(false);
+                return let_go_later(record ? "restarted through another gateway"
+                                           : "deleted through another gateway");
+            }
+            decide(true);
+            // Held until the new process is recorded: the respawn queued its record.
+            boost::asio::post(
+                io_, [this, lease] { writer_.after_pending([this, lease] { release_lease(lease); }); });
+        },
+        [this, lease](const RestartQuestion& late) {
+            if (late.leased)
+                release_lease(lease);
+        });
 }
 
 void KernelManager::adopt(const std::shared_ptr<Kernel>& kernel) {

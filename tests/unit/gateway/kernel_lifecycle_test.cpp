@@ -25,6 +25,11 @@ KernelLifecycle in(KernelPhase phase) {
             lifecycle.became_ready();
             lifecycle.restart(true);
             break;
+        case KernelPhase::deciding:
+            lifecycle.became_ready();
+            lifecycle.process_exited(
+                died, [] { return true; }, true);
+            break;
         case KernelPhase::restarting:
             lifecycle.became_ready();
             lifecycle.restart(false);
@@ -48,9 +53,9 @@ KernelLifecycle in(KernelPhase phase) {
 }
 
 constexpr KernelPhase all_phases[] = {
-    KernelPhase::starting,   KernelPhase::ready,    KernelPhase::restart_pending,
-    KernelPhase::restarting, KernelPhase::stopping, KernelPhase::stopped,
-    KernelPhase::dead,       KernelPhase::released};
+    KernelPhase::starting, KernelPhase::ready,      KernelPhase::restart_pending,
+    KernelPhase::deciding, KernelPhase::restarting, KernelPhase::stopping,
+    KernelPhase::stopped,  KernelPhase::dead,       KernelPhase::released};
 
 TEST(KernelLifecycle, AKernelStartsAsStartingAndIsShownStarting) {
     KernelLifecycle lifecycle;
@@ -153,6 +158,55 @@ TEST(KernelLifecycle, AServingKernelThatDiesPastItsRestartsIsDead) {
     EXPECT_EQ(lifecycle.process_exited(died, [] { return false; }), ExitAction::die);
     EXPECT_EQ(lifecycle.phase(), KernelPhase::dead);
     EXPECT_EQ(lifecycle.client_state(false), KernelState::dead);
+}
+
+// A shared store: whether another gateway deleted or restarted the kernel is asked off the io thread, so the
+// restart waits in `deciding` for the answer.
+TEST(KernelLifecycle, ADeathTheStoreMustJudgeWaitsForItsAnswerShownRestarting) {
+    KernelLifecycle lifecycle = in(KernelPhase::ready);
+    EXPECT_EQ(lifecycle.process_exited(
+                  died, [] { return true; }, true),
+              ExitAction::ask);
+    EXPECT_EQ(lifecycle.phase(), KernelPhase::deciding);
+    EXPECT_EQ(lifecycle.client_state(false), KernelState::restarting);
+    EXPECT_FALSE(lifecycle.launching()) << "no process launches until the store has answered";
+    EXPECT_EQ(lifecycle.process_exited(
+                  died, [] { return true; }, true),
+              ExitAction::ignore);
+    EXPECT_EQ(lifecycle.restart_decided(true), ExitAction::auto_restart);
+    EXPECT_EQ(lifecycle.phase(), KernelPhase::restarting);
+}
+
+TEST(KernelLifecycle, ARestartTheStoreRefusesLeavesTheKernelDead) {
+    KernelLifecycle lifecycle = in(KernelPhase::deciding);
+    EXPECT_EQ(lifecycle.restart_decided(false), ExitAction::die);
+    EXPECT_EQ(lifecycle.phase(), KernelPhase::dead);
+}
+
+TEST(KernelLifecycle, NoStoreQuestionWithoutARestartLeft) {
+    KernelLifecycle lifecycle = in(KernelPhase::ready);
+    EXPECT_EQ(lifecycle.process_exited(
+                  died, [] { return false; }, true),
+              ExitAction::die);
+    EXPECT_EQ(lifecycle.phase(), KernelPhase::dead);
+}
+
+TEST(KernelLifecycle, AnAnswerAfterAShutdownOrRestartMovesNothing) {
+    KernelLifecycle stopped = in(KernelPhase::deciding);
+    EXPECT_TRUE(stopped.shutdown());
+    EXPECT_EQ(stopped.restart_decided(true), ExitAction::ignore);
+    EXPECT_EQ(stopped.phase(), KernelPhase::stopping);
+    KernelLifecycle restarted = in(KernelPhase::deciding);
+    EXPECT_TRUE(restarted.restart(false));
+    EXPECT_EQ(restarted.restart_decided(false), ExitAction::ignore);
+    EXPECT_EQ(restarted.phase(), KernelPhase::restarting);
+    for (KernelPhase phase : all_phases) {
+        if (phase == KernelPhase::deciding)
+            continue;
+        KernelLifecycle other = in(phase);
+        EXPECT_EQ(other.restart_decided(true), ExitAction::ignore) << kernel_phase_name(phase);
+        EXPECT_EQ(other.phase(), phase) << kernel_phase_name(phase);
+    }
 }
 
 TEST(KernelLifecycle, AKernelTheSchedulerEndedIsNotRestartedBehindItsBack) {

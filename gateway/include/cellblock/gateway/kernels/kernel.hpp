@@ -145,9 +145,11 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::optional<std::string> take_progress();
     // Called after every spawn (start, restart, automatic restart): the process identity changed.
     void on_spawned(std::function<void(const Kernel&)> handler) { spawned_handler_ = std::move(handler); }
-    // Asked before an automatic restart after the process died unexpectedly; false leaves the kernel dead
-    // (another gateway on a shared store deleted it, or restarted it itself).
-    void on_unexpected_exit(std::function<bool(const Kernel&)> may_restart) {
+    // Asked before an automatic restart after the process died unexpectedly (a shared store: another gateway
+    // may have deleted the kernel, or restarted it itself). The kernel is `deciding` until the handler calls
+    // its second argument: true restarts it, false leaves it dead. Not set: restarted at once.
+    using RestartDecision = std::function<void(bool restart)>;
+    void on_unexpected_exit(std::function<void(const Kernel&, RestartDecision)> may_restart) {
         may_restart_ = std::move(may_restart);
     }
     // Called when a start or restart of the process fails, with the cause as /metrics names it
@@ -223,6 +225,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     // CurveZMQ client keys for the sockets to a kernel that serves CurveZMQ (none for ipc).
     ZmqChannel::SocketSetup socket_setup() const;
     void on_process_exit(InstanceExit exit);
+    // Does what the lifecycle decided for an exit (at once, or once the store answered a restart question).
+    void act_on_exit(ExitAction action, const InstanceExit& exit);
     void probe_readiness();
     void finish_readiness(const std::optional<std::string>& error);
     // False while the message is held for re-adoption (handed to clients after the kernel's record).
@@ -292,7 +296,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::vector<ReadyHandler> ready_handlers_;
     std::function<void(const std::string&)> terminated_handler_;
     std::function<void(const Kernel&)> spawned_handler_;
-    std::function<bool(const Kernel&)> may_restart_;
+    std::function<void(const Kernel&, RestartDecision)> may_restart_;
     std::function<void(std::string_view)> launch_failed_handler_;
     std::optional<ProcessIdentity> process_identity_;
     // The gateway's sockets to the kernel, its connection file (with the HMAC key), log, ipc endpoints and

@@ -8,6 +8,7 @@
 //   starting         first launch or re-adoption, readiness not reached   became_ready, launch_failed
 //   ready            serving; busy or idle as the kernel last said         restart, process_exited
 //   restart_pending  a restart asked the old process to exit               process_exited -> respawn
+//   deciding         died while serving; the shared store is asked first  restart_decided, restart, shutdown
 //   restarting       a replacement process is launching                   became_ready, launch_failed
 //   stopping         shut down (or the gateway exits); awaiting the exit  process_exited -> stopped
 //   stopped          shut down and exited: final
@@ -23,7 +24,17 @@ namespace cellblock::gateway {
 enum class KernelState { starting, idle, busy, restarting, dead };
 std::string_view kernel_state_name(KernelState state);
 
-enum class KernelPhase { starting, ready, restart_pending, restarting, stopping, stopped, dead, released };
+enum class KernelPhase {
+    starting,
+    ready,
+    restart_pending,
+    deciding,
+    restarting,
+    stopping,
+    stopped,
+    dead,
+    released
+};
 std::string_view kernel_phase_name(KernelPhase phase);
 
 // What the kernel must do when its process exits.
@@ -35,6 +46,8 @@ enum class ExitAction {
     end_externally,  // the scheduler or an operator ended it: dead, not restarted behind their back
     auto_restart,    // died while serving, and may be restarted
     die,             // died while serving, no restart left (or not allowed)
+    ask,             // died while serving and may be restarted here, but the store decides: ask it, then
+                     // restart_decided
 };
 
 struct ProcessExit {
@@ -55,13 +68,19 @@ class KernelLifecycle {
 
     bool became_ready();   // starting | restarting -> ready
     bool launch_failed();  // starting | restarting -> dead
-    // ready | starting | restarting | restart_pending | dead -> restart_pending while the old process runs,
-    // restarting otherwise.
+    // ready | starting | restarting | restart_pending | deciding | dead -> restart_pending while the old
+    // process runs, restarting otherwise.
     bool restart(bool process_running);
     bool shutdown();  // any but stopping, stopped, released -> stopping
     void release() { phase_ = KernelPhase::released; }
-    // `may_auto_restart` is asked only when its answer decides (it may take a cross-gateway lease).
-    ExitAction process_exited(const ProcessExit& exit, const std::function<bool()>& may_auto_restart);
+    // `may_auto_restart` is asked only when its answer decides. With `ask_store` (a shared store: another
+    // gateway may have deleted or restarted the kernel), a restart it allows is not made yet: the kernel is
+    // `deciding` until restart_decided says what the store answered.
+    ExitAction process_exited(const ProcessExit& exit, const std::function<bool()>& may_auto_restart,
+                              bool ask_store = false);
+    // deciding -> restarting (auto_restart) or dead (die); ignore in any other phase (a shutdown, restart or
+    // release came first).
+    ExitAction restart_decided(bool restart);
 
   private:
     KernelPhase phase_ = KernelPhase::starting;

@@ -161,6 +161,9 @@ class KernelManager {
     void stop_once_forgotten(const std::shared_ptr<Kernel>& kernel, const std::string& reason);
     static constexpr std::chrono::milliseconds store_removal_wait{2000};
     void release_lease(const std::string& lease);
+    // Shared store: whether a kernel whose process ended here may be restarted here, asked of the store off
+    // the io thread; `decide` gets the answer (false when the store does not answer in time).
+    void ask_store_about_restart(const Kernel& died, Kernel::RestartDecision decide);
     // Whether find_or_attach must ask the store (shared store, and no live kernel of that id here).
     bool needs_store(const std::string& kernel_id) const;
     // Drops a kernel this gateway held for other gateways (shared store) without stopping its process or
