@@ -148,6 +148,10 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
     assert doomed.status_code == 201, doomed.text
     doomed = doomed.json()["id"]
     assert kernel_processes(doomed), "the kernel's process is not visible on the host"
+    # An agent session of A alone whose kernel dies in the outage and that is asked to run code meanwhile.
+    lone = a.create_session("lone")["id"]
+    assert ok_text(a.execute(lone, "1")) == "1"
+    lone_kernel = a.request("GET", f"/agent/v1/sessions/{lone}").json()["kernel_id"]
     probes = [Probe(a, kernels[0]), Probe(b, kernels[1])]
     answered_ok = 2
 
@@ -156,8 +160,9 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
     try:
         for probe in probes:
             probe.start()
-        for pid in kernel_processes(doomed):
+        for pid in kernel_processes(doomed) + kernel_processes(lone_kernel):
             os.kill(pid, signal.SIGKILL)
+        execute_within_limit(a, lone, "1")
         outage_ends = time.monotonic() + OUTAGE_S
         while time.monotonic() < outage_ends:
             for gateway in (a, b):
@@ -183,6 +188,11 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
     print(f"agent executes answered ok during the outage: {answered_ok - 2}")
     # Unanswered by the store in time, the dead kernel was not restarted behind it.
     assert not kernel_processes(doomed), "a kernel that died during the outage was restarted unasked"
+    # The session is not left waiting for a kernel the store's silence left dead: it gets a new one.
+    answer = a.request("POST", f"/agent/v1/sessions/{lone}/execute", json={"code": "2 + 2", "timeout_s": 20},
+                       timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert ok_text(answer.json()) == "4", answer.json()
     listed_everywhere((a, b), kernels, notebooks)
     # Resumed: both serve the session with its state, and nothing answered ok is missing from the store.
     assert ok_text(a.execute(session, "x + 2")) == "43"

@@ -432,6 +432,9 @@ void Kernel::act_on_exit(ExitAction action, const InstanceExit& exit) {
             return;
         case ExitAction::die:
             broadcast_execution_state("dead");
+            // Whoever waited while the store was asked (shown restarting) learns it will not come back.
+            if (!ready_handlers_.empty())
+                finish_readiness("the kernel died: " + exit.cause);
             return;
         case ExitAction::ask:
             // The answer comes later (the store is read off the io thread); until then the kernel is
