@@ -69,6 +69,21 @@ def _require_kernelspec() -> None:
                     "(install cellblock and point JUPYTER_PATH at <prefix>/share/jupyter)")
 
 
+def control_request(client, msg_type: str, content: dict, timeout: float = 10) -> dict:
+    """Sends a signed control request from `client` and returns its reply (other control traffic is skipped)."""
+    request = client.session.msg(msg_type, content=content)
+    client.control_channel.send(request)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            reply = client.get_control_msg(timeout=0.2)
+        except queue.Empty:
+            continue
+        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+            return reply
+    raise TimeoutError(f"no reply to {msg_type} within {timeout} s")
+
+
 @dataclass
 class Run:
     """One execute: the reply, the IOPub messages for it (with arrival times) and stdin traffic."""

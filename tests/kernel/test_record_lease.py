@@ -5,12 +5,12 @@ Real kernels, real jupyter_client clients, real processes; the "gateway" is a se
 channel, as the gateway is after a restart."""
 import json
 import os
-import queue
 import signal
 import time
 
 import cellblock_zygote
 import pytest
+from conftest import control_request
 from jupyter_client import BlockingKernelClient
 
 LEASE_EXPIRED_STATUS = 3  # kernel/src/launch/main.cpp lease_expired_exit_status
@@ -29,21 +29,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _control_request(client, msg_type: str, content: dict, timeout: float = 10) -> dict:
-    """Sends a signed control request from `client` and returns its reply (other control traffic is skipped)."""
-    request = client.session.msg(msg_type, content=content)
-    client.control_channel.send(request)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            reply = client.get_control_msg(timeout=0.2)
-        except queue.Empty:
-            continue
-        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
-            return reply
-    raise TimeoutError(f"no reply to {msg_type} within {timeout} s")
 
 
 def _second_client(kernel):
@@ -75,7 +60,7 @@ def test_replay_gives_a_second_client_every_line_in_order(fresh_kernel):
     execute_id = run.reply["parent_header"]["msg_id"]
     gateway = _second_client(k)
     try:
-        reply = _control_request(gateway, "cellblock_replay_request", {"after": None})
+        reply = control_request(gateway, "cellblock_replay_request", {"after": None})
         assert reply["msg_type"] == "cellblock_replay_reply"
         replay = reply["content"]
         assert replay["status"] == "ok" and replay["found"] is True and replay["dropped"] == 0, \
@@ -94,7 +79,7 @@ def test_replay_gives_a_second_client_every_line_in_order(fresh_kernel):
         assert len(streams) >= 3, "the lines should arrive as several stream messages"
 
         middle = streams[len(streams) // 2]
-        after = _control_request(gateway, "cellblock_replay_request",
+        after = control_request(gateway, "cellblock_replay_request",
                                  {"after": middle["header"]["msg_id"]})["content"]
         assert after["found"] is True
         rest = _of_request(after, execute_id)
@@ -104,7 +89,7 @@ def test_replay_gives_a_second_client_every_line_in_order(fresh_kernel):
         assert not any(m["header"]["msg_type"].startswith("cellblock_") for m in after["messages"]), \
             "replay replies are never recorded"
 
-        unknown = _control_request(gateway, "cellblock_replay_request", {"after": "no-such-msg-id"})["content"]
+        unknown = control_request(gateway, "cellblock_replay_request", {"after": "no-such-msg-id"})["content"]
         assert unknown["found"] is False
         assert _text(_of_request(unknown, execute_id)) == EXPECTED_30_LINES
     finally:
@@ -124,7 +109,7 @@ def test_output_of_a_cell_nobody_listened_to_is_replayed(fresh_kernel):
         # Asks again until the cell has finished (its reply is recorded), as a re-attaching gateway would.
         deadline = time.monotonic() + 60
         while True:
-            replay = _control_request(gateway, "cellblock_replay_request", {"after": None})["content"]
+            replay = control_request(gateway, "cellblock_replay_request", {"after": None})["content"]
             cell = _of_request(replay, execute_id)
             if any(m["header"]["msg_type"] == "execute_reply" for m in cell) or time.monotonic() > deadline:
                 break
@@ -142,7 +127,7 @@ def test_record_bound_drops_oldest_and_reports_the_gap(fresh_kernel):
     first_line = run.of_type("stream")[0]["header"]["msg_id"]
     gateway = _second_client(k)
     try:
-        replay = _control_request(gateway, "cellblock_replay_request", {"after": first_line})["content"]
+        replay = control_request(gateway, "cellblock_replay_request", {"after": first_line})["content"]
         assert replay["found"] is False, "the first line was dropped from a 5-message record"
         assert replay["dropped"] > 0
         assert 0 < len(replay["messages"]) <= 5
@@ -201,7 +186,7 @@ def test_lease_requests_keep_the_kernel_alive(fresh_kernel):
     try:
         renew_until = time.monotonic() + 6  # three leases long
         while time.monotonic() < renew_until:
-            reply = _control_request(gateway, "cellblock_lease_request", {})
+            reply = control_request(gateway, "cellblock_lease_request", {})
             assert reply["msg_type"] == "cellblock_lease_reply"
             assert reply["content"] == {"status": "ok", "lease_s": 2}
             time.sleep(0.5)

@@ -4,27 +4,16 @@ reaches a kernel wherever it runs. A real kernel and a real jupyter_client contr
 the workspace is the check that a request touched the workspace the worker runs in."""
 import base64
 import os
-import queue
-import time
 
 import pytest
+from conftest import control_request
 
 
 def _file_request(kernel, content: dict, timeout: float = 20) -> dict:
     """Sends a signed cellblock_file_request and returns the reply's content."""
-    client = kernel.client
-    request = client.session.msg("cellblock_file_request", content=content)
-    client.control_channel.send(request)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            reply = client.get_control_msg(timeout=0.2)
-        except queue.Empty:
-            continue
-        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
-            assert reply["msg_type"] == "cellblock_file_reply"
-            return reply["content"]
-    raise TimeoutError(f"no reply to cellblock_file_request within {timeout} s")
+    reply = control_request(kernel.client, "cellblock_file_request", content, timeout)
+    assert reply["msg_type"] == "cellblock_file_reply"
+    return reply["content"]
 
 
 def _run(kernel, code: str) -> str:
