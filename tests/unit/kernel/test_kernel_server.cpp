@@ -580,9 +580,8 @@ TEST_F(KernelServerTest, ShutdownIsAnsweredByTheServer) {
     const json reply = control_request("shutdown_request", {{"restart", true}}, "x1");
     EXPECT_EQ(reply["msg_type"], "shutdown_reply");
     EXPECT_EQ(reply["content"], (json{{"status", "ok"}, {"restart", true}}));
-    for (int i = 0; i < 100 && shutdowns.load() == 0; ++i) {
-        ::usleep(10000);
-    }
+    ASSERT_TRUE(within_5s([this] { return shutdowns.load() > 0; }))
+        << "the shutdown never reached the kernel";
     EXPECT_EQ(shutdowns.load(), 1);
     std::lock_guard lock(mutex);
     EXPECT_TRUE(control_seen.empty()) << "xeus never sees the shutdown";
