@@ -81,9 +81,12 @@ Given given_for() {
         throw std::logic_error("a setting of this type has no flag");
 }
 
-// --help's text of a setting: its meaning, default and environment variable.
+// --help's text of a setting: its meaning, default and environment variable (CLI11 names a variable its flag
+// reads, after the text as written).
 std::string flag_help(const Setting& setting) {
     std::string help(setting.help);
+    if (setting.env_read == EnvRead::by_flag)
+        return help;
     if (!setting.choices.empty())
         help += "; one of " + std::string(setting.choices);
     if (!setting.switch_only)
@@ -99,6 +102,16 @@ void add_check(CLI::Option& option, const Setting& setting) {
             // Every range is of a whole-number setting: said as whole numbers ("0 to 65535").
             option.check(
                 CLI::Range(static_cast<std::int64_t>(setting.low), static_cast<std::int64_t>(setting.high)));
+            break;
+        case FlagCheck::unsigned_range:
+            option.check(CLI::Range(static_cast<std::uint64_t>(setting.low),
+                                    static_cast<std::uint64_t>(setting.high)));
+            break;
+        case FlagCheck::duration:
+            option.check(CLI::Range(0.0, longest_duration_s));
+            break;
+        case FlagCheck::positive_duration:
+            option.check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s));
             break;
         case FlagCheck::non_negative:
             option.check(CLI::NonNegativeNumber);
@@ -126,10 +139,7 @@ class SettingFlags {
     explicit SettingFlags(CLI::App& app) {
         for (const Setting& setting : gateway_settings())
             if (!setting.flag.empty())
-                entries_.push_back(
-                    {&setting,
-                     std::visit([](auto member) { return given_for<field_type<decltype(member)>>(); },
-                                setting.field)});
+                entries_.push_back({&setting, storage_for(setting)});
         // The options point into entries_, which does not grow from here on.
         for (Entry& entry : entries_)
             add(app, entry);
@@ -175,8 +185,17 @@ class SettingFlags {
     }
 
   private:
-    template <typename Member>
-    using field_type = std::remove_cvref_t<decltype(std::declval<GatewayConfig&>().*std::declval<Member>())>;
+    // The storage a setting's flag parses into: the text of one of its choices, else its field's type.
+    static Given storage_for(const Setting& setting) {
+        if (!setting.choices.empty())
+            return std::optional<std::string>();
+        return std::visit(
+            [](auto member) {
+                return given_for<
+                    std::remove_cvref_t<decltype(field_of(std::declval<GatewayConfig&>(), member))>>();
+            },
+            setting.field);
+    }
 
     struct Entry {
         const Setting* setting = nullptr;
@@ -194,6 +213,10 @@ class SettingFlags {
                 : std::visit([&](auto& value) { return app.add_option(flag, value, flag_help(setting)); },
                              entry.value);
         add_check(*option, setting);
+        if (!setting.group.empty())
+            option->group(std::string(setting.group));
+        if (setting.env_read == EnvRead::by_flag)
+            option->envname(std::string(setting.env));
         if (!setting.file_flag.empty())
             app.add_option(std::string(setting.file_flag), entry.from_file,
                            "read " + flag + " from this file (mode 600)")
@@ -213,23 +236,6 @@ void warn_of_secrets_on_the_command_line(const SettingFlags& flags) {
         std::cerr
             << "[cellblock-gateway] warning: the password in --store on the command line is readable by "
                "every local user (/proc/PID/cmdline); use --store-file or CELLBLOCK_GATEWAY_STORE\n";
-}
-
-// The agent API's flags (declared with CLI11 in agent/agent_config.cpp, not in gateway_settings()), as the
-// last table of docs/configuration.md. Their defaults are the compiled ones: the kernel config's limits are
-// read after this.
-std::string agent_reference(CLI::App& app) {
-    std::string text =
-        "\n## Agent API\n\nOnly on the command line, or in the environment variable named.\n\n"
-        "| Command line | Environment | Default | Meaning |\n| --- | --- | --- | --- |\n";
-    auto code = [](const std::string& name) { return name.empty() ? std::string("-") : "`" + name + "`"; };
-    for (CLI::Option* option :
-         app.get_options([](const CLI::Option* option) { return option->get_group() == "Agent API"; })) {
-        option->capture_default_str();
-        text += "| " + code(option->get_name()) + " | " + code(option->get_envname()) + " | " +
-                code(option->get_default_str()) + " | " + option->get_description() + " |\n";
-    }
-    return text;
 }
 
 // Message buffers below 4 MiB come from the heap and stay there once freed (up to 8 MiB at its top): glibc
@@ -262,21 +268,19 @@ CLI::App& with_config_option(CLI::App& app, std::optional<std::string>& config_f
     return app;
 }
 
-// The command line: --config, every setting's flag, the two print modes and the agent API's flags, in the
-// order --help lists them.
+// The command line: --config, every setting's flag and the two print modes, in the order --help lists them
+// (the agent API's flags in their own group, after the rest).
 struct CommandLine {
     CLI::App app{"cellblock-gateway: Jupyter Kernel Gateway API (REST + WebSocket) for cellblock kernels"};
     std::optional<std::string> config_file;
     const SettingFlags setting_flags{with_config_option(app, config_file)};
     bool print_config = false;
     bool print_reference = false;
-    cellblock::gateway::agent::AgentConfig agent_config;
 
     CommandLine() {
         app.add_flag("--print-config", print_config, "print the effective configuration and exit");
         app.add_flag("--print-config-reference", print_reference,
                      "print the settings' reference (the generated part of docs/configuration.md) and exit");
-        cellblock::gateway::agent::add_agent_options(app, agent_config);
         // An option that takes one value may be given again, and the last one counts (as in most command
         // lines): start.sh passes its own --ip, --port and --state-dir before the user's (README: start.sh
         // --port 9999).
@@ -297,7 +301,9 @@ struct CommandLine {
 };
 
 // The precedence, lowest first: compiled-in defaults, the config file (--config, else the installed one when
-// it exists), the environment, the command line; then the checks of the merged whole. Throws with the reason.
+// it exists), the environment, the command line; then the checks of the merged whole, and the agent API's
+// default limits, which are the kernel's own so that warm-pool kernels can serve default sessions. Throws
+// with the reason.
 void merge_configuration(GatewayConfig& config, const CommandLine& command_line) {
     const std::string default_file = installed_data_dir() + "/cellblock/gateway-config.json";
     if (command_line.config_file)
@@ -313,6 +319,8 @@ void merge_configuration(GatewayConfig& config, const CommandLine& command_line)
     config.check_network();
     config.check_zygote_tenant();
     config.check_durations();
+    config.check_every_source();
+    config.agent.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");
 }
 
 // What main() holds from before anything listens until it returns: the locked state directory, the store,
@@ -402,7 +410,8 @@ void announce_ready(const GatewayConfig& config, bool tls, std::uint16_t port, b
 // Builds every part of the gateway (each after the ones it uses), listens, says it is ready and serves until
 // a stop signal has been handled. Throws what any part throws.
 void serve(const GatewayConfig& config, const Logger& logger, const DurableState& durable,
-           const cellblock::gateway::agent::AgentConfig& agent_config, bool generated_token) {
+           bool generated_token) {
+    const cellblock::gateway::agent::AgentConfig& agent_config = config.agent;
     boost::asio::io_context io(1);
     GatewayMetrics metrics;  // before every owner that counts in it or samples for it
     StoreWriter writer(io, logger, *durable.store);
@@ -453,12 +462,10 @@ int main(int argc, char** argv) {
     if (const auto exit_status = command_line.parse(argc, argv))
         return *exit_status;
     if (command_line.print_reference) {
-        std::cout << configuration_reference() << agent_reference(command_line.app);
+        std::cout << configuration_reference();
         return 0;
     }
     warn_of_secrets_on_the_command_line(command_line.setting_flags);
-    // The agent API's default limits are the kernel's own, so warm-pool kernels can serve default sessions.
-    command_line.agent_config.load_kernel_defaults(installed_data_dir() + "/cellblock/kernel-config.json");
 
     GatewayConfig config;
     try {
@@ -501,7 +508,7 @@ int main(int argc, char** argv) {
     }
 
     try {
-        serve(config, logger, durable, command_line.agent_config, generated_token);
+        serve(config, logger, durable, generated_token);
     } catch (const std::exception& error) {
         logger.error("fatal", {{"error", error.what()}});
         std::cerr << "cellblock-gateway: " << error.what() << "\n";

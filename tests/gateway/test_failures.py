@@ -237,6 +237,7 @@ def test_an_option_given_twice_takes_its_last_value(tmp_path):
     ([], {"CELLBLOCK_GATEWAY_CULL_IDLE_TIMEOUT": "-1"}, "cull_idle_timeout"),
     (["--agent-max-timeout", "1e300"], {}, "--agent-max-timeout"),
     (["--agent-max-memory-mb", "17592186044416"], {}, "--agent-max-memory-mb"),
+    ([], {"CELLBLOCK_AGENT_MAX_TIMEOUT": "1e300"}, "--agent-max-timeout"),
 ])
 def test_a_duration_or_limit_past_what_the_kernels_and_timers_hold_stops_the_start(tmp_path, arguments, environment,
                                                                                     named):
@@ -246,6 +247,45 @@ def test_a_duration_or_limit_past_what_the_kernels_and_timers_hold_stops_the_sta
         capture_output=True, text=True, timeout=30, env={**os.environ, **environment})
     assert completed.returncode != 0, completed.stdout
     assert named in completed.stderr, completed.stderr
+
+
+def print_config(tmp_path, *arguments, environment=None):
+    return subprocess.run([gateway_binary(), "--state-dir", str(tmp_path / "state"), *arguments, "--print-config"],
+                          capture_output=True, text=True, timeout=30, env={**os.environ, **(environment or {})})
+
+
+@pytest.mark.parametrize("source", ["config file", "environment"])
+def test_an_agent_setting_from_the_config_file_or_the_environment_is_printed_and_holds(tmp_path, source):
+    # The agent API's settings are in the gateway's one table of settings (settings_table.cpp): each has a key in
+    # the config file's "agent" object and a CELLBLOCK_AGENT_* variable, below its flag.
+    config = tmp_path / "gateway-config.json"
+    config.write_text(json.dumps({"agent": {"max_sessions": 1 if source == "config file" else 5,
+                                            "approvals_mcp": "on"}}))
+    environment = {"CELLBLOCK_AGENT_MAX_SESSIONS": "1"} if source == "environment" else {}
+    printed = print_config(tmp_path, "--config", str(config), environment=environment)
+    assert printed.returncode == 0, printed.stderr
+    agent = json.loads(printed.stdout)["agent"]
+    assert (agent["max_sessions"], agent["approvals_mcp"], agent["keepalive_s"]) == (1, "on", 10), agent
+    overridden = print_config(tmp_path, "--config", str(config), "--agent-max-sessions", "3", environment=environment)
+    assert json.loads(overridden.stdout)["agent"]["max_sessions"] == 3, overridden.stderr
+    gateway = Gateway("--config", str(config), env=environment)
+    try:
+        assert gateway.post("/agent/v1/sessions", json={"name": "first"}).status_code == 201
+        refused = gateway.post("/agent/v1/sessions", json={"name": "second"})
+        assert refused.status_code == 429 and refused.json()["reason"] == "too_many_sessions", refused.text
+    finally:
+        gateway.stop()
+
+
+def test_an_agent_setting_in_the_config_file_is_checked_as_its_flag(tmp_path):
+    # 0 s between keepalive lines is refused on the command line (CLI11) and so in the file.
+    config = tmp_path / "gateway-config.json"
+    config.write_text(json.dumps({"agent": {"keepalive_s": 0}}))
+    refused = print_config(tmp_path, "--config", str(config))
+    assert refused.returncode != 0 and "agent.keepalive_s" in refused.stderr, refused.stderr
+    config.write_text(json.dumps({"agent": {"approvals_mcp": True}}))
+    refused = print_config(tmp_path, "--config", str(config))
+    assert refused.returncode != 0 and "agent.approvals_mcp" in refused.stderr, refused.stderr
 
 
 def gateway_accepts(option):

@@ -1,11 +1,9 @@
 #include "cellblock/gateway/agent/agent_config.hpp"
 
-#include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
-
-#include "cellblock/gateway/common/config.hpp"
 
 namespace cellblock::gateway::agent {
 
@@ -110,57 +108,6 @@ json AgentConfig::to_json() const {
             {"max_file_bytes", max_file_bytes},
             {"max_sessions", max_sessions},
             {"approvals_mcp", approvals_mcp ? "on" : "off"}};
-}
-
-void add_agent_options(CLI::App& app, AgentConfig& config) {
-    const std::string group = "Agent API";
-    app.add_option("--agent-session-ttl", config.session_ttl_s,
-                   "seconds before an idle agent session is deleted, 0 = never")
-        ->envname("CELLBLOCK_AGENT_SESSION_TTL")
-        ->check(CLI::Range(0.0, longest_duration_s))
-        ->group(group);
-    app.add_option("--agent-deleted-retention", config.deleted_retention_s,
-                   "seconds a deleted agent session's record, notebook and audit trail stay in the store, "
-                   "0 = forever")
-        ->envname("CELLBLOCK_AGENT_DELETED_RETENTION")
-        ->check(CLI::Range(0.0, longest_duration_s))
-        ->group(group);
-    app.add_option("--agent-max-timeout", config.max_limits.timeout_s,
-                   "largest limits.timeout_s a session may ask for")
-        ->check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s))
-        ->group(group);
-    // The kernel's own ceiling (kernel/README.md): a larger memory_mb would not fit the sandbox's bytes.
-    constexpr std::uint64_t max_memory_mb = std::uint64_t{1} << 30;
-    app.add_option("--agent-max-memory-mb", config.max_limits.memory_mb, "largest limits.memory_mb")
-        ->check(CLI::Range(std::uint64_t{1}, max_memory_mb))
-        ->group(group);
-    app.add_option("--agent-max-output-bytes", config.max_limits.output_bytes, "largest limits.output_bytes")
-        ->check(CLI::PositiveNumber)
-        ->group(group);
-    app.add_option("--agent-inline-output-bytes", config.inline_output_bytes,
-                   "bytes of each output returned inline; the rest is saved in the workspace")
-        ->check(CLI::Range(256, 64 << 20))
-        ->group(group);
-    app.add_option(
-           "--agent-saved-output-bytes", config.saved_output_bytes,
-           "most output of one execute saved in the workspace (the kernel keeps head and tail beyond it)")
-        ->check(CLI::PositiveNumber)
-        ->group(group);
-    app.add_option("--agent-interrupt-grace", config.interrupt_grace_s,
-                   "seconds an interrupted execute may take to stop before its kernel is restarted")
-        ->check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s))
-        ->group(group);
-    app.add_option("--agent-keepalive", config.keepalive_s, "seconds between NDJSON keepalive lines")
-        ->check(CLI::PositiveNumber & CLI::Range(0.0, longest_duration_s))
-        ->group(group);
-    app.add_option("--agent-max-sessions", config.max_sessions, "most agent sessions at once")->group(group);
-    app.add_option_function<std::string>(
-           "--approvals-mcp", [&config](const std::string& value) { config.approvals_mcp = value == "on"; },
-           "on: MCP clients may decide network approvals (decide_approval); off (default): only the REST API "
-           "and the CLI decide, so an agent's MCP client cannot approve its own code's requests")
-        ->envname("CELLBLOCK_AGENT_APPROVALS_MCP")
-        ->check(CLI::IsMember({"off", "on"}))
-        ->group(group);
 }
 
 }  // namespace cellblock::gateway::agent

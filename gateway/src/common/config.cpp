@@ -94,21 +94,64 @@ std::vector<std::string> parse_list(const std::string& text, std::string_view se
         items.push_back(current);
     return items;
 }
+
+std::string number_text(double number) {
+    return number == std::floor(number) ? std::to_string(static_cast<long long>(number))
+                                        : json(number).dump();
+}
+
+// What a flag's check asks for, as docs/configuration.md and the file's errors say it.
+std::string check_text(const Setting& setting) {
+    switch (setting.check) {
+        case FlagCheck::range:
+        case FlagCheck::unsigned_range:
+            return number_text(setting.low) + " to " + number_text(setting.high);
+        case FlagCheck::non_negative:
+            return ">= 0";
+        case FlagCheck::positive:
+            return "> 0";
+        case FlagCheck::duration:
+            return "0 to " + number_text(longest_duration_s);
+        case FlagCheck::positive_duration:
+            return "> 0, at most " + number_text(longest_duration_s);
+        case FlagCheck::none:
+            break;
+    }
+    return "";
+}
+
+// A true/false setting with two choices ("off,on") from its text: only a choice, the first meaning false.
+bool choice_value(std::string_view choices, const std::string& text, const std::string& where) {
+    const auto comma = choices.find(',');
+    if (text == choices.substr(0, comma))
+        return false;
+    if (comma != std::string_view::npos && text == choices.substr(comma + 1))
+        return true;
+    throw std::invalid_argument(where + ": must be one of " + std::string(choices) + ", got '" + text + "'");
+}
+
 }  // namespace
 
 void Setting::set_from_json(GatewayConfig& config, const json& value, const std::string& where) const {
     std::visit(
         [&](auto member) {
-            using T = std::remove_cvref_t<decltype(config.*member)>;
+            auto& target = field_of(config, member);
+            using T = std::remove_cvref_t<decltype(target)>;
             if constexpr (std::is_same_v<T, json>) {
-                config.*member = value;  // null included: "no policy"
+                target = value;  // null included: "no policy"
             } else if constexpr (std::is_same_v<T, std::optional<std::string>>) {
                 // The token: only a string sets it; anything else leaves it (nullopt = generated at startup).
                 if (value.is_string())
-                    config.*member = value.get<std::string>();
+                    target = value.get<std::string>();
+            } else if constexpr (std::is_same_v<T, bool>) {
+                if (!choices.empty() && !value.is_null())
+                    target = choice_value(choices,
+                                          value.is_string() ? value.get<std::string>() : value.dump(), where);
+                else if (!value.is_null())
+                    target = exact_value<T>(value, where);
             } else {
                 if (!value.is_null())
-                    config.*member = exact_value<T>(value, where);
+                    target = exact_value<T>(value, where);
             }
         },
         field);
@@ -117,15 +160,16 @@ void Setting::set_from_json(GatewayConfig& config, const json& value, const std:
 void Setting::set_from_text(GatewayConfig& config, const std::string& text, const std::string& where) const {
     std::visit(
         [&](auto member) {
-            using T = std::remove_cvref_t<decltype(config.*member)>;
+            auto& target = field_of(config, member);
+            using T = std::remove_cvref_t<decltype(target)>;
             if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::optional<std::string>>) {
-                config.*member = text;
+                target = text;
             } else if constexpr (std::is_same_v<T, bool>) {
-                config.*member = parse_bool(where, text);
+                target = choices.empty() ? parse_bool(where, text) : choice_value(choices, text, where);
             } else if constexpr (std::is_arithmetic_v<T>) {
-                config.*member = parse_number<T>(where, text);
+                target = parse_number<T>(where, text);
             } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-                config.*member = parse_list(text, separators);
+                target = parse_list(text, separators);
             } else {
                 // A JSON field (network.default; empty = null), or a list or map written as JSON.
                 const json parsed = text.empty() ? json(nullptr) : json::parse(text, nullptr, false);
@@ -140,13 +184,36 @@ void Setting::set_from_text(GatewayConfig& config, const std::string& text, cons
 json Setting::value_of(const GatewayConfig& config) const {
     return std::visit(
         [&](auto member) -> json {
-            const auto& value = config.*member;
-            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(value)>, std::optional<std::string>>)
+            const auto& value = field_of(config, member);
+            using T = std::remove_cvref_t<decltype(value)>;
+            if constexpr (std::is_same_v<T, std::optional<std::string>>) {
                 return value ? json(*value) : json(nullptr);
-            else
+            } else if constexpr (std::is_same_v<T, bool>) {
+                if (choices.empty())
+                    return value;
+                const auto comma = choices.find(',');
+                return std::string(value ? choices.substr(comma + 1) : choices.substr(0, comma));
+            } else {
                 return json(value);
+            }
         },
         field);
+}
+
+void Setting::check_value(const GatewayConfig& config) const {
+    const json value = value_of(config);
+    if (check == FlagCheck::none || !value.is_number())
+        return;
+    const double number = value.get<double>();
+    const bool duration = check == FlagCheck::duration || check == FlagCheck::positive_duration;
+    const double least = check == FlagCheck::range || check == FlagCheck::unsigned_range ? low : 0;
+    const double most = check == FlagCheck::range || check == FlagCheck::unsigned_range ? high
+                        : duration                                                      ? longest_duration_s
+                                   : std::numeric_limits<double>::infinity();
+    const bool above_zero = check == FlagCheck::positive || check == FlagCheck::positive_duration;
+    if (number < least || number > most || (above_zero && number <= 0))
+        throw std::invalid_argument("config key '" + std::string(key) + "': " + value.dump() + " is not " +
+                                    check_text(*this));
 }
 
 std::string Setting::default_shown() const {
@@ -203,11 +270,6 @@ const json* value_at(const json& object, std::string_view key) {
     }
 }
 
-std::string number_text(double number) {
-    return number == std::floor(number) ? std::to_string(static_cast<long long>(number))
-                                        : json(number).dump();
-}
-
 // Text for a Markdown table cell: no column break, no HTML tag, no emphasis.
 std::string cell(std::string_view text) {
     std::string escaped;
@@ -236,12 +298,8 @@ std::string flag_cell(const Setting& setting) {
         text += " (repeatable)";
     if (setting.switch_only)
         text += " (no value)";
-    if (setting.check == FlagCheck::range)
-        text += " (" + number_text(setting.low) + " to " + number_text(setting.high) + ")";
-    if (setting.check == FlagCheck::non_negative)
-        text += " (>= 0)";
-    if (setting.check == FlagCheck::positive)
-        text += " (> 0)";
+    if (setting.check != FlagCheck::none)
+        text += " (" + check_text(setting) + ")";
     if (!setting.file_flag.empty())
         text += ", " + code(std::string(setting.file_flag) + " FILE");
     return cell(text);
@@ -270,7 +328,7 @@ void GatewayConfig::merge_file(const std::string& path) {
 void GatewayConfig::merge_environment(
     const std::function<std::optional<std::string>(const std::string&)>& lookup) {
     for (const Setting& setting : gateway_settings()) {
-        if (setting.env.empty())
+        if (setting.env.empty() || setting.env_read == EnvRead::by_flag)  // that flag reads it (main.cpp)
             continue;
         const std::string name(setting.env);
         if (auto value = lookup(name))
@@ -381,6 +439,12 @@ void GatewayConfig::check_durations() const {
     // A connection that must send its headers within 0 s could never be served.
     if (header_timeout == 0)
         throw std::invalid_argument("header_timeout: must be a positive number of seconds");
+}
+
+void GatewayConfig::check_every_source() const {
+    for (const Setting& setting : gateway_settings())
+        if (setting.env_read == EnvRead::by_flag)
+            setting.check_value(*this);
 }
 
 std::string installed_data_dir() {

@@ -1,6 +1,7 @@
 // The table of every gateway setting (config key, env name, flag, help, field and the flag's check), apart
 // from the code that reads it (config.cpp: the file and environment merges, --print-config, the reference)
 // and the command line made from it (main.cpp).
+#include <cstdint>
 #include <span>
 
 #include "cellblock/gateway/common/config.hpp"
@@ -11,6 +12,8 @@ namespace {
 // The table: every setting once. The order is the merge order (which error shows first when several values
 // are wrong) and the order of docs/configuration.md.
 using C = GatewayConfig;
+using A = agent::AgentConfig;
+using L = agent::AgentLimits;
 constexpr Setting setting_table[] = {
     // Network and TLS.
     {.topic = "Network and TLS",
@@ -444,6 +447,113 @@ constexpr Setting setting_table[] = {
              "besides "
              "the private, loopback and metadata ranges always refused",
      .field = &C::egress_deny},
+    // The agent API (agent_config.hpp; config file key "agent", named as AgentConfig::to_json names them).
+    // Their flags read their variables, so that a variable is checked as its flag is.
+    {.topic = "Agent API",
+     .key = "agent.session_ttl_s",
+     .env = "CELLBLOCK_AGENT_SESSION_TTL",
+     .flag = "--agent-session-ttl",
+     .help = "seconds before an idle agent session is deleted, 0 = never",
+     .field = nested_field<&C::agent, &A::session_ttl_s>(),
+     .check = FlagCheck::duration,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.deleted_retention_s",
+     .env = "CELLBLOCK_AGENT_DELETED_RETENTION",
+     .flag = "--agent-deleted-retention",
+     .help = "seconds a deleted agent session's record, notebook and audit trail stay in the store, 0 = "
+             "forever",
+     .field = nested_field<&C::agent, &A::deleted_retention_s>(),
+     .check = FlagCheck::duration,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.max_limits.timeout_s",
+     .env = "CELLBLOCK_AGENT_MAX_TIMEOUT",
+     .flag = "--agent-max-timeout",
+     .help = "largest limits.timeout_s a session may ask for",
+     .field = nested_field<&C::agent, &A::max_limits, &L::timeout_s>(),
+     .check = FlagCheck::positive_duration,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    // The kernel's own ceiling (kernel/README.md): a larger memory_mb would not fit the sandbox's bytes.
+    {.topic = "Agent API",
+     .key = "agent.max_limits.memory_mb",
+     .env = "CELLBLOCK_AGENT_MAX_MEMORY_MB",
+     .flag = "--agent-max-memory-mb",
+     .help = "largest limits.memory_mb",
+     .field = nested_field<&C::agent, &A::max_limits, &L::memory_mb>(),
+     .check = FlagCheck::unsigned_range,
+     .low = 1,
+     .high = std::uint64_t{1} << 30,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.max_limits.output_bytes",
+     .env = "CELLBLOCK_AGENT_MAX_OUTPUT_BYTES",
+     .flag = "--agent-max-output-bytes",
+     .help = "largest limits.output_bytes",
+     .field = nested_field<&C::agent, &A::max_limits, &L::output_bytes>(),
+     .check = FlagCheck::positive,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.inline_output_bytes",
+     .env = "CELLBLOCK_AGENT_INLINE_OUTPUT_BYTES",
+     .flag = "--agent-inline-output-bytes",
+     .help = "bytes of each output returned inline; the rest is saved in the workspace",
+     .field = nested_field<&C::agent, &A::inline_output_bytes>(),
+     .check = FlagCheck::range,
+     .low = 256,
+     .high = 64 << 20,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.saved_output_bytes",
+     .env = "CELLBLOCK_AGENT_SAVED_OUTPUT_BYTES",
+     .flag = "--agent-saved-output-bytes",
+     .help = "most output of one execute saved in the workspace (the kernel keeps head and tail beyond it)",
+     .field = nested_field<&C::agent, &A::saved_output_bytes>(),
+     .check = FlagCheck::positive,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.interrupt_grace_s",
+     .env = "CELLBLOCK_AGENT_INTERRUPT_GRACE",
+     .flag = "--agent-interrupt-grace",
+     .help = "seconds an interrupted execute may take to stop before its kernel is restarted",
+     .field = nested_field<&C::agent, &A::interrupt_grace_s>(),
+     .check = FlagCheck::positive_duration,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.keepalive_s",
+     .env = "CELLBLOCK_AGENT_KEEPALIVE",
+     .flag = "--agent-keepalive",
+     .help = "seconds between NDJSON keepalive lines",
+     .field = nested_field<&C::agent, &A::keepalive_s>(),
+     .check = FlagCheck::positive_duration,
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.max_sessions",
+     .env = "CELLBLOCK_AGENT_MAX_SESSIONS",
+     .flag = "--agent-max-sessions",
+     .help = "most agent sessions at once",
+     .field = nested_field<&C::agent, &A::max_sessions>(),
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
+    {.topic = "Agent API",
+     .key = "agent.approvals_mcp",
+     .env = "CELLBLOCK_AGENT_APPROVALS_MCP",
+     .flag = "--approvals-mcp",
+     .help = "on: MCP clients may decide network approvals (decide_approval); off (default): only the REST "
+             "API and the CLI decide, so an agent's MCP client cannot approve its own code's requests",
+     .field = nested_field<&C::agent, &A::approvals_mcp>(),
+     .choices = "off,on",
+     .group = "Agent API",
+     .env_read = EnvRead::by_flag},
 };
 }  // namespace
 

@@ -168,6 +168,30 @@ TEST(GatewaySettings, NamesAreUniqueAndTheFileTakesEveryDefault) {
     }
 }
 
+// The agent API's settings are in the table too (a field of GatewayConfig::agent): the file's "agent" object
+// holds them, --print-config shows them, approvals_mcp is written off or on, and a file value gets its flag's
+// check. Their variables are read by their flags (main.cpp), not by merge_environment.
+TEST(GatewaySettings, AgentSettingsTakeTheirFileKeysAndChecks) {
+    GatewayConfig config;
+    config.merge_json(json::parse(
+        R"({"agent": {"max_sessions": 2, "max_limits": {"timeout_s": 60}, "approvals_mcp": "on"}})"));
+    EXPECT_EQ(config.agent.max_sessions, 2u);
+    EXPECT_DOUBLE_EQ(config.agent.max_limits.timeout_s, 60);
+    EXPECT_TRUE(config.agent.approvals_mcp);
+    EXPECT_EQ(config.to_json()["agent"]["approvals_mcp"], "on");
+    EXPECT_EQ(config.to_json()["agent"]["max_limits"]["timeout_s"], 60.0);
+    EXPECT_NO_THROW(config.check_every_source());
+    EXPECT_EQ(file_error(R"({"agent": {"approvals_mcp": true}})"),
+              "config key 'agent.approvals_mcp': must be one of off,on, got 'true'");
+    EXPECT_EQ(file_error(R"({"agent": {"max_session": 2}})"),
+              "unknown gateway config key 'agent.max_session'");
+    config.merge_json(json::parse(R"({"agent": {"keepalive_s": 0}})"));
+    EXPECT_THROW(config.check_every_source(), std::invalid_argument);
+    GatewayConfig environment;
+    EXPECT_EQ(environment_error({{"CELLBLOCK_AGENT_MAX_SESSIONS", "x"}}, environment), "");
+    EXPECT_EQ(environment.agent.max_sessions, GatewayConfig{}.agent.max_sessions);
+}
+
 // What the table's rules keep from before it: an empty KG_AUTH_TOKEN means no authentication, a token in the
 // file that is not a string is ignored, and the network allowlist splits at commas only (':' is IPv6's).
 TEST(GatewaySettings, TokenAndListRulesStay) {

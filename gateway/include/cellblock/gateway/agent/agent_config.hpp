@@ -1,6 +1,7 @@
 #pragma once
 // Settings of the agent API (/agent/v1 and /mcp): per-session limits with their defaults and maxima, the idle
-// TTL, the context-shielding cap and where session records and audit trails are kept.
+// TTL, the context-shielding cap and where session records and audit trails are kept. They are settings of
+// the gateway (GatewayConfig::agent): their names, flags and checks are in its table (settings_table.cpp).
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -8,10 +9,6 @@
 #include <string>
 
 #include "cellblock/contract/file_messages.hpp"
-
-namespace CLI {
-class App;
-}
 
 namespace cellblock::gateway::agent {
 
@@ -64,8 +61,5 @@ struct AgentConfig {
     void load_kernel_defaults(const std::filesystem::path& kernel_config_file);
     nlohmann::json to_json() const;
 };
-
-// --agent-* command line options (with CELLBLOCK_AGENT_* environment fallbacks) that write into `config`.
-void add_agent_options(CLI::App& app, AgentConfig& config);
 
 }  // namespace cellblock::gateway::agent

@@ -1,10 +1,10 @@
 #pragma once
 // Every setting of the gateway, with the defaults compiled in. Precedence (lowest first): these defaults, the
 // JSON config file, environment variables (KG_* where Kernel Gateway has the same meaning, else
-// CELLBLOCK_GATEWAY_*), then the command line. Each setting's names (config key, environment variable, flag),
-// help and field are declared once, in the table gateway_settings() returns (settings_table.cpp): the
-// file and environment merges and --print-config (config.cpp), the command line (main.cpp) and
-// docs/configuration.md are made from it.
+// CELLBLOCK_GATEWAY_*; the agent API's CELLBLOCK_AGENT_*), then the command line. Each setting's names
+// (config key, environment variable, flag), help and field are declared once, in the table gateway_settings()
+// returns (settings_table.cpp): the file and environment merges and --print-config (config.cpp), the command
+// line (main.cpp) and docs/configuration.md are made from it.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -13,11 +13,14 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
 #include "cellblock/contract/limits.hpp"
 #include "cellblock/gateway/access/network_policy.hpp"
+#include "cellblock/gateway/agent/agent_config.hpp"
 
 namespace cellblock::gateway {
 
@@ -133,6 +136,10 @@ struct GatewayConfig {  // NOLINT(clang-analyzer-optin.performance.Padding)
     std::vector<int> network_ports = {443, 80};
     std::vector<std::string> egress_deny;  // CIDR ranges no kernel's proxy reaches (network.egress_deny)
 
+    // The agent API's settings (/agent/v1 and /mcp; config file key "agent"). Its default_limits are not
+    // settings: they are the kernel's own (AgentConfig::load_kernel_defaults, after the merge).
+    agent::AgentConfig agent;
+
     // Merges the keys present in `file_json` (same names as the fields); throws std::invalid_argument.
     void merge_json(const nlohmann::json& file_json);
     void merge_file(const std::string& path);
@@ -152,6 +159,10 @@ struct GatewayConfig {  // NOLINT(clang-analyzer-optin.performance.Padding)
     // from 0 to 1.5e9 (47 years; their timers count milliseconds in 64 bits, which a larger value overflows)
     // and header_timeout is not 0.
     void check_durations() const;
+    // Throws std::invalid_argument, naming the config key, when a setting whose flag's check holds for every
+    // source (EnvRead::by_flag: the agent API's) has a value that fails it, which only the config file can
+    // have given.
+    void check_every_source() const;
     // Kernelspec directories to scan, with the installed default when none is configured.
     std::vector<std::string> effective_kernelspec_dirs() const;
 };
@@ -164,8 +175,57 @@ enum class Printed {
 };
 
 // A check the command line makes before it takes a value (CLI11); the file and the environment do not make
-// it.
-enum class FlagCheck { none, range, non_negative, positive };
+// it, unless the setting's EnvRead is by_flag.
+enum class FlagCheck {
+    none,
+    range,           // low to high, said as whole numbers (CLI11's "INT in [...]")
+    unsigned_range,  // the same for a field no negative number fits ("UINT in [...]")
+    non_negative,
+    positive,
+    duration,           // seconds from 0 to longest_duration_s
+    positive_duration,  // the same, above 0
+};
+
+// Who reads a setting's environment variable.
+enum class EnvRead {
+    merge,  // GatewayConfig::merge_environment, by the environment's rule, without the flag's check
+    // The flag's CLI11 option, as the flag's value: checked as the flag (CLI11 says "(Env:NAME)" in --help,
+    // and the help text is shown as written); GatewayConfig::check_every_source checks the file's value.
+    by_flag,
+};
+
+// A field inside a member of GatewayConfig (config.agent.max_limits.timeout_s), which one pointer-to-member
+// cannot name: reached through the path nested_field() was given.
+template <typename T>
+struct NestedField {
+    T& (*get)(GatewayConfig&);
+    const T& (*get_const)(const GatewayConfig&);
+};
+
+template <auto... Path>
+constexpr auto nested_field() {
+    using T = std::remove_cvref_t<decltype((std::declval<GatewayConfig&>().*....*Path))>;
+    return NestedField<T>{[](GatewayConfig& config) -> T& { return (config.*....*Path); },
+                          [](const GatewayConfig& config) -> const T& { return (config.*....*Path); }};
+}
+
+// The field a setting's Field names in `config`.
+template <typename T>
+T& field_of(GatewayConfig& config, T GatewayConfig::*member) {
+    return config.*member;
+}
+template <typename T>
+const T& field_of(const GatewayConfig& config, T GatewayConfig::*member) {
+    return config.*member;
+}
+template <typename T>
+T& field_of(GatewayConfig& config, NestedField<T> field) {
+    return field.get(config);
+}
+template <typename T>
+const T& field_of(const GatewayConfig& config, NestedField<T> field) {
+    return field.get_const(config);
+}
 
 // One setting: where it comes from, what it means, and the field of GatewayConfig it sets.
 struct Setting {
@@ -174,7 +234,9 @@ struct Setting {
                      bool GatewayConfig::*, int GatewayConfig::*, std::uint16_t GatewayConfig::*,
                      std::size_t GatewayConfig::*, double GatewayConfig::*,
                      std::vector<std::string> GatewayConfig::*, std::vector<int> GatewayConfig::*,
-                     std::map<std::string, std::string> GatewayConfig::*, nlohmann::json GatewayConfig::*>;
+                     std::map<std::string, std::string> GatewayConfig::*, nlohmann::json GatewayConfig::*,
+                     // The agent API's (std::uint64_t is std::size_t on the platforms built for).
+                     NestedField<bool>, NestedField<std::size_t>, NestedField<double>>;
 
     std::string_view topic;      // the heading it is listed under in docs/configuration.md
     std::string_view key;        // config file key; "network.allow" is "allow" in the file's "network" object
@@ -187,10 +249,14 @@ struct Setting {
     std::string_view separators = ",:";  // between the items of a list in the environment
     Printed printed = Printed::as_is;
     FlagCheck check = FlagCheck::none;
-    double low = 0, high = 0;         // FlagCheck::range
-    std::string_view choices = {};    // the values the flag takes, comma-separated; empty = any
+    double low = 0, high = 0;  // FlagCheck::range and unsigned_range
+    // The values the flag takes, comma-separated; empty = any. A true/false field with two choices is
+    // written as them everywhere ("off,on": the first is false).
+    std::string_view choices = {};
     std::string_view file_flag = {};  // a second flag that reads the value from a file (a secret)
+    std::string_view group = {};      // the flag's --help group; empty = CLI11's default
     bool switch_only = false;         // the flag takes no value and switches the setting on
+    EnvRead env_read = EnvRead::merge;
 
     // A value from the config file, by the file's rule: an integer field takes only a whole number in its
     // range, a floating-point one a finite number, a flag true or false; null leaves the field alone (a JSON
@@ -201,6 +267,8 @@ struct Setting {
     // `where`.
     void set_from_text(GatewayConfig& config, const std::string& text, const std::string& where) const;
     nlohmann::json value_of(const GatewayConfig& config) const;
+    // Throws std::invalid_argument, naming the config key, when the value in `config` fails the flag's check.
+    void check_value(const GatewayConfig& config) const;
     // The default as docs/configuration.md and --help show it.
     std::string default_shown() const;
 };
