@@ -34,10 +34,10 @@ AgentSession::AgentSession(AgentSessionServices& services, Record record, std::v
                        (services.writer.store().shared()
                             ? "." + sha256_hex(services.kernels.owner()).substr(0, 8)
                             : std::string())),
+      binding_(!cells_.empty()),
       deadline_timer_(services.io),
       lease_timer_(services.io),
       live_(services.config.inline_output_bytes) {
-    had_kernel_ = !cells_.empty();
     live_.seed(cells_);
 }
 
@@ -45,9 +45,9 @@ AgentSession::~AgentSession() = default;
 
 std::chrono::steady_clock::time_point AgentSession::last_used() const {
     auto used = last_used_;
-    if (kernel_) {
+    if (const auto kernel = binding_.kernel()) {
         // A person working in a notebook attached to the kernel keeps the session alive too.
-        const auto kernel_idle = std::chrono::system_clock::now() - kernel_->last_activity();
+        const auto kernel_idle = std::chrono::system_clock::now() - kernel->last_activity();
         used =
             std::max(used, std::chrono::steady_clock::now() -
                                std::chrono::duration_cast<std::chrono::steady_clock::duration>(kernel_idle));
@@ -58,9 +58,9 @@ std::chrono::steady_clock::time_point AgentSession::last_used() const {
 AgentSession::State AgentSession::state() const {
     if (executes_.busy())
         return State::busy;
-    if (kernel_wait_ != KernelWait::none)
+    if (!binding_.requesting(KernelBinding::Request::none))
         return State::starting;
-    if (!kernel_ || kernel_->state() == KernelState::dead)
+    if (const auto kernel = binding_.kernel(); !kernel || kernel->state() == KernelState::dead)
         return State::without_kernel;
     return State::idle;
 }
@@ -80,34 +80,36 @@ std::string_view AgentSession::state_name(State state) {
 }
 
 std::optional<fs::path> AgentSession::workspace() const {
-    if (!kernel_)
+    const auto kernel = binding_.kernel();
+    if (!kernel)
         return std::nullopt;
-    return kernel_->workspace_dir();
+    return kernel->workspace_dir();
 }
 
 json AgentSession::runtime_info() const {
     json runtime = {{"gateway", CELLBLOCK_GATEWAY_VERSION}};
-    if (kernel_)
-        runtime["kernelspec"] = kernel_->spec_name();
-    if (kernel_info_.is_object()) {
-        runtime["kernel"] = string_member(kernel_info_, "implementation") + " " +
-                            string_member(kernel_info_, "implementation_version");
-        if (kernel_info_.contains("language_info") && kernel_info_["language_info"].is_object())
-            runtime["python"] = string_member(kernel_info_["language_info"], "version");
-        runtime["protocol"] = string_member(kernel_info_, "protocol_version");
+    if (const auto kernel = binding_.kernel())
+        runtime["kernelspec"] = kernel->spec_name();
+    if (const json& info = binding_.kernel_info(); info.is_object()) {
+        runtime["kernel"] =
+            string_member(info, "implementation") + " " + string_member(info, "implementation_version");
+        if (info.contains("language_info") && info["language_info"].is_object())
+            runtime["python"] = string_member(info["language_info"], "version");
+        runtime["protocol"] = string_member(info, "protocol_version");
     }
     return runtime;
 }
 
 json AgentSession::model() const {
+    const auto kernel = binding_.kernel();
     std::string state = "no kernel";
-    if (kernel_wait_ == KernelWait::starting)
+    if (binding_.requesting(KernelBinding::Request::starting))
         state = "starting";
-    else if (kernel_)
-        state = executes_.running() != nullptr ? "busy" : std::string(kernel_state_name(kernel_->state()));
+    else if (kernel)
+        state = executes_.running() != nullptr ? "busy" : std::string(kernel_state_name(kernel->state()));
     json model = {{"id", record_.id},
                   {"name", record_.name},
-                  {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
+                  {"kernel_id", kernel ? json(kernel->id()) : json(nullptr)},
                   {"created", record_.created},
                   {"limits", record_.limits.to_json()},
                   {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
@@ -120,12 +122,13 @@ json AgentSession::model() const {
 }
 
 void AgentSession::persist_record() {
+    const auto kernel = binding_.kernel();
     json record = {{"id", record_.id},
                    {"name", record_.name},
                    {"created", record_.created},
                    {"limits", record_.limits.to_json()},
                    {"network", record_.network.none() ? json(nullptr) : record_.network.to_json()},
-                   {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
+                   {"kernel_id", kernel ? json(kernel->id()) : json(nullptr)},
                    {"deleted", closed_},
                    {"tenant", record_.tenant}};
     if (closed_)
@@ -142,12 +145,8 @@ void AgentSession::audit(const json& entry) {
 }
 
 void AgentSession::deliver(const JupyterMessage& message) {
-    if (message.channel == Channel::shell && message.msg_type == "kernel_info_reply" &&
-        !kernel_info_msg_id_.empty() &&
-        message.parent_header.find(kernel_info_msg_id_) != std::string::npos) {
-        kernel_info_ = json::parse(message.content, nullptr, false);
+    if (binding_.take_kernel_info(message))
         return;
-    }
     if (message.channel == Channel::iopub && message.msg_type == "cellblock_egress")
         return on_egress(message);
     if (message.channel == Channel::control && message.msg_type == contract::file_reply_type)
@@ -179,10 +178,7 @@ void AgentSession::deliver(const JupyterMessage& message) {
 }
 
 void AgentSession::disconnect(const std::string& reason) {
-    if (kernel_ && !closed_)
-        let_go_kernel_id_ = kernel_->id();
-    kernel_ = nullptr;
-    link_ = nullptr;
+    binding_.let_go(!closed_);
     fail_file_requests("the kernel went away (" + reason + ")");
     if (Running* running = executes_.running(); running && running->collector) {
         running->kernel_failure = "the kernel went away (" + reason + ")";
@@ -199,10 +195,8 @@ void AgentSession::close(const std::string& reason, bool record_deletion) {
     lease_timer_.cancel();
     fail_every_waiter("the session was deleted");
     release_execute_lease();
-    if (auto kernel = std::exchange(kernel_, nullptr)) {
-        link_ = nullptr;
+    if (auto kernel = binding_.unbind())
         services_.kernels.shutdown_kernel(kernel->id(), reason);
-    }
     if (record_deletion)
         persist_record();
 }
@@ -214,7 +208,7 @@ void AgentSession::fail_every_waiter(const std::string& cause) {
     }
     fail_file_requests(cause);
     // Includes the execute or reset whose kernel is still starting (run_next's waiter answers it).
-    settle_kernel_waiters(cause);
+    binding_.settle(cause);
     for (Pending& pending : executes_.take_all())
         fail_pending(pending, "SessionClosed", cause);
 }
@@ -276,16 +270,16 @@ json AgentSession::notebook(bool only_ok) const {
     // notebook must re-run on the confined kernel, not on whatever "python3" means there.
     std::string spec = "cellblock-python";
     std::string display_name = "Python 3 (cellblock)";
-    if (kernel_) {
-        if (auto found = services_.kernels.registry().find(kernel_->spec_name())) {
+    if (const auto kernel = binding_.kernel()) {
+        if (auto found = services_.kernels.registry().find(kernel->spec_name())) {
             spec = found->directory.filename().string();
             display_name = found->spec.value("display_name", display_name);
         }
     }
     json language_info = {{"name", "python"}, {"file_extension", ".py"}, {"mimetype", "text/x-python"}};
-    if (kernel_info_.is_object() && kernel_info_.contains("language_info") &&
-        kernel_info_["language_info"].is_object())
-        language_info = kernel_info_["language_info"];
+    if (const json& info = binding_.kernel_info();
+        info.is_object() && info.contains("language_info") && info["language_info"].is_object())
+        language_info = info["language_info"];
     return {{"cells", cells},
             {"metadata",
              {{"kernelspec", {{"name", spec}, {"display_name", display_name}, {"language", "python"}}},

@@ -11,14 +11,15 @@ using nlohmann::json;
 
 void AgentSession::file_request(const json& content, FileAnswer done) {
     touch();
-    if (!kernel_ || !link_)
+    const auto link = binding_.link();
+    if (!binding_.kernel() || !link)
         return done(std::nullopt, "the session has no kernel");
     JupyterMessage request =
         make_message(Channel::control, std::string(contract::file_request_type), content, link_session_id_);
     const std::string msg_id = request.msg_id;
     auto timer = std::make_shared<boost::asio::steady_timer>(services_.io);
     file_waits_.insert_or_assign(msg_id, FileWait{std::move(done), timer});
-    link_->send(std::move(request));
+    link->send(std::move(request));
     timer->expires_after(file_request_timeout);
     std::weak_ptr<AgentSession> weak = weak_from_this();
     timer->async_wait([weak, msg_id](const boost::system::error_code& error) {

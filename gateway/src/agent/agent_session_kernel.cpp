@@ -4,9 +4,10 @@
 #include "cellblock/gateway/common/crypto.hpp"
 #include "cellblock/gateway/common/time_format.hpp"
 
-// AgentSession's kernel binding: a kernel for the session (attached again after another gateway restarted it
-// on a shared store, readied, or started), its attachment as one more KernelClient, and the re-adopted kernel
-// after a gateway restart with the execute it was running. The rest of AgentSession: agent_session.cpp.
+// AgentSession's side of its kernel binding (kernel_binding.hpp holds the state and its waiters): a kernel
+// for the session (attached again after another gateway restarted it on a shared store, readied, or started),
+// its attachment as one more KernelClient, and the re-adopted kernel after a gateway restart with the execute
+// it was running. The rest of AgentSession: agent_session.cpp.
 
 namespace cellblock::gateway::agent {
 
@@ -24,54 +25,55 @@ std::map<std::string, std::string> AgentSession::kernel_limit_environment() cons
 void AgentSession::ensure_kernel(Done done) {
     if (closed_)
         return done(std::string("session was deleted"));
-    kernel_waiters_.push_back(std::move(done));
-    if (kernel_wait_ != KernelWait::none)
+    if (!binding_.wait(std::move(done)))
         return;  // the start or readiness wait in flight answers every waiter
     // A kernel whose new process another gateway may have started.
-    std::string reattach;
-    if (kernel_ &&
-        (kernel_->state() == KernelState::dead || services_.kernels.find(kernel_->id()) != kernel_)) {
-        // Deleted through /api/kernels, culled, or dead past its restart limit. A dead kernel still
-        // registered would hold a max_kernels slot and its workspace forever: it goes. On a shared store it
-        // may have been restarted through another gateway: then its new process is attached instead.
-        auto gone = std::exchange(kernel_, nullptr);
-        link_ = nullptr;
-        if (services_.writer.shared())
-            reattach = gone->id();
-        else if (services_.kernels.find(gone->id()) == gone)
-            services_.kernels.shutdown_kernel(gone->id(), "dead past its restart limit");
-    } else if (!kernel_ && !let_go_kernel_id_.empty() && services_.writer.shared()) {
-        // Let go here because another gateway restarted it: the session stays on it.
-        reattach = let_go_kernel_id_;
-    }
-    let_go_kernel_id_.clear();
+    const std::string reattach = kernel_to_reattach();
     if (reattach.empty())
         return bind_kernel();
     // The store is asked off the io thread; the waiters wait as they would for a starting kernel.
-    kernel_wait_ = KernelWait::attaching;
+    binding_.begin(KernelBinding::Request::attaching);
     std::weak_ptr<AgentSession> weak = weak_from_this();
     services_.kernels.find_or_attach(reattach, [weak](const std::shared_ptr<Kernel>& again) {
         auto self = weak.lock();
-        if (!self || self->kernel_wait_ != KernelWait::attaching)
+        if (!self || !self->binding_.requesting(KernelBinding::Request::attaching))
             return;  // closed meanwhile: its waiters were answered
-        self->kernel_wait_ = KernelWait::none;
+        self->binding_.begin(KernelBinding::Request::none);
         if (again && again->state() != KernelState::dead)
             self->attach_kernel(again);  // the state may be gone: the next answer says so
         self->bind_kernel();
     });
 }
 
+std::string AgentSession::kernel_to_reattach() {
+    if (const auto kernel = binding_.kernel();
+        kernel && (kernel->state() == KernelState::dead || services_.kernels.find(kernel->id()) != kernel)) {
+        // Deleted through /api/kernels, culled, or dead past its restart limit. A dead kernel still
+        // registered would hold a max_kernels slot and its workspace forever: it goes. On a shared store it
+        // may have been restarted through another gateway: then its new process is attached instead.
+        auto gone = binding_.unbind();
+        if (services_.writer.shared())
+            return gone->id();
+        if (services_.kernels.find(gone->id()) == gone)
+            services_.kernels.shutdown_kernel(gone->id(), "dead past its restart limit");
+        return {};
+    }
+    // Let go here because another gateway restarted it: the session stays on it. Forgotten either way.
+    std::string let_go = binding_.take_let_go();
+    return services_.writer.shared() ? let_go : std::string();
+}
+
 void AgentSession::bind_kernel() {
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    if (kernel_) {
-        kernel_wait_ = KernelWait::readying;
-        kernel_->when_ready([weak](const std::optional<std::string>& error) {
-            if (auto self = weak.lock(); self && self->kernel_wait_ == KernelWait::readying)
-                self->settle_kernel_waiters(error);
+    if (const auto kernel = binding_.kernel()) {
+        binding_.begin(KernelBinding::Request::readying);
+        kernel->when_ready([weak](const std::optional<std::string>& error) {
+            if (auto self = weak.lock(); self && self->binding_.requesting(KernelBinding::Request::readying))
+                self->binding_.settle(error);
         });
         return;
     }
-    kernel_wait_ = KernelWait::starting;
+    binding_.begin(KernelBinding::Request::starting);
     KernelStartRequest request;
     request.trusted_env = kernel_limit_environment();
     // An agent session has its own policy (none by default), never the Kernel Gateway API's default.
@@ -88,9 +90,9 @@ void AgentSession::bind_kernel() {
                 return;
             }
             if (auto* failure = std::get_if<KernelStartError>(&result))
-                return self->settle_kernel_waiters(failure->message);
+                return self->binding_.settle(failure->message);
             self->attach_kernel(std::get<std::shared_ptr<Kernel>>(result));
-            self->settle_kernel_waiters(std::nullopt);
+            self->binding_.settle(std::nullopt);
         });
 }
 
@@ -98,7 +100,7 @@ void AgentSession::resume(const std::shared_ptr<Kernel>& kernel, const std::stri
                           std::vector<InflightExecute> inflight) {
     if (!kernel) {
         // The next execute starts a fresh kernel and says what was lost, and why.
-        had_kernel_ = true;
+        binding_.set_served_before(true);
         state_lost_cause_ = lost_cause;
         audit({{"event", "kernel_lost"}, {"cause", lost_cause}});
         for (const InflightExecute& execute : inflight) {
@@ -127,7 +129,7 @@ void AgentSession::resume(const std::shared_ptr<Kernel>& kernel, const std::stri
         return;
     }
     // Executes wait for the re-adopted kernel as they would for a starting one.
-    kernel_wait_ = KernelWait::readying;
+    binding_.begin(KernelBinding::Request::readying);
     if (!inflight.empty())
         executes_.hold();  // busy: queued executes run after the resumed one
     std::weak_ptr<AgentSession> weak = weak_from_this();
@@ -140,17 +142,15 @@ void AgentSession::resume(const std::shared_ptr<Kernel>& kernel, const std::stri
             self->resume(nullptr, "the kernel could not be re-adopted after the gateway restarted: " + *error,
                          inflight);
             // Nothing is attached: whoever waits gets a fresh kernel instead.
-            self->kernel_wait_ = KernelWait::none;
-            auto waiters = std::exchange(self->kernel_waiters_, {});
-            for (auto& waiter : waiters)
+            for (auto& waiter : self->binding_.take_waiters())
                 self->ensure_kernel(std::move(waiter));
             self->run_next();
             return;
         }
-        self->had_kernel_ = false;  // the same kernel: nothing was lost
+        self->binding_.set_served_before(false);  // the same kernel: nothing was lost
         self->attach_kernel(kernel);
         self->audit({{"event", "kernel_readopted"}, {"kernel_id", kernel->id()}});
-        self->settle_kernel_waiters(std::nullopt);
+        self->binding_.settle(std::nullopt);
         if (!inflight.empty())
             self->resume_execute(inflight.front());
         else
@@ -175,7 +175,7 @@ void AgentSession::resume_execute(const InflightExecute& inflight) {
     services_.logger.info("agent_execute_resumed", {{"session", id()}, {"msg_id", inflight.msg_id}});
     // Each message may finish it (finish_execute ends the running one): asked again after each.
     auto still_running = [this] { return executes_.running() != nullptr && executes_.running()->collector; };
-    for (const JupyterMessage& message : kernel_->replayed_for(inflight.msg_id)) {
+    for (const JupyterMessage& message : binding_.kernel()->replayed_for(inflight.msg_id)) {
         if (!still_running())
             return;
         deliver(message);
@@ -189,29 +189,22 @@ void AgentSession::resume_execute(const InflightExecute& inflight) {
                               std::chrono::duration_cast<std::chrono::milliseconds>(elapsed)));
 }
 
-void AgentSession::settle_kernel_waiters(const std::optional<std::string>& error) {
-    kernel_wait_ = KernelWait::none;
-    auto waiters = std::exchange(kernel_waiters_, {});
-    for (auto& waiter : waiters)
-        waiter(error);
-}
-
-void AgentSession::attach_kernel(std::shared_ptr<Kernel> kernel) {
-    kernel_ = std::move(kernel);
-    kernel_->set_agent_session(record_.id);
-    // A request held by another kernel's proxy ended with that kernel.
-    approvals_.lose_all_but(kernel_->id(), format_iso8601_utc(std::chrono::system_clock::now()));
-    if (had_kernel_)
+void AgentSession::attach_kernel(const std::shared_ptr<Kernel>& kernel) {
+    // Held before the link is made: attaching may let the session go at once (Kernel::attach).
+    if (binding_.bind(kernel))
         state_lost_notice_ = true;
-    had_kernel_ = true;
-    link_ = kernel_->attach(link_session_id_, weak_from_this());
+    kernel->set_agent_session(record_.id);
+    // A request held by another kernel's proxy ended with that kernel.
+    approvals_.lose_all_but(kernel->id(), format_iso8601_utc(std::chrono::system_clock::now()));
+    auto link = kernel->attach(link_session_id_, weak_from_this());
     // Runtime versions for the audit trail, answered on our own session's shell socket.
     JupyterMessage request =
         make_message(Channel::shell, "kernel_info_request", json::object(), link_session_id_);
-    kernel_info_msg_id_ = request.msg_id;
-    link_->send(std::move(request));
+    binding_.expect_kernel_info(request.msg_id);
+    link->send(std::move(request));
+    binding_.set_link(std::move(link));
     persist_record();
-    services_.logger.info("agent_session_kernel", {{"session", id()}, {"kernel_id", kernel_->id()}});
+    services_.logger.info("agent_session_kernel", {{"session", id()}, {"kernel_id", kernel->id()}});
 }
 
 }  // namespace cellblock::gateway::agent

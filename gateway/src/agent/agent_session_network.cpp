@@ -25,7 +25,8 @@ void AgentSession::on_egress(const JupyterMessage& message) {
     auto number = [&content](const char* key) {
         return content.contains(key) && content[key].is_number() ? content[key] : json(0);
     };
-    const json kernel_id = kernel_ ? json(kernel_->id()) : json(nullptr);
+    const auto kernel = binding_.kernel();
+    const json kernel_id = kernel ? json(kernel->id()) : json(nullptr);
     if (event == "connection") {
         audit({{"event", "network_connection"},
                {"host", text("host")},
@@ -50,7 +51,7 @@ void AgentSession::on_egress(const JupyterMessage& message) {
         approval.method = text("method");
         approval.timeout_s = number("timeout_s").get<double>();
         approval.requested = now;
-        approval.kernel_id = kernel_ ? kernel_->id() : std::string();
+        approval.kernel_id = kernel ? kernel->id() : std::string();
         audit({{"event", "network_approval"},
                {"state", "requested"},
                {"id", approval.id},
@@ -100,7 +101,9 @@ void AgentSession::decide_approval(const std::string& approval_id, const std::st
         return done({Status::unknown, "no approval " + approval_id + " in this session", nullptr});
     if (!approval->decision.empty())
         return done(DecisionResult::decided_before(*approval));
-    if (!kernel_ || !link_ || kernel_->id() != approval->kernel_id)
+    const auto kernel = binding_.kernel();
+    const auto link = binding_.link();
+    if (!kernel || !link || kernel->id() != approval->kernel_id)
         return done({Status::no_kernel, "the kernel that held this request is gone", nullptr});
     approval->asking_client = client_address;
     approval->asking_token_id = token_id;
@@ -130,7 +133,7 @@ void AgentSession::decide_approval(const std::string& approval_id, const std::st
         self->record_decision(approval_id, decision, decided_by, client_address, token_id);
         (*shared_done)({Status::ok, "", known ? known->to_json() : json(nullptr)});
     });
-    link_->send(std::move(request));
+    link->send(std::move(request));
     timer->expires_after(std::chrono::seconds(10));
     timer->async_wait([weak, msg_id, shared_done](const boost::system::error_code& error) {
         if (error)

@@ -54,8 +54,8 @@ void AgentSession::abandon(std::uint64_t ticket) {
                             "the client went away before the code started");
     if (abandoned.running) {
         services_.logger.info("agent_execute_abandoned", {{"session", id()}});
-        if (kernel_)
-            kernel_->interrupt();
+        if (const auto kernel = binding_.kernel())
+            kernel->interrupt();
     }
 }
 
@@ -122,7 +122,7 @@ void AgentSession::run_next() {
                     locked->fail_pending(*shared_pending, std::string(store_unavailable_ename), *unavailable);
                     return locked->run_next();
                 }
-                if (locked->closed_ || !locked->kernel_) {
+                if (locked->closed_ || !locked->binding_.kernel()) {
                     locked->executes_.finish();
                     locked->release_execute_lease();
                     locked->fail_pending(
@@ -141,7 +141,7 @@ void AgentSession::run_next() {
 void AgentSession::start_reset(Pending pending) {
     auto shared_pending = std::make_shared<Pending>(std::move(pending));
     std::weak_ptr<AgentSession> weak = weak_from_this();
-    services_.kernels.restart_kernel(kernel_, [weak, shared_pending](std::optional<std::string> error) {
+    services_.kernels.restart_kernel(kernel(), [weak, shared_pending](std::optional<std::string> error) {
         auto self = weak.lock();
         if (!self)
             return;
@@ -204,7 +204,7 @@ void AgentSession::start_execute(Pending pending) {
                                      {"timeout_s", running.pending.request.timeout_s},
                                      {"started", format_iso8601_utc(running.started_wall)}}}](
             SessionStore& store) { store.put_inflight(inflight); });
-    link_->send(std::move(request));
+    binding_.link()->send(std::move(request));
     arm_deadline(safety_net_after(timeout_s));
 }
 
@@ -237,8 +237,8 @@ void AgentSession::on_deadline() {
         return;
     running->timed_out = true;
     services_.logger.info("agent_execute_timeout", {{"session", id()}});
-    if (kernel_)
-        kernel_->interrupt();
+    if (const auto kernel = binding_.kernel())
+        kernel->interrupt();
     std::weak_ptr<AgentSession> weak = weak_from_this();
     deadline_timer_.expires_after(seconds_to_ms(services_.config.interrupt_grace_s));
     deadline_timer_.async_wait([weak](const boost::system::error_code& error) {
@@ -256,8 +256,8 @@ void AgentSession::on_grace_expired() {
     // The code ignored the interrupt: the circuit breaker restarts the kernel, which kills the worker.
     services_.logger.warn("agent_execute_kernel_restart", {{"session", id()}});
     running->kernel_restarted = true;
-    if (kernel_)
-        services_.kernels.restart_kernel(kernel_, [](const std::optional<std::string>&) {});
+    if (const auto kernel = binding_.kernel())
+        services_.kernels.restart_kernel(kernel, [](const std::optional<std::string>&) {});
     finish_execute();
 }
 
@@ -317,7 +317,7 @@ json AgentSession::execute_audit_entry(const Running& running, const json& answe
             {"truncated", answer["truncated"]},
             {"state_lost", answer["state_lost"]},
             {"limits", record_.limits.to_json()},
-            {"kernel_id", kernel_ ? json(kernel_->id()) : json(nullptr)},
+            {"kernel_id", binding_.kernel() ? json(binding_.kernel()->id()) : json(nullptr)},
             {"runtime", runtime_info()}};
 }
 

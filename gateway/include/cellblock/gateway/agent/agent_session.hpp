@@ -19,6 +19,7 @@
 #include "cellblock/gateway/agent/approvals_book.hpp"
 #include "cellblock/gateway/agent/execute_queue.hpp"
 #include "cellblock/gateway/agent/execution.hpp"
+#include "cellblock/gateway/agent/kernel_binding.hpp"
 #include "cellblock/gateway/agent/live_events.hpp"
 #include "cellblock/gateway/kernels/kernel.hpp"
 #include "cellblock/gateway/kernels/kernel_manager.hpp"
@@ -104,7 +105,7 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     const std::string& tenant() const { return record_.tenant; }
     // The host directory the kernel's code sees as its cwd; nullopt without a live kernel.
     std::optional<std::filesystem::path> workspace() const;
-    std::shared_ptr<Kernel> kernel() const { return kernel_; }
+    std::shared_ptr<Kernel> kernel() const { return binding_.kernel(); }
     // The session's cells as events for its live page (agent_api.cpp, .../events).
     LiveLog& live() { return live_; }
     bool busy() const { return executes_.busy(); }
@@ -178,13 +179,14 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void count_execute(const nlohmann::json& answer, std::string_view kernel_outcome,
                        bool interrupted_by_client, bool reached_kernel);
     std::map<std::string, std::string> kernel_limit_environment() const;
-    void attach_kernel(std::shared_ptr<Kernel> kernel);
-    // ensure_kernel's second half: waits for kernel_ to be ready, or starts one.
+    void attach_kernel(const std::shared_ptr<Kernel>& kernel);
+    // ensure_kernel's first half: drops a bound kernel that is dead or no longer registered, and names the
+    // kernel whose new process to ask the shared store for ("" = none).
+    std::string kernel_to_reattach();
+    // ensure_kernel's second half: waits for the bound kernel to be ready, or starts one.
     void bind_kernel();
     // Sends nothing: follows an execute the previous gateway sent (its answer goes to the history only).
     void resume_execute(const InflightExecute& inflight);
-    // Answers everything waiting in kernel_waiters_ (nullopt = the kernel is ready) and ends the wait.
-    void settle_kernel_waiters(const std::optional<std::string>& error);
     // The one way out for every request the session holds: the running execute, the waiters for the
     // kernel (including an execute or reset whose kernel is still starting) and the queue.
     void fail_every_waiter(const std::string& cause);
@@ -207,25 +209,14 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     Record record_;
     std::vector<nlohmann::json> cells_;
     std::string link_session_id_;  // our session_id on the kernel (ZMQ routing identity)
-    std::shared_ptr<Kernel> kernel_;
-    std::shared_ptr<KernelClientLink> link_;
-    nlohmann::json kernel_info_;  // kernel_info_reply content of the current kernel
-    std::string kernel_info_msg_id_;
-    // Whether a request for the kernel is in flight; every caller of ensure_kernel waits in kernel_waiters_
-    // until it settles.
-    // `attaching`: the shared store is asked whether another gateway runs the kernel's new process.
-    enum class KernelWait { none, attaching, starting, readying } kernel_wait_ = KernelWait::none;
-    bool had_kernel_ = false;         // a kernel served this session before (a new one means lost state)
+    // The kernel, its link, the request for one in flight and its waiters (kernel_binding.hpp).
+    KernelBinding binding_;
     bool state_lost_notice_ = false;  // tell the next answer that a new kernel replaced the old one
     std::string state_lost_cause_;    // why, when the gateway knows (a kernel lost across a restart)
-    std::vector<Done> kernel_waiters_;
     ExecuteQueue executes_;
     boost::asio::steady_timer deadline_timer_;
     boost::asio::steady_timer lease_timer_;
     bool holds_execute_lease_ = false;
-    // The kernel this gateway let go of (disconnect): on a shared store the session stays on it if it runs
-    // on.
-    std::string let_go_kernel_id_;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
     std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)
