@@ -30,10 +30,10 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
     std::weak_ptr<AgentSession> weak = weak_from_this();
     const std::string lease = "agent-session:" + record_.id;
     // On the store's reader thread with a deadline; a lease it takes after the deadline is released there.
-    services_.writer.read<bool>(
+    services_.writer.read<std::optional<std::int64_t>>(
         [lease](SessionStore& store) { return store.try_lease(lease); }, limit,
         [weak, give_up, patience = give_up - now, lease, &writer = services_.writer,
-         then = std::move(then)](StoreAnswer<bool> answer) mutable {
+         then = std::move(then)](StoreAnswer<std::optional<std::int64_t>> answer) mutable {
             auto self = weak.lock();
             if (!self) {
                 if (answer.ok() && *answer.value)
@@ -64,7 +64,7 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
                         answered ? std::chrono::steady_clock::now() + patience : give_up, std::move(then));
             });
         },
-        [&writer = services_.writer, lease](bool taken_late) {
+        [&writer = services_.writer, lease](std::optional<std::int64_t> taken_late) {
             if (taken_late)
                 release_lease_later(writer, lease);
         });

@@ -63,7 +63,7 @@ void KernelManager::cull_shared() {
     };
     writer_.read<Sweep>(
         [was_leader = cull_leader_](SessionStore& store) {
-            Sweep sweep{was_leader || store.try_lease("cull-leader"), {}};
+            Sweep sweep{was_leader || store.try_lease("cull-leader").has_value(), {}};
             if (sweep.leader)
                 sweep.records = store.kernels();
             return sweep;

@@ -151,7 +151,8 @@ void KernelManager::restart_kernel(const std::shared_ptr<Kernel>& kernel, Kernel
     const std::string lease = "kernel-restart:" + kernel->id();
     // The lease is asked for on the store's reader thread; one taken after the limit is released there.
     writer_.read<bool>(
-        [lease](SessionStore& store) { return store.try_lease(lease); }, StoreWriter::default_read_limit,
+        [lease](SessionStore& store) { return store.try_lease(lease).has_value(); },
+        StoreWriter::default_read_limit,
         [this, kernel, lease, on_ready = std::move(on_ready)](StoreAnswer<bool> held) mutable {
             if (!held.ok()) {
                 logger_.error("store_read_failed", {{"kernel_id", kernel->id()}, {"error", held.error}});
@@ -351,7 +352,7 @@ void KernelManager::ask_store_about_restart(const Kernel& died, Kernel::RestartD
     writer_.read<RestartQuestion>(
         [lease, id = died.id()](SessionStore& store) {
             RestartQuestion answer;
-            answer.leased = store.try_lease(lease);
+            answer.leased = store.try_lease(lease).has_value();
             try {
                 if (answer.leased)
                     answer.record = store.kernel(id);

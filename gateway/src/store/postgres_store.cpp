@@ -7,7 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <random>
 #include <regex>
+#include <sstream>
 #include <thread>
 
 #include "cellblock/gateway/common/time_format.hpp"
@@ -19,7 +21,7 @@ using nlohmann::json;
 
 namespace {
 
-constexpr int current_schema_version = 2;
+constexpr int current_schema_version = 3;
 
 // Each migration brings the schema from version N-1 to N; all pending ones run in one transaction under
 // an advisory lock, so two gateways starting together never migrate twice.
@@ -49,6 +51,13 @@ constexpr std::array<const char*, current_schema_version> migrations = {
     CREATE TABLE tenant_tokens (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, role TEXT NOT NULL,
                                 digest TEXT NOT NULL UNIQUE, created TEXT NOT NULL);
     CREATE INDEX tenant_tokens_by_tenant ON tenant_tokens (tenant);
+    )sql",
+    // Fencing tokens of leases: the advisory lock says who holds a lease now, this row which taking of it is
+    // the newest (token), by which gateway (holder) and since which taking that gateway has held it without
+    // another taking it in between (held_since): try_lease and the fenced writes.
+    R"sql(
+    CREATE TABLE leases (name TEXT PRIMARY KEY, token BIGINT NOT NULL, holder TEXT NOT NULL,
+                         held_since BIGINT NOT NULL, taken_at TIMESTAMPTZ NOT NULL DEFAULT now());
     )sql"};
 
 // Advisory lock keys: (class, object). Leases hash their name into the object.
@@ -78,6 +87,11 @@ class Result {
                            static_cast<std::size_t>(PQgetlength(result_.get(), row, column)));
     }
     std::int64_t integer(int row, int column) const { return std::stoll(text(row, column)); }
+    // Rows an INSERT, UPDATE or DELETE touched.
+    std::int64_t affected() const {
+        const std::string count = PQcmdTuples(result_.get());
+        return count.empty() ? 0 : std::stoll(count);
+    }
 
   private:
     std::unique_ptr<PGresult, ResultClearer> result_;
@@ -134,6 +148,8 @@ class PostgresStore final : public SessionStore {
         batch_ = connect(url);
         try {
             migrate(primary_.get());
+            holder_ = run(primary_.get(), "SELECT current_setting('application_name')").text(0, 0) + "/" +
+                      random_id();
         } catch (const StoreError& error) {
             throw StoreError(std::string(error.what()) + " (" + without_password(url) +
                              "; nothing was changed)");
@@ -383,14 +399,16 @@ class PostgresStore final : public SessionStore {
     }
 
     bool shared() const override { return true; }
-    bool try_lease(const std::string& name) override {
-        bool held = false;
+    std::optional<std::int64_t> try_lease(const std::string& name) override {
+        std::optional<std::int64_t> token;
         with_connection([&](PGconn* c) {
-            held = run(c, "SELECT pg_try_advisory_lock($1::integer, hashtext($2))",
-                       {std::to_string(lease_lock_class), name})
-                       .text(0, 0) == "t";
+            if (run(c, "SELECT pg_try_advisory_lock($1::integer, hashtext($2))",
+                    {std::to_string(lease_lock_class), name})
+                    .text(0, 0) != "t")
+                return;
+            token = next_lease_token(c, name, holder_);
         });
-        return held;
+        return token;
     }
     void release_lease(const std::string& name) override {
         with_connection([&](PGconn* c) {
@@ -398,10 +416,70 @@ class PostgresStore final : public SessionStore {
                 {std::to_string(lease_lock_class), name});
         });
     }
+    // Applied while the lease is still this gateway's since `fence.token` (its own later takings do not
+    // fence off its earlier writes, which are queued before them). The lease row is locked FOR SHARE until
+    // the write's transaction ends: another gateway's taking (an update of the row) waits for the batch to
+    // commit, or the write sees the new holder and is refused.
+    bool append_cell_fenced(const std::string& session, const json& cell, const LeaseFence& fence) override {
+        bool applied = false;
+        with_connection([&](PGconn* c) {
+            applied =
+                run(c,
+                    "INSERT INTO cells (session, cell) SELECT $1, $2 WHERE EXISTS (SELECT 1 FROM leases "
+                    "WHERE name = $3 AND holder = $4 AND held_since <= $5::bigint FOR SHARE)",
+                    {session, dump(cell), fence.lease, holder_, std::to_string(fence.token)})
+                    .affected() == 1;
+        });
+        return applied;
+    }
+    bool put_inflight_fenced(const InflightExecute& execute, const LeaseFence& fence) override {
+        bool applied = false;
+        with_connection([&](PGconn* c) {
+            applied = run(c,
+                          "INSERT INTO inflight_executes (session, msg_id, request) SELECT $1, $2, $3 WHERE "
+                          "EXISTS (SELECT 1 FROM leases WHERE name = $4 AND holder = $5 AND held_since <= "
+                          "$6::bigint "
+                          "FOR SHARE) ON CONFLICT (session, msg_id) DO UPDATE SET request = excluded.request",
+                          {execute.session, execute.msg_id, dump(execute.request), fence.lease, holder_,
+                           std::to_string(fence.token)})
+                          .affected() == 1;
+        });
+        return applied;
+    }
 
   private:
     static std::string dump(const json& value) {
         return value.dump(-1, ' ', false, json::error_handler_t::replace);
+    }
+
+    // The token of a lease this connection has just locked: one more than the previous taking's. The row may
+    // be held by a fenced write of the previous holder's open batch (FOR SHARE): waited for at most 2 s, then
+    // the lease is let go again and the caller hears the error (the execute lease asks again).
+    static std::int64_t next_lease_token(PGconn* connection, const std::string& name,
+                                         const std::string& holder) {
+        try {
+            run(connection, "BEGIN");
+            run(connection, "SET LOCAL lock_timeout = '2s'");
+            const std::int64_t token =
+                run(connection,
+                    "INSERT INTO leases (name, token, holder, held_since) VALUES ($1, 1, $2, 1) "
+                    "ON CONFLICT (name) DO UPDATE SET token = leases.token + 1, held_since = CASE WHEN "
+                    "leases.holder = excluded.holder THEN leases.held_since ELSE leases.token + 1 END, "
+                    "holder = excluded.holder, taken_at = now() RETURNING token",
+                    {name, holder})
+                    .integer(0, 0);
+            run(connection, "COMMIT");
+            return token;
+        } catch (const StoreError&) {
+            PQclear(PQexec(connection, "ROLLBACK"));
+            try {
+                run(connection, "SELECT pg_advisory_unlock($1::integer, hashtext($2))",
+                    {std::to_string(lease_lock_class), name});
+            } catch (const StoreError&) {
+                // a broken connection has let go of the lock with itself
+            }
+            throw;
+        }
     }
 
     // The batch's connection when called from inside write_batch (by its thread), else the primary one.
@@ -533,7 +611,17 @@ class PostgresStore final : public SessionStore {
         }
     }
 
+    // This gateway's name in the leases table: its connections' application_name and a random part, so that
+    // two gateways never share one (and a restarted gateway is another holder).
+    static std::string random_id() {
+        std::random_device device;
+        std::ostringstream id;
+        id << std::hex << device() << device();
+        return id.str();
+    }
+
     std::string url_;
+    std::string holder_;
     std::mutex primary_mutex_, batch_mutex_;
     Connection primary_, batch_;
     Backoff primary_backoff_, batch_backoff_;  // each guarded by its connection's mutex

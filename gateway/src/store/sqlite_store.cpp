@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -465,9 +466,18 @@ class SqliteStore final : public SessionStore {
     }
 
     bool shared() const override { return false; }
-    // One gateway per state directory (its flock): every lease is this gateway's.
-    bool try_lease(const std::string&) override { return true; }
+    // One gateway per state directory (its flock): every lease is this gateway's, and no write is fenced off.
+    // Tokens still grow with each taking, as the interface promises.
+    std::optional<std::int64_t> try_lease(const std::string&) override { return ++last_lease_token_; }
     void release_lease(const std::string&) override {}
+    bool append_cell_fenced(const std::string& session, const json& cell, const LeaseFence&) override {
+        append_cell(session, cell);
+        return true;
+    }
+    bool put_inflight_fenced(const InflightExecute& execute, const LeaseFence&) override {
+        put_inflight(execute);
+        return true;
+    }
 
   private:
     std::vector<KernelRecord> kernel_rows(const std::string& condition,
@@ -574,6 +584,7 @@ class SqliteStore final : public SessionStore {
     fs::path file_;
     std::mutex mutex_;
     Database database_;
+    std::atomic<std::int64_t> last_lease_token_{0};
 };
 
 }  // namespace

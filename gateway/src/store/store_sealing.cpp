@@ -228,8 +228,17 @@ class SealingStore final : public SessionStore {
     void remove_tenant_token(const std::string& id) override { inner_->remove_tenant_token(id); }
     std::vector<TenantToken> tenant_tokens() override { return inner_->tenant_tokens(); }
     bool shared() const override { return inner_->shared(); }
-    bool try_lease(const std::string& name) override { return inner_->try_lease(name); }
+    std::optional<std::int64_t> try_lease(const std::string& name) override {
+        return inner_->try_lease(name);
+    }
     void release_lease(const std::string& name) override { inner_->release_lease(name); }
+    bool append_cell_fenced(const std::string& session, const nlohmann::json& cell,
+                            const LeaseFence& fence) override {
+        return inner_->append_cell_fenced(session, cell, fence);
+    }
+    bool put_inflight_fenced(const InflightExecute& execute, const LeaseFence& fence) override {
+        return inner_->put_inflight_fenced(execute, fence);
+    }
 
   private:
     std::unique_ptr<SessionStore> inner_;

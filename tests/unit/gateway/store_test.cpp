@@ -258,7 +258,7 @@ TEST(PostgresStore, ALeaseHasOneHolderAcrossGatewaysAndEndsWithTheHoldersConnect
     gateway_b.reset();  // the holder goes away (a killed gateway's connection ends the same way)
     bool taken = false;
     for (int attempt = 0; attempt < 100 && !taken; ++attempt) {
-        taken = gateway_a->try_lease("agent-session:s1");
+        taken = gateway_a->try_lease("agent-session:s1").has_value();
         if (!taken)
             ::usleep(50000);
     }
@@ -269,6 +269,59 @@ TEST(PostgresStore, ALeaseHasOneHolderAcrossGatewaysAndEndsWithTheHoldersConnect
                            }},
                            [](const std::exception&) { FAIL(); });
     EXPECT_EQ(gateway_a->cells("s").size(), 1u);
+}
+
+TEST(PostgresStore, EachTakingOfALeaseHasALargerTokenAndWritesUnderAnOlderOneAreRefused) {
+    cellblock::test::TemporaryPostgres server;
+    auto gateway_a = open_postgres_store(server.url());
+    auto gateway_b = open_postgres_store(server.url());
+    const auto first = gateway_a->try_lease("agent-session:s1");
+    ASSERT_TRUE(first);
+    const LeaseFence stale{"agent-session:s1", *first};
+    EXPECT_TRUE(gateway_a->append_cell_fenced("s1", {{"by", "a"}}, stale));
+    EXPECT_TRUE(gateway_a->put_inflight_fenced({"s1", "m-a", {{"code", "a"}}}, stale));
+    gateway_a->release_lease("agent-session:s1");  // as a dropped connection would
+    const auto second = gateway_b->try_lease("agent-session:s1");
+    ASSERT_TRUE(second);
+    EXPECT_GT(*second, *first);
+    const LeaseFence current{"agent-session:s1", *second};
+    // Inside a batch (the writer's connection), as the gateway writes them.
+    bool refused_cell = false, refused_inflight = false, cell_of_b = false;
+    gateway_a->write_batch({[&](SessionStore& s) {
+                               refused_cell = !s.append_cell_fenced("s1", {{"by", "a late"}}, stale);
+                               refused_inflight = !s.put_inflight_fenced({"s1", "m-late", {}}, stale);
+                           }},
+                           [](const std::exception&) { FAIL(); });
+    gateway_b->write_batch({[&](SessionStore& s) {
+                               cell_of_b = s.append_cell_fenced("s1", {{"by", "b"}}, current);
+                           }},
+                           [](const std::exception&) { FAIL(); });
+    EXPECT_TRUE(refused_cell);
+    EXPECT_TRUE(refused_inflight);
+    EXPECT_TRUE(cell_of_b);
+    const auto cells = gateway_a->cells("s1");
+    ASSERT_EQ(cells.size(), 2u);
+    EXPECT_EQ(cells[0].value("by", ""), "a");
+    EXPECT_EQ(cells[1].value("by", ""), "b");
+    ASSERT_EQ(gateway_a->inflight("s1").size(), 1u);
+    // A takes the lease again (twice: its own later taking refuses none of its writes); its first token stays
+    // fenced off, as B held the lease in between.
+    gateway_b->release_lease("agent-session:s1");
+    const auto third = gateway_a->try_lease("agent-session:s1");
+    const auto fourth = gateway_a->try_lease("agent-session:s1");
+    ASSERT_TRUE(third && fourth);
+    EXPECT_GT(*fourth, *third);
+    EXPECT_TRUE(gateway_a->append_cell_fenced("s1", {{"by", "a again"}}, {"agent-session:s1", *third}));
+    EXPECT_FALSE(gateway_a->append_cell_fenced("s1", {{"by", "a stale"}}, stale));
+    EXPECT_EQ(gateway_a->cells("s1").size(), 3u);
+    // An unknown lease fences off everything; the embedded store grants every lease, with growing tokens.
+    EXPECT_FALSE(gateway_a->append_cell_fenced("s1", {}, {"agent-session:never", 1}));
+    ScratchDirectory scratch("fenced");
+    auto embedded = open_sqlite_store(scratch.path() / "store.sqlite3");
+    const auto one = embedded->try_lease("x"), two = embedded->try_lease("x");
+    ASSERT_TRUE(one && two);
+    EXPECT_GT(*two, *one);
+    EXPECT_TRUE(embedded->append_cell_fenced("s1", {{"n", 1}}, {"x", *one}));
 }
 
 TEST(PostgresStore, ABadUrlAnUnreachableServerAndAForeignOrNewerSchemaAreRefusedWithTheReason) {

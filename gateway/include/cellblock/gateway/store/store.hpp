@@ -96,6 +96,12 @@ struct InflightExecute {
     nlohmann::json request;  // code, client, via, timeout_s, started
 };
 
+// A lease as taken (SessionStore::try_lease): its name and the token that taking got.
+struct LeaseFence {
+    std::string lease;
+    std::int64_t token = 0;
+};
+
 class StoreError : public std::runtime_error {
   public:
     using std::runtime_error::runtime_error;
@@ -175,11 +181,20 @@ class SessionStore {
 
     virtual bool shared() const = 0;
     // Leases between gateways sharing the store: `try_lease` takes the named lease for this gateway without
-    // waiting (true = held now); it is held until `release_lease` or until this gateway's connection to the
-    // store ends (a killed gateway never wedges a lease). Not re-entrant across callers of one gateway: each
-    // name has one holder in the gateway. An embedded store has one gateway and grants every lease.
-    virtual bool try_lease(const std::string& name) = 0;
+    // waiting and answers its fencing token (nullopt = another gateway holds it); it is held until
+    // `release_lease` or until this gateway's connection to the store ends (a killed gateway never wedges a
+    // lease). Each taking of a name gets a larger token than every earlier one, so a gateway that lost the
+    // lease unawares (its connection dropped) is refused by the fenced writes below. Not re-entrant across
+    // callers of one gateway: each name has one holder in the gateway. An embedded store has one gateway and
+    // grants every lease.
+    virtual std::optional<std::int64_t> try_lease(const std::string& name) = 0;
     virtual void release_lease(const std::string& name) = 0;
+    // Writes made under a lease: applied only while no other gateway has taken `fence.lease` since the taking
+    // that got `fence.token` (this gateway's own later takings refuse nothing). false = refused, nothing
+    // written.
+    virtual bool append_cell_fenced(const std::string& session, const nlohmann::json& cell,
+                                    const LeaseFence& fence) = 0;
+    virtual bool put_inflight_fenced(const InflightExecute& execute, const LeaseFence& fence) = 0;
 };
 
 // Opens (creating if absent) the SQLite store at `file`: WAL, synchronous=FULL, schema migrated to the
