@@ -90,7 +90,9 @@ def start_pair(postgres, tmp_path):
     gateways = []
 
     def start(name, extra):
-        gateway = AgentGateway(tmp_path / f"state-{name}", tmp_path / f"{name}.log", "--store", postgres.url,
+        # application_name names the gateway's connections in pg_stat_activity (and the holder of its leases).
+        url = f"{postgres.url}?application_name=cellblock-{name}"
+        gateway = AgentGateway(tmp_path / f"state-{name}", tmp_path / f"{name}.log", "--store", url,
                                "--store-key-file", str(postgres.key_file), "--warm-pool", "0", *extra, keep_kernels=True)
         gateways.append(gateway)
         return gateway
@@ -585,3 +587,49 @@ def test_a_sessions_first_execute_answers_after_another_gateway_attached_its_ker
     answer = a.execute(session["id"], "x = 6 * 7\nx", timeout_s=20)
     assert result_text(answer) == "42", a.log_tail()
     assert result_text(b.execute(session["id"], "x + 1")) == "43"
+
+
+def test_a_gateway_that_lost_its_execute_lease_unawares_does_not_write_its_cell(postgres, pair):
+    """A runs a 4 s cell of a session; meanwhile its store connections are ended under it (pg_terminate_backend:
+    the advisory lock goes with them, as in a network cut A has not noticed yet) and B executes on the same session:
+    B takes the execute lease with a larger fencing token, and its execute runs once A's cell ends. A's write of
+    its cell, made under its stale token, is refused (a lease_lost line in A's log); the notebook in the store
+    holds B's cell and not A's. Unfenced, both cells were written, A's after B had taken the lease."""
+    a, b = pair
+    session = a.create_session("fenced")["id"]
+    lease = f"agent-session:{session}"
+    assert result_text(a.execute(session, "import time\n1")) == "1"
+    assert result_text(b.execute(session, "2")) == "2"  # B has the session and its kernel attached
+    answers = {}
+    slow = threading.Thread(target=lambda: answers.update(a=a.execute(session, "time.sleep(4)\n'from a'")))
+    slow.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and postgres.sql(
+            f"SELECT count(*) FROM inflight_executes WHERE session = '{session}'") != "1":
+        time.sleep(0.05)  # A has taken the lease and recorded its execute as in flight
+    holder, token_a = postgres.sql(f"SELECT holder, token FROM leases WHERE name = '{lease}'").split("|")
+    assert holder.startswith("cellblock-a/"), holder
+    ended = postgres.sql("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                         "WHERE application_name = 'cellblock-a'")
+    assert int(ended) >= 1, ended
+    assert result_text(b.execute(session, "'from b'", timeout_s=30)) == "'from b'"
+    slow.join(timeout=60)
+    assert result_text(answers["a"]) == "'from a'"  # A's client still gets its answer from the kernel
+    holder, token_b = postgres.sql(f"SELECT holder, token FROM leases WHERE name = '{lease}'").split("|")
+    assert holder.startswith("cellblock-b/") and int(token_b) > int(token_a), (holder, token_a, token_b)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and postgres.sql(
+            f"SELECT count(*) FROM inflight_executes WHERE session = '{session}'") != "0":
+        time.sleep(0.1)  # A's writer retries its batch on a new connection (the cell and the in-flight record)
+    sources = json.loads(postgres.sql(
+        f"SELECT json_agg(cell::jsonb ->> 'source' ORDER BY seq) FROM cells WHERE session = '{session}'"))
+    assert sources == ["import time\n1", "2", "'from b'"], sources
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and '"lease_lost"' not in a.log_path.read_text(errors="replace"):
+        time.sleep(0.1)
+    lost = [line for line in a.log_path.read_text(errors="replace").splitlines() if '"lease_lost"' in line]
+    assert len(lost) == 1 and session in lost[0], a.log_tail()
+    # A asks for the lease again for its next execute, and writes its cell.
+    assert result_text(a.execute(session, "'a again'")) == "'a again'"
+    assert postgres.sql(f"SELECT holder FROM leases WHERE name = '{lease}'").startswith("cellblock-a/")
+    a.assert_alive()

@@ -1,3 +1,5 @@
+#include <boost/asio/post.hpp>
+
 #include "cellblock/gateway/agent/agent_session.hpp"
 
 // AgentSession's execute lease: on a shared store other gateways serve the same session, and one execute at a
@@ -6,16 +8,19 @@
 namespace cellblock::gateway::agent {
 
 namespace {
-// Releases a lease of this gateway on the store's reader thread. Queued behind this gateway's earlier lease
-// calls (one reader thread, in order): never overtakes the try_lease that took it. Leases are counted per
+// Releases a lease of this gateway on the store's reader thread, once the writes queued under it are
+// committed: another gateway's taking would fence them off. Queued behind this gateway's earlier lease calls
+// (one reader thread, in order): never overtakes the try_lease that took it. Leases are counted per
 // connection (PostgreSQL advisory locks), so every lease taken is released exactly once.
 void release_lease_later(StoreWriter& writer, const std::string& lease) {
-    writer.read<bool>(
-        [lease](SessionStore& store) {
-            store.release_lease(lease);
-            return true;
-        },
-        StoreWriter::default_read_limit, [](const StoreAnswer<bool>&) {});
+    writer.after_pending([&writer, lease] {
+        writer.read<bool>(
+            [lease](SessionStore& store) {
+                store.release_lease(lease);
+                return true;
+            },
+            StoreWriter::default_read_limit, [](const StoreAnswer<bool>&) {});
+    });
 }
 }  // namespace
 
@@ -42,6 +47,7 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
             }
             if (answer.ok() && *answer.value) {
                 self->holds_execute_lease_ = true;
+                self->execute_lease_token_ = **answer.value;
                 return then(std::nullopt);
             }
             if (!answer.ok())
@@ -73,6 +79,35 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
 void AgentSession::release_execute_lease() {
     if (std::exchange(holds_execute_lease_, false) && services_.writer.shared())
         release_lease_later(services_.writer, "agent-session:" + record_.id);
+}
+
+void AgentSession::submit_under_execute_lease(FencedWrite write) {
+    std::optional<LeaseFence> fence;
+    if (holds_execute_lease_ && services_.writer.shared())
+        fence = LeaseFence{"agent-session:" + record_.id, execute_lease_token_};
+    services_.writer.submit([weak = weak_from_this(), &io = services_.io, fence = std::move(fence),
+                             write = std::move(write)](SessionStore& store) {
+        if (write(store, fence) || !fence)
+            return;
+        boost::asio::post(io, [weak, token = fence->token] {
+            if (auto self = weak.lock())
+                self->execute_lease_lost(token);
+        });
+    });
+}
+
+void AgentSession::execute_lease_lost(std::int64_t token) {
+    // One line per lost taking, however many of its writes were refused (a batch retried after a dropped
+    // connection refuses them again).
+    if (token <= lost_lease_token_)
+        return;
+    lost_lease_token_ = token;
+    services_.logger.warn("lease_lost",
+                          {{"session", id()}, {"lease", "agent-session:" + record_.id}, {"token", token}});
+    // Still believed held (the execute runs on): the next execute asks for the lease again. The unlock is
+    // harmless when the store has let go of it already.
+    if (holds_execute_lease_ && execute_lease_token_ == token)
+        release_execute_lease();
 }
 
 std::chrono::steady_clock::time_point AgentSession::store_give_up(const Pending& pending) const {

@@ -195,7 +195,8 @@ void AgentSession::start_execute(Pending pending) {
     });
     running.msg_id = request.msg_id;
     // Recorded before it is sent: if the gateway dies now, the next one completes this cell from the kernel.
-    services_.writer.submit(
+    // Fenced: not recorded once another gateway has taken the session's execute lease.
+    submit_under_execute_lease(
         [inflight = InflightExecute{id(),
                                     request.msg_id,
                                     {{"code", running.pending.request.code},
@@ -203,7 +204,12 @@ void AgentSession::start_execute(Pending pending) {
                                      {"via", running.pending.request.client_kind},
                                      {"timeout_s", running.pending.request.timeout_s},
                                      {"started", format_iso8601_utc(running.started_wall)}}}](
-            SessionStore& store) { store.put_inflight(inflight); });
+            SessionStore& store, const std::optional<LeaseFence>& fence) {
+            if (fence)
+                return store.put_inflight_fenced(inflight, *fence);
+            store.put_inflight(inflight);
+            return true;
+        });
     binding_.link()->send(std::move(request));
     arm_deadline(safety_net_after(timeout_s));
 }
@@ -279,10 +285,18 @@ void AgentSession::finish_execute() {
         {"source", running->pending.request.code},
         {"execution_count", answer["execution_count"]},
         {"outputs", cell_outputs}};
-    services_.writer.submit([session = id(), cell, msg_id = running->msg_id](SessionStore& store) {
-        store.append_cell(session, cell);
+    // Fenced: a gateway that lost the lease unawares does not write its cell after the next holder's. Its
+    // in-flight record goes either way (only this execute's), so no restart completes the refused cell.
+    submit_under_execute_lease([session = id(), cell, msg_id = running->msg_id](
+                                   SessionStore& store, const std::optional<LeaseFence>& fence) {
+        bool applied = true;
+        if (fence)
+            applied = store.append_cell_fenced(session, cell, *fence);
+        else
+            store.append_cell(session, cell);
         if (!msg_id.empty())
             store.remove_inflight(session, msg_id);
+        return applied;
     });
     cells_.push_back(std::move(cell));
 

@@ -148,6 +148,13 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void with_execute_lease(std::chrono::steady_clock::time_point give_up,
                             std::function<void(std::optional<std::string> unavailable)> then);
     void release_execute_lease();
+    // Queues a store write made under the execute lease this gateway holds now. On a shared store `write`
+    // gets the lease's fence and answers whether the store applied it (an embedded store: nullopt, answer
+    // true); a refusal means another gateway took the lease since: logged once as lease_lost, and this
+    // gateway stops believing it holds the lease.
+    using FencedWrite = std::function<bool(SessionStore&, const std::optional<LeaseFence>&)>;
+    void submit_under_execute_lease(FencedWrite write);
+    void execute_lease_lost(std::int64_t token);
     // When an execute stops waiting for a store that does not answer: its time limit (at most
     // lease_store_limit) after it asks for the lease. Waiting behind other executes does not count, as their
     // time limits do not count against it.
@@ -217,6 +224,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     boost::asio::steady_timer deadline_timer_;
     boost::asio::steady_timer lease_timer_;
     bool holds_execute_lease_ = false;
+    std::int64_t execute_lease_token_ = 0;  // the fencing token of that lease (SessionStore::try_lease)
+    std::int64_t lost_lease_token_ = 0;     // the newest token whose loss was logged
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
     std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)
