@@ -16,6 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
 from gateway_harness import Gateway, outputs  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent"))
+from postgres_server import Postgres  # noqa: E402
+
 JOB_TIMEOUT = 60
 
 
@@ -525,3 +528,94 @@ def test_the_launch_registry_drops_an_oversized_report_unread(slurm_cluster, slu
         assert grown_mib < 16, f"the gateway's peak RSS grew by {grown_mib:.0f} MiB for a dropped report"
     finally:
         context.destroy(linger=0)  # every socket, the monitor's too: term() would wait for an open one forever
+
+
+def logged(gateway, event, kernel_id):
+    """How many of the gateway's log lines are `event` about the kernel."""
+    return sum(1 for line in list(gateway.output) if f'"{event}"' in line and kernel_id in line)
+
+
+def test_gateways_on_one_postgresql_store_serve_one_slurm_job_until_it_is_deleted(slurm_cluster, tmp_path):
+    """An agent session created through gateway A on Slurm is served through gateway B (same store, own state
+    directory) by the same job with its variables, also after kill -9 of A. A third gateway that attached the job
+    and exits releases it (the job keeps running, B keeps serving). When the kernel process ends while two gateways
+    hold its job, one job is submitted again, not two. A delete through B ends the job."""
+    postgres = Postgres()
+    gateways, kernel_id = [], None
+
+    def start(name, keep_kernels=True):
+        gateways.append(Gateway("--provisioner", "slurm", "--store", postgres.url, "--store-key-file",
+                                str(postgres.key_file), "--log-level", "info", warm_pool=0,
+                                env=slurm_cluster.environment, state_dir=tmp_path / f"state-{name}",
+                                keep_kernels=keep_kernels))
+        return gateways[-1]
+
+    def kept_through(gateway):
+        answer = gateway.post("/agent/v1/sessions/shared/execute", json={"code": "print(kept)"}).json()
+        assert answer["status"] == "ok" and answer["stdout"] == "42\n", answer
+        assert not answer.get("state_lost"), answer
+
+    try:
+        a, b = start("a"), start("b")
+        created = a.post("/agent/v1/sessions", json={"name": "shared"})
+        assert created.status_code == 201, created.text
+        assert a.post("/agent/v1/sessions/shared/execute", json={"code": "kept = 6 * 7"}).json()["status"] == "ok"
+        kernel_id = a.get("/agent/v1/sessions/shared").json()["kernel_id"]
+        (job_id,) = live_jobs(slurm_cluster, kernel_id)
+
+        kept_through(b)
+        assert b.get("/agent/v1/sessions/shared").json()["kernel_id"] == kernel_id
+        assert jobs_named(slurm_cluster, kernel_id) == {job_id: "RUNNING"}, "B must attach A's job, not submit one"
+        socket = b.connect(kernel_id)  # a notebook's WebSocket through B, to the same job
+        try:
+            assert outputs(socket.execute("kept + 1")) == "43"
+        finally:
+            socket.close()
+
+        a.stop(signal.SIGKILL)
+        assert a.process.returncode == -signal.SIGKILL
+        kept_through(b)
+        assert jobs_named(slurm_cluster, kernel_id) == {job_id: "RUNNING"}
+
+        # C attaches the job and stops its own kernels on exit (--shutdown-kernels-on-exit): not this one.
+        c = start("c", keep_kernels=False)
+        kept_through(c)
+        assert c.get(f"/api/kernels/{kernel_id}").json()["provisioner"]["job_id"] == job_id
+        assert c.stop() == 0
+        kept_through(b)
+        assert jobs_named(slurm_cluster, kernel_id) == {job_id: "RUNNING"}, "an attaching gateway's exit ended the job"
+
+        # A again, on its state directory (it re-adopts the job): two gateways hold the job and poll it. The kernel
+        # process ends; exactly one of them submits the kernel again (its restart lease, kernel-restart:<id>), the
+        # other lets it go.
+        a = start("a")
+        kept_through(a)  # re-adopted, not only recorded: a job that ends while it is re-adopted is forgotten
+        ready_before = {gateway: logged(gateway, "kernel_ready", kernel_id) for gateway in (a, b)}
+        os.kill(kernel_process_of(kernel_id), signal.SIGKILL)
+        loser = wait_for(lambda: next((g for g in (a, b) if logged(g, "kernel_ended_elsewhere", kernel_id)), None)
+                         or len(jobs_named(slurm_cluster, kernel_id)) > 2, 60,
+                         "one gateway to leave the restart to the other")
+        assert loser in (a, b), f"both gateways submitted the kernel again: {jobs_named(slurm_cluster, kernel_id)}"
+        winner = b if loser is a else a
+        wait_for(lambda: logged(winner, "kernel_ready", kernel_id) > ready_before[winner], 60,
+                 "the kernel to be ready on its new job")
+        jobs = jobs_named(slurm_cluster, kernel_id)
+        assert len(jobs) == 2 and jobs[job_id] != "RUNNING", f"{len(jobs) - 1} jobs submitted again: {jobs}"
+        (job_id,) = [job for job in jobs if job != job_id]
+        assert jobs[job_id] == "RUNNING", jobs
+        assert b.post("/agent/v1/sessions/shared/execute", json={"code": "kept = 6 * 7"}).json()["status"] == "ok"
+        kept_through(b)
+        # A's session saw the kernel die too (its answer may say state_lost); what B set since is there.
+        answer = a.post("/agent/v1/sessions/shared/execute", json={"code": "print(kept)"}).json()
+        assert answer["status"] == "ok" and answer["stdout"] == "42\n", answer
+        assert jobs_named(slurm_cluster, kernel_id)[job_id] == "RUNNING"
+
+        assert b.delete("/agent/v1/sessions/shared").status_code in (200, 204)
+        wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the deleted session's job to leave squeue")
+        assert b.get(f"/api/kernels/{kernel_id}").status_code == 404
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        if kernel_id:
+            subprocess.run(["scancel", "--name", f"cellblock-{kernel_id}"], env=slurm_cluster.environment, timeout=20)
+        postgres.stop()

@@ -11,14 +11,26 @@
 #include "cellblock/gateway/kernels/kernel_manager.hpp"
 
 // KernelManager: the kernels recorded in the store. At start the ones this gateway left running are
-// re-adopted (or forgotten with the cause); on a shared store another gateway's local kernel is attached on
-// demand, and let go again when it ends through that gateway. The rest of the manager is in
-// kernel_manager.cpp.
+// re-adopted (or forgotten with the cause); on a shared store another gateway's kernel (a local process on
+// this host, or a Slurm job anywhere) is attached on demand, released (left running) when this gateway exits,
+// and let go again when it ends through that gateway. The rest of the manager is in kernel_manager.cpp.
 
 namespace cellblock::gateway {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
+
+namespace {
+// Whether another gateway's kernel can be attached from its record: a local process while it lives (this
+// host's), a Slurm job by its job id, node, ports and Curve key (a job that has ended is found out by the
+// first squeue poll of its adoption, which then fails).
+bool attachable(const KernelRecord& record) {
+    const std::string provisioner = record.provisioner.value("name", std::string("local"));
+    if (provisioner == "local")
+        return record.process.alive();
+    return provisioner == "slurm" && !record.provisioner.value("job_id", std::string()).empty();
+}
+}  // namespace
 
 void KernelManager::readopt_recorded_kernels() {
     const auto records = writer_.store().kernels();
@@ -195,11 +207,12 @@ std::shared_ptr<Kernel> KernelManager::attach_stored(const std::string& kernel_i
         // the new process, attached below).
         let_go(held, "the kernel ended through another gateway");
     }
-    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. Only local kernels
-    // are attached from another gateway: a Slurm job is watched (and cancelled) by the gateway that submitted
-    // it.
-    if (!record || record->pooled || record->provisioner.value("name", std::string("local")) != "local" ||
-        !record->process.alive())
+    // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. A Slurm job attached
+    // here is watched by this gateway too (its own squeue poll). It is ended here only by a delete, cull or
+    // restart through this gateway, or when it does not answer its adoption within kernel_launch_timeout (as
+    // a local kernel is); it is released at this gateway's exit (shutdown_all, detach_all), and after it
+    // ended it is submitted again by whichever gateway takes its restart lease (ask_store_about_restart).
+    if (!record || record->pooled || !attachable(*record))
         return nullptr;
     auto spec = registry_.find(record->spec_name);
     if (!spec)

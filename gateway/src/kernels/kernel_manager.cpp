@@ -334,6 +334,13 @@ struct RestartQuestion {
     bool leased = false;
     std::optional<KernelRecord> record;
 };
+
+// Whether a record still names the process (local) or job (slurm) that ended. A Slurm kernel has no process
+// identity here: its job id tells a job another gateway submitted since from the one that ended.
+bool same_instance(const KernelRecord& recorded, const KernelRecord& ended) {
+    return recorded.process == ended.process && recorded.provisioner.value("job_id", std::string()) ==
+                                                    ended.provisioner.value("job_id", std::string());
+}
 }  // namespace
 
 void KernelManager::ask_store_about_restart(const Kernel& died, Kernel::RestartDecision decide) {
@@ -363,7 +370,7 @@ void KernelManager::ask_store_about_restart(const Kernel& died, Kernel::RestartD
             return answer;
         },
         StoreWriter::default_read_limit,
-        [this, lease, id = died.id(), process = died.record(false).process, decide = std::move(decide),
+        [this, lease, id = died.id(), ended = died.record(false), decide = std::move(decide),
          let_go_later](const StoreAnswer<RestartQuestion>& answer) {
             if (!answer.ok()) {
                 logger_.error("store_read_failed", {{"kernel_id", id}, {"error", answer.error}});
@@ -374,16 +381,26 @@ void KernelManager::ask_store_about_restart(const Kernel& died, Kernel::RestartD
                 return let_go_later("restarted through another gateway");
             }
             const auto& record = answer.value->record;
-            if (!record || record->process != process) {
+            if (!record || !same_instance(*record, ended)) {
                 release_lease(lease);
                 decide(false);
                 return let_go_later(record ? "restarted through another gateway"
                                            : "deleted through another gateway");
             }
             decide(true);
-            // Held until the new process is recorded: the respawn queued its record.
-            boost::asio::post(
-                io_, [this, lease] { writer_.after_pending([this, lease] { release_lease(lease); }); });
+            // Held until the new process is recorded: a local respawn queued its record. A Slurm kernel's new
+            // job is recorded once it reported (Kernel::on_connected), seconds later: until then another
+            // gateway that saw the old job end would find it still recorded and submit a second job.
+            const bool reported_later = ended.provisioner.contains("job_id");
+            boost::asio::post(io_, [this, lease, id, reported_later] {
+                auto release = [this, lease] {
+                    writer_.after_pending([this, lease] { release_lease(lease); });
+                };
+                auto kernel = find(id);
+                if (reported_later && kernel && kernel->state() == KernelState::restarting)
+                    return kernel->when_ready([release](const std::optional<std::string>&) { release(); });
+                release();
+            });
         },
         [this, lease](const RestartQuestion& late) {
             if (late.leased)

@@ -5,14 +5,18 @@
 //   local  a child of the gateway: posix_spawn in its own session, pidfd exit watch (kernel_process.hpp); the
 //          gateway writes the connection file (ipc:// sockets in its runtime directory) first.
 //   slurm  one Slurm batch job per kernel process, named cellblock-<kernel_id>, submitted with sbatch and
-//          watched with scontrol, signalled and ended with scancel (Slurm's commands on PATH, SLURM_CONF from
+//          watched with squeue, signalled and ended with scancel (Slurm's commands on PATH, SLURM_CONF from
 //          the environment), each run as a child watched on the io_context, never blocking it. No shared
 //          filesystem: the job runs `cellblock-kernel --report-to <registry> --report-server-key <key>` with
 //          a one-time token in its launch environment (read from its standard input, never evaluated by a
 //          shell: slurm_job_script below); the kernel binds ephemeral TCP ports on its node, serves them
 //          over CurveZMQ with a key pair of its own, and reports {ports, ip, HMAC key, Curve public key} to
 //          the gateway's launch registry over CurveZMQ (kernel/README.md). The gateway then connects as a
-//          Curve client.
+//          Curve client. The store records the job (id, node, ports, Curve key; Kernel::record), so the next
+//          gateway on the state directory re-adopts it and, on a shared store, any other gateway attaches it
+//          (KernelManager::attach_stored): then each gateway holding the job polls squeue for it. A handle
+//          cancels its job when destroyed unless the job ended or the handle was released: a gateway releases
+//          the jobs it attached at its exit, and ends one only on a delete, cull or restart through it.
 #include <boost/asio/io_context.hpp>
 #include <chrono>
 #include <filesystem>
