@@ -76,6 +76,11 @@ def pair(start_pair):
     return start_pair()
 
 
+@pytest.fixture
+def pair_logging_debug(start_pair):
+    return start_pair("--log-level", "debug")
+
+
 def result_text(answer: dict) -> str:
     assert answer["status"] == "ok", answer
     return (answer.get("result") or {}).get("text/plain", "")
@@ -584,3 +589,47 @@ def test_a_gateway_that_lost_its_execute_lease_unawares_does_not_write_its_cell(
     assert result_text(a.execute(session, "'a again'")) == "'a again'"
     assert postgres.sql(f"SELECT holder FROM leases WHERE name = '{lease}'").startswith("cellblock-a/")
     a.assert_alive()
+
+
+def test_a_gateway_waiting_for_an_execute_lease_is_woken_by_its_release(pair_logging_debug):
+    """B's execute of a session waits while A's cell holds the session's execute lease. B does not ask the store every
+    10 ms meanwhile: it asks again when it hears A's release (LISTEN/NOTIFY on the store), its timer (500 ms) is only
+    for a release not heard. In each of four rounds B hears the release and its cell starts within 250 ms of the end of
+    A's (the kernel's clock), and while B waits 2 s it asks a handful of times, not 200."""
+    a, b = pair_logging_debug
+    session = a.create_session("woken")["id"]
+    result_text(a.execute(session, "import time"))
+    result_text(b.execute(session, "1"))  # B has the session and its kernel attached
+    cell = "s = time.monotonic()\ntime.sleep({})\n(s, time.monotonic())"
+
+    def asked():
+        return [line for line in b.log_path.read_text(errors="replace").splitlines()
+                if '"execute_lease_asked"' in line and session in line]
+
+    def heard():
+        return [line for line in b.log_path.read_text(errors="replace").splitlines()
+                if '"execute_lease_release_heard"' in line and session in line]
+
+    gaps = []
+    for round_ in range(4):
+        answers = {}
+        holder = threading.Thread(target=lambda: answers.update(a=a.execute(session, cell.format(3 if round_ == 0 else 1))))
+        holder.start()
+        time.sleep(0.5)  # A has taken the lease: its cell runs
+        heard_before = len(heard())
+        waiter = threading.Thread(target=lambda: answers.update(b=b.execute(session, cell.format(0))))
+        waiter.start()
+        if round_ == 0:
+            time.sleep(0.2)
+            asked_before = len(asked())
+            time.sleep(2)
+            asked_while_waiting = len(asked()) - asked_before
+            assert asked_while_waiting <= 8, f"B asked {asked_while_waiting} times in 2 s"
+        holder.join(timeout=60)
+        waiter.join(timeout=60)
+        a_end = float(result_text(answers["a"]).strip("()").split(",")[1])
+        b_start = float(result_text(answers["b"]).strip("()").split(",")[0])
+        gaps.append(b_start - a_end)
+        assert len(heard()) > heard_before, f"round {round_}: B did not hear A's release"
+    print(f"B asked {asked_while_waiting} times in 2 s; its cell started {[round(g * 1000) for g in gaps]} ms after A's")
+    assert max(gaps) < 0.25, gaps

@@ -193,6 +193,7 @@ void AgentSession::close(const std::string& reason, bool record_deletion) {
     deleted_at_ = format_iso8601_utc(std::chrono::system_clock::now());
     deadline_timer_.cancel();
     lease_timer_.cancel();
+    execute_lease_retry_ = nullptr;
     fail_every_waiter("the session was deleted");
     release_execute_lease();
     if (auto kernel = binding_.unbind())

@@ -8,6 +8,13 @@
 namespace cellblock::gateway::agent {
 
 namespace {
+// How soon a refused execute lease is asked for again: the store failed; another gateway holds it (no
+// release heard: no listening connection, or the release came while asking); another gateway holds it and
+// its release will be heard (a fallback for a lost notification).
+constexpr std::chrono::milliseconds store_retry{200};
+constexpr std::chrono::milliseconds lease_retry{10};
+constexpr std::chrono::milliseconds unheard_release_retry{500};
+
 // Releases a lease of this gateway on the store's reader thread, once the writes queued under it are
 // committed: another gateway's taking would fence them off. Queued behind this gateway's earlier lease calls
 // (one reader thread, in order): never overtakes the try_lease that took it. Leases are counted per
@@ -34,6 +41,21 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
     const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - now);
     std::weak_ptr<AgentSession> weak = weak_from_this();
     const std::string lease = "agent-session:" + record_.id;
+    // Listening before asking: a release between the refusal and its answer here is not missed.
+    lease_release_heard_ = false;
+    if (!lease_wakeup_armed_ && services_.writer.hears_lease_releases()) {
+        lease_wakeup_armed_ = true;
+        services_.writer.when_lease_released(lease, [weak] {
+            if (auto self = weak.lock()) {
+                self->lease_wakeup_armed_ = false;
+                self->lease_release_heard_ = true;
+                if (self->execute_lease_retry_)
+                    self->services_.logger.debug("execute_lease_release_heard", {{"session", self->id()}});
+                self->retry_execute_lease_now();
+            }
+        });
+    }
+    services_.logger.debug("execute_lease_asked", {{"session", id()}});
     // On the store's reader thread with a deadline; a lease it takes after the deadline is released there.
     services_.writer.read<std::optional<std::int64_t>>(
         [lease](SessionStore& store) { return store.try_lease(lease); }, limit,
@@ -53,27 +75,46 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
             if (!answer.ok())
                 self->services_.logger.warn("execute_lease_failed",
                                             {{"session", self->id()}, {"error", answer.error}});
-            // Another gateway runs an execute of this session now (retried soon, as long as it takes), or
-            // the store failed (retried until the execute's limit, then 503 store_unavailable).
-            const auto retry = answer.ok() ? std::chrono::milliseconds(10) : std::chrono::milliseconds(200);
-            if (!answer.ok() && std::chrono::steady_clock::now() + retry >= give_up)
+            // Another gateway runs an execute of this session now (asked again once it lets go of the lease,
+            // as long as it takes), or the store failed (retried until the execute's limit, then 503
+            // store_unavailable).
+            if (!answer.ok() && std::chrono::steady_clock::now() + store_retry >= give_up)
                 return then("the store is unavailable: " + answer.error);
-            self->lease_timer_.expires_after(retry);
-            self->lease_timer_.async_wait([weak, answered = answer.ok(), give_up, patience,
-                                           then = std::move(then)](
-                                              const boost::system::error_code& error) mutable {
-                if (error)
-                    return;
-                // After a refusal the store answered, the next attempt gets the same patience again.
-                if (auto again = weak.lock())
-                    again->with_execute_lease(
-                        answered ? std::chrono::steady_clock::now() + patience : give_up, std::move(then));
-            });
+            self->ask_for_execute_lease_again(answer.ok(), give_up, patience, std::move(then));
         },
         [&writer = services_.writer, lease](std::optional<std::int64_t> taken_late) {
             if (taken_late)
                 release_lease_later(writer, lease);
         });
+}
+
+void AgentSession::ask_for_execute_lease_again(bool answered, std::chrono::steady_clock::time_point give_up,
+                                               std::chrono::steady_clock::duration patience,
+                                               std::function<void(std::optional<std::string>)> then) {
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    // After a refusal the store answered, the next attempt gets the same patience again.
+    execute_lease_retry_ = [weak, answered, give_up, patience, then = std::move(then)]() mutable {
+        if (auto again = weak.lock())
+            again->with_execute_lease(answered ? std::chrono::steady_clock::now() + patience : give_up,
+                                      std::move(then));
+    };
+    // A refusal is asked again when the holder's release is heard; the timer is for a release not heard.
+    // Without a listening connection (or when the release came while asking) it is the short one.
+    const bool wait_for_release = services_.writer.hears_lease_releases() && !lease_release_heard_;
+    lease_timer_.expires_after(!answered          ? store_retry
+                               : wait_for_release ? unheard_release_retry
+                                                  : lease_retry);
+    lease_timer_.async_wait([weak](const boost::system::error_code& error) {
+        if (auto self = weak.lock(); self && !error)
+            self->retry_execute_lease_now();
+    });
+}
+
+void AgentSession::retry_execute_lease_now() {
+    if (auto retry = std::exchange(execute_lease_retry_, nullptr)) {
+        lease_timer_.cancel();
+        retry();
+    }
 }
 
 void AgentSession::release_execute_lease() {

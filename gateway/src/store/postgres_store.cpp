@@ -141,6 +141,33 @@ Connection connect(const std::string& url) {
     return connection;
 }
 
+// The channel release_lease notifies with the lease's name.
+constexpr const char* lease_channel = "cellblock_lease";
+
+class ReleasesHeard final : public LeaseReleases {
+  public:
+    explicit ReleasesHeard(Connection connection) : connection_(std::move(connection)) {
+        run(connection_.get(), std::string("LISTEN ") + lease_channel);
+        PQsetnonblocking(connection_.get(), 1);
+    }
+    int socket() const override {
+        return PQstatus(connection_.get()) == CONNECTION_OK ? PQsocket(connection_.get()) : -1;
+    }
+    std::vector<std::string> take() override {
+        std::vector<std::string> names;
+        if (PQconsumeInput(connection_.get()) == 0)
+            return names;  // the connection broke: socket() answers -1 from now on
+        while (PGnotify* notice = PQnotifies(connection_.get())) {
+            names.emplace_back(notice->extra);
+            PQfreemem(notice);
+        }
+        return names;
+    }
+
+  private:
+    Connection connection_;
+};
+
 class PostgresStore final : public SessionStore {
   public:
     explicit PostgresStore(const std::string& url) : url_(url) {
@@ -412,9 +439,12 @@ class PostgresStore final : public SessionStore {
     }
     void release_lease(const std::string& name) override {
         with_connection([&](PGconn* c) {
-            run(c, "SELECT pg_advisory_unlock($1::integer, hashtext($2))",
-                {std::to_string(lease_lock_class), name});
+            run(c, "SELECT pg_advisory_unlock($1::integer, hashtext($2)), pg_notify($3, $2)",
+                {std::to_string(lease_lock_class), name, lease_channel});
         });
+    }
+    std::unique_ptr<LeaseReleases> listen_for_lease_releases() override {
+        return std::make_unique<ReleasesHeard>(connect(url_));
     }
     // Applied while the lease is still this gateway's since `fence.token` (its own later takings do not
     // fence off its earlier writes, which are queued before them). The lease row is locked FOR SHARE until

@@ -232,6 +232,9 @@ class SealingStore final : public SessionStore {
         return inner_->try_lease(name);
     }
     void release_lease(const std::string& name) override { inner_->release_lease(name); }
+    std::unique_ptr<LeaseReleases> listen_for_lease_releases() override {
+        return inner_->listen_for_lease_releases();
+    }
     bool append_cell_fenced(const std::string& session, const nlohmann::json& cell,
                             const LeaseFence& fence) override {
         return inner_->append_cell_fenced(session, cell, fence);

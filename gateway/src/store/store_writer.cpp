@@ -7,9 +7,14 @@
 namespace cellblock::gateway {
 
 StoreWriter::StoreWriter(boost::asio::io_context& io, const Logger& logger, SessionStore& store)
-    : io_(io), logger_(logger), store_(store), shared_(store.shared()), thread_([this] { run(); }) {}
+    : io_(io), logger_(logger), store_(store), shared_(store.shared()), thread_([this] { run(); }) {
+    if (shared_)
+        listen_for_lease_releases();
+}
 
 StoreWriter::~StoreWriter() {
+    if (lease_socket_)
+        lease_socket_->release();  // the connection closes its own descriptor
     {
         std::lock_guard lock(mutex_);
         stopping_ = true;
@@ -17,6 +22,52 @@ StoreWriter::~StoreWriter() {
     wake_.notify_all();
     if (thread_.joinable())
         thread_.join();
+}
+
+void StoreWriter::listen_for_lease_releases() {
+    try {
+        lease_releases_ = store_.listen_for_lease_releases();
+    } catch (const StoreError& error) {
+        logger_.warn("store_listen_failed", {{"error", error.what()}});
+        return;  // executes waiting for a lease ask again on their timers
+    }
+    if (!lease_releases_ || lease_releases_->socket() < 0)
+        return;
+    lease_socket_.emplace(io_, lease_releases_->socket());
+    watch_lease_socket();
+}
+
+void StoreWriter::watch_lease_socket() {
+    lease_socket_->async_wait(boost::asio::posix::stream_descriptor::wait_read,
+                              [this](const boost::system::error_code& error) {
+                                  if (!error)
+                                      heard_lease_releases();
+                              });
+}
+
+void StoreWriter::heard_lease_releases() {
+    for (const std::string& name : lease_releases_->take()) {
+        auto [first, last] = lease_waiters_.equal_range(name);
+        std::vector<std::function<void()>> woken;
+        for (auto waiter = first; waiter != last; ++waiter)
+            woken.push_back(std::move(waiter->second));
+        lease_waiters_.erase(first, last);
+        for (auto& wake : woken)
+            wake();
+    }
+    if (lease_releases_->socket() < 0) {
+        logger_.warn("store_listen_failed", {{"error", "the connection that hears lease releases broke"}});
+        lease_socket_->release();
+        lease_socket_.reset();
+        lease_waiters_.clear();
+        return;
+    }
+    watch_lease_socket();
+}
+
+void StoreWriter::when_lease_released(const std::string& name, std::function<void()> wake) {
+    if (lease_socket_)
+        lease_waiters_.emplace(name, std::move(wake));
 }
 
 void StoreWriter::submit(Write write) {

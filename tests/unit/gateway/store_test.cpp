@@ -5,6 +5,7 @@
 #include "cellblock/gateway/store/store.hpp"
 
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sqlite3.h>
 #include <unistd.h>
 
@@ -322,6 +323,28 @@ TEST(PostgresStore, EachTakingOfALeaseHasALargerTokenAndWritesUnderAnOlderOneAre
     ASSERT_TRUE(one && two);
     EXPECT_GT(*two, *one);
     EXPECT_TRUE(embedded->append_cell_fenced("s1", {{"n", 1}}, {"x", *one}));
+}
+
+TEST(PostgresStore, AReleaseOfALeaseIsHeardOnTheListeningConnectionWithoutWaiting) {
+    cellblock::test::TemporaryPostgres server;
+    auto gateway_a = open_postgres_store(server.url());
+    auto gateway_b = open_postgres_store(server.url());
+    auto heard = gateway_b->listen_for_lease_releases();
+    ASSERT_TRUE(heard);
+    ASSERT_GE(heard->socket(), 0);
+    EXPECT_TRUE(heard->take().empty());  // nothing received: answers at once
+    ASSERT_TRUE(gateway_a->try_lease("agent-session:s1"));
+    gateway_a->release_lease("agent-session:s1");
+    pollfd readable{heard->socket(), POLLIN, 0};
+    ASSERT_EQ(::poll(&readable, 1, 5000), 1);
+    std::vector<std::string> names = heard->take();
+    for (int attempt = 0; attempt < 50 && names.empty(); ++attempt) {
+        ::usleep(10000);  // the notice may come in more than one read
+        names = heard->take();
+    }
+    EXPECT_EQ(names, std::vector<std::string>{"agent-session:s1"});
+    ScratchDirectory scratch("listen");
+    EXPECT_EQ(open_sqlite_store(scratch.path() / "store.sqlite3")->listen_for_lease_releases(), nullptr);
 }
 
 TEST(PostgresStore, ABadUrlAnUnreachableServerAndAForeignOrNewerSchemaAreRefusedWithTheReason) {

@@ -142,9 +142,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
 
     void run_next();
     // Calls `then(nullopt)` once this gateway holds the session's execute lease (other gateways on a shared
-    // store serve the same session: one execute at a time across all of them; retried every few milliseconds
-    // while another holds it). The store is asked on its reader thread: a store that does not answer or fails
-    // until `give_up` gives `then` the reason instead (the execute answers 503 store_unavailable).
+    // store serve the same session: one execute at a time across all of them; asked again when the holder's
+    // release is heard, else every few milliseconds, while another holds it). The store is asked on its
+    // reader thread: a store that does not answer or fails until `give_up` gives `then` the reason instead
+    // (the execute answers 503 store_unavailable).
     void with_execute_lease(std::chrono::steady_clock::time_point give_up,
                             std::function<void(std::optional<std::string> unavailable)> then);
     void release_execute_lease();
@@ -155,6 +156,12 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     using FencedWrite = std::function<bool(SessionStore&, const std::optional<LeaseFence>&)>;
     void submit_under_execute_lease(FencedWrite write);
     void execute_lease_lost(std::int64_t token);
+    // After a refusal: asks again when the holder's release is heard (StoreWriter::when_lease_released) or
+    // its timer fires, whichever comes first.
+    void ask_for_execute_lease_again(bool answered, std::chrono::steady_clock::time_point give_up,
+                                     std::chrono::steady_clock::duration patience,
+                                     std::function<void(std::optional<std::string>)> then);
+    void retry_execute_lease_now();
     // When an execute stops waiting for a store that does not answer: its time limit (at most
     // lease_store_limit) after it asks for the lease. Waiting behind other executes does not count, as their
     // time limits do not count against it.
@@ -224,8 +231,11 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     boost::asio::steady_timer deadline_timer_;
     boost::asio::steady_timer lease_timer_;
     bool holds_execute_lease_ = false;
-    std::int64_t execute_lease_token_ = 0;  // the fencing token of that lease (SessionStore::try_lease)
-    std::int64_t lost_lease_token_ = 0;     // the newest token whose loss was logged
+    std::int64_t execute_lease_token_ = 0;       // the fencing token of that lease (SessionStore::try_lease)
+    std::int64_t lost_lease_token_ = 0;          // the newest token whose loss was logged
+    std::function<void()> execute_lease_retry_;  // the next ask after a refusal (timer or release heard)
+    bool lease_wakeup_armed_ = false;            // a waiter for the lease's release is registered
+    bool lease_release_heard_ = false;           // a release was heard since the last ask began
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
     std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)

@@ -102,6 +102,17 @@ struct LeaseFence {
     std::int64_t token = 0;
 };
 
+// Releases of leases on a shared store, heard on a connection of their own, for waiters that would otherwise
+// ask again and again (StoreWriter::when_lease_released). Non-blocking; used from one thread.
+class LeaseReleases {
+  public:
+    virtual ~LeaseReleases() = default;
+    // The descriptor to watch for readability; -1 once the connection is gone (waiters keep their timers).
+    virtual int socket() const = 0;
+    // The names of the leases released since the last call, from what the socket has received (no wait).
+    virtual std::vector<std::string> take() = 0;
+};
+
 class StoreError : public std::runtime_error {
   public:
     using std::runtime_error::runtime_error;
@@ -189,6 +200,9 @@ class SessionStore {
     // grants every lease.
     virtual std::optional<std::int64_t> try_lease(const std::string& name) = 0;
     virtual void release_lease(const std::string& name) = 0;
+    // A new connection that hears every release_lease of the gateways on this store (this one's included);
+    // nullptr where there is no one else to hear (an embedded store).
+    virtual std::unique_ptr<LeaseReleases> listen_for_lease_releases() { return nullptr; }
     // Writes made under a lease: applied only while no other gateway has taken `fence.lease` since the taking
     // that got `fence.token` (this gateway's own later takings refuse nothing). false = refused, nothing
     // written.

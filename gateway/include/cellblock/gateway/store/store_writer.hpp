@@ -9,6 +9,7 @@
 //   (the request that waited answers 503 store_unavailable, or goes on without it).
 // `after_pending` lets a reader wait for what was queued before it.
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/thread_pool.hpp>
@@ -16,6 +17,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -64,6 +66,12 @@ class StoreWriter {
     SessionStore& store() { return store_; }
     // The store's kind, fixed at start: safe to ask on any thread without touching the store.
     bool shared() const { return shared_; }
+    // Calls `wake` (once, on the io_context) when any gateway on a shared store releases lease `name`. A
+    // release not heard (no listening connection, or it broke) wakes no one: waiters keep a timer of their
+    // own. io_context thread only.
+    void when_lease_released(const std::string& name, std::function<void()> wake);
+    // Whether releases are heard now (else a waiter has only its timer).
+    bool hears_lease_releases() const { return lease_socket_.has_value(); }
 
   private:
     struct Task {
@@ -71,6 +79,10 @@ class StoreWriter {
         std::function<void()> notify;
     };
     void enqueue(Task task);
+    // Watches the listening connection's socket on the io_context; what it hears wakes the waiters.
+    void listen_for_lease_releases();
+    void watch_lease_socket();
+    void heard_lease_releases();
     void run();
     static constexpr std::size_t max_batch = 512;
 
@@ -87,6 +99,11 @@ class StoreWriter {
     std::deque<Task> queue_;
     bool busy_ = false;
     bool stopping_ = false;
+    // The connection that hears lease releases (shared stores), watched on the io_context without blocking
+    // it; the descriptor stays the connection's (released, not closed, by the watcher).
+    std::unique_ptr<LeaseReleases> lease_releases_;
+    std::optional<boost::asio::posix::stream_descriptor> lease_socket_;
+    std::multimap<std::string, std::function<void()>> lease_waiters_;  // io_context thread only
     std::thread thread_;                  // started after everything it uses exists
     boost::asio::thread_pool reader_{1};  // one thread: reads (and lease calls) run in the order asked
 };
