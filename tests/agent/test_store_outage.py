@@ -209,8 +209,27 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
     assert ok_text(b.execute(session, "x + 5")) == "46"
     answered_ok += 2
     wait_for_cells(postgres, session, answered_ok)
+    # The connection on which a gateway hears other gateways release a lease broke with the server too: each
+    # gateway opens it again by itself, and the session's lease still passes from one gateway to the other.
+    for gateway in (a, b):
+        wait_for_log(gateway, '"store_listen_resumed"')
+    holder = threading.Thread(target=lambda: a.execute(session, "import time; time.sleep(1.5)"))
+    holder.start()
+    deadline = time.monotonic() + 30
+    while int(postgres.sql(f"SELECT count(*) FROM inflight_executes WHERE session = '{session}'")) == 0:
+        assert time.monotonic() < deadline, "A's execute never started"
+        time.sleep(0.05)  # polls the store (another process) for A's in-flight record: A holds the lease
+    assert ok_text(b.execute(session, "x + 6")) == "47"
+    holder.join(timeout=60)
     for gateway in (a, b):
         gateway.assert_alive()
+
+
+def wait_for_log(gateway, event, limit_s=60):
+    deadline = time.monotonic() + limit_s
+    while event not in gateway.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"no {event} in the gateway's log:\n{gateway.log_tail()}"
+        time.sleep(0.1)  # polls the gateway's log file (another process) for the event
 
 
 @pytest.fixture(autouse=True)

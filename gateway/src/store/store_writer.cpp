@@ -26,15 +26,45 @@ StoreWriter::~StoreWriter() {
 
 void StoreWriter::listen_for_lease_releases() {
     try {
-        lease_releases_ = store_.listen_for_lease_releases();
+        watch(store_.listen_for_lease_releases());
     } catch (const StoreError& error) {
         logger_.warn("store_listen_failed", {{"error", error.what()}});
-        return;  // executes waiting for a lease ask again on their timers
+        listen_again_later();  // executes waiting for a lease ask again on their timers meanwhile
     }
-    if (!lease_releases_ || lease_releases_->socket() < 0)
+}
+
+void StoreWriter::watch(std::shared_ptr<LeaseReleases> releases) {
+    if (!releases || releases->socket() < 0)
         return;
+    lease_releases_ = std::move(releases);
     lease_socket_.emplace(io_, lease_releases_->socket());
     watch_lease_socket();
+}
+
+void StoreWriter::listen_again_later() {
+    relisten_timer_.expires_after(relisten_delay_);
+    relisten_delay_ = std::min<std::chrono::milliseconds>(relisten_delay_ * 2, max_relisten_delay);
+    relisten_timer_.async_wait([this](const boost::system::error_code& error) {
+        if (error)
+            return;
+        using Releases = std::shared_ptr<LeaseReleases>;
+        auto resumed = [this](Releases releases) {
+            if (lease_socket_ || !releases || releases->socket() < 0)
+                return false;  // already listening again (a late answer), or not a usable connection
+            watch(std::move(releases));
+            relisten_delay_ = std::chrono::milliseconds(1000);
+            logger_.warn("store_listen_resumed", {});  // the end of the store_listen_failed warned
+            return true;
+        };
+        read<Releases>([](SessionStore& store) { return Releases(store.listen_for_lease_releases()); },
+                       default_read_limit,
+                       [this, resumed](StoreAnswer<Releases> answer) {
+                           const bool listening = answer.ok() && resumed(std::move(*answer.value));
+                           if (!listening && !lease_socket_)
+                               listen_again_later();
+                       },
+                       [resumed](Releases late) { resumed(std::move(late)); });
+    });
 }
 
 void StoreWriter::watch_lease_socket() {
@@ -59,7 +89,9 @@ void StoreWriter::heard_lease_releases() {
         logger_.warn("store_listen_failed", {{"error", "the connection that hears lease releases broke"}});
         lease_socket_->release();
         lease_socket_.reset();
+        lease_releases_.reset();
         lease_waiters_.clear();
+        listen_again_later();
         return;
     }
     watch_lease_socket();

@@ -67,8 +67,8 @@ class StoreWriter {
     // The store's kind, fixed at start: safe to ask on any thread without touching the store.
     bool shared() const { return shared_; }
     // Calls `wake` (once, on the io_context) when any gateway on a shared store releases lease `name`. A
-    // release not heard (no listening connection, or it broke) wakes no one: waiters keep a timer of their
-    // own. io_context thread only.
+    // release not heard (no listening connection, or it broke and is not open again yet) wakes no one:
+    // waiters keep a timer of their own. io_context thread only.
     void when_lease_released(const std::string& name, std::function<void()> wake);
     // Whether releases are heard now (else a waiter has only its timer).
     bool hears_lease_releases() const { return lease_socket_.has_value(); }
@@ -81,8 +81,13 @@ class StoreWriter {
     void enqueue(Task task);
     // Watches the listening connection's socket on the io_context; what it hears wakes the waiters.
     void listen_for_lease_releases();
+    void watch(std::shared_ptr<LeaseReleases> releases);
     void watch_lease_socket();
     void heard_lease_releases();
+    // A listening connection that broke (the server restarted) is opened again on the reader thread, after
+    // relisten_delay_ (1 s, doubling to 30 s while it fails); meanwhile waiters ask on their timers.
+    void listen_again_later();
+    static constexpr std::chrono::seconds max_relisten_delay{30};
     void run();
     static constexpr std::size_t max_batch = 512;
 
@@ -101,8 +106,10 @@ class StoreWriter {
     bool stopping_ = false;
     // The connection that hears lease releases (shared stores), watched on the io_context without blocking
     // it; the descriptor stays the connection's (released, not closed, by the watcher).
-    std::unique_ptr<LeaseReleases> lease_releases_;
+    std::shared_ptr<LeaseReleases> lease_releases_;
     std::optional<boost::asio::posix::stream_descriptor> lease_socket_;
+    boost::asio::steady_timer relisten_timer_{io_};
+    std::chrono::milliseconds relisten_delay_{1000};
     std::multimap<std::string, std::function<void()>> lease_waiters_;  // io_context thread only
     std::thread thread_;                  // started after everything it uses exists
     boost::asio::thread_pool reader_{1};  // one thread: reads (and lease calls) run in the order asked
