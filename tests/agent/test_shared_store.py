@@ -591,7 +591,7 @@ def test_a_gateway_that_lost_its_execute_lease_unawares_does_not_write_its_cell(
     a.assert_alive()
 
 
-def test_a_gateway_waiting_for_an_execute_lease_is_woken_by_its_release(pair_logging_debug):
+def test_a_gateway_waiting_for_an_execute_lease_is_woken_by_its_release(postgres, pair_logging_debug):
     """B's execute of a session waits while A's cell holds the session's execute lease. B does not ask the store every
     10 ms meanwhile: it asks again when it hears A's release (LISTEN/NOTIFY on the store), its timer (500 ms) is only
     for a release not heard. In each of four rounds B hears the release and its cell starts within 250 ms of the end of
@@ -610,12 +610,22 @@ def test_a_gateway_waiting_for_an_execute_lease_is_woken_by_its_release(pair_log
         return [line for line in b.log_path.read_text(errors="replace").splitlines()
                 if '"execute_lease_release_heard"' in line and session in line]
 
+    def in_flight():
+        return int(postgres.sql(f"SELECT count(*) FROM inflight_executes WHERE session = '{session}'"))
+
+    def wait_until(condition, what):
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)  # polls the store (another process)
+
     gaps = []
     for round_ in range(4):
         answers = {}
+        wait_until(lambda: in_flight() == 0, f"round {round_}: the last round's executes are still in flight")
         holder = threading.Thread(target=lambda: answers.update(a=a.execute(session, cell.format(3 if round_ == 0 else 1))))
         holder.start()
-        time.sleep(0.5)  # A has taken the lease: its cell runs
+        wait_until(lambda: in_flight() == 1, f"round {round_}: A's execute never started")  # A holds the lease
         heard_before = len(heard())
         waiter = threading.Thread(target=lambda: answers.update(b=b.execute(session, cell.format(0))))
         waiter.start()
