@@ -204,7 +204,14 @@ class PostgresStore final : public SessionStore {
         });
     }
     void remove_kernel(const std::string& kernel_id) override {
-        with_connection([&](PGconn* c) { run(c, "DELETE FROM kernels WHERE id = $1", {kernel_id}); });
+        // Its restart lease's row goes with it (nothing is fenced by a kernel's restart lease, and the id is
+        // never used again): the leases table does not grow with every kernel ever started.
+        with_connection([&](PGconn* c) {
+            run(c,
+                "WITH lease_gone AS (DELETE FROM leases WHERE name = 'kernel-restart:' || $1) "
+                "DELETE FROM kernels WHERE id = $1",
+                {kernel_id});
+        });
     }
     void set_kernel_progress(const std::string& kernel_id, const std::string& last_iopub_id) override {
         with_connection([&](PGconn* c) {
@@ -291,7 +298,9 @@ class PostgresStore final : public SessionStore {
                 "  RETURNING s.id), "
                 "cells_gone AS (DELETE FROM cells WHERE session IN (SELECT id FROM purged)), "
                 "inflight_gone AS (DELETE FROM inflight_executes WHERE session IN (SELECT id FROM purged)), "
-                "audit_gone AS (DELETE FROM audit WHERE session IN (SELECT id FROM purged)) "
+                "audit_gone AS (DELETE FROM audit WHERE session IN (SELECT id FROM purged)), "
+                "leases_gone AS (DELETE FROM leases WHERE name IN (SELECT 'agent-session:' || id FROM "
+                "purged)) "
                 "SELECT id FROM purged",
                 {deleted_before});
             purged = static_cast<std::size_t>(rows.rows());

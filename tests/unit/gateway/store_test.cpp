@@ -272,6 +272,27 @@ TEST(PostgresStore, ALeaseHasOneHolderAcrossGatewaysAndEndsWithTheHoldersConnect
     EXPECT_EQ(gateway_a->cells("s").size(), 1u);
 }
 
+// A lease's row counts its takings (the token starts at 1); it goes with the kernel or purged session it is
+// for, so the leases table does not grow with every kernel and session ever made.
+TEST(PostgresStore, ALeasesRowGoesWithItsKernelOrPurgedSession) {
+    cellblock::test::TemporaryPostgres server;
+    auto store = open_postgres_store(server.url());
+    store->put_kernel(sample_kernel("k1"));
+    store->put_agent_session(
+        {{"id", "s1"}, {"name", "s1"}, {"deleted", true}, {"deleted_at", "2026-11-01T00:00:00Z"}});
+    for (const std::string lease : {"kernel-restart:k1", "agent-session:s1"}) {
+        ASSERT_EQ(store->try_lease(lease), 1) << lease;
+        store->release_lease(lease);
+        ASSERT_EQ(store->try_lease(lease), 2) << lease;
+        store->release_lease(lease);
+    }
+    store->remove_kernel("k1");
+    EXPECT_EQ(store->purge_deleted_agent_sessions("2026-12-01T00:00:00.000000Z"), 1u);
+    EXPECT_EQ(store->try_lease("kernel-restart:k1"), 1) << "the restart lease's row outlived its kernel";
+    EXPECT_EQ(store->try_lease("agent-session:s1"), 1)
+        << "the execute lease's row outlived its purged session";
+}
+
 TEST(PostgresStore, EachTakingOfALeaseHasALargerTokenAndWritesUnderAnOlderOneAreRefused) {
     cellblock::test::TemporaryPostgres server;
     auto gateway_a = open_postgres_store(server.url());
