@@ -18,15 +18,19 @@ constexpr std::chrono::milliseconds unheard_release_retry{500};
 // Releases a lease of this gateway on the store's reader thread, once the writes queued under it are
 // committed: another gateway's taking would fence them off. Queued behind this gateway's earlier lease calls
 // (one reader thread, in order): never overtakes the try_lease that took it. Leases are counted per
-// connection (PostgreSQL advisory locks), so every lease taken is released exactly once.
-void release_lease_later(StoreWriter& writer, const std::string& lease) {
-    writer.after_pending([&writer, lease] {
+// connection (PostgreSQL advisory locks), so every lease taken is released exactly once. `queued` is called
+// once the release is on the reader thread's queue: a taking asked after that runs after it.
+void release_lease_later(StoreWriter& writer, const std::string& lease,
+                         std::function<void()> queued = nullptr) {
+    writer.after_pending([&writer, lease, queued = std::move(queued)] {
         writer.read<bool>(
             [lease](SessionStore& store) {
                 store.release_lease(lease);
                 return true;
             },
             StoreWriter::default_read_limit, [](const StoreAnswer<bool>&) {});
+        if (queued)
+            queued();
     });
 }
 }  // namespace
@@ -40,6 +44,8 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
         return then(std::string("the store did not answer within the execute's time limit"));
     const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - now);
     std::weak_ptr<AgentSession> weak = weak_from_this();
+    if (lease_releases_pending_ > 0)
+        return wait_for_lease_release(give_up, std::move(then));
     const std::string lease = "agent-session:" + record_.id;
     // Listening before asking: a release between the refusal and its answer here is not missed.
     lease_release_heard_ = false;
@@ -49,8 +55,7 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
             if (auto self = weak.lock()) {
                 self->lease_wakeup_armed_ = false;
                 self->lease_release_heard_ = true;
-                if (self->execute_lease_retry_)
-                    self->services_.logger.debug("execute_lease_release_heard", {{"session", self->id()}});
+                self->services_.logger.debug("execute_lease_release_heard", {{"session", self->id()}});
                 self->retry_execute_lease_now();
             }
         });
@@ -110,6 +115,22 @@ void AgentSession::ask_for_execute_lease_again(bool answered, std::chrono::stead
     });
 }
 
+void AgentSession::wait_for_lease_release(std::chrono::steady_clock::time_point give_up,
+                                          std::function<void(std::optional<std::string>)> then) {
+    // Asked again once this gateway's own release is queued (release_execute_lease), or at the execute's
+    // limit (a store that does not commit the writes before it: then 503 store_unavailable).
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    execute_lease_retry_ = [weak, give_up, then = std::move(then)]() mutable {
+        if (auto again = weak.lock())
+            again->with_execute_lease(give_up, std::move(then));
+    };
+    lease_timer_.expires_at(give_up);
+    lease_timer_.async_wait([weak](const boost::system::error_code& error) {
+        if (auto self = weak.lock(); self && !error)
+            self->retry_execute_lease_now();
+    });
+}
+
 void AgentSession::retry_execute_lease_now() {
     if (auto retry = std::exchange(execute_lease_retry_, nullptr)) {
         lease_timer_.cancel();
@@ -118,13 +139,22 @@ void AgentSession::retry_execute_lease_now() {
 }
 
 void AgentSession::release_execute_lease() {
-    if (std::exchange(holds_execute_lease_, false) && services_.writer.shared())
-        release_lease_later(services_.writer, "agent-session:" + record_.id);
+    if (!std::exchange(holds_execute_lease_, false) || !services_.writer.shared())
+        return;
+    ++lease_releases_pending_;
+    release_lease_later(services_.writer, "agent-session:" + record_.id, [weak = weak_from_this()] {
+        if (auto self = weak.lock()) {
+            --self->lease_releases_pending_;
+            self->retry_execute_lease_now();
+        }
+    });
 }
 
 void AgentSession::submit_under_execute_lease(FencedWrite write) {
+    // Fenced by the newest taking's token even when that lease is known lost (execute_lease_lost): the rest
+    // of the execute that ran under it is refused too.
     std::optional<LeaseFence> fence;
-    if (holds_execute_lease_ && services_.writer.shared())
+    if (execute_lease_token_ != 0 && services_.writer.shared())
         fence = LeaseFence{"agent-session:" + record_.id, execute_lease_token_};
     services_.writer.submit([weak = weak_from_this(), &io = services_.io, fence = std::move(fence),
                              write = std::move(write)](SessionStore& store) {

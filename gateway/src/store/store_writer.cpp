@@ -1,6 +1,7 @@
 #include "cellblock/gateway/store/store_writer.hpp"
 
 #include <boost/asio/post.hpp>
+#include <utility>
 
 #include "cellblock/gateway/observability/log.hpp"
 
@@ -90,7 +91,11 @@ void StoreWriter::heard_lease_releases() {
         lease_socket_->release();
         lease_socket_.reset();
         lease_releases_.reset();
-        lease_waiters_.clear();
+        // Woken as if they heard a release: they ask again now, and from now on on their short timers (no
+        // listening connection), registering again once it is back.
+        auto waiters = std::exchange(lease_waiters_, {});
+        for (auto& [name, wake] : waiters)
+            wake();
         listen_again_later();
         return;
     }

@@ -161,6 +161,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void ask_for_execute_lease_again(bool answered, std::chrono::steady_clock::time_point give_up,
                                      std::chrono::steady_clock::duration patience,
                                      std::function<void(std::optional<std::string>)> then);
+    void wait_for_lease_release(std::chrono::steady_clock::time_point give_up,
+                                std::function<void(std::optional<std::string>)> then);
     void retry_execute_lease_now();
     // When an execute stops waiting for a store that does not answer: its time limit (at most
     // lease_store_limit) after it asks for the lease. Waiting behind other executes does not count, as their
@@ -236,6 +238,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     std::function<void()> execute_lease_retry_;  // the next ask after a refusal (timer or release heard)
     bool lease_wakeup_armed_ = false;            // a waiter for the lease's release is registered
     bool lease_release_heard_ = false;           // a release was heard since the last ask began
+    // Releases of this session's lease still waiting behind their writes (release_execute_lease). The next
+    // taking waits for them: PostgreSQL counts a lease per connection, so a release that came after a taking
+    // on a reconnected connection would undo that taking.
+    int lease_releases_pending_ = 0;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
     std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)
