@@ -52,7 +52,7 @@ bool within_seconds(double seconds) {
 }
 
 bool plain_tenant(const std::string& tenant) {
-    if (tenant.size() > 64 || tenant == "." || tenant == "..")
+    if (tenant.size() > cellblock::kernel::longest_tenant_name || tenant == "." || tenant == "..")
         return false;
     for (char c : tenant)
         if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||

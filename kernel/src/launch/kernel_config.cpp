@@ -81,15 +81,14 @@ constexpr std::uint64_t any_count = std::numeric_limits<std::uint64_t>::max();
 
 // A tenant names files under the sandbox's state_dir: a plain name only.
 void check_tenant(const std::string& where, const std::string& tenant) {
-    // 64, and the gateway's "t<8 hex>_" before a store tenant's name
-    // (gateway/src/kernels/kernel_manager.cpp).
-    const bool plain = tenant.size() <= 74 && std::all_of(tenant.begin(), tenant.end(), [](char c) {
-                           return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                                  (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
-                       });
+    const bool plain =
+        tenant.size() <= longest_tenant_name && std::all_of(tenant.begin(), tenant.end(), [](char c) {
+            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+                   c == '_' || c == '.';
+        });
     if (!plain || tenant == "." || tenant == "..") {
-        throw ConfigError(where + ": '" + tenant +
-                          "' is not a tenant name (at most 74 of A-Z a-z 0-9 . _ -)");
+        throw ConfigError(where + ": '" + tenant + "' is not a tenant name (at most " +
+                          std::to_string(longest_tenant_name) + " of A-Z a-z 0-9 . _ -)");
     }
 }
 

@@ -2,6 +2,7 @@
 // gateway sets. Relative paths in the file resolve against the file's directory.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -24,6 +25,11 @@ class ConfigError : public std::runtime_error {
 // limit is within the ceilings the gateway checks with (contract/include/cellblock/contract/limits.hpp).
 inline constexpr double longest_seconds = contract::longest_duration_s;
 using contract::largest_memory_mb;
+
+// A zygote tenant names files under the sandbox's state_dir: at most this many of A-Z a-z 0-9 . _ -. That is
+// 64 for a store tenant's name plus the gateway's "t<8 hex>_" before it
+// (gateway/src/kernels/kernel_manager.cpp).
+inline constexpr std::size_t longest_tenant_name = 74;
 
 struct ExecutionLimits {
     double timeout_s = 600;                // wall clock per execute; 0 = none
