@@ -546,6 +546,19 @@ def test_a_sessions_first_execute_answers_after_another_gateway_attached_its_ker
     assert result_text(b.execute(session["id"], "x + 1")) == "43"
 
 
+def in_flight(postgres, session, code_fragment=""):
+    """The session's executes recorded as in flight in the store (whose code holds `code_fragment`)."""
+    return int(postgres.sql(f"SELECT count(*) FROM inflight_executes WHERE session = '{session}' "
+                            f"AND request LIKE '%{code_fragment}%'"))
+
+
+def wait_until(condition, what, limit_s=30):
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)  # polls the store (another process)
+
+
 def test_a_gateway_that_lost_its_execute_lease_unawares_does_not_write_its_cell(postgres, pair):
     """A runs a 4 s cell of a session; meanwhile its store connections are ended under it (pg_terminate_backend:
     the advisory lock goes with them, as in a network cut A has not noticed yet) and B executes on the same session:
@@ -604,10 +617,6 @@ def test_a_release_waiting_behind_its_writes_does_not_undo_the_next_taking(postg
     lease = f"agent-session:{session}"
     assert result_text(a.execute(session, "import time\n1")) == "1"
 
-    def in_flight(code_fragment):
-        return int(postgres.sql(f"SELECT count(*) FROM inflight_executes WHERE session = '{session}' "
-                                f"AND request LIKE '%{code_fragment}%'"))
-
     def held_by_a():
         # pg_try_advisory_lock(class, hashtext(name)): classid = the class, objid = the hash as an unsigned oid.
         return int(postgres.sql(
@@ -616,16 +625,10 @@ def test_a_release_waiting_behind_its_writes_does_not_undo_the_next_taking(postg
             f"l.objid::bigint = (hashtext('{lease}')::bigint + 4294967296) % 4294967296 "
             "AND s.application_name = 'cellblock-a'")) > 0
 
-    def wait_until(condition, what, limit_s=30):
-        deadline = time.monotonic() + limit_s
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)  # polls the store (another process)
-
     answers = {}
     first = threading.Thread(target=lambda: answers.update(first=a.execute(session, "time.sleep(2)\n'first'")))
     first.start()
-    wait_until(lambda: in_flight("first") == 1, "A's first execute never started")
+    wait_until(lambda: in_flight(postgres, session, "first") == 1, "A's first execute never started")
     assert held_by_a()
     second = threading.Thread(target=lambda: answers.update(second=a.execute(session, "time.sleep(4)\n'second'")))
     second.start()
@@ -640,7 +643,7 @@ def test_a_release_waiting_behind_its_writes_does_not_undo_the_next_taking(postg
     wait_until(lambda: postgres.sql("SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
                                     "WHERE c.relname = 'cells' AND l.mode = 'ExclusiveLock' AND l.granted") == "1",
                "the cells table was never locked")
-    wait_until(lambda: in_flight("second") == 1, "A's second execute never started")
+    wait_until(lambda: in_flight(postgres, session, "second") == 1, "A's second execute never started")
     # The second cell runs for 4 s; its lease must stay held (the first's release came, if at all, before it).
     window_end = time.monotonic() + 2.5
     while time.monotonic() < window_end:
@@ -672,22 +675,13 @@ def test_a_gateway_waiting_for_an_execute_lease_is_woken_by_its_release(postgres
         return [line for line in b.log_path.read_text(errors="replace").splitlines()
                 if '"execute_lease_release_heard"' in line and session in line]
 
-    def in_flight():
-        return int(postgres.sql(f"SELECT count(*) FROM inflight_executes WHERE session = '{session}'"))
-
-    def wait_until(condition, what):
-        deadline = time.monotonic() + 20
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)  # polls the store (another process)
-
     gaps = []
     for round_ in range(4):
         answers = {}
-        wait_until(lambda: in_flight() == 0, f"round {round_}: the last round's executes are still in flight")
+        wait_until(lambda: in_flight(postgres, session) == 0, f"round {round_}: the last round's executes are still in flight")
         holder = threading.Thread(target=lambda: answers.update(a=a.execute(session, cell.format(3 if round_ == 0 else 1))))
         holder.start()
-        wait_until(lambda: in_flight() == 1, f"round {round_}: A's execute never started")  # A holds the lease
+        wait_until(lambda: in_flight(postgres, session) == 1, f"round {round_}: A's execute never started")  # A holds the lease
         heard_before = len(heard())
         waiter = threading.Thread(target=lambda: answers.update(b=b.execute(session, cell.format(0))))
         waiter.start()

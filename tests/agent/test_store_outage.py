@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from test_shared_store import Channels, kernel_processes, postgres, start_pair  # noqa: F401 (fixtures)
+from test_shared_store import (Channels, in_flight, kernel_processes, postgres, start_pair,  # noqa: F401 (fixtures)
+                               wait_until)
 
 OUTAGE_S = 10
 EXECUTE_LIMIT_S = 3
@@ -215,10 +216,7 @@ def test_a_stalled_store_stalls_no_gateway_and_a_restarted_one_is_reconnected(po
         wait_for_log(gateway, '"store_listen_resumed"')
     holder = threading.Thread(target=lambda: a.execute(session, "import time; time.sleep(1.5)"))
     holder.start()
-    deadline = time.monotonic() + 30
-    while int(postgres.sql(f"SELECT count(*) FROM inflight_executes WHERE session = '{session}'")) == 0:
-        assert time.monotonic() < deadline, "A's execute never started"
-        time.sleep(0.05)  # polls the store (another process) for A's in-flight record: A holds the lease
+    wait_until(lambda: in_flight(postgres, session) > 0, "A's execute never started")  # A holds the lease
     assert ok_text(b.execute(session, "x + 6")) == "47"
     holder.join(timeout=60)
     for gateway in (a, b):
