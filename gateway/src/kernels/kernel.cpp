@@ -330,7 +330,9 @@ void Kernel::probe_readiness() {
         report_launch_failure(GatewayMetrics::cause_start_timeout);
         finish_readiness("kernel did not answer kernel_info_request within " +
                          std::to_string(static_cast<int>(config_.kernel_launch_timeout)) + " s");
-        if (process_)
+        // Another gateway's kernel, attached from the store, is that gateway's to end (a slow answer here is
+        // no proof it is stuck): the manager lets it go instead.
+        if (process_ && !launch_.owned_elsewhere)
             process_->signal(SIGKILL);
         return;
     }

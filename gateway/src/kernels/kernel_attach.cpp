@@ -137,6 +137,7 @@ std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& recor
     launch.created = record.created;
     launch.last_iopub_id = record.last_iopub_id;
     launch.owned_elsewhere = !record.owner.empty() && record.owner != owner_;
+    const bool elsewhere = launch.owned_elsewhere;
     auto kernel = std::make_shared<Kernel>(io_, zmq_context_, logger_, config_, std::move(launch));
     kernel->set_tenant(record.tenant);
     std::erase_if(every_kernel_, [](const std::weak_ptr<Kernel>& known) { return known.expired(); });
@@ -147,11 +148,19 @@ std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& recor
     else
         adopt(kernel);
     std::weak_ptr<Kernel> weak = kernel;
-    kernel->adopt(record, [this, weak, id = record.id](std::optional<std::string> error) {
+    kernel->adopt(record, [this, weak, id = record.id, elsewhere](std::optional<std::string> error) {
         if (!error)
             return;
         auto failed = weak.lock();
         logger_.warn("kernel_readoption_failed", {{"kernel_id", id}, {"error", *error}});
+        if (elsewhere) {
+            // Another gateway's kernel: not this one's to end or forget (that gateway may be submitting its
+            // job again right now). Dropped here, its process untouched; the next request attaches what the
+            // store records then.
+            if (failed)
+                drop_unattached(failed);
+            return;
+        }
         lost_causes_[id] = *error;
         if (!failed)
             return;
@@ -208,10 +217,11 @@ std::shared_ptr<Kernel> KernelManager::attach_stored(const std::string& kernel_i
         let_go(held, "the kernel ended through another gateway");
     }
     // A warm-pool kernel belongs to its gateway's pool until that gateway hands it out. A Slurm job attached
-    // here is watched by this gateway too (its own squeue poll). It is ended here only by a delete, cull or
-    // restart through this gateway, or when it does not answer its adoption within kernel_launch_timeout (as
-    // a local kernel is); it is released at this gateway's exit (shutdown_all, detach_all), and after it
-    // ended it is submitted again by whichever gateway takes its restart lease (ask_store_about_restart).
+    // here is polled by whichever gateway holding it has its watch lease (provisioner.hpp). It is ended here
+    // only by a delete, cull or restart through this gateway; one that does not answer its attaching in time
+    // is dropped here untouched (drop_unattached); it is released at this gateway's exit (shutdown_all,
+    // detach_all), and after it ended it is submitted again by whichever gateway takes its restart lease
+    // (ask_store_about_restart).
     if (!record || record->pooled || !attachable(*record))
         return nullptr;
     auto spec = registry_.find(record->spec_name);
@@ -221,6 +231,15 @@ std::shared_ptr<Kernel> KernelManager::attach_stored(const std::string& kernel_i
     if (record->owner != owner_)
         attached_from_others_.insert(kernel_id);
     return attach_recorded(*record, *spec);
+}
+
+void KernelManager::drop_unattached(const std::shared_ptr<Kernel>& kernel) {
+    if (auto found = kernels_.find(kernel->id()); found != kernels_.end() && found->second == kernel)
+        kernels_.erase(found);
+    std::erase(pool_, kernel);
+    attached_from_others_.erase(kernel->id());
+    kernel->disown_files();
+    kernel->release();
 }
 
 void KernelManager::let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason) {

@@ -88,7 +88,8 @@ KernelManager::KernelManager(boost::asio::io_context& io, const Logger& logger, 
       housekeeping_sweep_(io) {
     templates_ = std::make_shared<TemplateServices>(io, logger, template_service_grace);
     provisioners_["local"] = make_local_provisioner(io, templates_);
-    provisioners_["slurm"] = make_slurm_provisioner(io, zmq_context_, logger, config);
+    provisioners_["slurm"] =
+        make_slurm_provisioner(io, zmq_context_, logger, config, make_job_watch_leases(writer, logger));
     std::array<char, 256> host{};
     if (::gethostname(host.data(), host.size() - 1) != 0)
         host = {};

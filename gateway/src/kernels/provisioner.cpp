@@ -333,8 +333,13 @@ struct JobState {
 class SlurmProvisioner final : public Provisioner, public std::enable_shared_from_this<SlurmProvisioner> {
   public:
     SlurmProvisioner(boost::asio::io_context& io, zmq::context_t& zmq_context, const Logger& logger,
-                     const GatewayConfig& config)
-        : io_(io), zmq_context_(zmq_context), logger_(logger), config_(config), poll_timer_(io) {}
+                     const GatewayConfig& config, std::shared_ptr<JobWatchLeases> watch_leases)
+        : io_(io),
+          zmq_context_(zmq_context),
+          logger_(logger),
+          config_(config),
+          watch_leases_(std::move(watch_leases)),
+          poll_timer_(io) {}
 
     std::string_view name() const override { return "slurm"; }
     bool reports_connection() const override { return true; }
@@ -355,7 +360,12 @@ class SlurmProvisioner final : public Provisioner, public std::enable_shared_fro
         if (commands_)
             commands_->wait_all(timeout);
     }
-    void unwatch(const std::string& job_id) { watched_.erase(job_id); }
+    void unwatch(const std::string& job_id) {
+        if (auto found = watched_.find(job_id); found != watched_.end()) {
+            stop_watching(found->first, found->second.kernel_id);
+            watched_.erase(found);
+        }
+    }
     void forget_token(const std::string& token) {
         if (registry_)
             registry_->forget(token);
@@ -372,9 +382,20 @@ class SlurmProvisioner final : public Provisioner, public std::enable_shared_fro
                 std::make_unique<LaunchRegistry>(io_, zmq_context_, logger_, config_.launch_registry_ip);
     }
     void submitted(const std::shared_ptr<JobState>& job, bool succeeded, const std::string& output);
+    void watch(const std::shared_ptr<JobState>& job);
     void schedule_poll();
     void poll();
+    void took_watch_leases(const std::vector<WatchedJob>& taken);
+    void poll_watching();
+    void stop_watching(const std::string& job_id, const std::string& kernel_id);
     void apply_poll(const std::string& output, const std::vector<std::string>& asked);
+
+    // A job this gateway holds: polled while `leased` (its watch lease is this gateway's).
+    struct Watched {
+        std::weak_ptr<JobState> job;
+        std::string kernel_id;
+        bool leased = false;
+    };
 
     boost::asio::io_context& io_;
     zmq::context_t& zmq_context_;
@@ -382,7 +403,8 @@ class SlurmProvisioner final : public Provisioner, public std::enable_shared_fro
     const GatewayConfig& config_;
     std::shared_ptr<SlurmCommands> commands_;
     std::unique_ptr<LaunchRegistry> registry_;
-    std::map<std::string, std::weak_ptr<JobState>> watched_;  // by job id
+    std::shared_ptr<JobWatchLeases> watch_leases_;
+    std::map<std::string, Watched> watched_;  // by job id
     boost::asio::steady_timer poll_timer_;
     bool polling_ = false;
 };
@@ -553,8 +575,7 @@ std::unique_ptr<KernelInstance> SlurmProvisioner::adopt(const json& record, cons
         throw std::runtime_error("the record has no Slurm job id");
     job->host = record.value("host", std::string());
     job->state = "RUNNING";  // until the first poll says otherwise
-    watched_[job->job_id] = job;
-    schedule_poll();
+    watch(job);
     logger_.info("kernel_job_adopting", {{"kernel_id", kernel_id}, {"job_id", job->job_id}});
     return std::make_unique<SlurmJob>(shared_from_this(), job);
 }
@@ -581,7 +602,13 @@ void SlurmProvisioner::submitted(const std::shared_ptr<JobState>& job, bool succ
             commands_->run({"scancel", job->job_id}, nullptr);
         return;
     }
-    watched_[job->job_id] = job;
+    watch(job);
+}
+
+void SlurmProvisioner::watch(const std::shared_ptr<JobState>& job) {
+    auto& watched = watched_[job->job_id];
+    watched.job = job;
+    watched.kernel_id = job->kernel_id;
     schedule_poll();
 }
 
@@ -600,21 +627,67 @@ void SlurmProvisioner::schedule_poll() {
 }
 
 void SlurmProvisioner::poll() {
-    std::erase_if(watched_, [](const auto& entry) {
-        auto job = entry.second.lock();
-        return !job || job->ended || job->released;
-    });
+    for (auto entry = watched_.begin(); entry != watched_.end();) {
+        auto job = entry->second.job.lock();
+        if (job && !job->ended && !job->released) {
+            ++entry;
+            continue;
+        }
+        stop_watching(entry->first, entry->second.kernel_id);
+        entry = watched_.erase(entry);
+    }
     if (watched_.empty()) {
         polling_ = false;
         return;
     }
-    // One squeue for every watched job (not one per kernel): the controller's load grows with the interval,
-    // not with the number of kernels. `-t all` keeps ended jobs visible for MinJobAge.
+    // The jobs another gateway watches: this one polls them only once their lease is its own.
+    std::vector<WatchedJob> unleased;
+    for (const auto& [job_id, watched] : watched_)
+        if (!watched.leased)
+            unleased.push_back({watched.kernel_id, job_id});
+    if (unleased.empty())
+        return poll_watching();
+    watch_leases_->take(std::move(unleased), [weak = weak_from_this()](const std::vector<WatchedJob>& taken) {
+        if (auto self = weak.lock()) {
+            self->took_watch_leases(taken);
+            self->poll_watching();
+        }
+    });
+}
+
+void SlurmProvisioner::took_watch_leases(const std::vector<WatchedJob>& taken) {
+    for (const WatchedJob& job : taken) {
+        auto found = watched_.find(job.job_id);
+        if (found == watched_.end()) {  // let go while its lease was being taken
+            watch_leases_->release(job);
+            continue;
+        }
+        found->second.leased = true;
+        logger_.debug("kernel_job_watching", {{"kernel_id", job.kernel_id}, {"job_id", job.job_id}});
+    }
+}
+
+void SlurmProvisioner::stop_watching(const std::string& job_id, const std::string& kernel_id) {
+    if (auto found = watched_.find(job_id); found != watched_.end() && found->second.leased) {
+        found->second.leased = false;
+        watch_leases_->release({kernel_id, job_id});
+    }
+}
+
+void SlurmProvisioner::poll_watching() {
+    // One squeue for every job this gateway watches (not one per kernel): the controller's load grows with
+    // the interval, not with the number of kernels or of gateways. `-t all` keeps ended jobs visible for
+    // MinJobAge.
     std::vector<std::string> asked;
     std::string ids;
-    for (const auto& [job_id, job] : watched_) {
-        asked.push_back(job_id);
-        ids += (ids.empty() ? "" : ",") + job_id;
+    for (const auto& [job_id, watched] : watched_)
+        if (watched.leased) {
+            asked.push_back(job_id);
+            ids += (ids.empty() ? "" : ",") + job_id;
+        }
+    if (asked.empty()) {
+        polling_ = false;
+        return schedule_poll();
     }
     commands_->run({"squeue", "-h", "-t", "all", "-o", "%i|%T|%r|%B", "-j", ids},
                    [weak = weak_from_this(), asked](bool, const std::string& output) {
@@ -646,7 +719,7 @@ void SlurmProvisioner::apply_poll(const std::string& output, const std::vector<s
         auto watched = watched_.find(job_id);
         if (watched == watched_.end())
             continue;
-        auto job = watched->second.lock();
+        auto job = watched->second.job.lock();
         if (!job || job->ended)
             continue;
         auto found = seen.find(job_id);
@@ -685,8 +758,9 @@ std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io,
 }
 
 std::shared_ptr<Provisioner> make_slurm_provisioner(boost::asio::io_context& io, zmq::context_t& zmq_context,
-                                                    const Logger& logger, const GatewayConfig& config) {
-    return std::make_shared<SlurmProvisioner>(io, zmq_context, logger, config);
+                                                    const Logger& logger, const GatewayConfig& config,
+                                                    std::shared_ptr<JobWatchLeases> watch_leases) {
+    return std::make_shared<SlurmProvisioner>(io, zmq_context, logger, config, std::move(watch_leases));
 }
 
 }  // namespace cellblock::gateway

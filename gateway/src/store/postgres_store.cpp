@@ -10,6 +10,7 @@
 #include <random>
 #include <regex>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "cellblock/gateway/common/time_format.hpp"
@@ -97,6 +98,19 @@ class Result {
     std::unique_ptr<PGresult, ResultClearer> result_;
 };
 
+// The server chose this call as a deadlock's (or a serialization failure's) victim: the statement was rolled
+// back, and the same call may succeed once the other transaction is done. In a batch it ends the whole
+// transaction (write_batch), which StoreWriter applies again as after a dropped connection.
+class StoreConflict final : public StoreUnavailable {
+  public:
+    using StoreUnavailable::StoreUnavailable;
+};
+
+bool is_conflict(const PGresult* result) {
+    const char* state = result ? PQresultErrorField(result, PG_DIAG_SQLSTATE) : nullptr;
+    return state && (std::string_view(state) == "40P01" || std::string_view(state) == "40001");
+}
+
 Result run(PGconn* connection, const std::string& sql, const std::vector<std::string>& parameters = {}) {
     std::vector<const char*> values;
     values.reserve(parameters.size());
@@ -117,6 +131,8 @@ Result run(PGconn* connection, const std::string& sql, const std::vector<std::st
         // A connection that broke under the call (server restarted, network gone): nothing was applied.
         if (PQstatus(connection) == CONNECTION_BAD)
             throw StoreUnavailable("store: " + message);
+        if (is_conflict(raw))
+            throw StoreConflict("store: " + message);
         throw StoreError("store: " + message);
     }
     return result;
@@ -204,11 +220,12 @@ class PostgresStore final : public SessionStore {
         });
     }
     void remove_kernel(const std::string& kernel_id) override {
-        // Its restart lease's row goes with it (nothing is fenced by a kernel's restart lease, and the id is
-        // never used again): the leases table does not grow with every kernel ever started.
+        // Its restart lease's row and its jobs' watch leases' rows go with it (nothing is fenced by them, and
+        // the id is never used again): the leases table does not grow with every kernel ever started.
         with_connection([&](PGconn* c) {
             run(c,
-                "WITH lease_gone AS (DELETE FROM leases WHERE name = 'kernel-restart:' || $1) "
+                "WITH lease_gone AS (DELETE FROM leases WHERE name = 'kernel-restart:' || $1 "
+                "OR starts_with(name, 'slurm-watch:' || $1 || ':')) "
                 "DELETE FROM kernels WHERE id = $1",
                 {kernel_id});
         });
@@ -367,6 +384,14 @@ class PostgresStore final : public SessionStore {
             try {
                 write(*this);
                 run(connection, "RELEASE one_write");
+            } catch (const StoreConflict&) {
+                // The whole transaction, not back to the savepoint alone: the batch's earlier writes would
+                // keep their locks, the other transaction would go on waiting for them, and each later write
+                // of this batch on the other's rows would deadlock again (one deadlock_timeout, 1 s, each)
+                // and be dropped. Two gateways flushing the same kernels' progress in another order, queued
+                // up while the store stalled, lost over a minute so (tests/agent/test_store_outage.py).
+                PQclear(PQexec(connection, "ROLLBACK"));
+                throw;
             } catch (const std::exception& error) {
                 try {
                     run(connection, "ROLLBACK TO one_write");

@@ -12,12 +12,19 @@
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "cellblock/gateway/kernels/state_directory.hpp"
 #include "cellblock/gateway/observability/log.hpp"
@@ -272,15 +279,17 @@ TEST(PostgresStore, ALeaseHasOneHolderAcrossGatewaysAndEndsWithTheHoldersConnect
     EXPECT_EQ(gateway_a->cells("s").size(), 1u);
 }
 
-// A lease's row counts its takings (the token starts at 1); it goes with the kernel or purged session it is
-// for, so the leases table does not grow with every kernel and session ever made.
+// A lease's row counts its takings (the token starts at 1); it goes with the kernel (its restart lease, its
+// Slurm jobs' watch leases) or purged session it is for, so the leases table does not grow with every kernel
+// and session ever made.
 TEST(PostgresStore, ALeasesRowGoesWithItsKernelOrPurgedSession) {
     cellblock::test::TemporaryPostgres server;
     auto store = open_postgres_store(server.url());
     store->put_kernel(sample_kernel("k1"));
     store->put_agent_session(
         {{"id", "s1"}, {"name", "s1"}, {"deleted", true}, {"deleted_at", "2026-11-01T00:00:00Z"}});
-    for (const std::string lease : {"kernel-restart:k1", "agent-session:s1"}) {
+    for (const std::string lease :
+         {"kernel-restart:k1", "agent-session:s1", "slurm-watch:k1:101", "slurm-watch:k10:102"}) {
         ASSERT_EQ(store->try_lease(lease), 1) << lease;
         store->release_lease(lease);
         ASSERT_EQ(store->try_lease(lease), 2) << lease;
@@ -289,6 +298,8 @@ TEST(PostgresStore, ALeasesRowGoesWithItsKernelOrPurgedSession) {
     store->remove_kernel("k1");
     EXPECT_EQ(store->purge_deleted_agent_sessions("2026-12-01T00:00:00.000000Z"), 1u);
     EXPECT_EQ(store->try_lease("kernel-restart:k1"), 1) << "the restart lease's row outlived its kernel";
+    EXPECT_EQ(store->try_lease("slurm-watch:k1:101"), 1) << "a job's watch lease's row outlived its kernel";
+    EXPECT_EQ(store->try_lease("slurm-watch:k10:102"), 3) << "another kernel's watch lease's row went too";
     EXPECT_EQ(store->try_lease("agent-session:s1"), 1)
         << "the execute lease's row outlived its purged session";
 }
@@ -344,6 +355,65 @@ TEST(PostgresStore, EachTakingOfALeaseHasALargerTokenAndWritesUnderAnOlderOneAre
     ASSERT_TRUE(one && two);
     EXPECT_GT(*two, *one);
     EXPECT_TRUE(embedded->append_cell_fenced("s1", {{"n", 1}}, {"x", *one}));
+}
+
+// Two gateways' batches that update the same rows in another order deadlock. The server's victim gives up its
+// whole batch, and its locks with it, for StoreWriter to apply again (StoreUnavailable); rolled back to the
+// failed write's savepoint alone, it would go on holding them, and each later write of it on the other's rows
+// would be a deadlock again (one deadlock_timeout, 1 s, each) and be dropped.
+TEST(PostgresStore, ABatchChosenAsADeadlocksVictimIsRolledBackWholeToBeAppliedAgain) {
+    cellblock::test::TemporaryPostgres server;
+    auto gateway_a = open_postgres_store(server.url());
+    auto gateway_b = open_postgres_store(server.url());
+    gateway_a->put_kernel(sample_kernel("k1"));
+    gateway_a->put_kernel(sample_kernel("k2"));
+    // Each batch updates one kernel's row, waits until the other batch has updated the other kernel's, then
+    // updates that one five times (as the gateways' 200 ms progress flushes do): the first of these
+    // deadlocks.
+    std::mutex mutex;
+    std::condition_variable changed;
+    int first_rows_updated = 0;
+    using Writes = std::vector<std::function<void(SessionStore&)>>;
+    auto batch = [&](const std::string& first, const std::string& then, const std::string& by) {
+        Writes writes{[&, first, by](SessionStore& s) {
+            s.set_kernel_progress(first, by);
+            std::unique_lock lock(mutex);
+            ++first_rows_updated;
+            changed.notify_all();
+            changed.wait_for(lock, std::chrono::seconds(10), [&] { return first_rows_updated >= 2; });
+        }};
+        for (int n = 0; n < 5; ++n)
+            writes.emplace_back(
+                [then, by, n](SessionStore& s) { s.set_kernel_progress(then, by + std::to_string(n)); });
+        return writes;
+    };
+    struct Outcome {
+        bool to_apply_again = false;
+        int dropped_writes = 0;
+    };
+    auto apply = [](SessionStore& store, const Writes& writes, Outcome& outcome) {
+        try {
+            store.write_batch(writes, [&](const std::exception&) { ++outcome.dropped_writes; });
+        } catch (const StoreUnavailable&) {
+            outcome.to_apply_again = true;
+        }
+    };
+    const Writes batch_a = batch("k1", "k2", "a"), batch_b = batch("k2", "k1", "b");
+    Outcome a, b;
+    std::thread thread_a([&] { apply(*gateway_a, batch_a, a); });
+    apply(*gateway_b, batch_b, b);
+    thread_a.join();
+    EXPECT_EQ(a.dropped_writes + b.dropped_writes, 0) << "writes of the deadlock's victim were dropped";
+    ASSERT_NE(a.to_apply_again, b.to_apply_again) << "the deadlock's victim is to be applied again, alone";
+    // Applied again, as StoreWriter does, the victim's batch goes through whole, after the other one.
+    const bool victim_a = a.to_apply_again;
+    Outcome again;
+    apply(victim_a ? *gateway_a : *gateway_b, victim_a ? batch_a : batch_b, again);
+    EXPECT_FALSE(again.to_apply_again);
+    EXPECT_EQ(again.dropped_writes, 0);
+    const std::string victim = victim_a ? "a" : "b";
+    EXPECT_EQ(gateway_a->kernel(victim_a ? "k1" : "k2")->last_iopub_id, victim);
+    EXPECT_EQ(gateway_a->kernel(victim_a ? "k2" : "k1")->last_iopub_id, victim + "4");
 }
 
 TEST(PostgresStore, AReleaseOfALeaseIsHeardOnTheListeningConnectionWithoutWaiting) {

@@ -170,6 +170,8 @@ class KernelManager {
     // removing its files (sockets, workspace): its clients here are disconnected and reconnect to what the
     // store records.
     void let_go(const std::shared_ptr<Kernel>& kernel, const std::string& reason);
+    // Drops another gateway's kernel whose attaching failed: its process (or job) and its record untouched.
+    void drop_unattached(const std::shared_ptr<Kernel>& kernel);
     // Every 200 ms: progress to the store (so that a crash replays little twice), activity shared for
     // culling, leases renewed well within their term.
     void housekeeping();

@@ -14,7 +14,10 @@
 //          the gateway's launch registry over CurveZMQ (kernel/README.md). The gateway then connects as a
 //          Curve client. The store records the job (id, node, ports, Curve key; Kernel::record), so the next
 //          gateway on the state directory re-adopts it and, on a shared store, any other gateway attaches it
-//          (KernelManager::attach_stored): then each gateway holding the job polls squeue for it. A handle
+//          (KernelManager::attach_stored). Of the gateways holding a job, one polls squeue for it: the one
+//          holding its watch lease (JobWatchLeases below); the others try to take the lease once per poll
+//          interval, so they see the job's end once its watcher lets the lease go (it stopped watching: the
+//          job ended or was released) or dies (its store connection, and with it the lease, ends). A handle
 //          cancels its job when destroyed unless the job ended or the handle was released: a gateway releases
 //          the jobs it attached at its exit, and ends one only on a delete, cull or restart through it.
 #include <boost/asio/io_context.hpp>
@@ -100,6 +103,26 @@ class Provisioner {
     }
 };
 
+// A Slurm job as its watch lease names it.
+struct WatchedJob {
+    std::string kernel_id;
+    std::string job_id;
+};
+
+// Which of the gateways sharing a store polls squeue for a job: the holder of the store lease
+// slurm-watch:<kernel id>:<job id> (its row goes with the kernel's record). On an embedded store this gateway
+// is the only one and holds them all. io_context thread only.
+class JobWatchLeases {
+  public:
+    virtual ~JobWatchLeases() = default;
+    // Tries to take the leases of `jobs` (none of them held already); `then` gets, on the io_context, the
+    // jobs whose lease this gateway now holds (none when the store did not answer in time).
+    virtual void take(std::vector<WatchedJob> jobs, std::function<void(std::vector<WatchedJob>)> then) = 0;
+    virtual void release(const WatchedJob& job) = 0;
+};
+class StoreWriter;
+std::shared_ptr<JobWatchLeases> make_job_watch_leases(StoreWriter& writer, const Logger& logger);
+
 class TemplateServices;
 // Local kernels hold their zygote tenant's template service (template_services.hpp) while they run.
 std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io,
@@ -108,7 +131,8 @@ std::shared_ptr<Provisioner> make_local_provisioner(boost::asio::io_context& io,
 // gone.
 std::unique_ptr<KernelInstance> adopt_local_process(boost::asio::io_context& io, pid_t pid);
 std::shared_ptr<Provisioner> make_slurm_provisioner(boost::asio::io_context& io, zmq::context_t& zmq_context,
-                                                    const Logger& logger, const GatewayConfig& config);
+                                                    const Logger& logger, const GatewayConfig& config,
+                                                    std::shared_ptr<JobWatchLeases> watch_leases);
 
 // The names `--provisioner` and metadata.cellblock.provisioner accept.
 bool known_provisioner(std::string_view name);
