@@ -619,3 +619,104 @@ def test_gateways_on_one_postgresql_store_serve_one_slurm_job_until_it_is_delete
         if kernel_id:
             subprocess.run(["scancel", "--name", f"cellblock-{kernel_id}"], env=slurm_cluster.environment, timeout=20)
         postgres.stop()
+
+
+def squeue_spy(directory, real_squeue):
+    """A PATH directory whose `squeue` appends its argv (one line) to directory/calls, then execs the real one. The
+    gateway starts squeue through PATH (posix_spawnp in kernel_process.cpp, from SlurmCommands in provisioner.cpp),
+    so with the directory first on a gateway's PATH the file lists every squeue that gateway ran."""
+    directory.mkdir()
+    calls = directory / "calls"
+    calls.touch()
+    spy = directory / "squeue"
+    spy.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> '{calls}'\nexec '{real_squeue}' \"$@\"\n")
+    spy.chmod(0o755)
+    return calls
+
+
+def squeue_calls_naming(calls, job_id):
+    """How many of the logged squeue calls ask for `job_id` (-j ID,ID,...); a line still being written is not one."""
+    text = calls.read_text()
+    count = 0
+    for line in text[:text.rfind("\n") + 1].splitlines():
+        words = line.split()
+        if "-j" in words[:-1] and job_id in words[words.index("-j") + 1].split(","):
+            count += 1
+    return count
+
+
+def test_on_one_postgresql_store_one_gateway_polls_a_slurm_job_and_another_takes_over_when_it_dies(slurm_cluster,
+                                                                                                   tmp_path):
+    """Two gateways on one store hold the same Slurm job (A submitted it, B serves its session too), but only the
+    holder of its store lease slurm-watch:<kernel>:<job> polls it: over several poll intervals exactly one gateway's
+    squeue calls name the job. kill -9 of that gateway ends its lease with its database connection; the other
+    then polls the job within a few poll intervals and still serves the session. Host-side proof: each gateway
+    has its own `squeue` first on PATH that logs its calls (squeue_spy)."""
+    poll_interval = 0.5
+    window_calls = 10  # polls of the job seen by both gateways together: several intervals of one poller
+    postgres = Postgres()
+    gateways, kernel_id = {}, None
+    calls = {}
+
+    def start(name):
+        calls[name] = squeue_spy(tmp_path / f"path-{name}", slurm_cluster.binaries["squeue"])
+        environment = slurm_cluster.environment
+        environment["PATH"] = f"{calls[name].parent}{os.pathsep}{environment.get('PATH', os.defpath)}"
+        environment["CELLBLOCK_GATEWAY_SLURM_POLL_INTERVAL"] = str(poll_interval)
+        gateways[name] = Gateway("--provisioner", "slurm", "--store", postgres.url, "--store-key-file",
+                                 str(postgres.key_file), "--log-level", "info", warm_pool=0, env=environment,
+                                 state_dir=tmp_path / f"state-{name}", keep_kernels=True)
+        return gateways[name]
+
+    def polls(job_id):
+        return {name: squeue_calls_naming(log, job_id) for name, log in calls.items()}
+
+    def kept_through(gateway):
+        answer = gateway.post("/agent/v1/sessions/shared/execute", json={"code": "print(kept)"}).json()
+        assert answer["status"] == "ok" and answer["stdout"] == "42\n", answer
+        assert not answer.get("state_lost"), answer
+
+    try:
+        a, b = start("a"), start("b")
+        created = a.post("/agent/v1/sessions", json={"name": "shared"})
+        assert created.status_code == 201, created.text
+        assert a.post("/agent/v1/sessions/shared/execute", json={"code": "kept = 6 * 7"}).json()["status"] == "ok"
+        kernel_id = a.get("/agent/v1/sessions/shared").json()["kernel_id"]
+        (job_id,) = live_jobs(slurm_cluster, kernel_id)
+        kept_through(b)
+        assert jobs_named(slurm_cluster, kernel_id) == {job_id: "RUNNING"}, "B must attach A's job, not submit one"
+        assert b.get(f"/api/kernels/{kernel_id}").json()["provisioner"]["job_id"] == job_id
+
+        # Both hold the job now. A window of `window_calls` polls of it (whoever made them): one gateway made all.
+        before = polls(job_id)
+        wait_for(lambda: sum(polls(job_id).values()) >= sum(before.values()) + window_calls,
+                 window_calls * poll_interval + 30, f"{window_calls} squeue calls naming job {job_id}")
+        grown = {name: count - before[name] for name, count in polls(job_id).items()}
+        print(f"squeue calls naming job {job_id} per gateway over the window: {grown}")
+        pollers = [name for name, count in grown.items() if count]
+        assert len(pollers) == 1, f"squeue calls naming job {job_id} per gateway over the window: {grown}"
+        (watcher,) = pollers
+        survivor = "b" if watcher == "a" else "a"
+
+        # kill -9 of the polling gateway: its lease goes with its connection, the other gateway takes it over.
+        before = polls(job_id)
+        gateways[watcher].stop(signal.SIGKILL)
+        assert gateways[watcher].process.returncode == -signal.SIGKILL
+        killed = time.monotonic()
+        wait_for(lambda: polls(job_id)[survivor] >= before[survivor] + 2, 30,
+                 f"gateway {survivor} to poll job {job_id} after kill -9 of {watcher}")
+        took_over = time.monotonic() - killed
+        print(f"gateway {survivor} polled job {job_id} twice {took_over:.2f} s after kill -9 of {watcher}")
+        # Its next lease try (one a poll interval) gets the lease, the poll after it and one more name the job.
+        assert took_over < 10 * poll_interval, f"{survivor} took {took_over:.2f} s to poll job {job_id}"
+        kept_through(gateways[survivor])
+        assert jobs_named(slurm_cluster, kernel_id) == {job_id: "RUNNING"}
+
+        assert gateways[survivor].delete("/agent/v1/sessions/shared").status_code in (200, 204)
+        wait_for(lambda: not live_jobs(slurm_cluster, kernel_id), 30, "the deleted session's job to leave squeue")
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        if kernel_id:
+            subprocess.run(["scancel", "--name", f"cellblock-{kernel_id}"], env=slurm_cluster.environment, timeout=20)
+        postgres.stop()
