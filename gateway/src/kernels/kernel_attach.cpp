@@ -153,10 +153,10 @@ std::shared_ptr<Kernel> KernelManager::attach_recorded(const KernelRecord& recor
             return;
         auto failed = weak.lock();
         logger_.warn("kernel_readoption_failed", {{"kernel_id", id}, {"error", *error}});
-        if (elsewhere) {
+        if (elsewhere && !shut_down_here_.contains(id)) {
             // Another gateway's kernel: not this one's to end or forget (that gateway may be submitting its
             // job again right now). Dropped here, its process untouched; the next request attaches what the
-            // store records then.
+            // store records then. One shut down here while attaching (a cull) is this gateway's to end.
             if (failed)
                 drop_unattached(failed);
             return;
