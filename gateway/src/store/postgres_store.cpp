@@ -462,13 +462,7 @@ class PostgresStore final : public SessionStore {
     bool shared() const override { return true; }
     std::optional<std::int64_t> try_lease(const std::string& name) override {
         std::optional<std::int64_t> token;
-        with_connection([&](PGconn* c) {
-            if (run(c, "SELECT pg_try_advisory_lock($1::integer, hashtext($2))",
-                    {std::to_string(lease_lock_class), name})
-                    .text(0, 0) != "t")
-                return;
-            token = next_lease_token(c, name, holder_);
-        });
+        with_connection([&](PGconn* c) { token = take_lease(c, name, holder_); });
         return token;
     }
     void release_lease(const std::string& name) override {
@@ -516,27 +510,29 @@ class PostgresStore final : public SessionStore {
         return value.dump(-1, ' ', false, json::error_handler_t::replace);
     }
 
-    // The token of a lease this connection has just locked: one more than the previous taking's. The row may
-    // be held by a fenced write of the previous holder's open batch (FOR SHARE): waited for at most 2 s, then
-    // the lease is let go again and the caller hears the error (the execute lease asks again).
-    static std::int64_t next_lease_token(PGconn* connection, const std::string& name,
-                                         const std::string& holder) {
+    // A lease is taken in one round trip (it is on every agent execute's path): the advisory lock, then, if
+    // this connection got it, the lease's next token, one more than the previous taking's. The row may be
+    // held by a fenced write of the previous holder's open batch (FOR SHARE): waited for at most 2 s
+    // (lock_timeout, set for this statement's own transaction before the row is reached), then the lock is
+    // let go again and the caller hears the error (the execute lease asks again). nullopt: another gateway
+    // holds the lock.
+    static std::optional<std::int64_t> take_lease(PGconn* connection, const std::string& name,
+                                                  const std::string& holder) {
         try {
-            run(connection, "BEGIN");
-            run(connection, "SET LOCAL lock_timeout = '2s'");
-            const std::int64_t token =
-                run(connection,
-                    "INSERT INTO leases (name, token, holder, held_since) VALUES ($1, 1, $2, 1) "
-                    "ON CONFLICT (name) DO UPDATE SET token = leases.token + 1, held_since = CASE WHEN "
-                    "leases.holder = excluded.holder THEN leases.held_since ELSE leases.token + 1 END, "
-                    "holder = excluded.holder, taken_at = now() RETURNING token",
-                    {name, holder})
-                    .integer(0, 0);
-            run(connection, "COMMIT");
-            return token;
+            const Result taken = run(
+                connection,
+                "WITH got AS (SELECT pg_try_advisory_lock($3::integer, hashtext($1)) AS locked, "
+                "set_config('lock_timeout', '2s', true)) "
+                "INSERT INTO leases (name, token, holder, held_since) SELECT $1, 1, $2, 1 FROM got WHERE "
+                "locked ON CONFLICT (name) DO UPDATE SET token = leases.token + 1, held_since = CASE WHEN "
+                "leases.holder = excluded.holder THEN leases.held_since ELSE leases.token + 1 END, "
+                "holder = excluded.holder, taken_at = now() RETURNING token",
+                {name, holder, std::to_string(lease_lock_class)});
+            if (taken.rows() == 0)
+                return std::nullopt;
+            return taken.integer(0, 0);
         } catch (const StoreError&) {
-            PQclear(PQexec(connection, "ROLLBACK"));
-            try {
+            try {  // the lock outlives the failed statement's transaction (it is the session's)
                 run(connection, "SELECT pg_advisory_unlock($1::integer, hashtext($2))",
                     {std::to_string(lease_lock_class), name});
             } catch (const StoreError&) {

@@ -304,6 +304,48 @@ TEST(PostgresStore, ALeasesRowGoesWithItsKernelOrPurgedSession) {
         << "the execute lease's row outlived its purged session";
 }
 
+// A taking that finds the lease's row held by the previous holder's open fenced batch waits at most 2 s
+// (lock_timeout), then says so and lets go of the advisory lock it got: a later taking by anyone succeeds.
+TEST(PostgresStore, ATakingBehindTheLastHoldersOpenBatchGivesUpAfterTwoSecondsAndLetsGo) {
+    cellblock::test::TemporaryPostgres server;
+    auto gateway_a = open_postgres_store(server.url());
+    auto gateway_b = open_postgres_store(server.url());
+    auto gateway_c = open_postgres_store(server.url());
+    const auto token = gateway_a->try_lease("agent-session:s1");
+    ASSERT_EQ(token, 1);
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool row_held = false, finish = false;
+    std::thread batch([&] {
+        gateway_a->write_batch(
+            {[&](SessionStore& s) {
+                EXPECT_TRUE(s.append_cell_fenced("s1", {{"n", 1}}, {"agent-session:s1", *token}));
+                std::unique_lock lock(mutex);
+                row_held = true;
+                changed.notify_all();
+                changed.wait_for(lock, std::chrono::seconds(20), [&] { return finish; });
+            }},
+            [](const std::exception&) { FAIL(); });
+    });
+    {
+        std::unique_lock lock(mutex);
+        ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(10), [&] { return row_held; }));
+    }
+    gateway_a->release_lease("agent-session:s1");
+    const auto asked = std::chrono::steady_clock::now();
+    EXPECT_ANY_THROW(gateway_b->try_lease("agent-session:s1"));
+    const auto waited = std::chrono::steady_clock::now() - asked;
+    EXPECT_GE(waited, std::chrono::milliseconds(1500));
+    EXPECT_LT(waited, std::chrono::seconds(8)) << "the taking waited past its lock_timeout";
+    {
+        std::lock_guard lock(mutex);
+        finish = true;
+    }
+    changed.notify_all();
+    batch.join();
+    EXPECT_EQ(gateway_c->try_lease("agent-session:s1"), 2) << "the failed taking kept the lease's lock";
+}
+
 TEST(PostgresStore, EachTakingOfALeaseHasALargerTokenAndWritesUnderAnOlderOneAreRefused) {
     cellblock::test::TemporaryPostgres server;
     auto gateway_a = open_postgres_store(server.url());
