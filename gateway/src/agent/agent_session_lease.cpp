@@ -19,10 +19,17 @@ constexpr std::chrono::milliseconds unheard_release_retry{500};
 // committed: another gateway's taking would fence them off. Queued behind this gateway's earlier lease calls
 // (one reader thread, in order): never overtakes the try_lease that took it. Leases are counted per
 // connection (PostgreSQL advisory locks), so every lease taken is released exactly once. `queued` is called
-// once the release is on the reader thread's queue: a taking asked after that runs after it.
+// once the release is on the reader thread's queue: a taking asked after that runs after it. A release
+// `withdrawn` before the writes are committed is not sent: the lease stays this gateway's.
 void release_lease_later(StoreWriter& writer, const std::string& lease,
-                         std::function<void()> queued = nullptr) {
-    writer.after_pending([&writer, lease, queued = std::move(queued)] {
+                         std::function<void()> queued = nullptr,
+                         std::shared_ptr<const bool> withdrawn = nullptr) {
+    writer.after_pending([&writer, lease, queued = std::move(queued), withdrawn = std::move(withdrawn)] {
+        if (withdrawn && *withdrawn) {
+            if (queued)
+                queued();
+            return;
+        }
         writer.read<bool>(
             [lease](SessionStore& store) {
                 store.release_lease(lease);
@@ -42,6 +49,8 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
     const auto now = std::chrono::steady_clock::now();
     if (now >= give_up)
         return then(std::string("the store did not answer within the execute's time limit"));
+    if (unsent_release_)
+        return keep_execute_lease(give_up, std::move(then));
     const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - now);
     std::weak_ptr<AgentSession> weak = weak_from_this();
     if (lease_releases_pending_ > 0)
@@ -90,6 +99,36 @@ void AgentSession::with_execute_lease(std::chrono::steady_clock::time_point give
         [&writer = services_.writer, lease](std::optional<std::int64_t> taken_late) {
             if (taken_late)
                 release_lease_later(writer, lease);
+        });
+}
+
+void AgentSession::keep_execute_lease(std::chrono::steady_clock::time_point give_up,
+                                      std::function<void(std::optional<std::string>)> then) {
+    // The previous execute's release still waits for its writes to commit. If this gateway's connection holds
+    // the lease still (one round trip, no commit waited for), the release is withdrawn and the lease kept
+    // with its token; else (the connection broke, or the release went out meanwhile) it is asked for as
+    // usual. Another gateway gets the lease once a release goes out with no next execute asking meanwhile.
+    std::weak_ptr<AgentSession> weak = weak_from_this();
+    const auto limit =
+        std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
+    services_.writer.read<bool>(
+        [lease = "agent-session:" + record_.id](SessionStore& store) { return store.holds_lease(lease); },
+        limit,
+        [weak, give_up, withdrawal = unsent_release_,
+         then = std::move(then)](StoreAnswer<bool> held) mutable {
+            auto self = weak.lock();
+            if (!self)
+                return;
+            if (held.ok() && *held.value && self->unsent_release_ == withdrawal &&
+                !self->holds_execute_lease_) {
+                *std::exchange(self->unsent_release_, nullptr) = true;
+                self->holds_execute_lease_ = true;
+                self->services_.logger.debug("execute_lease_kept", {{"session", self->id()}});
+                return then(std::nullopt);
+            }
+            if (self->unsent_release_ == withdrawal)
+                self->unsent_release_ = nullptr;  // not held: never withdrawn
+            self->with_execute_lease(give_up, std::move(then));
         });
 }
 
@@ -142,12 +181,19 @@ void AgentSession::release_execute_lease() {
     if (!std::exchange(holds_execute_lease_, false) || !services_.writer.shared())
         return;
     ++lease_releases_pending_;
-    release_lease_later(services_.writer, "agent-session:" + record_.id, [weak = weak_from_this()] {
-        if (auto self = weak.lock()) {
-            --self->lease_releases_pending_;
-            self->retry_execute_lease_now();
-        }
-    });
+    auto withdrawn = std::make_shared<bool>(false);
+    unsent_release_ = withdrawn;
+    release_lease_later(
+        services_.writer, "agent-session:" + record_.id,
+        [weak = weak_from_this(), withdrawn] {
+            if (auto self = weak.lock()) {
+                --self->lease_releases_pending_;
+                if (self->unsent_release_ == withdrawn)
+                    self->unsent_release_ = nullptr;  // sent: too late to withdraw
+                self->retry_execute_lease_now();
+            }
+        },
+        withdrawn);
 }
 
 void AgentSession::submit_under_execute_lease(FencedWrite write) {
@@ -177,8 +223,10 @@ void AgentSession::execute_lease_lost(std::int64_t token) {
                           {{"session", id()}, {"lease", "agent-session:" + record_.id}, {"token", token}});
     // Still believed held (the execute runs on): the next execute asks for the lease again. The unlock is
     // harmless when the store has let go of it already.
-    if (holds_execute_lease_ && execute_lease_token_ == token)
+    if (holds_execute_lease_ && execute_lease_token_ == token) {
         release_execute_lease();
+        unsent_release_ = nullptr;  // a lost lease is asked for again, never kept
+    }
 }
 
 std::chrono::steady_clock::time_point AgentSession::store_give_up(const Pending& pending) const {

@@ -471,6 +471,20 @@ class PostgresStore final : public SessionStore {
                 {std::to_string(lease_lock_class), name, lease_channel});
         });
     }
+    bool holds_lease(const std::string& name) override {
+        // Asked on the connection that takes leases: a connection that broke since (the lock went with it)
+        // fails here and is opened anew, holding nothing.
+        bool held = false;
+        with_connection([&](PGconn* c) {
+            held = run(c,
+                       "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = "
+                       "'advisory' AND granted AND classid = $1::integer::oid AND objid = "
+                       "((hashtext($2)::bigint + 4294967296) % 4294967296)::oid AND objsubid = 2)",
+                       {std::to_string(lease_lock_class), name})
+                       .text(0, 0) == "t";
+        });
+        return held;
+    }
     std::unique_ptr<LeaseReleases> listen_for_lease_releases() override {
         return std::make_unique<ReleasesHeard>(connect(url_));
     }

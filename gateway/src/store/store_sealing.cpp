@@ -232,6 +232,7 @@ class SealingStore final : public SessionStore {
         return inner_->try_lease(name);
     }
     void release_lease(const std::string& name) override { inner_->release_lease(name); }
+    bool holds_lease(const std::string& name) override { return inner_->holds_lease(name); }
     std::unique_ptr<LeaseReleases> listen_for_lease_releases() override {
         return inner_->listen_for_lease_releases();
     }

@@ -260,7 +260,11 @@ TEST(PostgresStore, ALeaseHasOneHolderAcrossGatewaysAndEndsWithTheHoldersConnect
     EXPECT_TRUE(gateway_a->try_lease("agent-session:s1"));
     EXPECT_FALSE(gateway_b->try_lease("agent-session:s1"));
     EXPECT_TRUE(gateway_b->try_lease("agent-session:s2"));
+    EXPECT_TRUE(gateway_a->holds_lease("agent-session:s1"));
+    EXPECT_FALSE(gateway_b->holds_lease("agent-session:s1"));
+    EXPECT_FALSE(gateway_a->holds_lease("agent-session:s2"));
     gateway_a->release_lease("agent-session:s1");
+    EXPECT_FALSE(gateway_a->holds_lease("agent-session:s1"));
     EXPECT_TRUE(gateway_b->try_lease("agent-session:s1"));
     EXPECT_FALSE(gateway_a->try_lease("agent-session:s1"));
     gateway_b.reset();  // the holder goes away (a killed gateway's connection ends the same way)

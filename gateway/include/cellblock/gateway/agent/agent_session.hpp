@@ -161,6 +161,8 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     void ask_for_execute_lease_again(bool answered, std::chrono::steady_clock::time_point give_up,
                                      std::chrono::steady_clock::duration patience,
                                      std::function<void(std::optional<std::string>)> then);
+    void keep_execute_lease(std::chrono::steady_clock::time_point give_up,
+                            std::function<void(std::optional<std::string>)> then);
     void wait_for_lease_release(std::chrono::steady_clock::time_point give_up,
                                 std::function<void(std::optional<std::string>)> then);
     void retry_execute_lease_now();
@@ -242,6 +244,10 @@ class AgentSession : public KernelClient, public std::enable_shared_from_this<Ag
     // taking waits for them: PostgreSQL counts a lease per connection, so a release that came after a taking
     // on a reconnected connection would undo that taking.
     int lease_releases_pending_ = 0;
+    // The newest of them while it can still be withdrawn (set to true: not sent, the lease kept by the next
+    // execute; keep_execute_lease). Null once it went out, after the lease was lost, or once the store said
+    // the lease is not held.
+    std::shared_ptr<bool> unsent_release_;
     std::chrono::steady_clock::time_point last_used_ = std::chrono::steady_clock::now();
     bool closed_ = false;
     std::string deleted_at_;  // ISO 8601, set by close(): when the store may purge the session (retention)

@@ -200,6 +200,9 @@ class SessionStore {
     // grants every lease.
     virtual std::optional<std::int64_t> try_lease(const std::string& name) = 0;
     virtual void release_lease(const std::string& name) = 0;
+    // Whether this gateway's store connection holds the lease now: taken and neither released nor lost with a
+    // connection that ended (a held lease has held it without a break since its taking).
+    virtual bool holds_lease(const std::string& name) = 0;
     // A new connection that hears every release_lease of the gateways on this store (this one's included);
     // nullptr where there is no one else to hear (an embedded store).
     virtual std::unique_ptr<LeaseReleases> listen_for_lease_releases() { return nullptr; }
