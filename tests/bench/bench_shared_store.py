@@ -169,7 +169,8 @@ def main() -> int:
             postgres.stop()
     print(markdown_table("Store cost per execute (`1+1`, one session, one gateway)", [
         Row("PostgreSQL store (local TCP)", postgres_latency, {"SQLite store in --state-dir": sqlite_latency},
-            note="writes go through the gateway's writer thread; the execute lease is one round trip each way"),
+            note="writes go through the gateway's writer thread; the next execute keeps the session's execute lease "
+                 "(one round trip)"),
     ]))
     print(markdown_table(f"`1+1` executes per second, {sessions} sessions (PostgreSQL store)", [
         Row("through A+B (alternating per request)", Stats(two), {"through one gateway": Stats(one)},
