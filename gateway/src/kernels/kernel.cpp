@@ -279,6 +279,7 @@ void Kernel::spawn() {
         id(), argv, launch_.environment, launch_.workspace_dir, output_file, launch_.runtime_dir};
     const std::uint64_t generation = ++launch_generation_;
     process_.reset();
+    process_adopted_ = false;
     process_ =
         launch_.provisioner->launch(instance, [weak = weak_from_this(), this_io = &io_, generation](
                                                   std::variant<ReportedConnection, std::string> result) {
@@ -331,8 +332,8 @@ void Kernel::probe_readiness() {
         finish_readiness("kernel did not answer kernel_info_request within " +
                          std::to_string(static_cast<int>(config_.kernel_launch_timeout)) + " s");
         // Another gateway's kernel, attached from the store, is that gateway's to end (a slow answer here is
-        // no proof it is stuck): the manager lets it go instead.
-        if (process_ && !launch_.owned_elsewhere)
+        // no proof it is stuck): the manager lets it go instead. A process spawned here is this gateway's.
+        if (process_ && !(launch_.owned_elsewhere && process_adopted_))
             process_->signal(SIGKILL);
         return;
     }
@@ -502,11 +503,7 @@ void Kernel::restart(ReadyHandler on_ready) {
     });
 }
 
-void Kernel::shutdown(const std::string& reason) {
-    if (!lifecycle_.shutdown())
-        return;
-    probe_timer_.cancel();
-    finish_readiness("kernel was shut down");
+void Kernel::disconnect_clients(const std::string& reason) {
     for (auto& [session_id, session] : sessions_) {
         if (auto client = session->client_.lock())
             client->disconnect(reason);
@@ -514,6 +511,14 @@ void Kernel::shutdown(const std::string& reason) {
     }
     sessions_.clear();
     connections_ = 0;
+}
+
+void Kernel::shutdown(const std::string& reason) {
+    if (!lifecycle_.shutdown())
+        return;
+    probe_timer_.cancel();
+    finish_readiness("kernel was shut down");
+    disconnect_clients(reason);
     if (!process_ || !process_->running()) {
         on_process_exit(InstanceExit{});  // stopping -> stopped: the clean-up the exit would have done
         return;

@@ -238,6 +238,7 @@ void KernelManager::drop_unattached(const std::shared_ptr<Kernel>& kernel) {
         kernels_.erase(found);
     std::erase(pool_, kernel);
     attached_from_others_.erase(kernel->id());
+    kernel->disconnect_clients("the kernel could not be attached through this gateway");
     kernel->disown_files();
     kernel->release();
 }

@@ -203,8 +203,10 @@ void KernelManager::forget(const std::string& kernel_id) {
 
 std::vector<std::shared_ptr<Kernel>> KernelManager::live_kernels() const {
     std::vector<std::shared_ptr<Kernel>> all;
+    // A released kernel's process is another gateway's (let go, or dropped while attaching): never stopped
+    // or recorded here again.
     for (const auto& known : every_kernel_)
-        if (auto kernel = known.lock())
+        if (auto kernel = known.lock(); kernel && kernel->phase() != KernelPhase::released)
             all.push_back(kernel);
     return all;
 }

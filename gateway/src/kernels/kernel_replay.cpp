@@ -74,6 +74,7 @@ void Kernel::adopt(const KernelRecord& record, ReadyHandler on_ready) {
     }
     if (!reports_connection())
         process_identity_ = process;
+    process_adopted_ = true;
     watch_process();
     replay_phase_ = ReplayPhase::pending;
     replay_after_id_ = last_iopub_id_;

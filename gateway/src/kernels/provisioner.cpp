@@ -360,8 +360,11 @@ class SlurmProvisioner final : public Provisioner, public std::enable_shared_fro
         if (commands_)
             commands_->wait_all(timeout);
     }
-    void unwatch(const std::string& job_id) {
-        if (auto found = watched_.find(job_id); found != watched_.end()) {
+    // Only `job`'s own entry: a handle released and then destroyed must not end the watch of the same job
+    // attached again meanwhile under a new handle.
+    void unwatch(const std::string& job_id, const JobState& job) {
+        if (auto found = watched_.find(job_id);
+            found != watched_.end() && found->second.job.lock().get() == &job) {
             stop_watching(found->first, found->second.kernel_id);
             watched_.erase(found);
         }
@@ -417,13 +420,13 @@ class SlurmJob final : public KernelInstance {
         if (!state_->released && !state_->ended)
             provisioner_->cancel(*state_);
         if (!state_->job_id.empty())
-            provisioner_->unwatch(state_->job_id);
+            provisioner_->unwatch(state_->job_id, *state_);
         provisioner_->forget_token(state_->token);
         state_->exit_handler = nullptr;
     }
     bool running() const override { return !state_->ended; }
     bool signal(int signal_number) override {
-        if (state_->ended)
+        if (state_->ended || state_->released)  // a released job is another gateway's
             return false;
         if (signal_number == SIGTERM || signal_number == SIGKILL) {
             provisioner_->cancel(*state_);
@@ -453,7 +456,7 @@ class SlurmJob final : public KernelInstance {
         state_->released = true;
         state_->exit_handler = nullptr;
         if (!state_->job_id.empty())
-            provisioner_->unwatch(state_->job_id);
+            provisioner_->unwatch(state_->job_id, *state_);
     }
     json describe() const override {
         return {{"name", "slurm"},

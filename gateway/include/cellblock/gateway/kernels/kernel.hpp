@@ -172,6 +172,8 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     void restart(ReadyHandler on_ready);
     // Asks the kernel to exit, then escalates to signals; clients are told `reason`.
     void shutdown(const std::string& reason);
+    // Disconnects every client with `reason`; the process is left alone.
+    void disconnect_clients(const std::string& reason);
     // Sends a stderr note on IOPub to every connected client (e.g. before a cull).
     void notify_clients(const std::string& text);
 
@@ -299,6 +301,7 @@ class Kernel : public std::enable_shared_from_this<Kernel> {
     std::function<void(const Kernel&, RestartDecision)> may_restart_;
     std::function<void(std::string_view)> launch_failed_handler_;
     std::optional<ProcessIdentity> process_identity_;
+    bool process_adopted_ = false;  // process_ was adopted (Kernel::adopt), not spawned here
     // The gateway's sockets to the kernel, its connection file (with the HMAC key), log, ipc endpoints and
     // workspace go when the process of a kernel that was shut down is gone, not when the last reference to
     // this object does: a WebSocket connection that lingers after its close frame holds the object for as
