@@ -119,8 +119,9 @@ void AgentSession::keep_execute_lease(std::chrono::steady_clock::time_point give
             auto self = weak.lock();
             if (!self)
                 return;
+            // A token known lost is never kept (its writes would all be refused).
             if (held.ok() && *held.value && self->unsent_release_ == withdrawal &&
-                !self->holds_execute_lease_) {
+                !self->holds_execute_lease_ && self->execute_lease_token_ > self->lost_lease_token_) {
                 *std::exchange(self->unsent_release_, nullptr) = true;
                 self->holds_execute_lease_ = true;
                 self->services_.logger.debug("execute_lease_kept", {{"session", self->id()}});
@@ -223,10 +224,10 @@ void AgentSession::execute_lease_lost(std::int64_t token) {
                           {{"session", id()}, {"lease", "agent-session:" + record_.id}, {"token", token}});
     // Still believed held (the execute runs on): the next execute asks for the lease again. The unlock is
     // harmless when the store has let go of it already.
-    if (holds_execute_lease_ && execute_lease_token_ == token) {
+    if (holds_execute_lease_ && execute_lease_token_ == token)
         release_execute_lease();
+    if (execute_lease_token_ == token)
         unsent_release_ = nullptr;  // a lost lease is asked for again, never kept
-    }
 }
 
 std::chrono::steady_clock::time_point AgentSession::store_give_up(const Pending& pending) const {
