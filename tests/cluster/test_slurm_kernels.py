@@ -535,6 +535,25 @@ def logged(gateway, event, kernel_id):
     return sum(1 for line in list(gateway.output) if f'"{event}"' in line and kernel_id in line)
 
 
+def kept_through(gateway):
+    """The agent session "shared" answers, through `gateway`, with the variable set through another one."""
+    answer = gateway.post("/agent/v1/sessions/shared/execute", json={"code": "print(kept)"}).json()
+    assert answer["status"] == "ok" and answer["stdout"] == "42\n", answer
+    assert not answer.get("state_lost"), answer
+
+
+def shared_session_through(a, b, cluster):
+    """Agent session "shared" created through A (kept = 42) and served through B by A's one job: (kernel, job)."""
+    created = a.post("/agent/v1/sessions", json={"name": "shared"})
+    assert created.status_code == 201, created.text
+    assert a.post("/agent/v1/sessions/shared/execute", json={"code": "kept = 6 * 7"}).json()["status"] == "ok"
+    kernel_id = a.get("/agent/v1/sessions/shared").json()["kernel_id"]
+    (job_id,) = live_jobs(cluster, kernel_id)
+    kept_through(b)
+    assert jobs_named(cluster, kernel_id) == {job_id: "RUNNING"}, "B must attach A's job, not submit one"
+    return kernel_id, job_id
+
+
 def test_gateways_on_one_postgresql_store_serve_one_slurm_job_until_it_is_deleted(slurm_cluster, tmp_path):
     """An agent session created through gateway A on Slurm is served through gateway B (same store, own state
     directory) by the same job with its variables, also after kill -9 of A. A third gateway that attached the job
@@ -550,22 +569,10 @@ def test_gateways_on_one_postgresql_store_serve_one_slurm_job_until_it_is_delete
                                 keep_kernels=keep_kernels))
         return gateways[-1]
 
-    def kept_through(gateway):
-        answer = gateway.post("/agent/v1/sessions/shared/execute", json={"code": "print(kept)"}).json()
-        assert answer["status"] == "ok" and answer["stdout"] == "42\n", answer
-        assert not answer.get("state_lost"), answer
-
     try:
         a, b = start("a"), start("b")
-        created = a.post("/agent/v1/sessions", json={"name": "shared"})
-        assert created.status_code == 201, created.text
-        assert a.post("/agent/v1/sessions/shared/execute", json={"code": "kept = 6 * 7"}).json()["status"] == "ok"
-        kernel_id = a.get("/agent/v1/sessions/shared").json()["kernel_id"]
-        (job_id,) = live_jobs(slurm_cluster, kernel_id)
-
-        kept_through(b)
+        kernel_id, job_id = shared_session_through(a, b, slurm_cluster)
         assert b.get("/agent/v1/sessions/shared").json()["kernel_id"] == kernel_id
-        assert jobs_named(slurm_cluster, kernel_id) == {job_id: "RUNNING"}, "B must attach A's job, not submit one"
         socket = b.connect(kernel_id)  # a notebook's WebSocket through B, to the same job
         try:
             assert outputs(socket.execute("kept + 1")) == "43"
@@ -671,20 +678,9 @@ def test_on_one_postgresql_store_one_gateway_polls_a_slurm_job_and_another_takes
     def polls(job_id):
         return {name: squeue_calls_naming(log, job_id) for name, log in calls.items()}
 
-    def kept_through(gateway):
-        answer = gateway.post("/agent/v1/sessions/shared/execute", json={"code": "print(kept)"}).json()
-        assert answer["status"] == "ok" and answer["stdout"] == "42\n", answer
-        assert not answer.get("state_lost"), answer
-
     try:
         a, b = start("a"), start("b")
-        created = a.post("/agent/v1/sessions", json={"name": "shared"})
-        assert created.status_code == 201, created.text
-        assert a.post("/agent/v1/sessions/shared/execute", json={"code": "kept = 6 * 7"}).json()["status"] == "ok"
-        kernel_id = a.get("/agent/v1/sessions/shared").json()["kernel_id"]
-        (job_id,) = live_jobs(slurm_cluster, kernel_id)
-        kept_through(b)
-        assert jobs_named(slurm_cluster, kernel_id) == {job_id: "RUNNING"}, "B must attach A's job, not submit one"
+        kernel_id, job_id = shared_session_through(a, b, slurm_cluster)
         assert b.get(f"/api/kernels/{kernel_id}").json()["provisioner"]["job_id"] == job_id
 
         # Both hold the job now. A window of `window_calls` polls of it (whoever made them): one gateway made all.
